@@ -1,0 +1,119 @@
+"""Reference attention math, and interception of a transformers model's attention.
+
+`intercept(model, handler)` routes every attention call of a transformers decoder through
+`handler(layer, q, k, v, opts)`. transformers calls the registered attention function after RoPE and
+any q/k norm and before the keys are repeated for GQA, so `k` and `v` are exactly what the KV cache
+holds: q (B, Hq, Tq, d), k and v (B, Hkv, Tk, d). This works for every model whose attention goes
+through `ALL_ATTENTION_FUNCTIONS` (Llama, Mistral, Qwen2/3, Gemma 1-3, Phi-3 and most others).
+
+Inputs are unpadded windows, so the mask is built here (causal, plus a sliding window when the
+layer has one) instead of read from the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SettingsError
+
+IMPLEMENTATION = "kvcalib"
+_HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("kvcalib_attention", default=None)
+_QUERY_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    scaling: float
+    softcap: float | None = None
+    sliding_window: int | None = None
+
+
+def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    handler = _HANDLER.get()
+    if handler is None:
+        raise RuntimeError("kvcalib attention called outside kvcalib.attention.intercept()")
+    if kwargs.get("s_aux") is not None:
+        raise SettingsError("models with attention sinks (s_aux) are not supported yet")
+    opts = AttentionOptions(
+        scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        softcap=kwargs.get("softcap"),
+        sliding_window=kwargs.get("sliding_window"),
+    )
+    out = handler(module.layer_idx, query, key, value, opts)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _dispatch)
+
+
+@contextlib.contextmanager
+def intercept(model, handler: Callable) -> Iterator[None]:
+    """Run `model` with every attention call going through `handler`."""
+    _register()
+    previous = model.config._attn_implementation
+    token = _HANDLER.set(handler)
+    model.set_attn_implementation(IMPLEMENTATION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+        _HANDLER.reset(token)
+
+
+def flushed_counts(num_queries: int, num_keys: int, block: int, device=None) -> torch.Tensor:
+    """How many tokens sit in compressed storage when each query attends.
+
+    The cache of n tokens holds floor(n / block) * block tokens compressed and the rest (0..block-1)
+    in the full-precision residual: a block is flushed as soon as it fills. Query i is token
+    num_keys - num_queries + i, so the cache holds n = that + 1 tokens when it attends.
+    """
+    n = torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device)
+    return n // block * block
+
+
+def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
+                    k_held: torch.Tensor | None = None, v_held: torch.Tensor | None = None,
+                    flushed: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention where key j is read from `k_held`/`v_held` when j < flushed[i], else from k/v.
+
+    q (B, Hq, Tq, d); k, v, k_held, v_held (B, Hkv, Tk, d); flushed (Tq,). Query i sits at absolute
+    position Tk - Tq + i. Computed in float32 in chunks of queries; returns (B, Hq, Tq, d).
+    With k_held None this is plain causal attention.
+    """
+    b, hq, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qf = q.float().reshape(b, hkv, g, tq, d)
+    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    if k_held is not None:
+        kh, vh = k_held.float().unsqueeze(2), v_held.float().unsqueeze(2)
+    j = torch.arange(tk, device=q.device)
+    out = torch.empty(b, hkv, g, tq, v.shape[-1], device=q.device, dtype=torch.float32)
+    for start in range(0, tq, _QUERY_CHUNK):
+        stop = min(start + _QUERY_CHUNK, tq)
+        pos = torch.arange(tk - tq + start, tk - tq + stop, device=q.device)
+        qc = qf[..., start:stop, :]
+        s = qc @ kf.transpose(-1, -2)
+        if k_held is not None:
+            held = j[None, :] < flushed[start:stop, None]
+            s = torch.where(held, qc @ kh.transpose(-1, -2), s)
+        s = s * opts.scaling
+        if opts.softcap:
+            s = opts.softcap * torch.tanh(s / opts.softcap)
+        visible = j[None, :] <= pos[:, None]
+        if opts.sliding_window:
+            visible &= j[None, :] > pos[:, None] - opts.sliding_window
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        if k_held is None:
+            out[..., start:stop, :] = p @ vf
+        else:
+            out[..., start:stop, :] = (p * held) @ vh + (p * ~held) @ vf
+    return out.reshape(b, hq, tq, -1)

@@ -1,0 +1,88 @@
+"""The `kvcalib` command. Each command parses its options and calls the library function of the
+same name; errors a user can cause come out as one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from .errors import KvcalibError
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_DATASET = "pydoc"
+
+
+def _common(fn):
+    fn = click.option("--seq-len", type=int, default=None, help="Tokens per window.")(fn)
+    fn = click.option("--num-samples", type=int, default=None, help="Number of windows.")(fn)
+    fn = click.option("--text-field", default="text", show_default=True, help="Field holding the text (json/parquet/hub).")(fn)
+    fn = click.option("--dataset", default=DEFAULT_DATASET, show_default=True,
+                      help="pydoc (embedded), a .txt/.jsonl/.json/.parquet file, or name[:config] on the hub.")(fn)
+    fn = click.option("--model", default=DEFAULT_MODEL, show_default=True,
+                      help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")(fn)
+    return fn
+
+
+def _given(**kwargs) -> dict:
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+@click.group()
+@click.version_option(package_name="kvcalib")
+@click.option("-v", "--verbose", is_flag=True, help="Log progress details.")
+def cli(verbose: bool) -> None:
+    """Calibrate, store and evaluate low-bit KV-cache compression for Hugging Face causal LMs."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+
+
+@cli.command("collect")
+@_common
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sub-sampling.")
+@click.option("--max-tokens", type=int, default=None, help="Cap on stored tokens per layer (seeded sub-sampling).")
+@click.option("--out", required=True, type=click.Path(), help="Output directory (resumes if it holds a partial run).")
+def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_tokens, out) -> None:
+    """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
+    from .collect import collect
+
+    path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
+                   **_given(num_samples=num_samples, seq_len=seq_len))
+    click.echo(f"activations written to {path}")
+
+
+@cli.command("eval")
+@_common
+@click.option("--method", required=True, help="fp16 or kivi.")
+@click.option("--bits", type=int, default=2, show_default=True)
+@click.option("--group-size", type=int, default=32, show_default=True)
+@click.option("--residual", type=int, default=128, show_default=True)
+@click.option("--artifacts", type=click.Path(), default=None, help="Calibrated artifact directory.")
+@click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, artifacts, json_path) -> None:
+    """Perplexity, effective bits and per-layer attention error of a compressed cache."""
+    from .evaluate import evaluate
+    from .report import result_table
+
+    result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
+                      group_size=group_size, residual=residual, artifacts=artifacts, json_path=json_path,
+                      **_given(num_samples=num_samples, seq_len=seq_len))
+    click.echo(result_table([result]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="kvcalib", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("kvcalib: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        click.echo(f"kvcalib: error: {err.format_message()}", err=True)
+        sys.exit(2)
+    except KvcalibError as err:
+        click.echo(f"kvcalib: error: {err}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

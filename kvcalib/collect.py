@@ -1,0 +1,190 @@
+"""`collect`: record the Q/K/V activations the KV cache really holds, per layer, as safetensors shards.
+
+Directory layout (all names fixed):
+
+| file                                  | content                                                  |
+|---------------------------------------|----------------------------------------------------------|
+| `plan.json`                           | the settings and model fingerprint; written first        |
+| `layer{i:03d}-chunk{c:04d}.safetensors` | `q` (S, Hq, m, d), `k`/`v` (S, Hkv, m, d) float16, `positions` (S, m) int32 |
+| `manifest.json`                       | plan + token counts + sha256 of every shard; written last |
+
+S is the number of samples in the chunk and m the number of token positions kept per sample (all
+`seq_len` of them unless `max_tokens` caps the tokens stored per layer; then each sample keeps the
+same seeded random subset of positions in every layer, in order). Samples run one at a time and a
+chunk is written as soon as it is done, so memory stays bounded by one chunk. Every shard is
+written under a temporary name and renamed, so a file with a shard name is always complete;
+re-running into the same directory with the same settings skips the chunks already written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from . import __version__
+from .atomic import atomic_path, ensure_writable_dir, write_json
+from .attention import AttentionOptions, intercept, mixed_attention
+from .data import DEFAULT_DATASET, token_windows
+from .errors import ArtifactError, SettingsError
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CollectConfig:
+    dataset: str = DEFAULT_DATASET
+    text_field: str = "text"
+    num_samples: int = 16
+    seq_len: int = 512
+    seed: int = 0
+    max_tokens: int | None = None  # per layer, over all samples
+    chunk_size: int = 8
+
+    def kept_per_sample(self) -> int:
+        if self.max_tokens is None:
+            return self.seq_len
+        return min(self.seq_len, math.ceil(self.max_tokens / self.num_samples))
+
+
+def shard_name(layer: int, chunk: int) -> str:
+    return f"layer{layer:03d}-chunk{chunk:04d}.safetensors"
+
+
+def _positions(config: CollectConfig, sample: int) -> torch.Tensor:
+    keep = config.kept_per_sample()
+    if keep == config.seq_len:
+        return torch.arange(config.seq_len)
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + sample)
+    return torch.randperm(config.seq_len, generator=gen)[:keep].sort().values
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
+            text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
+            max_tokens: int | None = None, chunk_size: int = 8) -> Path:
+    """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`."""
+    config = CollectConfig(dataset, text_field, num_samples, seq_len, seed, max_tokens, chunk_size)
+    if num_samples < 1 or chunk_size < 1 or (max_tokens is not None and max_tokens < 1):
+        raise SettingsError("--num-samples, --max-tokens and the chunk size must be positive")
+    out = ensure_writable_dir(out)
+    lm = load_model(model)
+    check_seq_len(lm.config, seq_len)
+    windows = token_windows(lm.tokenizer, dataset, "calibration", num_samples, seq_len, text_field)
+    shape = attention_shape(lm.config)
+    plan = {
+        "format_version": FORMAT_VERSION,
+        "kind": "activations",
+        "tool_version": __version__,
+        "model": lm.spec,
+        "model_fingerprint": fingerprint(lm.model),
+        "model_dtype": str(next(lm.model.parameters()).dtype).removeprefix("torch."),
+        "settings": asdict(config),
+        "tokens_per_layer": num_samples * config.kept_per_sample(),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    plan_path = out / "plan.json"
+    if plan_path.exists():
+        if json.loads(plan_path.read_text()) != plan:
+            raise SettingsError(f"{out} holds a collection made with other settings or another model; use a new --out")
+    else:
+        write_json(plan_path, plan)
+    for stale in out.glob(".tmp-*"):
+        stale.unlink()
+
+    num_chunks = math.ceil(num_samples / chunk_size)
+    todo = [c for c in range(num_chunks)
+            if not all((out / shard_name(i, c)).exists() for i in range(shape.num_layers))]
+    device = next(lm.model.parameters()).device
+    bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), desc="collect", unit="sample")
+    for chunk in todo:
+        samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
+        store: dict[int, dict[str, list[torch.Tensor]]] = {i: {"q": [], "k": [], "v": []} for i in range(shape.num_layers)}
+        positions = [_positions(config, s) for s in samples]
+        for s, pos in zip(samples, positions):
+            def record(layer: int, q, k, v, opts: AttentionOptions, pos=pos):
+                for name, x in (("q", q), ("k", k), ("v", v)):
+                    store[layer][name].append(x[0, :, pos.to(x.device), :].half().cpu())
+                return mixed_attention(q, k, v, opts)
+
+            with torch.no_grad(), intercept(lm.model, record):
+                lm.model(windows[s : s + 1].to(device), use_cache=False)
+            bar.update(1)
+        pos_tensor = torch.stack(positions).to(torch.int32)
+        for layer, tensors in store.items():
+            data = {name: torch.stack(xs).contiguous() for name, xs in tensors.items()}
+            data["positions"] = pos_tensor
+            with atomic_path(out / shard_name(layer, chunk)) as tmp:
+                save_file(data, str(tmp))
+    bar.close()
+
+    manifest = dict(plan)
+    manifest["num_chunks"] = num_chunks
+    manifest["shards"] = {
+        shard_name(i, c): _sha256(out / shard_name(i, c))
+        for i in range(shape.num_layers) for c in range(num_chunks)
+    }
+    write_json(out / "manifest.json", manifest)
+    return out
+
+
+class Activations:
+    """A finished collection: `layer(i)` returns {"q", "k", "v", "positions"} over all samples."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        path = self.directory / "manifest.json"
+        if not path.exists():
+            raise ArtifactError(
+                f"{self.directory} is not a finished activation collection (no manifest.json); "
+                "run `kvcalib collect` into it (it resumes)"
+            )
+        try:
+            self.manifest = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ArtifactError(f"{path} is corrupted: {err}") from err
+        if self.manifest.get("kind") != "activations" or self.manifest.get("format_version") != FORMAT_VERSION:
+            raise ArtifactError(f"{path} is not an activation manifest of format {FORMAT_VERSION}")
+
+    @property
+    def num_layers(self) -> int:
+        return self.manifest["model_fingerprint"]["num_layers"]
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.manifest["model_fingerprint"]
+
+    @property
+    def full_sequences(self) -> bool:
+        settings = self.manifest["settings"]
+        return settings["max_tokens"] is None or settings["max_tokens"] >= settings["num_samples"] * settings["seq_len"]
+
+    def layer(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.num_layers:
+            raise ArtifactError(f"layer {i} is not in {self.directory} ({self.num_layers} layers)")
+        parts = []
+        for c in range(self.manifest["num_chunks"]):
+            name = shard_name(i, c)
+            path = self.directory / name
+            try:
+                raw = path.read_bytes()
+            except OSError as err:
+                raise ArtifactError(f"activation shard {path} is missing: {err.strerror}") from err
+            if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][name]:
+                raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); collect again")
+            parts.append(load_safetensors(raw))
+        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

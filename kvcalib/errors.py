@@ -1,0 +1,21 @@
+"""Errors a user can cause. The CLI prints each as one line on stderr and exits with code 2."""
+
+
+class KvcalibError(Exception):
+    """Base class: the message says what went wrong and what to do about it."""
+
+
+class ModelLoadError(KvcalibError):
+    """The model could not be found or loaded."""
+
+
+class DatasetError(KvcalibError):
+    """The text source is missing, unreadable, empty or too short."""
+
+
+class ArtifactError(KvcalibError):
+    """An artifact or activation directory is missing, corrupted or made for another model."""
+
+
+class SettingsError(KvcalibError):
+    """Options that contradict each other or the model."""

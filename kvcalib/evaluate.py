@@ -1,0 +1,114 @@
+"""`eval`: perplexity and per-layer attention error with a compressed cache, at honest effective bits.
+
+Decode-exact perplexity. The cache of n tokens holds floor(n/R)*R tokens compressed and the rest in
+the float16 residual (`attention.flushed_counts`). When token t is predicted, the cache holds
+tokens 0..t, so every key/value older than the last flush boundary at or before t+1 is read exactly
+as the compressed cache stores it (compress, then decompress), and the newer ones in float16. One
+forward pass per window evaluates all positions at once, each query with its own boundary; a test
+checks this against token-by-token decoding.
+
+Effective bits per cached element = every stored bit of the cache after the whole window (codes,
+scales, zero points, norms, correction states, the float16 residual) summed over layers and windows,
+plus the method's shared tensors (codebooks, adapters) once, divided by the number of cached
+elements (windows x layers x 2 x kv_heads x seq_len x head_dim).
+
+Attention error: for each layer, ||o - o_ref|| / ||o_ref|| over all windows, where o is the layer's
+attention output with the compressed cache and o_ref with the exact float keys and values, both
+computed from the same queries inside the compressed run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from .atomic import ensure_writable_file, write_json
+from .attention import AttentionOptions, flushed_counts, intercept, mixed_attention
+from .data import DEFAULT_DATASET, token_windows
+from .methods import build_method, hold
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalResult:
+    method: str
+    settings: dict
+    perplexity: float
+    effective_bits: float
+    tokens: int
+    per_layer_attention_rel_error: list[float]
+    model: str
+    dataset: str
+    num_samples: int
+    seq_len: int
+    seconds: float
+    bits_breakdown: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
+             num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int = 2,
+             group_size: int = 32, residual: int = 128, artifacts: str | None = None,
+             json_path: str | None = None) -> EvalResult:
+    """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text."""
+    if json_path is not None:
+        ensure_writable_file(json_path, "--json")
+    lm = load_model(model)
+    shape = attention_shape(lm.config)
+    cache = build_method(method, shape, bits=bits, group_size=group_size, residual=residual,
+                         artifacts=artifacts, model=lm)
+    check_seq_len(lm.config, seq_len)
+    windows = token_windows(lm.tokenizer, dataset, "evaluation", num_samples, seq_len, text_field)
+
+    err_sq = torch.zeros(shape.num_layers, dtype=torch.float64)
+    ref_sq = torch.zeros(shape.num_layers, dtype=torch.float64)
+    stored_bits = 0
+
+    def attend(layer: int, q, k, v, opts: AttentionOptions):
+        nonlocal stored_bits
+        held = hold(cache, layer, k, v)
+        stored_bits += held.stored_bits
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], cache.block, device=q.device)
+        out = cache.attend(layer, q, k, v, held, flushed, opts)
+        ref = mixed_attention(q, k, v, opts)
+        err_sq[layer] += (out - ref).double().pow(2).sum().cpu()
+        ref_sq[layer] += ref.double().pow(2).sum().cpu()
+        return out
+
+    device = next(lm.model.parameters()).device
+    nll, count = 0.0, 0
+    start = time.perf_counter()
+    with torch.no_grad(), intercept(lm.model, attend):
+        for window in tqdm(windows, desc=f"eval {method}", unit="window"):
+            ids = window.unsqueeze(0).to(device)
+            logits = lm.model(ids, use_cache=False).logits.float()
+            nll += torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
+            count += seq_len - 1
+    elements = num_samples * shape.num_layers * 2 * shape.num_kv_heads * seq_len * shape.head_dim
+    constant = cache.constant_bits()
+    result = EvalResult(
+        method=method,
+        settings=cache.settings(),
+        perplexity=math.exp(nll / count),
+        effective_bits=(stored_bits + constant) / elements,
+        tokens=count,
+        per_layer_attention_rel_error=(err_sq / ref_sq.clamp_min(1e-30)).sqrt().tolist(),
+        model=lm.spec,
+        dataset=dataset,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seconds=time.perf_counter() - start,
+        bits_breakdown={"cache_bits_per_element": stored_bits / elements, "shared_bits_per_element": constant / elements},
+    )
+    if json_path is not None:
+        write_json(json_path, result.to_json())
+    return result

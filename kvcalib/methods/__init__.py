@@ -1,0 +1,89 @@
+"""Cache compression methods: each is data (its settings and fitted tensors) plus two functions.
+
+A method compresses whole flushed blocks of the cache, `compress(layer, k, v) -> packed`, and
+reads them back, `decompress(layer, packed) -> (k, v)`; k and v are (B, Hkv, T, d) with T a
+multiple of `block`. Tokens that have not yet filled a block stay in the float16 residual window.
+`hold` applies that rule to a whole sequence: it returns the cache exactly as a decoder holding
+these tokens would hold it, and what it costs in stored bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..attention import AttentionOptions, mixed_attention
+from ..errors import SettingsError
+from ..models import AttentionShape, LoadedModel
+
+
+class Method:
+    """Base of every method; subclasses set `name` and `block` and implement the first four."""
+
+    name: str
+    block: int  # tokens per flush; the residual window holds 0..block-1 tokens
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def decompress(self, layer: int, packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def stored_bits(self, packed: Any) -> int:
+        raise NotImplementedError
+
+    def settings(self) -> dict:
+        raise NotImplementedError
+
+    def constant_bits(self) -> int:
+        """Bits of the method's shared tensors (codebooks, adapters), stored once for all sequences."""
+        return 0
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: "Held",
+               flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
+        """Attention of every query over the cache as held; methods with correction terms override it."""
+        return mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+
+
+@dataclass
+class Held:
+    k: torch.Tensor
+    v: torch.Tensor
+    flushed: int  # tokens in compressed storage
+    stored_bits: int  # compressed blocks plus the float16 residual
+
+
+def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
+    """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16."""
+    t = k.shape[-2]
+    flushed = t // method.block * method.block
+    k_res, v_res = k[..., flushed:, :].half(), v[..., flushed:, :].half()
+    bits = 16 * (k_res.numel() + v_res.numel())
+    if flushed:
+        packed = method.compress(layer, k[..., :flushed, :], v[..., :flushed, :])
+        kq, vq = method.decompress(layer, packed)
+        bits += method.stored_bits(packed)
+        k_held = torch.cat([kq.to(k.dtype), k_res.to(k.dtype)], dim=-2)
+        v_held = torch.cat([vq.to(v.dtype), v_res.to(v.dtype)], dim=-2)
+    else:
+        k_held, v_held = k_res.to(k.dtype), v_res.to(v.dtype)
+    return Held(k=k_held, v=v_held, flushed=flushed, stored_bits=bits)
+
+
+def method_names() -> list[str]:
+    return ["fp16", "kivi"]
+
+
+def build_method(name: str, shape: AttentionShape, *, bits: int = 2, group_size: int = 32,
+                 residual: int = 128, artifacts: str | None = None, model: LoadedModel | None = None) -> Method:
+    """Build a method by name. Settings a method does not use are ignored."""
+    from .fp16 import Fp16
+    from .kivi import Kivi, KiviConfig
+
+    if name == "fp16":
+        return Fp16()
+    if name == "kivi":
+        return Kivi(KiviConfig(bits=bits, group_size=group_size, residual=residual), shape)
+    raise SettingsError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")

@@ -1,0 +1,24 @@
+"""The uncompressed baseline: every token is held in float16 as soon as it is cached."""
+
+from __future__ import annotations
+
+import torch
+
+from . import Method
+
+
+class Fp16(Method):
+    name = "fp16"
+    block = 1
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k.half(), v.half()
+
+    def decompress(self, layer: int, packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed
+
+    def stored_bits(self, packed: tuple[torch.Tensor, torch.Tensor]) -> int:
+        return 16 * sum(t.numel() for t in packed)
+
+    def settings(self) -> dict:
+        return {}

@@ -1,0 +1,70 @@
+"""KIVI (Liu et al., 2024): keys per-channel in groups of G tokens, values per-token in groups of G
+channels, asymmetric 2-bit by default; the most recent tokens stay float16 and are flushed in
+blocks of R. Layout: `kvcalib.quant` (keys axis="tokens", values axis="channels").
+
+A value group cannot be wider than a head: with G > head_dim, values are grouped per whole head
+(KIVI's own code requires G to divide head_dim; we clamp instead and count the extra metadata).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SettingsError
+from ..models import AttentionShape
+from . import Method
+from ..quant import Quantized, dequantize, quantize
+
+
+@dataclass(frozen=True)
+class KiviConfig:
+    bits: int = 2
+    group_size: int = 32
+    residual: int = 128
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 8:
+            raise SettingsError(f"--bits must be in 1..8, got {self.bits}")
+        if self.group_size < 1 or self.residual < 1:
+            raise SettingsError("--group-size and --residual must be positive")
+        if self.residual % self.group_size:
+            raise SettingsError(
+                f"--residual {self.residual} must be a multiple of --group-size {self.group_size}: "
+                "key groups are formed from whole flushed blocks"
+            )
+
+
+@dataclass
+class KiviPacked:
+    k: Quantized
+    v: Quantized
+
+
+class Kivi(Method):
+    name = "kivi"
+
+    def __init__(self, config: KiviConfig, shape: AttentionShape):
+        self.config = config
+        self.block = config.residual
+        self.value_group = min(config.group_size, shape.head_dim)
+        if shape.head_dim % self.value_group:
+            raise SettingsError(f"--group-size {config.group_size} must divide head_dim {shape.head_dim} for values")
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KiviPacked:
+        c = self.config
+        return KiviPacked(
+            k=quantize(k, c.bits, c.group_size, "tokens"),
+            v=quantize(v, c.bits, self.value_group, "channels"),
+        )
+
+    def decompress(self, layer: int, packed: KiviPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize(packed.k), dequantize(packed.v)
+
+    def stored_bits(self, packed: KiviPacked) -> int:
+        return packed.k.stored_bits() + packed.v.stored_bits()
+
+    def settings(self) -> dict:
+        return {"bits": self.config.bits, "group_size": self.config.group_size,
+                "value_group_size": self.value_group, "residual": self.config.residual}

