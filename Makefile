@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: setup
-	$(PY) benchmarks/perplexity.py --seq-len 1024 --num-samples 4 --no-record
+	$(PY) benchmarks/perplexity.py recipes/baselines.toml --no-record
 
 test: setup
 	$(PY) -m pytest -q

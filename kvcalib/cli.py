@@ -70,6 +70,21 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
     click.echo(result_table([result]))
 
 
+@cli.command("run")
+@click.argument("recipe", type=click.Path())
+@click.option("--model", default=None, help="Override the recipe's model.")
+def run_cmd(recipe, model) -> None:
+    """Run the steps of a recipe (a TOML pipeline under recipes/) in order."""
+    from .evaluate import EvalResult
+    from .recipes import run_recipe
+    from .report import result_table
+
+    done = run_recipe(recipe, model=model)
+    evals = [(step.label, out) for step, out in done if isinstance(out, EvalResult)]
+    if evals:
+        click.echo(result_table([r for _, r in evals], [label for label, _ in evals]))
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="kvcalib", standalone_mode=False)

@@ -126,6 +126,8 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
             bar.update(1)
         pos_tensor = torch.stack(positions).to(torch.int32)
         for layer, tensors in store.items():
+            if (out / shard_name(layer, chunk)).exists():
+                continue
             data = {name: torch.stack(xs).contiguous() for name, xs in tensors.items()}
             data["positions"] = pos_tensor
             with atomic_path(out / shard_name(layer, chunk)) as tmp:

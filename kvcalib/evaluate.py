@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
-from .methods import build_method, hold
+from .methods import build_method, check_method_name, hold
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              group_size: int = 32, residual: int = 128, artifacts: str | None = None,
              json_path: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text."""
+    check_method_name(method)
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
     lm = load_model(model)

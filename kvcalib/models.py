@@ -15,8 +15,10 @@ import importlib.util
 import json
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -83,12 +85,32 @@ def _hub_message(spec: str, err: Exception) -> str:
     )
 
 
+def _check_hub_reachable(spec: str) -> None:
+    """Fail fast with one line when the hub cannot be reached (the hub client would retry for a minute)."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return  # offline mode: only the local hub cache is consulted, which from_pretrained does itself
+    from huggingface_hub import constants
+
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+    except OSError as err:
+        raise ModelLoadError(
+            f"model {spec!r} is neither a local path nor reachable: the Hugging Face hub ({host}) cannot be "
+            f"reached from here ({err.__class__.__name__}); pass a local directory or .gguf file"
+        ) from err
+
+
 @functools.lru_cache(maxsize=1)
 def _load_cached(spec: str, device: str, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     target, kwargs = _resolve(spec)
     is_local = Path(target).exists()
+    if not is_local:
+        _check_hub_reachable(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)

