@@ -25,7 +25,9 @@ def tiny_config(arch: str = "llama", **overrides):
         "mistral": {"sliding_window": 24},
         "qwen2": {},
         "qwen3": {},  # q/k RMSNorm before RoPE
+        "gemma": {},
         "gemma2": {"attn_logit_softcapping": 5.0, "sliding_window": 24, "query_pre_attn_scalar": 16},
+        "gemma3_text": {"sliding_window": 24, "query_pre_attn_scalar": 16},
     }[arch]
     return AutoConfig.for_model(arch, **{**common, **extra, **overrides})
 

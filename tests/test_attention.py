@@ -5,7 +5,7 @@ from transformers import DynamicCache
 from kvcalib.attention import AttentionOptions, flushed_counts, intercept, mixed_attention
 from conftest import tiny_model
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"]
 
 
 def _reference(q, k, v, opts, k_held=None, v_held=None, flushed=None):
