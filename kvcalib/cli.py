@@ -53,7 +53,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 
 @cli.command("eval")
 @_common
-@click.option("--method", required=True, help="fp16 or kivi.")
+@click.option("--method", required=True, help="Cache method: fp16, kivi, or a calibrated one (see README).")
 @click.option("--bits", type=int, default=2, show_default=True)
 @click.option("--group-size", type=int, default=32, show_default=True)
 @click.option("--residual", type=int, default=128, show_default=True)

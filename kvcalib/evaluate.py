@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
-from .methods import build_method, check_method_name, hold
+from .methods import MethodSettings, build_method, check_method_name, hold
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         ensure_writable_file(json_path, "--json")
     lm = load_model(model)
     shape = attention_shape(lm.config)
-    cache = build_method(method, shape, bits=bits, group_size=group_size, residual=residual,
+    cache = build_method(method, shape, MethodSettings(bits=bits, group_size=group_size, residual=residual),
                          artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)
     windows = token_windows(lm.tokenizer, dataset, "evaluation", num_samples, seq_len, text_field)

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from kvcalib.attention import flushed_counts, intercept, mixed_attention
 from kvcalib.data import token_windows
 from kvcalib.evaluate import evaluate
-from kvcalib.methods import build_method, hold
+from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.models import attention_shape
 
 
@@ -54,7 +54,7 @@ def test_eval_is_exact_with_respect_to_token_by_token_decoding(tiny_lm, text_fil
     windows = token_windows(tiny_lm.tokenizer, str(text_file), "evaluation", 2, seq_len)
     result = evaluate(tiny_lm, dataset=str(text_file), num_samples=2, seq_len=seq_len, method="kivi",
                       bits=bits, group_size=group, residual=residual)
-    method = build_method("kivi", attention_shape(tiny_lm.config), bits=bits, group_size=group, residual=residual)
+    method = build_method("kivi", attention_shape(tiny_lm.config), MethodSettings(bits, group, residual))
     assert result.perplexity == pytest.approx(_decoded_perplexity(tiny_lm, windows, method), rel=1e-5)
     # The quantized cache really took part (a random model's perplexity may move either way).
     assert result.perplexity != pytest.approx(_plain_perplexity(tiny_lm, windows), rel=1e-3)

@@ -3,7 +3,7 @@ import torch
 
 from kvcalib.attention import flushed_counts
 from kvcalib.errors import SettingsError
-from kvcalib.methods import build_method, hold
+from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.methods.kivi import KiviConfig
 from kvcalib.models import AttentionShape
 
@@ -17,7 +17,7 @@ def test_flush_rule_keeps_zero_to_block_minus_one_tokens_in_the_residual():
 
 
 def test_hold_keeps_last_partial_block_in_float16_and_quantizes_the_rest():
-    method = build_method("kivi", SHAPE, bits=2, group_size=4, residual=8)
+    method = build_method("kivi", SHAPE, MethodSettings(bits=2, group_size=4, residual=8))
     k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16)
     held = hold(method, 0, k, v)
     assert held.flushed == 16
@@ -28,7 +28,7 @@ def test_hold_keeps_last_partial_block_in_float16_and_quantizes_the_rest():
 
 def test_held_prefix_does_not_change_as_the_sequence_grows():
     # Key groups never straddle a flush boundary, so a token's stored form is fixed once flushed.
-    method = build_method("kivi", SHAPE, bits=2, group_size=4, residual=8)
+    method = build_method("kivi", SHAPE, MethodSettings(bits=2, group_size=4, residual=8))
     k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     long = hold(method, 0, k, v)
     for n in (8, 17, 31):
@@ -38,14 +38,14 @@ def test_held_prefix_does_not_change_as_the_sequence_grows():
 
 @pytest.mark.parametrize("group,expected_bits", [(4, 2 + 32 / 4), (8, 2 + 32 / 8)])
 def test_kivi_stored_bits_match_the_layout(group, expected_bits):
-    method = build_method("kivi", SHAPE, bits=2, group_size=group, residual=16)
+    method = build_method("kivi", SHAPE, MethodSettings(bits=2, group_size=group, residual=16))
     k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
     held = hold(method, 0, k, v)
     assert held.stored_bits / (k.numel() + v.numel()) == pytest.approx(expected_bits)
 
 
 def test_kivi_value_groups_clamp_to_head_dim():
-    method = build_method("kivi", SHAPE, bits=2, group_size=128, residual=128)
+    method = build_method("kivi", SHAPE, MethodSettings(bits=2, group_size=128, residual=128))
     assert method.settings()["value_group_size"] == 16
 
 

@@ -9,6 +9,7 @@ these tokens would hold it, and what it costs in stored bits.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,23 +73,31 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     return Held(k=k_held, v=v_held, flushed=flushed, stored_bits=bits)
 
 
-METHOD_NAMES = ("fp16", "kivi")
+# name -> module under kvcalib.methods; each module has `build(shape, settings, artifacts, model) -> Method`.
+_MODULES = {
+    "fp16": "fp16",
+    "kivi": "kivi",
+}
+METHOD_NAMES = tuple(_MODULES)
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """The evaluation command's method options; a method reads those it uses and ignores the rest."""
+
+    bits: int = 2
+    group_size: int = 32
+    residual: int = 128
 
 
 def check_method_name(name: str) -> None:
-    if name not in METHOD_NAMES:
+    if name not in _MODULES:
         raise SettingsError(f"unknown method {name!r}; choose one of {', '.join(METHOD_NAMES)}")
 
 
-def build_method(name: str, shape: AttentionShape, *, bits: int = 2, group_size: int = 32,
-                 residual: int = 128, artifacts: str | None = None, model: LoadedModel | None = None) -> Method:
-    """Build a method by name. Settings a method does not use are ignored."""
-    from .fp16 import Fp16
-    from .kivi import Kivi, KiviConfig
-
-    if name == "fp16":
-        return Fp16()
-    if name == "kivi":
-        return Kivi(KiviConfig(bits=bits, group_size=group_size, residual=residual), shape)
+def build_method(name: str, shape: AttentionShape, settings: MethodSettings = MethodSettings(),
+                 artifacts: str | None = None, model: LoadedModel | None = None) -> Method:
+    """Build a method by name from the command's settings and, where it needs one, an artifact."""
     check_method_name(name)
-    raise AssertionError(f"method {name} is listed but not built")
+    module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    return module.build(shape, settings, artifacts, model)

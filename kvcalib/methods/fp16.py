@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from . import Method
+from . import Method, MethodSettings
+from ..models import AttentionShape, LoadedModel
 
 
 class Fp16(Method):
@@ -22,3 +23,7 @@ class Fp16(Method):
 
     def settings(self) -> dict:
         return {}
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Fp16:
+    return Fp16()

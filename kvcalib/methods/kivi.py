@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SettingsError
-from ..models import AttentionShape
-from . import Method
+from ..models import AttentionShape, LoadedModel
+from . import Method, MethodSettings
 from ..quant import Quantized, dequantize, quantize
 
 
@@ -68,3 +68,7 @@ class Kivi(Method):
     def settings(self) -> dict:
         return {"bits": self.config.bits, "group_size": self.config.group_size,
                 "value_group_size": self.value_group, "residual": self.config.residual}
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Kivi:
+    return Kivi(KiviConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual), shape)

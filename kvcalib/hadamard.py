@@ -1,0 +1,42 @@
+"""The normalized Walsh–Hadamard rotation, H Hᵀ = I, used by VecInfer, KVLinC and OScaR.
+
+For a power-of-two size n, H_n is Sylvester's construction scaled by 1/sqrt(n): symmetric and
+orthogonal, so rotating queries and keys by the same H leaves q·k unchanged, and H⁻¹ = H.
+For other sizes the rotation is block-diagonal with the largest power-of-two block that divides
+n (n = 96 -> three 32x32 blocks); an odd n has no such block and is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .errors import SettingsError
+
+
+def block_size(n: int) -> int:
+    """The largest power of two dividing n."""
+    return n & -n
+
+
+@functools.lru_cache(maxsize=16)
+def _matrix(n: int) -> torch.Tensor:
+    b = block_size(n)
+    if b < 2:
+        raise SettingsError(f"head_dim {n} is odd: no Hadamard rotation exists; disable the rotation for this model")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / b**0.5
+    return torch.block_diag(*[h] * (n // b))
+
+
+def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The n x n (block-)Hadamard matrix, normalized and symmetric."""
+    return _matrix(n).to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x."""
+    return x @ hadamard(x.shape[-1], x.dtype if x.is_floating_point() else torch.float32, x.device)
