@@ -1,0 +1,125 @@
+"""Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, and the fused
+INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
+
+    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--results FILE]
+
+Each figure is the median of device-event timings after warm-up, rotating over enough copies of
+the inputs that they do not fit in L2. GB/s counts the bytes each variant must read (codes,
+scales, zero points, norms, residual, query) and write (output); "% copy" divides that by the
+device-to-device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcalib.runtime.decode import fused_decode, pack
+
+HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
+
+
+def timed(fn, copies: int, reps: int = 30) -> float:
+    """Median microseconds of fn(i) over rotating copies i."""
+    for i in range(3):
+        fn(i % copies)
+    torch.cuda.synchronize()
+    times = []
+    for r in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(r % copies)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = timed(lambda i: y.copy_(x), 1, 20)
+    return 2 * x.numel() / (us * 1e-6) / 1e9
+
+
+def layer_bytes(layer, q) -> int:
+    t, r, g = layer.length, layer.residual, layer.group_size
+    used = [layer.kcodes[:, :, : t // 16], layer.kscale[:, :, : t // g], layer.kzero[:, :, : t // g],
+            layer.vcodes[:, :, :t], layer.vscale[:, :, :t], layer.vzero[:, :, :t],
+            layer.kres[:, :, :r], layer.vres[:, :, :r]]
+    if layer.knorm is not None:
+        used.append(layer.knorm[:, :, :t])
+    return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096,32768,131072")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            torch.manual_seed(0)
+            total = length + RESIDUAL
+            fp16_bytes = 2 * b * HKV * total * D * 2
+            copies = max(1, min(8, -(-400 * 2**20 // fp16_bytes)))
+            q = [torch.randn(b, HQ, 1, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
+            kv = [(torch.randn(b, HKV, total, D, device="cuda", dtype=torch.float16),
+                   torch.randn(b, HKV, total, D, device="cuda", dtype=torch.float16)) for _ in range(copies)]
+            sdpa = lambda i: torch.nn.functional.scaled_dot_product_attention(q[i], *kv[i], enable_gqa=True)  # noqa: E731
+            t_sdpa = timed(sdpa, copies)
+            rows.append((b, length, "SDPA fp16", t_sdpa, fp16_bytes + 4 * q[0].numel()))
+            variants = {"KIVI-2 G=32": (32, False), "KIVI-2 G=128": (128, False), "OScaR-2 G=32 (norms)": (32, True)}
+            layers = {}
+            for name, (group, norms) in variants.items():
+                layers[name] = []
+                for k, v in kv:
+                    kf, vf = k[:, :, :length].float(), v[:, :, :length].float()
+                    kn = kf.norm(dim=-1) if norms else None
+                    if norms:
+                        kf = kf / kn[..., None]
+                    layers[name].append(pack(kf, vf, k[:, :, length:], v[:, :, length:], group, min(group, D), kn))
+                    del kf, vf
+                torch.cuda.empty_cache()
+
+            def dequant_sdpa(i, name="KIVI-2 G=128"):
+                layer = layers[name][i]
+                kd, vd = layer.flushed_kv()
+                kd = torch.cat([kd.half(), layer.kres[:, :, : layer.residual]], 2)
+                vd = torch.cat([vd.half(), layer.vres[:, :, : layer.residual]], 2)
+                return torch.nn.functional.scaled_dot_product_attention(q[i], kd, vd, enable_gqa=True)
+
+            rows.append((b, length, "dequantize + SDPA (KIVI-2 G=128)", timed(dequant_sdpa, copies, 10),
+                         layer_bytes(layers["KIVI-2 G=128"][0], q[0])))
+            for name, ls in layers.items():
+                us = timed(lambda i: fused_decode(q[i][:, :, 0], ls[i], D**-0.5), copies)
+                rows.append((b, length, f"fused {name}", us, layer_bytes(ls[0], q[0])))
+            del kv, layers
+            torch.cuda.empty_cache()
+    title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"
+    lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write)", "",
+             "| B | L (flushed) | variant | µs | speedup vs SDPA fp16 | bytes (MB) | GB/s | % copy |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    sdpa_us = {(b, n): us for b, n, name, us, _ in rows if name == "SDPA fp16"}
+    for b, n, name, us, nbytes in rows:
+        gbs = nbytes / (us * 1e-6) / 1e9
+        lines.append(f"| {b} | {n} | {name} | {us:.1f} | {sdpa_us[(b, n)] / us:.2f}x | {nbytes / 1e6:.1f} | "
+                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% |")
+    table = "\n".join(lines)
+    print(f"\n{title}\n\n{table}")
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    with open(args.results, "a") as f:
+        f.write(f"\n## {title} ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Decoding over the packed cache: CuPy kernels on CUDA, the torch reference elsewhere."""

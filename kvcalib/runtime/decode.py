@@ -1,0 +1,150 @@
+"""Decode attention over one layer's packed INT2 cache: the torch reference and the fused kernel.
+
+`PackedLayer` holds exactly the layout of `kvcalib.quant` (keys axis="tokens", values
+axis="channels"), with optional per-token key norms (OScaR) and the float16 residual window, in
+capacity-sized buffers so that a runtime can append in place; `length` and `residual` say how much
+is filled. `reference_decode` dequantizes and attends in float64; `fused_decode` runs
+`kernels_cupy/quant_decode.cu`; both take KVLinC's correction terms (numerator (B, Hq, D) and
+denominator (B, Hq), in exp units) when given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..quant import Quantized, dequantize, quantize
+
+TILE = 128  # tokens per tile in quant_decode.cu
+
+
+@dataclass
+class PackedLayer:
+    kcodes: torch.Tensor  # (B, Hkv, CAPT/16, D) int32
+    kscale: torch.Tensor  # (B, Hkv, CAPT/G, D) fp16
+    kzero: torch.Tensor
+    vcodes: torch.Tensor  # (B, Hkv, CAPT, D/16) int32
+    vscale: torch.Tensor  # (B, Hkv, CAPT, D/GV) fp16
+    vzero: torch.Tensor
+    kres: torch.Tensor  # (B, Hkv, CAPR, D) fp16
+    vres: torch.Tensor
+    length: int  # flushed tokens
+    residual: int  # tokens in the residual window
+    group_size: int
+    value_group_size: int
+    knorm: torch.Tensor | None = None  # (B, Hkv, CAPT) fp16, OScaR
+
+    @property
+    def head_dim(self) -> int:
+        return self.kcodes.shape[-1]
+
+    def flushed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized flushed keys and values (float32), norms applied."""
+        t, g = self.length, self.group_size
+        k = dequantize(Quantized(self.kcodes[:, :, : -(-t // 16)], self.kscale[:, :, : t // g], self.kzero[:, :, : t // g],
+                                 2, g, "tokens", t))
+        v = dequantize(Quantized(self.vcodes[:, :, :t], self.vscale[:, :, :t], self.vzero[:, :, :t],
+                                 2, self.value_group_size, "channels", self.head_dim))
+        if self.knorm is not None:
+            k = k * self.knorm[:, :, :t, None].float()
+        return k, v
+
+
+def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, group_size: int,
+         value_group_size: int, knorm: torch.Tensor | None = None, capacity: int | None = None,
+         residual_capacity: int = 128) -> PackedLayer:
+    """Quantize flushed k, v (B, Hkv, T, D) to INT2 in buffers of `capacity` tokens (default T)."""
+    b, h, t, d = k.shape
+    cap = capacity or max(t, TILE)
+    kq = quantize(k, 2, group_size, "tokens")
+    vq = quantize(v, 2, value_group_size, "channels")
+
+    def buffer(src: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        shape = list(src.shape)
+        shape[dim] = size
+        out = torch.zeros(shape, dtype=src.dtype, device=src.device)
+        out.narrow(dim, 0, src.shape[dim]).copy_(src)
+        return out
+
+    return PackedLayer(
+        kcodes=buffer(kq.codes, 2, cap // 16), kscale=buffer(kq.scale, 2, cap // group_size),
+        kzero=buffer(kq.zero, 2, cap // group_size), vcodes=buffer(vq.codes, 2, cap),
+        vscale=buffer(vq.scale, 2, cap), vzero=buffer(vq.zero, 2, cap),
+        kres=buffer(k_res.half(), 2, residual_capacity), vres=buffer(v_res.half(), 2, residual_capacity),
+        length=t, residual=k_res.shape[2], group_size=group_size, value_group_size=value_group_size,
+        knorm=None if knorm is None else buffer(knorm.half(), 2, cap),
+    )
+
+
+def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
+                     correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q (B, Hq, D) -> (B, Hq, D) float64, straight from the definition."""
+    k, v = layer.flushed_kv()
+    k = torch.cat([k.double(), layer.kres[:, :, : layer.residual].double()], dim=2)
+    v = torch.cat([v.double(), layer.vres[:, :, : layer.residual].double()], dim=2)
+    b, hq, d = q.shape
+    g = hq // k.shape[1]
+    qd = q.double().reshape(b, -1, g, d)
+    s = torch.einsum("bkgd,bktd->bkgt", qd, k) * scaling
+    mx = s.amax(-1, keepdim=True)
+    p = torch.exp(s - mx)
+    num = torch.einsum("bkgt,bktd->bkgd", p, v).reshape(b, hq, d)
+    den = p.sum(-1).reshape(b, hq)
+    if correction is not None:
+        scale = torch.exp(-mx).reshape(b, hq)
+        num = num + scale[..., None] * correction[0].double()
+        den = den + scale * correction[1].double()
+    return num / den[..., None]
+
+
+def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int) -> tuple[int, int]:
+    """Split the flushed tokens so that about four blocks per SM run; splits align to tiles and groups."""
+    unit = TILE * group // math.gcd(TILE, group)
+    units = max(1, -(-length // unit))
+    want = max(1, -(-4 * sms // blocks_per_split_unit))
+    per = -(-units // min(units, want))
+    split_len = per * unit
+    return max(1, -(-length // split_len)) if length else 0, split_len
+
+
+def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
+                 correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
+    """The CuPy kernel; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype."""
+    import cupy
+
+    from kernels_cupy.loader import launch, module
+
+    b, hq, d = q.shape
+    hkv = layer.kcodes.shape[1]
+    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
+        raise ValueError("fused decode needs fp16/bf16 queries and head_dim 64 or 128")
+    defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
+               "HAS_NORM": int(layer.knorm is not None),
+               "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
+    mod = module("quant_decode.cu", defines)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms)
+    parts = num_splits + 1  # the last partial is the residual window
+    part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
+    part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
+    out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    qc = q.contiguous()
+    log2e = 1.4426950408889634
+    scale_log2 = cupy.float32(scaling * log2e)
+    empty = cupy.uint64(0)
+    ptr = lambda t: cupy.asarray(t) if t is not None else empty  # noqa: E731
+    if num_splits:
+        launch(mod.get_function("packed_partial"), (num_splits, hkv, b), (128,),
+               (ptr(qc), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
+                ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), cupy.int32(layer.length),
+                cupy.int32(layer.kcodes.shape[2]), cupy.int32(layer.kscale.shape[2]), cupy.int32(layer.vcodes.shape[2]),
+                cupy.int32(split_len), scale_log2, ptr(part_acc), ptr(part_ml), cupy.int32(parts)), checked)
+    launch(mod.get_function("residual_partial"), (1, hkv, b), (128,),
+           (ptr(qc), ptr(layer.kres), ptr(layer.vres), cupy.int32(layer.residual), cupy.int32(layer.kres.shape[2]),
+            scale_log2, ptr(part_acc), ptr(part_ml), cupy.int32(parts)), checked)
+    num, den = (c.float().contiguous() for c in correction) if correction is not None else (None, None)
+    launch(mod.get_function("merge"), (b * hq,), (d,),
+           (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), cupy.int32(parts), ptr(out)), checked)
+    return out

@@ -1,0 +1,85 @@
+"""The fused INT2 decode kernel against the float64 torch reference, on fresh random inputs."""
+
+import pytest
+import torch
+
+from kvcalib.runtime.decode import fused_decode, pack, reference_decode
+
+cupy = pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[gpu])")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
+
+DEV = "cuda"
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # output rounding to the query dtype dominates
+
+
+def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256):
+    torch.manual_seed(length * 7 + residual)
+    k = torch.randn(b, hkv, length, d, device=DEV) * (1 + 4 * torch.rand(1, 1, 1, d, device=DEV))
+    v = torch.randn(b, hkv, length, d, device=DEV)
+    kn = (0.5 + torch.rand(b, hkv, length, device=DEV)) if norms else None
+    layer = pack(k, v, torch.randn(b, hkv, residual, d, device=DEV), torch.randn(b, hkv, residual, d, device=DEV),
+                 group, vgroup, kn, capacity=length + extra)
+    # Poison the unused capacity: the kernel must never read past `length` / `residual`.
+    for buf, filled in ((layer.kcodes, length // 16), (layer.vcodes, length)):
+        buf[:, :, filled:] = torch.randint(-2**31, 2**31 - 1, buf[:, :, filled:].shape, device=DEV, dtype=torch.int32)
+    for buf, filled in ((layer.kscale, length // group), (layer.vscale, length), (layer.kres, residual), (layer.vres, residual)):
+        buf[:, :, filled:] = float("nan")
+    return layer
+
+
+def _check(q, layer, correction=None):
+    out = fused_decode(q, layer, q.shape[-1] ** -0.5, correction, checked=True)
+    ref = reference_decode(q, layer, q.shape[-1] ** -0.5, correction)
+    assert torch.isfinite(out).all(), "unwritten or NaN output"
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[q.dtype], err
+    return err
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("length,residual", [(0, 77), (128, 0), (896, 104), (4224, 1), (33280, 127)])
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_kivi_decode_matches_float64_reference(d, gqa, length, residual, b, dtype):
+    hkv = 2
+    layer = _layer(b, hkv, d, length, residual, group=32, vgroup=min(32, d), norms=False)
+    q = torch.randn(b, hkv * gqa, d, device=DEV).to(dtype)
+    _check(q, layer)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_decode_handles_group_sizes_and_oscar_norms(group, norms, d):
+    layer = _layer(2, 2, d, 2048, 50, group=group, vgroup=min(group, d), norms=norms)
+    q = torch.randn(2, 8, d, device=DEV).half()
+    _check(q, layer)
+
+
+def test_every_residual_length_from_0_to_127():
+    for r in range(128):
+        layer = _layer(1, 2, 128, 256, r, 32, 32, norms=False, extra=0)
+        _check(torch.randn(1, 8, 128, device=DEV).half(), layer)
+
+
+def test_kvlinc_correction_terms_enter_numerator_and_denominator():
+    layer = _layer(3, 2, 128, 1024, 30, 128, 128, norms=False)
+    q = torch.randn(3, 8, 128, device=DEV).half()
+    num = torch.randn(3, 8, 128, device=DEV) * 50
+    den = torch.rand(3, 8, device=DEV) * 100
+    err = _check(q, layer, (num, den))
+    plain = fused_decode(q, layer, 128**-0.5, checked=True)
+    corrected = fused_decode(q, layer, 128**-0.5, (num, den), checked=True)
+    assert not torch.allclose(plain, corrected, atol=1e-2), "correction had no effect"
+    assert err < 2e-3
+
+
+def test_output_is_fully_rewritten_on_fresh_inputs_each_call():
+    layer = _layer(1, 2, 128, 512, 10, 32, 32, norms=False)
+    q1, q2 = (torch.randn(1, 8, 128, device=DEV).half() for _ in range(2))
+    o1 = fused_decode(q1, layer, 128**-0.5, checked=True)
+    o2 = fused_decode(q2, layer, 128**-0.5, checked=True)
+    assert not torch.equal(o1, o2)
+    _check(q2, layer)
