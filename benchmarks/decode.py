@@ -3,8 +3,8 @@ INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
 
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--results FILE]
 
-Each figure is the median of device-event timings after warm-up, rotating over enough copies of
-the inputs that they do not fit in L2. GB/s counts the bytes each variant must read (codes,
+Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
+over enough copies of the inputs that they do not fit in L2. GB/s counts the bytes each variant must read (codes,
 scales, zero points, norms, residual, query) and write (output); "% copy" divides that by the
 device-to-device copy bandwidth measured in the same run.
 """
@@ -26,15 +26,24 @@ HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
 
 
 def timed(fn, copies: int, reps: int = 30) -> float:
-    """Median microseconds of fn(i) over rotating copies i."""
-    for i in range(3):
-        fn(i % copies)
+    """Median microseconds of fn(i) over rotating copies i, each captured once in a CUDA graph
+    so that Python launch overhead stays out of the figure."""
+    for i in range(copies):
+        fn(i)
     torch.cuda.synchronize()
+    graphs = []
+    for i in range(copies):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(i)
+        graphs.append(graph)
+    for graph in graphs:
+        graph.replay()
     times = []
     for r in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn(r % copies)
+        graphs[r % copies].replay()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) * 1000)
@@ -42,7 +51,7 @@ def timed(fn, copies: int, reps: int = 30) -> float:
 
 
 def copy_bandwidth() -> float:
-    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    x = torch.randint(0, 255, (2**30,), dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     us = timed(lambda i: y.copy_(x), 1, 20)
     return 2 * x.numel() / (us * 1e-6) / 1e9

@@ -6,7 +6,7 @@
 //     (OScaR: key = norm * dequant), values per-token (2-bit codes packed 16 channels per word along
 //     channels, fp16 scale/zero per GV channels and token);
 //   - r < R residual tokens in fp16 (kernel `residual_partial`).
-// Dequantization happens in registers from shared memory; nothing full-size is written back.
+// Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
 // Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/quant.py):
 //   q        (B, HKV*GQ, D)            QT (half or bf16), already rotated when keys are (OScaR)
@@ -24,20 +24,19 @@
 // Bytes that must move per (batch, kv head): T*D/4 (key codes) + T*D/4 (value codes) +
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
 //
-// Compile-time parameters (#define, set by kernels_cupy/loader.py): D, G, GV, GQ, HAS_NORM, QT.
+// Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 16),
+// HAS_NORM, QT. Queries are rounded to fp16 for the tensor cores whatever QT is.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
 #define NT 128       // threads per block
-#define TILE 128     // tokens per tile (one per thread in the score phase)
+#define TILE 128     // residual tokens per tile (one per thread in the score phase)
 #define PER_WORD 16  // 2-bit codes per 32-bit word
-#define KROWS (TILE / PER_WORD)
-#define KPAD (D + 4)  // padded row of key words: keeps 16-byte alignment, shifts banks between rows
-#define NGT ((TILE + G - 1) / G)  // key groups per tile (G divides TILE or equals a multiple of it)
 #define VW (D / PER_WORD)
 #define VG (D / GV)
 #define REP (NT / D)  // threads per channel in the value phase
+#define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h INFINITY
 
 __device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
@@ -55,19 +54,19 @@ struct Softmax {
 __device__ __forceinline__ void softmax_tile(float (*s)[TILE], float* m, float* l, float* alpha) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int h = warp; h < GQ; h += NT / 32) {
-    float mx = -INFINITY;
+    float mx = NEG_INF;
     for (int t = lane; t < TILE; t += 32) mx = fmaxf(mx, s[h][t]);
     for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
     const float m_new = fmaxf(m[h], mx);
     float sum = 0.f;
     for (int t = lane; t < TILE; t += 32) {
-      const float p = m_new == -INFINITY ? 0.f : exp2f(s[h][t] - m_new);
+      const float p = m_new == NEG_INF ? 0.f : exp2f(s[h][t] - m_new);
       s[h][t] = p;
       sum += p;
     }
     for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
     if (lane == 0) {
-      const float a = m[h] == -INFINITY ? 0.f : exp2f(m[h] - m_new);
+      const float a = m[h] == NEG_INF ? 0.f : exp2f(m[h] - m_new);
       alpha[h] = a;
       l[h] = l[h] * a + sum;
       m[h] = m_new;
@@ -98,112 +97,185 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
   }
 }
 
+// ---- Tensor-core path for the flushed tokens -------------------------------------------------
+// A warp takes 16 tokens per step. Scores S (16 head rows x 16 tokens) = Q (16 x D) . K^T with
+// mma.m16n8k16 (f16 in, f32 accumulate): keys are dequantized straight from the packed words into
+// the B fragments (no shared memory). Within a 16-channel k-slice, lane (g = lane/4, t = lane%4)
+// supplies logical k = {2t, 2t+1, 2t+8, 2t+9} from physical channels {4t..4t+3} (one 16-byte load
+// of 4 consecutive words); Q's A fragments use the same permutation, so q.k is unchanged.
+// Token order is natural: n-tile j column n is token 8j + n, so one word gives tokens g and g+8.
+// Then O (16 x D) += P (16 x 16 tokens, f16) . V with the C fragments of S reused as P's A
+// fragments; values are dequantized into B fragments the same way (channel 8u + g of n-tile u).
+// Heads GQ..15 are zero padding. Each warp keeps its own online softmax; the block combines its
+// four warps at the end and writes one partial.
+
+#define WARPS (NT / 32)
+#define KS (D / 16)  // 16-channel k-slices of a key
+#define NV (D / 8)   // 8-channel n-tiles of the output
+
+__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Codes at bit `shift` and `shift + 16` of w, as half2(1024 + code_lo, 1024 + code_hi).
+__device__ __forceinline__ unsigned code_pair(unsigned w, int shift) {
+  return ((w >> shift) & 0x00030003u) | 0x64006400u;
+}
+
+__device__ __forceinline__ unsigned dequant(unsigned x, __half2 scale, __half2 zero) {
+  const __half2 c = __hsub2(*reinterpret_cast<__half2*>(&x), __float2half2_rn(1024.f));
+  const __half2 v = __hfma2(c, scale, zero);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
+
+__device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
+
 extern "C" __global__ void __launch_bounds__(NT) packed_partial(
     const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
     const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
     int split_len, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts) {
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y;
-  const int tid = threadIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
 
-  __shared__ __align__(16) float qs[GQ][D];           // query * scale * log2(e)
-  __shared__ __align__(16) int kw[KROWS][KPAD];       // key words of the tile
-  __shared__ float ks[NGT][D], kz[NGT][D];            // key scale / zero of the tile's groups
-  __shared__ float qz[GQ][NGT];                       // sum_c q[c] * zero[g][c]
-  __shared__ float kn[TILE];                          // key norms
-  __shared__ int vw[TILE][VW];                        // value words
-  __shared__ float vs[TILE][VG], vz[TILE][VG];        // value scale / zero
-  __shared__ float s[GQ][TILE];                       // scores, then probabilities
-  __shared__ float m[GQ], l[GQ], alpha[GQ];
-  __shared__ float red[REP * GQ * D];
-
-  for (int i = tid; i < GQ * D; i += NT) {
-    const int h = i / D, c = i % D;
-    qs[h][c] = to_float(q[(bh * GQ + h) * D + c]) * scale_log2;
+  // Q A-fragments, rows g and g+8 (heads), permuted channels 16s + 4t + {0,1 | 2,3}.
+  unsigned qa[KS][4];
+  for (int s = 0; s < KS; ++s) {
+    const int c = 16 * s + 4 * t;
+    float r0[4] = {0.f, 0.f, 0.f, 0.f}, r1[4] = {0.f, 0.f, 0.f, 0.f};
+    if (g < GQ)
+      for (int i = 0; i < 4; ++i) r0[i] = to_float(q[(bh * GQ + g) * D + c + i]);
+    if (g + 8 < GQ)
+      for (int i = 0; i < 4; ++i) r1[i] = to_float(q[(bh * GQ + g + 8) * D + c + i]);
+    qa[s][0] = pack_half2(r0[0], r0[1]);
+    qa[s][1] = pack_half2(r1[0], r1[1]);
+    qa[s][2] = pack_half2(r0[2], r0[3]);
+    qa[s][3] = pack_half2(r1[2], r1[3]);
   }
-  if (tid < GQ) { m[tid] = -INFINITY; l[tid] = 0.f; }
-  float acc[GQ];
-  for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
+  float acc[NV][4];
+  for (int u = 0; u < NV; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // rows g, g+8; l is this lane's share
 
   const int start = split * split_len;
   const int stop = min(start + split_len, T);
-  for (int t0 = start; t0 < stop; t0 += TILE) {
-    __syncthreads();
-    // Load the tile: key words (coalesced along channels), key groups, norms, value words and groups.
-    for (int i = tid; i < KROWS * D; i += NT) {
-      const int row = i / D, c = i % D, w = t0 / PER_WORD + row;
-      kw[row][c] = (w * PER_WORD < stop) ? kcodes[(bh * capw + w) * D + c] : 0;
+  for (int t0 = start + 16 * warp; t0 < stop; t0 += 16 * WARPS) {
+    // ---- scores: two n-tiles of 8 tokens ----
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    const long krow = bh * capw + t0 / 16;
+    const long kgrp = bh * capg + t0 / G;
+    for (int s = 0; s < KS; ++s) {
+      const int c = 16 * s + 4 * t;
+      const int4 w = __ldg(reinterpret_cast<const int4*>(kcodes + krow * D + c));
+      const __half2 s01 = half2_at(kscale + kgrp * D + c), s23 = half2_at(kscale + kgrp * D + c + 2);
+      const __half2 z01 = half2_at(kzero + kgrp * D + c), z23 = half2_at(kzero + kgrp * D + c + 2);
+      const unsigned x0 = code_pair(w.x, 2 * g), x1 = code_pair(w.y, 2 * g);
+      const unsigned x2 = code_pair(w.z, 2 * g), x3 = code_pair(w.w, 2 * g);
+      // n-tile 0: token g (low halves); n-tile 1: token g + 8 (high halves).
+      mma16816(sc[0], qa[s], dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
+      mma16816(sc[1], qa[s], dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
     }
-    for (int i = tid; i < NGT * D; i += NT) {
-      const int g = i / D, c = i % D, gi = t0 / G + g;
-      const bool ok = gi * G < stop;
-      ks[g][c] = ok ? __half2float(kscale[(bh * capg + gi) * D + c]) : 0.f;
-      kz[g][c] = ok ? __half2float(kzero[(bh * capg + gi) * D + c]) : 0.f;
-    }
-    for (int i = tid; i < TILE * VW; i += NT) {
-      const int t = i / VW, w = i % VW;
-      vw[t][w] = (t0 + t < stop) ? vcodes[(bh * capt + t0 + t) * VW + w] : 0;
-    }
-    for (int i = tid; i < TILE * VG; i += NT) {
-      const int t = i / VG, g = i % VG;
-      const bool ok = t0 + t < stop;
-      vs[t][g] = ok ? __half2float(vscale[(bh * capt + t0 + t) * VG + g]) : 0.f;
-      vz[t][g] = ok ? __half2float(vzero[(bh * capt + t0 + t) * VG + g]) : 0.f;
-    }
+    // sc[j][0..1]: row g, tokens 8j + 2t + {0,1}; sc[j][2..3]: row g + 8.
+    float norm[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
 #if HAS_NORM
-    kn[tid] = (t0 + tid < stop) ? __half2float(knorm[bh * capt + t0 + tid]) : 0.f;
-#endif
-    __syncthreads();
-    // sum_c q[c] * zero[g][c] once per group and head: warp per (h, g) pair.
-    for (int pair = tid / 32; pair < GQ * NGT; pair += NT / 32) {
-      const int h = pair / NGT, g = pair % NGT;
-      float v = 0.f;
-      for (int c = tid % 32; c < D; c += 32) v += qs[h][c] * kz[g][c];
-      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (tid % 32 == 0) qz[h][g] = v;
+    for (int j = 0; j < 2; ++j) {
+      const __half2 n2 = half2_at(knorm + bh * capt + t0 + 8 * j + 2 * t);
+      norm[j][0] = __low2float(n2);
+      norm[j][1] = __high2float(n2);
     }
-    __syncthreads();
-    // Scores: thread = token. score = sum_c q[c] * (zero + scale * code) = qz + sum_c (q*scale)[c] * code.
-    {
-      const int t = tid, g = t / G, row = t / PER_WORD, shift = 2 * (t % PER_WORD);
-      float sc[GQ];
-      for (int h = 0; h < GQ; ++h) sc[h] = 0.f;
-      for (int c = 0; c < D; c += 4) {
-        const int4 w4 = *reinterpret_cast<const int4*>(&kw[row][c]);
-        const float k0 = (float)((w4.x >> shift) & 3) * ks[g][c];
-        const float k1 = (float)((w4.y >> shift) & 3) * ks[g][c + 1];
-        const float k2 = (float)((w4.z >> shift) & 3) * ks[g][c + 2];
-        const float k3 = (float)((w4.w >> shift) & 3) * ks[g][c + 3];
-        for (int h = 0; h < GQ; ++h) {
-          const float4 q4 = *reinterpret_cast<const float4*>(&qs[h][c]);
-          sc[h] += q4.x * k0 + q4.y * k1 + q4.z * k2 + q4.w * k3;
-        }
-      }
-      const bool valid = t0 + t < stop;
-      for (int h = 0; h < GQ; ++h) {
-        float v = sc[h] + qz[h][g];
-#if HAS_NORM
-        v *= kn[t];
 #endif
-        s[h][t] = valid ? v : -INFINITY;
+    float mx[2] = {NEG_INF, NEG_INF};
+    for (int j = 0; j < 2; ++j)
+      for (int i = 0; i < 4; ++i) {
+        sc[j][i] *= scale_log2 * norm[j][i & 1];
+        mx[i / 2] = fmaxf(mx[i / 2], sc[j][i]);
       }
+    unsigned pa[4];
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);
+      const float alpha = exp2f(m[r] - m_new);  // m[r] = -inf gives 0
+      m[r] = m_new;
+      l[r] *= alpha;
+      for (int u = 0; u < NV; ++u) {
+        acc[u][2 * r] *= alpha;
+        acc[u][2 * r + 1] *= alpha;
+      }
+      float p[2][2];
+      for (int j = 0; j < 2; ++j) {
+        p[j][0] = exp2f(sc[j][2 * r] - m_new);
+        p[j][1] = exp2f(sc[j][2 * r + 1] - m_new);
+        l[r] += p[j][0] + p[j][1];
+      }
+      pa[r] = pack_half2(p[0][0], p[0][1]);      // A reg 0 / 1: k = 2t, 2t+1 (n-tile 0)
+      pa[2 + r] = pack_half2(p[1][0], p[1][1]);  // A reg 2 / 3: k = 2t+8, 2t+9 (n-tile 1)
     }
-    __syncthreads();
-    softmax_tile(s, m, l, alpha);
-    __syncthreads();
-    // Values: thread = (channel, replica). acc += p[t] * (zero[t] + scale[t] * code[t][c]).
-    {
-      const int c = tid % D, rep = tid / D, word = c / PER_WORD, shift = 2 * (c % PER_WORD), gv = c / GV;
-      for (int h = 0; h < GQ; ++h) acc[h] *= alpha[h];
-      for (int t = rep; t < TILE; t += REP) {
-        const float v = vz[t][gv] + vs[t][gv] * (float)((vw[t][word] >> shift) & 3);
-        for (int h = 0; h < GQ; ++h) acc[h] += s[h][t] * v;
+    // ---- values: tokens 2t, 2t+1 (B reg 0) and 2t+8, 2t+9 (B reg 1) ----
+    const long vrow = bh * capt + t0;
+    for (int wi = 0; wi < VW; ++wi) {
+      const int gv = 16 * wi / GV;
+      unsigned x[4];
+      __half2 vsc[2], vze[2];
+      for (int k = 0; k < 4; ++k) {
+        const int tok = 2 * t + (k & 1) + 8 * (k / 2);
+        x[k] = code_pair(__ldg(reinterpret_cast<const unsigned*>(vcodes) + (vrow + tok) * VW + wi), 2 * g);
       }
+      for (int k = 0; k < 2; ++k) {
+        const int tok = 2 * t + 8 * k;
+        vsc[k] = __halves2half2(vscale[(vrow + tok) * VG + gv], vscale[(vrow + tok + 1) * VG + gv]);
+        vze[k] = __halves2half2(vzero[(vrow + tok) * VG + gv], vzero[(vrow + tok + 1) * VG + gv]);
+      }
+      // n-tile 2wi: channel 16wi + g (low halves); n-tile 2wi + 1: channel 16wi + 8 + g (high halves).
+      mma16816(acc[2 * wi], pa, dequant(__byte_perm(x[0], x[1], 0x5410), vsc[0], vze[0]),
+               dequant(__byte_perm(x[2], x[3], 0x5410), vsc[1], vze[1]));
+      mma16816(acc[2 * wi + 1], pa, dequant(__byte_perm(x[0], x[1], 0x7632), vsc[0], vze[0]),
+               dequant(__byte_perm(x[2], x[3], 0x7632), vsc[1], vze[1]));
     }
   }
+  // ---- combine the four warps of the block, write one partial ----
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
+  }
+  __shared__ float wm[WARPS][16], wl[WARPS][16];
+  __shared__ float wacc[WARPS][GQ][D];
+  if (t == 0) {
+    wm[warp][g] = m[0]; wl[warp][g] = l[0];
+    wm[warp][g + 8] = m[1]; wl[warp][g + 8] = l[1];
+  }
+  for (int u = 0; u < NV; ++u)
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i / 2), col = 8 * u + 2 * t + (i & 1);
+      if (row < GQ) wacc[warp][row][col] = acc[u][i];
+    }
   __syncthreads();
-  write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, split, num_parts);
+  for (int i = threadIdx.x; i < GQ * D; i += NT) {
+    const int h = i / D, c = i % D;
+    float M = NEG_INF;
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
+    float num = 0.f, den = 0.f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (wm[w][h] == NEG_INF) continue;
+      const float f = exp2f(wm[w][h] - M);
+      num += f * wacc[w][h][c];
+      den += f * wl[w][h];
+    }
+    const long row = ((long)b * hkv * GQ + (long)kvh * GQ + h) * num_parts + split;
+    part_acc[row * D + c] = num;
+    if (c == 0) {
+      part_ml[row * 2] = M;
+      part_ml[row * 2 + 1] = den;
+    }
+  }
 }
 
 // The fp16 residual window (r < R tokens), written as partial number `split` = num_splits.
@@ -217,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(NT) residual_partial(
   __shared__ float m[GQ], l[GQ], alpha[GQ];
   __shared__ float red[REP * GQ * D];
   for (int i = tid; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
-  if (tid < GQ) { m[tid] = -INFINITY; l[tid] = 0.f; }
+  if (tid < GQ) { m[tid] = NEG_INF; l[tid] = 0.f; }
   float acc[GQ];
   for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
   for (int t0 = 0; t0 < r; t0 += TILE) {
@@ -227,7 +299,7 @@ extern "C" __global__ void __launch_bounds__(NT) residual_partial(
       float v = 0.f;
       if (t < r)
         for (int c = 0; c < D; ++c) v += qs[h][c] * __half2float(kres[(bh * capr + t) * D + c]);
-      s[h][tid] = t < r ? v : -INFINITY;
+      s[h][tid] = t < r ? v : NEG_INF;
     }
     __syncthreads();
     softmax_tile(s, m, l, alpha);
@@ -251,12 +323,12 @@ extern "C" __global__ void merge(const float* __restrict__ part_acc, const float
                                  int num_parts, QT* __restrict__ out) {
   const long row = blockIdx.x;
   const int c = threadIdx.x;
-  float M = -INFINITY;
+  float M = NEG_INF;
   for (int p = 0; p < num_parts; ++p) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
   float num = 0.f, den = 0.f;
   for (int p = 0; p < num_parts; ++p) {
     const float mp = part_ml[(row * num_parts + p) * 2];
-    if (mp == -INFINITY) continue;
+    if (mp == NEG_INF) continue;
     const float w = exp2f(mp - M);
     num += w * part_acc[(row * num_parts + p) * D + c];
     den += w * part_ml[(row * num_parts + p) * 2 + 1];

@@ -65,7 +65,7 @@ def unpack_bits(words: torch.Tensor, bits: int, dim: int, length: int) -> torch.
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(k, device=w.device, dtype=torch.int64) * bits
     codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    codes = codes.reshape(*codes.shape[:-2], -1)[..., :length]
+    codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * k)[..., :length]
     return codes.movedim(-1, dim)
 
 

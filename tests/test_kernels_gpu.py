@@ -67,8 +67,12 @@ def test_every_residual_length_from_0_to_127():
 def test_kvlinc_correction_terms_enter_numerator_and_denominator():
     layer = _layer(3, 2, 128, 1024, 30, 128, 128, norms=False)
     q = torch.randn(3, 8, 128, device=DEV).half()
-    num = torch.randn(3, 8, 128, device=DEV) * 50
-    den = torch.rand(3, 8, device=DEV) * 100
+    # Terms as large as the attention's own sum of exp(q.k/sqrt(d)), so they visibly move the output.
+    k, _ = layer.flushed_kv()
+    z = torch.logsumexp(torch.einsum("bkgd,bktd->bkgt", q.float().reshape(3, 2, 4, 128), k) * 128**-0.5, -1).exp()
+    z = z.reshape(3, 8)
+    num = torch.randn(3, 8, 128, device=DEV) * z[..., None]
+    den = (0.5 + torch.rand(3, 8, device=DEV)) * z
     err = _check(q, layer, (num, den))
     plain = fused_decode(q, layer, 128**-0.5, checked=True)
     corrected = fused_decode(q, layer, 128**-0.5, (num, den), checked=True)

@@ -10,6 +10,7 @@ denominator (B, Hq), in exp units) when given.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -109,42 +110,51 @@ def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int) -> tu
     return max(1, -(-length // split_len)) if length else 0, split_len
 
 
+@functools.lru_cache(maxsize=8)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                  correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
-    """The CuPy kernel; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype."""
+    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype."""
     import cupy
 
-    from kernels_cupy.loader import launch, module
+    from kernels_cupy.loader import kernel, launch
 
     b, hq, d = q.shape
     hkv = layer.kcodes.shape[1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128):
-        raise ValueError("fused decode needs fp16/bf16 queries and head_dim 64 or 128")
+    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq // hkv > 16:
+        raise ValueError("fused decode needs fp16/bf16 queries, head_dim 64 or 128, at most 16 query heads per KV head")
+    if layer.length % 16 or layer.value_group_size < 16:
+        raise ValueError("fused decode needs a flushed length that is a multiple of 16 and value groups of >= 16 channels")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
-    mod = module("quant_decode.cu", defines)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms)
+    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0))
     parts = num_splits + 1  # the last partial is the residual window
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
-    qc = q.contiguous()
-    log2e = 1.4426950408889634
-    scale_log2 = cupy.float32(scaling * log2e)
-    empty = cupy.uint64(0)
-    ptr = lambda t: cupy.asarray(t) if t is not None else empty  # noqa: E731
-    if num_splits:
-        launch(mod.get_function("packed_partial"), (num_splits, hkv, b), (128,),
-               (ptr(qc), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
-                ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), cupy.int32(layer.length),
-                cupy.int32(layer.kcodes.shape[2]), cupy.int32(layer.kscale.shape[2]), cupy.int32(layer.vcodes.shape[2]),
-                cupy.int32(split_len), scale_log2, ptr(part_acc), ptr(part_ml), cupy.int32(parts)), checked)
-    launch(mod.get_function("residual_partial"), (1, hkv, b), (128,),
-           (ptr(qc), ptr(layer.kres), ptr(layer.vres), cupy.int32(layer.residual), cupy.int32(layer.kres.shape[2]),
-            scale_log2, ptr(part_acc), ptr(part_ml), cupy.int32(parts)), checked)
+    q = q.contiguous()
     num, den = (c.float().contiguous() for c in correction) if correction is not None else (None, None)
-    launch(mod.get_function("merge"), (b * hq,), (d,),
-           (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), cupy.int32(parts), ptr(out)), checked)
+    scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
+    i32 = cupy.int32
+    # Raw device pointers: cupy.asarray on each tensor would cost more than the kernel at short lengths.
+    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
+        if num_splits:
+            # Block (split, kv head, batch): 4 warps stream split_len packed tokens for the GQ heads.
+            launch(kernel("quant_decode.cu", defines, "packed_partial"), (num_splits, hkv, b), (128,),
+                   (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
+                    ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
+                    i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
+                    i32(split_len), scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
+        # Block (1, kv head, batch): the fp16 residual window, written as the last partial.
+        launch(kernel("quant_decode.cu", defines, "residual_partial"), (1, hkv, b), (128,),
+               (ptr(q), ptr(layer.kres), ptr(layer.vres), i32(layer.residual), i32(layer.kres.shape[2]),
+                scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
+        # Block per (batch, query head), thread per channel: merge partials (+ KVLinC terms), normalise.
+        launch(kernel("quant_decode.cu", defines, "merge"), (b * hq,), (d,),
+               (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), ptr(out)), checked)
     return out
