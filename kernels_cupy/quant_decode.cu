@@ -99,8 +99,9 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 
 // ---- Tensor-core path for the flushed tokens -------------------------------------------------
 // A warp takes 16 tokens per step. Scores S (16 head rows x 16 tokens) = Q (16 x D) . K^T with
-// mma.m16n8k16 (f16 in, f32 accumulate): keys are dequantized straight from the packed words into
-// the B fragments (no shared memory). Within a 16-channel k-slice, lane (g = lane/4, t = lane%4)
+// mma.m16n8k16 (f16 in, f32 accumulate): keys are dequantized from the packed words into the B
+// fragments in registers. The block's 4 warps share a 4-stage cp.async ring of 64-token stages in
+// shared memory, which keeps enough bytes in flight to stream at memory speed. Within a 16-channel k-slice, lane (g = lane/4, t = lane%4)
 // supplies logical k = {2t, 2t+1, 2t+8, 2t+9} from physical channels {4t..4t+3} (one 16-byte load
 // of 4 consecutive words); Q's A fragments use the same permutation, so q.k is unchanged.
 // Token order is natural: n-tile j column n is token 8j + n, so one word gives tokens g and g+8.
@@ -138,6 +139,58 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
 
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
 
+// One pipeline stage: the packed data of ST tokens, copied global -> shared with cp.async.
+#define ST (16 * WARPS)
+#define NSTAGE 4
+#define KGS ((ST + G - 1) / G)  // key groups a stage touches (G is a power of two >= 16)
+struct __align__(16) Stage {
+  int kw[ST / 16][D];  // key words: row r = tokens 16r..16r+15
+  int vw[ST][VW];      // value words
+  __half ks[KGS][D], kz[KGS][D];
+  __half vs[ST][VG], vz[ST][VG];
+  __half kn[ST];
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2)); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
+
+// Copy tokens [t0, t0 + ST) of this (batch, kv head) into `st`; nothing at or past `stop` is read.
+__device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, long bh, const int* kcodes,
+                                           const __half* kscale, const __half* kzero, const __half* knorm,
+                                           const int* vcodes, const __half* vscale, const __half* vzero,
+                                           int capw, int capg, int capt) {
+  for (int i = threadIdx.x; i < (ST / 16) * (D / 4); i += NT) {
+    const int row = i / (D / 4), ch = 4 * (i % (D / 4));
+    if (t0 + 16 * row < stop) cp_async16(&st.kw[row][ch], kcodes + (bh * capw + t0 / 16 + row) * D + ch);
+  }
+  for (int i = threadIdx.x; i < ST * (VW / 4); i += NT) {
+    const int tok = i / (VW / 4), ch = 4 * (i % (VW / 4));
+    if (t0 + tok < stop) cp_async16(&st.vw[tok][ch], vcodes + (bh * capt + t0 + tok) * VW + ch);
+  }
+  for (int i = threadIdx.x; i < KGS * (D / 8); i += NT) {
+    const int r = i / (D / 8), ch = 8 * (i % (D / 8)), grp = t0 / G + r;
+    if (grp * G < stop) {
+      cp_async16(&st.ks[r][ch], kscale + (bh * capg + grp) * D + ch);
+      cp_async16(&st.kz[r][ch], kzero + (bh * capg + grp) * D + ch);
+    }
+  }
+  for (int i = threadIdx.x; i < ST * VG / 8; i += NT) {
+    if (t0 + 8 * i / VG < stop) {
+      cp_async16(&st.vs[0][0] + 8 * i, vscale + (bh * capt + t0) * VG + 8 * i);
+      cp_async16(&st.vz[0][0] + 8 * i, vzero + (bh * capt + t0) * VG + 8 * i);
+    }
+  }
+#if HAS_NORM
+  for (int i = threadIdx.x; i < ST / 8; i += NT)
+    if (t0 + 8 * i < stop) cp_async16(&st.kn[8 * i], knorm + bh * capt + t0 + 8 * i);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NT) packed_partial(
     const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
@@ -146,6 +199,7 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
+  __shared__ Stage ring[NSTAGE];
 
   // Q A-fragments, rows g and g+8 (heads), permuted channels 16s + 4t + {0,1 | 2,3}.
   unsigned qa[KS][4];
@@ -167,27 +221,41 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
 
   const int start = split * split_len;
   const int stop = min(start + split_len, T);
-  for (int t0 = start + 16 * warp; t0 < stop; t0 += 16 * WARPS) {
+  const int stages = (stop - start + ST - 1) / ST;
+  for (int s = 0; s < NSTAGE - 1; ++s) {
+    if (s < stages)
+      load_stage(ring[s], start + s * ST, stop, bh, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero, capw, capg, capt);
+    cp_async_commit();
+  }
+  for (int s = 0; s < stages; ++s) {
+    cp_async_wait();
+    __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
+    const int next = s + NSTAGE - 1;
+    if (next < stages)
+      load_stage(ring[next % NSTAGE], start + next * ST, stop, bh, kcodes, kscale, kzero, knorm, vcodes, vscale,
+                 vzero, capw, capg, capt);
+    cp_async_commit();
+    const Stage& st = ring[s % NSTAGE];
+    if (start + s * ST + 16 * warp >= stop) continue;
+    const int kg = 16 * warp / G;  // this warp's key group row in the stage
     // ---- scores: two n-tiles of 8 tokens ----
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    const long krow = bh * capw + t0 / 16;
-    const long kgrp = bh * capg + t0 / G;
-    for (int s = 0; s < KS; ++s) {
-      const int c = 16 * s + 4 * t;
-      const int4 w = __ldg(reinterpret_cast<const int4*>(kcodes + krow * D + c));
-      const __half2 s01 = half2_at(kscale + kgrp * D + c), s23 = half2_at(kscale + kgrp * D + c + 2);
-      const __half2 z01 = half2_at(kzero + kgrp * D + c), z23 = half2_at(kzero + kgrp * D + c + 2);
+    for (int ks = 0; ks < KS; ++ks) {
+      const int c = 16 * ks + 4 * t;
+      const int4 w = *reinterpret_cast<const int4*>(&st.kw[warp][c]);
+      const __half2 s01 = half2_at(&st.ks[kg][c]), s23 = half2_at(&st.ks[kg][c + 2]);
+      const __half2 z01 = half2_at(&st.kz[kg][c]), z23 = half2_at(&st.kz[kg][c + 2]);
       const unsigned x0 = code_pair(w.x, 2 * g), x1 = code_pair(w.y, 2 * g);
       const unsigned x2 = code_pair(w.z, 2 * g), x3 = code_pair(w.w, 2 * g);
       // n-tile 0: token g (low halves); n-tile 1: token g + 8 (high halves).
-      mma16816(sc[0], qa[s], dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
-      mma16816(sc[1], qa[s], dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
+      mma16816(sc[0], qa[ks], dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
+      mma16816(sc[1], qa[ks], dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
     }
     // sc[j][0..1]: row g, tokens 8j + 2t + {0,1}; sc[j][2..3]: row g + 8.
     float norm[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
 #if HAS_NORM
     for (int j = 0; j < 2; ++j) {
-      const __half2 n2 = half2_at(knorm + bh * capt + t0 + 8 * j + 2 * t);
+      const __half2 n2 = half2_at(&st.kn[16 * warp + 8 * j + 2 * t]);
       norm[j][0] = __low2float(n2);
       norm[j][1] = __high2float(n2);
     }
@@ -220,19 +288,16 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
       pa[2 + r] = pack_half2(p[1][0], p[1][1]);  // A reg 2 / 3: k = 2t+8, 2t+9 (n-tile 1)
     }
     // ---- values: tokens 2t, 2t+1 (B reg 0) and 2t+8, 2t+9 (B reg 1) ----
-    const long vrow = bh * capt + t0;
+    const int v0 = 16 * warp;
     for (int wi = 0; wi < VW; ++wi) {
       const int gv = 16 * wi / GV;
       unsigned x[4];
+      for (int k = 0; k < 4; ++k) x[k] = code_pair((unsigned)st.vw[v0 + 2 * t + (k & 1) + 8 * (k / 2)][wi], 2 * g);
       __half2 vsc[2], vze[2];
-      for (int k = 0; k < 4; ++k) {
-        const int tok = 2 * t + (k & 1) + 8 * (k / 2);
-        x[k] = code_pair(__ldg(reinterpret_cast<const unsigned*>(vcodes) + (vrow + tok) * VW + wi), 2 * g);
-      }
       for (int k = 0; k < 2; ++k) {
-        const int tok = 2 * t + 8 * k;
-        vsc[k] = __halves2half2(vscale[(vrow + tok) * VG + gv], vscale[(vrow + tok + 1) * VG + gv]);
-        vze[k] = __halves2half2(vzero[(vrow + tok) * VG + gv], vzero[(vrow + tok + 1) * VG + gv]);
+        const int tok = v0 + 2 * t + 8 * k;
+        vsc[k] = __halves2half2(st.vs[tok][gv], st.vs[tok + 1][gv]);
+        vze[k] = __halves2half2(st.vz[tok][gv], st.vz[tok + 1][gv]);
       }
       // n-tile 2wi: channel 16wi + g (low halves); n-tile 2wi + 1: channel 16wi + 8 + g (high halves).
       mma16816(acc[2 * wi], pa, dequant(__byte_perm(x[0], x[1], 0x5410), vsc[0], vze[0]),
@@ -241,6 +306,7 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
                dequant(__byte_perm(x[2], x[3], 0x7632), vsc[1], vze[1]));
     }
   }
+  cp_async_wait_all();
   // ---- combine the four warps of the block, write one partial ----
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);

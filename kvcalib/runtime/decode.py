@@ -124,10 +124,10 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
 
     b, hq, d = q.shape
     hkv = layer.kcodes.shape[1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq // hkv > 16:
-        raise ValueError("fused decode needs fp16/bf16 queries, head_dim 64 or 128, at most 16 query heads per KV head")
-    if layer.length % 16 or layer.value_group_size < 16:
-        raise ValueError("fused decode needs a flushed length that is a multiple of 16 and value groups of >= 16 channels")
+    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq // hkv > 8:
+        raise ValueError("fused decode needs fp16/bf16 queries, head_dim 64 or 128, at most 8 query heads per KV head")
+    if layer.length % 16 or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
+        raise ValueError("fused decode needs flushed length and capacity in multiples of 16 tokens, value groups >= 16")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
