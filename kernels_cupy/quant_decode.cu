@@ -191,7 +191,7 @@ __device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, long bh,
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NT) packed_partial(
+extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
     const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
     const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
@@ -201,19 +201,18 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
   const long bh = (long)b * hkv + kvh;
   __shared__ Stage ring[NSTAGE];
 
-  // Q A-fragments, rows g and g+8 (heads), permuted channels 16s + 4t + {0,1 | 2,3}.
-  unsigned qa[KS][4];
-  for (int s = 0; s < KS; ++s) {
-    const int c = 16 * s + 4 * t;
+  // Q A-fragments of every lane, in shared memory (registers go to the accumulators): rows g and
+  // g+8 (heads), permuted channels 16s + 4t + {0,1 | 2,3}. Read after the loop's first barrier.
+  __shared__ uint4 qfrag[KS][32];
+  for (int i = threadIdx.x; i < KS * 32; i += NT) {
+    const int s = i / 32, fg = (i % 32) / 4, c = 16 * s + 4 * (i % 4);
     float r0[4] = {0.f, 0.f, 0.f, 0.f}, r1[4] = {0.f, 0.f, 0.f, 0.f};
-    if (g < GQ)
-      for (int i = 0; i < 4; ++i) r0[i] = to_float(q[(bh * GQ + g) * D + c + i]);
-    if (g + 8 < GQ)
-      for (int i = 0; i < 4; ++i) r1[i] = to_float(q[(bh * GQ + g + 8) * D + c + i]);
-    qa[s][0] = pack_half2(r0[0], r0[1]);
-    qa[s][1] = pack_half2(r1[0], r1[1]);
-    qa[s][2] = pack_half2(r0[2], r0[3]);
-    qa[s][3] = pack_half2(r1[2], r1[3]);
+    if (fg < GQ)
+      for (int j = 0; j < 4; ++j) r0[j] = to_float(q[(bh * GQ + fg) * D + c + j]);
+    if (fg + 8 < GQ)
+      for (int j = 0; j < 4; ++j) r1[j] = to_float(q[(bh * GQ + fg + 8) * D + c + j]);
+    qfrag[s][i % 32] = make_uint4(pack_half2(r0[0], r0[1]), pack_half2(r1[0], r1[1]), pack_half2(r0[2], r0[3]),
+                                  pack_half2(r1[2], r1[3]));
   }
   float acc[NV][4];
   for (int u = 0; u < NV; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
@@ -242,14 +241,16 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
     float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
     for (int ks = 0; ks < KS; ++ks) {
       const int c = 16 * ks + 4 * t;
+      const uint4 q4 = qfrag[ks][lane];
+      const unsigned qa[4] = {q4.x, q4.y, q4.z, q4.w};
       const int4 w = *reinterpret_cast<const int4*>(&st.kw[warp][c]);
       const __half2 s01 = half2_at(&st.ks[kg][c]), s23 = half2_at(&st.ks[kg][c + 2]);
       const __half2 z01 = half2_at(&st.kz[kg][c]), z23 = half2_at(&st.kz[kg][c + 2]);
       const unsigned x0 = code_pair(w.x, 2 * g), x1 = code_pair(w.y, 2 * g);
       const unsigned x2 = code_pair(w.z, 2 * g), x3 = code_pair(w.w, 2 * g);
       // n-tile 0: token g (low halves); n-tile 1: token g + 8 (high halves).
-      mma16816(sc[0], qa[ks], dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
-      mma16816(sc[1], qa[ks], dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
+      mma16816(sc[0], qa, dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
+      mma16816(sc[1], qa, dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
     }
     // sc[j][0..1]: row g, tokens 8j + 2t + {0,1}; sc[j][2..3]: row g + 8.
     float norm[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
@@ -345,10 +346,13 @@ extern "C" __global__ void __launch_bounds__(NT) packed_partial(
 }
 
 // The fp16 residual window (r < R tokens), written as partial number `split` = num_splits.
+// Scores: warp per token, lanes over channels (coalesced rows), shuffle-reduced; values: thread per
+// channel, coalesced rows of V.
 extern "C" __global__ void __launch_bounds__(NT) residual_partial(
     const QT* __restrict__ q, const __half* __restrict__ kres, const __half* __restrict__ vres, int r, int capr,
     float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts) {
   const int kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
   const long bh = (long)b * hkv + kvh;
   __shared__ float qs[GQ][D];
   __shared__ float s[GQ][TILE];
@@ -360,12 +364,15 @@ extern "C" __global__ void __launch_bounds__(NT) residual_partial(
   for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
   for (int t0 = 0; t0 < r; t0 += TILE) {
     __syncthreads();
-    const int t = t0 + tid;
-    for (int h = 0; h < GQ; ++h) {
-      float v = 0.f;
-      if (t < r)
-        for (int c = 0; c < D; ++c) v += qs[h][c] * __half2float(kres[(bh * capr + t) * D + c]);
-      s[h][tid] = t < r ? v : NEG_INF;
+    for (int tt = warp; tt < TILE; tt += NT / 32) {
+      float kv[D / 32];
+      for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
+      for (int h = 0; h < GQ; ++h) {
+        float v = 0.f;
+        for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
+        for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
+      }
     }
     __syncthreads();
     softmax_tile(s, m, l, alpha);
@@ -384,21 +391,43 @@ extern "C" __global__ void __launch_bounds__(NT) residual_partial(
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)
 //                                                        / (sum_s 2^(m_s-M) l_s + 2^-M den),
 // where num (D) and den (1) are KVLinC's correction terms in exp units (null when absent).
+// Block per (batch, query head), D threads; the weights 2^(m_s-M) are computed once, in parallel.
+#define MAX_PARTS 1024
+
+__device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
+  for (int o = 16; o > 0; o /= 2) {
+    const float other = __shfl_xor_sync(0xffffffff, v, o);
+    v = is_max ? fmaxf(v, other) : v + other;
+  }
+  __syncthreads();
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int w = 1; w < D / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
+  return v;
+}
+
 extern "C" __global__ void merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                  const float* __restrict__ corr_num, const float* __restrict__ corr_den,
                                  int num_parts, QT* __restrict__ out) {
   const long row = blockIdx.x;
   const int c = threadIdx.x;
+  __shared__ float weight[MAX_PARTS];
+  __shared__ float scratch[D / 32];
   float M = NEG_INF;
-  for (int p = 0; p < num_parts; ++p) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
-  float num = 0.f, den = 0.f;
-  for (int p = 0; p < num_parts; ++p) {
+  for (int p = c; p < num_parts; p += D) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
+  M = block_reduce(M, true, scratch);
+  float den = 0.f;
+  for (int p = c; p < num_parts; p += D) {
     const float mp = part_ml[(row * num_parts + p) * 2];
-    if (mp == NEG_INF) continue;
-    const float w = exp2f(mp - M);
-    num += w * part_acc[(row * num_parts + p) * D + c];
+    const float w = mp == NEG_INF ? 0.f : exp2f(mp - M);
+    weight[p] = w;
     den += w * part_ml[(row * num_parts + p) * 2 + 1];
   }
+  den = block_reduce(den, false, scratch);  // its barriers also publish weight[]
+  float num = 0.f;
+#pragma unroll 8
+  for (int p = 0; p < num_parts; ++p) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
   if (corr_num != nullptr) {
     const float w = exp2f(-M);
     num += w * corr_num[row * D + c];

@@ -101,10 +101,11 @@ def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
 
 
 def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int) -> tuple[int, int]:
-    """Split the flushed tokens so that about four blocks per SM run; splits align to tiles and groups."""
+    """Split the flushed tokens into at most one wave of blocks (4 resident per SM: 128 threads at
+    <= 128 registers); splits align to 128 tokens and to key groups."""
     unit = TILE * group // math.gcd(TILE, group)
     units = max(1, -(-length // unit))
-    want = max(1, -(-4 * sms // blocks_per_split_unit))
+    want = max(1, 4 * sms // blocks_per_split_unit)
     per = -(-units // min(units, want))
     split_len = per * unit
     return max(1, -(-length // split_len)) if length else 0, split_len
@@ -133,6 +134,7 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0))
     parts = num_splits + 1  # the last partial is the residual window
+    assert parts <= 1024, "merge holds at most 1024 partials (MAX_PARTS in quant_decode.cu)"
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
