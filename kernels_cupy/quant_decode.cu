@@ -5,7 +5,7 @@
 //     along tokens, fp16 scale/zero per G tokens and channel), optional fp16 per-token key norms
 //     (OScaR: key = norm * dequant), values per-token (2-bit codes packed 16 channels per word along
 //     channels, fp16 scale/zero per GV channels and token);
-//   - r < R residual tokens in fp16 (kernel `residual_partial`).
+//   - r < R residual tokens in fp16 (kernel `residual_partial`, RT tokens per block).
 // Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
 // Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/quant.py):
@@ -18,8 +18,8 @@
 //   kres,vres (B, HKV, CAPR, D) fp16   residual window
 // Parallel split (flash-decoding): block (split, kv head, batch) handles SPLIT_LEN flushed tokens for
 // all GQ query heads sharing that KV head, so each packed byte is read once per block. Partial
-// results (unnormalised accumulator, running max in log2 units, running sum) go to `part_*`; split
-// index `num_splits` holds the residual window; `merge` combines them and adds KVLinC's correction
+// results (unnormalised accumulator, running max in log2 units, running sum) go to `part_*`; the
+// last ceil(r / RT) partials hold the residual window; `merge` combines them and adds KVLinC's correction
 // terms (num, den in exp units, optional) before normalising.
 // Bytes that must move per (batch, kv head): T*D/4 (key codes) + T*D/4 (value codes) +
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
@@ -31,7 +31,6 @@
 #include <cuda_bf16.h>
 
 #define NT 128       // threads per block
-#define TILE 128     // residual tokens per tile (one per thread in the score phase)
 #define PER_WORD 16  // 2-bit codes per 32-bit word
 #define VW (D / PER_WORD)
 #define VG (D / GV)
@@ -51,15 +50,16 @@ struct Softmax {
 // Online-softmax step over one tile of scores s[h][t] (log2 units, -inf for absent tokens):
 // warp w owns heads w, w+4, ...; turns scores into probabilities in place, stores the rescale
 // factor of the old accumulator in alpha[h].
-__device__ __forceinline__ void softmax_tile(float (*s)[TILE], float* m, float* l, float* alpha) {
+template <int W>
+__device__ __forceinline__ void softmax_tile(float (*s)[W], float* m, float* l, float* alpha) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int h = warp; h < GQ; h += NT / 32) {
     float mx = NEG_INF;
-    for (int t = lane; t < TILE; t += 32) mx = fmaxf(mx, s[h][t]);
+    for (int t = lane; t < W; t += 32) mx = fmaxf(mx, s[h][t]);
     for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
     const float m_new = fmaxf(m[h], mx);
     float sum = 0.f;
-    for (int t = lane; t < TILE; t += 32) {
+    for (int t = lane; t < W; t += 32) {
       const float p = m_new == NEG_INF ? 0.f : exp2f(s[h][t] - m_new);
       s[h][t] = p;
       sum += p;
@@ -244,8 +244,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
       const uint4 q4 = qfrag[ks][lane];
       const unsigned qa[4] = {q4.x, q4.y, q4.z, q4.w};
       const int4 w = *reinterpret_cast<const int4*>(&st.kw[warp][c]);
-      const __half2 s01 = half2_at(&st.ks[kg][c]), s23 = half2_at(&st.ks[kg][c + 2]);
-      const __half2 z01 = half2_at(&st.kz[kg][c]), z23 = half2_at(&st.kz[kg][c + 2]);
+      const uint2 sv = *reinterpret_cast<const uint2*>(&st.ks[kg][c]);
+      const uint2 zv = *reinterpret_cast<const uint2*>(&st.kz[kg][c]);
+      const __half2 s01 = *reinterpret_cast<const __half2*>(&sv.x), s23 = *reinterpret_cast<const __half2*>(&sv.y);
+      const __half2 z01 = *reinterpret_cast<const __half2*>(&zv.x), z23 = *reinterpret_cast<const __half2*>(&zv.y);
       const unsigned x0 = code_pair(w.x, 2 * g), x1 = code_pair(w.y, 2 * g);
       const unsigned x2 = code_pair(w.z, 2 * g), x3 = code_pair(w.w, 2 * g);
       // n-tile 0: token g (low halves); n-tile 1: token g + 8 (high halves).
@@ -290,21 +292,22 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
     }
     // ---- values: tokens 2t, 2t+1 (B reg 0) and 2t+8, 2t+9 (B reg 1) ----
     const int v0 = 16 * warp;
-    for (int wi = 0; wi < VW; ++wi) {
-      const int gv = 16 * wi / GV;
-      unsigned x[4];
-      for (int k = 0; k < 4; ++k) x[k] = code_pair((unsigned)st.vw[v0 + 2 * t + (k & 1) + 8 * (k / 2)][wi], 2 * g);
-      __half2 vsc[2], vze[2];
+    for (int gv = 0; gv < VG; ++gv) {
+      __half2 vsc[2], vze[2];  // one value group: (token 2t, 2t+1) and (2t+8, 2t+9)
       for (int k = 0; k < 2; ++k) {
         const int tok = v0 + 2 * t + 8 * k;
         vsc[k] = __halves2half2(st.vs[tok][gv], st.vs[tok + 1][gv]);
         vze[k] = __halves2half2(st.vz[tok][gv], st.vz[tok + 1][gv]);
       }
-      // n-tile 2wi: channel 16wi + g (low halves); n-tile 2wi + 1: channel 16wi + 8 + g (high halves).
-      mma16816(acc[2 * wi], pa, dequant(__byte_perm(x[0], x[1], 0x5410), vsc[0], vze[0]),
-               dequant(__byte_perm(x[2], x[3], 0x5410), vsc[1], vze[1]));
-      mma16816(acc[2 * wi + 1], pa, dequant(__byte_perm(x[0], x[1], 0x7632), vsc[0], vze[0]),
-               dequant(__byte_perm(x[2], x[3], 0x7632), vsc[1], vze[1]));
+      for (int wi = gv * (GV / 16); wi < (gv + 1) * (GV / 16); ++wi) {
+        unsigned x[4];
+        for (int k = 0; k < 4; ++k) x[k] = code_pair((unsigned)st.vw[v0 + 2 * t + (k & 1) + 8 * (k / 2)][wi], 2 * g);
+        // n-tile 2wi: channel 16wi + g (low halves); n-tile 2wi + 1: channel 16wi + 8 + g (high halves).
+        mma16816(acc[2 * wi], pa, dequant(__byte_perm(x[0], x[1], 0x5410), vsc[0], vze[0]),
+                 dequant(__byte_perm(x[2], x[3], 0x5410), vsc[1], vze[1]));
+        mma16816(acc[2 * wi + 1], pa, dequant(__byte_perm(x[0], x[1], 0x7632), vsc[0], vze[0]),
+                 dequant(__byte_perm(x[2], x[3], 0x7632), vsc[1], vze[1]));
+      }
     }
   }
   cp_async_wait_all();
@@ -345,47 +348,44 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
   }
 }
 
-// The fp16 residual window (r < R tokens), written as partial number `split` = num_splits.
-// Scores: warp per token, lanes over channels (coalesced rows), shuffle-reduced; values: thread per
-// channel, coalesced rows of V.
+// The fp16 residual window (r < R tokens): block (chunk, kv head, batch) takes RT tokens and writes
+// partial number num_parts - gridDim.x + chunk. Scores: warp per token, lanes over channels
+// (coalesced rows), shuffle-reduced; values: thread per channel, coalesced rows of V.
+#define RT 16
 extern "C" __global__ void __launch_bounds__(NT) residual_partial(
     const QT* __restrict__ q, const __half* __restrict__ kres, const __half* __restrict__ vres, int r, int capr,
     float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts) {
-  const int kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32;
+  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, t0 = chunk * RT;
   const long bh = (long)b * hkv + kvh;
   __shared__ float qs[GQ][D];
-  __shared__ float s[GQ][TILE];
+  __shared__ float s[GQ][RT];
   __shared__ float m[GQ], l[GQ], alpha[GQ];
   __shared__ float red[REP * GQ * D];
   for (int i = tid; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
   if (tid < GQ) { m[tid] = NEG_INF; l[tid] = 0.f; }
-  float acc[GQ];
-  for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
-  for (int t0 = 0; t0 < r; t0 += TILE) {
-    __syncthreads();
-    for (int tt = warp; tt < TILE; tt += NT / 32) {
-      float kv[D / 32];
-      for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
-      for (int h = 0; h < GQ; ++h) {
-        float v = 0.f;
-        for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
-        for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-        if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
-      }
-    }
-    __syncthreads();
-    softmax_tile(s, m, l, alpha);
-    __syncthreads();
-    const int c = tid % D, rep = tid / D;
-    for (int h = 0; h < GQ; ++h) acc[h] *= alpha[h];
-    for (int tt = rep; tt < TILE && t0 + tt < r; tt += REP) {
-      const float v = __half2float(vres[(bh * capr + t0 + tt) * D + c]);
-      for (int h = 0; h < GQ; ++h) acc[h] += s[h][tt] * v;
+  __syncthreads();
+  for (int tt = warp; tt < RT; tt += NT / 32) {
+    float kv[D / 32];
+    for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
+    for (int h = 0; h < GQ; ++h) {
+      float v = 0.f;
+      for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
+      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+      if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
     }
   }
   __syncthreads();
-  write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, num_parts - 1, num_parts);
+  softmax_tile<RT>(s, m, l, alpha);
+  __syncthreads();
+  const int c = tid % D, rep = tid / D;
+  float acc[GQ];
+  for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
+  for (int tt = rep; tt < RT && t0 + tt < r; tt += REP) {
+    const float v = __half2float(vres[(bh * capr + t0 + tt) * D + c]);
+    for (int h = 0; h < GQ; ++h) acc[h] += s[h][tt] * v;
+  }
+  write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, num_parts - gridDim.x + chunk, num_parts);
 }
 
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)

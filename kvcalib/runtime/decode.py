@@ -18,7 +18,8 @@ import torch
 
 from ..quant import Quantized, dequantize, quantize
 
-TILE = 128  # tokens per tile in quant_decode.cu
+TILE = 128  # split alignment in tokens
+RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
 
 
 @dataclass
@@ -133,7 +134,8 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                "HAS_NORM": int(layer.knorm is not None),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0))
-    parts = num_splits + 1  # the last partial is the residual window
+    residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
+    parts = num_splits + residual_blocks  # the last partials are the residual window's
     assert parts <= 1024, "merge holds at most 1024 partials (MAX_PARTS in quant_decode.cu)"
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
@@ -152,8 +154,8 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                     ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
                     i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
                     i32(split_len), scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
-        # Block (1, kv head, batch): the fp16 residual window, written as the last partial.
-        launch(kernel("quant_decode.cu", defines, "residual_partial"), (1, hkv, b), (128,),
+        # Block (chunk of 16 tokens, kv head, batch): the fp16 residual window, the last partials.
+        launch(kernel("quant_decode.cu", defines, "residual_partial"), (residual_blocks, hkv, b), (128,),
                (ptr(q), ptr(layer.kres), ptr(layer.vres), i32(layer.residual), i32(layer.kres.shape[2]),
                 scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
         # Block per (batch, query head), thread per channel: merge partials (+ KVLinC terms), normalise.
