@@ -81,12 +81,14 @@ def flushed_counts(num_queries: int, num_keys: int, block: int, device=None) -> 
 
 def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
                     k_held: torch.Tensor | None = None, v_held: torch.Tensor | None = None,
-                    flushed: torch.Tensor | None = None) -> torch.Tensor:
+                    flushed: torch.Tensor | None = None, return_lse: bool = False):
     """Causal attention where key j is read from `k_held`/`v_held` when j < flushed[i], else from k/v.
 
     q (B, Hq, Tq, d); k, v, k_held, v_held (B, Hkv, Tk, d); flushed (Tq,). Query i sits at absolute
     position Tk - Tq + i. Computed in float32 in chunks of queries; returns (B, Hq, Tq, d).
-    With k_held None this is plain causal attention.
+    With k_held None this is plain causal attention. With `return_lse` it also returns the
+    log-sum-exp of each query's scores (B, Hq, Tq), so a caller can add terms to the unnormalized
+    sums (KVLinC's correction).
     """
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -97,6 +99,7 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         kh, vh = k_held.float().unsqueeze(2), v_held.float().unsqueeze(2)
     j = torch.arange(tk, device=q.device)
     out = torch.empty(b, hkv, g, tq, v.shape[-1], device=q.device, dtype=torch.float32)
+    lse = torch.empty(b, hkv, g, tq, device=q.device, dtype=torch.float32) if return_lse else None
     for start in range(0, tq, _QUERY_CHUNK):
         stop = min(start + _QUERY_CHUNK, tq)
         pos = torch.arange(tk - tq + start, tk - tq + stop, device=q.device)
@@ -111,9 +114,13 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         visible = j[None, :] <= pos[:, None]
         if opts.sliding_window:
             visible &= j[None, :] > pos[:, None] - opts.sliding_window
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        s = s.masked_fill(~visible, float("-inf"))
+        if return_lse:
+            lse[..., start:stop] = torch.logsumexp(s, dim=-1)
+        p = torch.softmax(s, dim=-1)
         if k_held is None:
             out[..., start:stop, :] = p @ vf
         else:
             out[..., start:stop, :] = (p * held) @ vh + (p * ~held) @ vf
-    return out.reshape(b, hq, tq, -1)
+    out = out.reshape(b, hq, tq, -1)
+    return (out, lse.reshape(b, hq, tq)) if return_lse else out

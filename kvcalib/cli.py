@@ -53,7 +53,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 
 @cli.command("eval")
 @_common
-@click.option("--method", required=True, help="Cache method: fp16, kivi, or a calibrated one (see README).")
+@click.option("--method", required=True, help="Cache method: fp16, kivi, kvlinc, or a calibrated one (see README).")
 @click.option("--bits", type=int, default=2, show_default=True)
 @click.option("--group-size", type=int, default=32, show_default=True)
 @click.option("--residual", type=int, default=128, show_default=True)
@@ -68,6 +68,27 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
                       group_size=group_size, residual=residual, artifacts=artifacts, json_path=json_path,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
+
+
+@cli.command("train-adapters")
+@click.option("--activations", required=True, type=click.Path(), help="A finished `kvcalib collect` directory.")
+@click.option("--rank", type=int, default=256, show_default=True, help="Feature dimension D of φ (two softmaxes of D/2).")
+@click.option("--steps", type=int, default=60, show_default=True, help="Adam steps per layer.")
+@click.option("--lr", type=float, default=1e-2, show_default=True)
+@click.option("--bits", type=int, default=2, show_default=True)
+@click.option("--group-size", type=int, default=128, show_default=True)
+@click.option("--residual", type=int, default=128, show_default=True)
+@click.option("--tokens", type=int, default=128, show_default=True, help="Query positions per step.")
+@click.option("--layers", default="all", show_default=True, help="all, or layers such as 0-9 or 0,4,7-9.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, out) -> None:
+    """Train KVLinC's linear-correction adapters on collected activations."""
+    from .train_adapters import train_adapters
+
+    path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
+                          residual=residual, tokens=tokens, layers=layers, seed=seed)
+    click.echo(f"adapters written to {path}")
 
 
 @cli.command("run")

@@ -28,8 +28,9 @@ from .errors import SettingsError
 def _commands() -> dict[str, Callable]:
     from .collect import collect
     from .evaluate import evaluate
+    from .train_adapters import train_adapters
 
-    return {"collect": collect, "eval": evaluate}
+    return {"collect": collect, "eval": evaluate, "train-adapters": train_adapters}
 
 
 @dataclass

@@ -1,0 +1,229 @@
+"""KVLinC (Saxena & Roy, 2025): channel-wise keys, Hadamard-rotated values, and a trained linear
+correction of the keys' quantization error.
+
+Quantization. Keys per-channel in groups of G tokens (default 128); values rotated by the Hadamard
+matrix (`kvcalib.hadamard`) and quantized per token in groups of min(G, head_dim) channels; the
+most recent tokens stay float16 and are flushed in blocks of R = 128. Layout: `kvcalib.quant`
+(keys axis="tokens", rotated values axis="channels"); `decompress` rotates the values back.
+
+Correction. With the key error kᵉ = k − kᵠ of every flushed token, the attention output of a query q is
+
+    o = (Σ_j exp(q·kᵠ_j/√d) vᵠ_j + Σ_res exp(q·k_j/√d) v_j + φ_q(q) S) /
+        (Σ_j exp(q·kᵠ_j/√d)      + Σ_res exp(q·k_j/√d)      + φ_q(q) P),
+    S = Σ_j φ_k(kᵉ_j)ᵀ vᵠ_j  (D x d),   P = Σ_j φ_k(kᵉ_j)  (D),
+
+j over the flushed tokens, `res` over the float16 residual (exact, uncorrected). S and P grow as
+blocks are flushed: constant memory per head, linear time. The feature map is
+φ(x) = [softmax(x W₁), softmax(x W₂)] ∈ R^D with W₁, W₂ ∈ R^{d x D/2}.
+
+Choices made here:
+- GQA: φ_q has its own W₁, W₂ per query head, φ_k per KV head, so S and P are per KV head (all
+  the query heads of a group read the same states).
+- States are float32 and counted in the stored bits: Hkv x (D·d + D) x 32 bits per layer and
+  sequence, once a first block is flushed. Adapters are stored as float16 and counted once as
+  shared bits.
+- Numerics: the formula's exp has no max-subtraction. We keep the exact value with one shared
+  shift M = max(lse, 0), lse the log-sum-exp of the held scores: both sums are divided by e^M, so
+  the correction enters as e^(−M) φ_q(q) S (`combine`).
+- "No correction" means the states are absent (S = 0, P = 0): `kvlinc` without an artifact is the
+  uncorrected channel-K + Hadamard-V scheme, and a layer the artifact has no adapters for is not
+  corrected. Zero adapters are not that: softmax of zeros is uniform, φ_q·φ_k = 4/D, which adds a
+  constant weight 4/D to every flushed token before normalization (a test pins both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..artifacts import load_artifact
+from ..attention import AttentionOptions, mixed_attention
+from ..errors import ArtifactError, SettingsError
+from ..hadamard import rotate
+from ..models import AttentionShape, LoadedModel
+from ..quant import dequantize, quantize
+from . import Held, MethodSettings
+from .kivi import Kivi, KiviConfig, KiviPacked
+
+STATE_BITS = 32
+ADAPTER_NAMES = ("q_w1", "q_w2", "k_w1", "k_w2")
+
+
+@dataclass
+class Adapter:
+    """One layer's feature maps: q_w* (Hq, d, D/2) for φ_q, k_w* (Hkv, d, D/2) for φ_k."""
+
+    q_w1: torch.Tensor
+    q_w2: torch.Tensor
+    k_w1: torch.Tensor
+    k_w2: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return 2 * self.q_w1.shape[-1]
+
+    def numel(self) -> int:
+        return sum(getattr(self, n).numel() for n in ADAPTER_NAMES)
+
+
+def features(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """φ(x) = [softmax(x W₁), softmax(x W₂)] per head: x (B, H, T, d), W (H, d, D/2) -> (B, H, T, D)."""
+    x = x.float()
+    return torch.cat([torch.softmax(torch.einsum("bhtd,hde->bhte", x, w.float()), -1) for w in (w1, w2)], -1)
+
+
+@dataclass
+class States:
+    """The correction states of one layer: s (B, Hkv, D, d) and p (B, Hkv, D), float32."""
+
+    s: torch.Tensor
+    p: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, rank: int, head_dim: int) -> "States":
+        return cls(torch.zeros(batch, kv_heads, rank, head_dim), torch.zeros(batch, kv_heads, rank))
+
+    def flush(self, adapter: Adapter, k_err: torch.Tensor, v_held: torch.Tensor) -> "States":
+        """The states after a block is flushed: S += φ_k(kᵉ)ᵀ vᵠ, P += Σ φ_k(kᵉ) over its tokens."""
+        fk = features(k_err, adapter.k_w1, adapter.k_w2)
+        return States(self.s + fk.transpose(-1, -2) @ v_held.float(), self.p + fk.sum(-2))
+
+
+def combine(out: torch.Tensor, lse: torch.Tensor, fq: torch.Tensor, states: States) -> torch.Tensor:
+    """Add the correction to attention normalized as `out` with log-sum-exp `lse`.
+
+    out (B, Hq, T, d), lse (B, Hq, T), fq = φ_q(q) (B, Hq, T, D), states per KV head. Both sums of
+    the module docstring's formula are divided by e^M, M = max(lse, 0), so nothing overflows:
+    o = (out·e^(lse−M) + e^(−M) φ_q S) / (e^(lse−M) + e^(−M) φ_q P).
+    """
+    b, hq, t, d = out.shape
+    hkv = states.s.shape[1]
+    fq = fq.reshape(b, hkv, hq // hkv, t, -1)
+    num = (fq @ states.s.unsqueeze(2)).reshape(b, hq, t, d)
+    den = (fq @ states.p[:, :, None, :, None]).reshape(b, hq, t)
+    m = lse.clamp_min(0.0)
+    exact, shift = torch.exp(lse - m), torch.exp(-m)
+    return (out * exact[..., None] + shift[..., None] * num) / (exact + shift * den)[..., None]
+
+
+@dataclass
+class KvlincPacked(KiviPacked):
+    corrected: bool  # the layer has an adapter, so the sequence carries S and P for it
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
+                     adapter: Adapter | None = None, states: States | None = None) -> torch.Tensor:
+    """The corrected attention of new queries over a decoder's cache: the reference the runtime matches.
+
+    q (B, Hq, Tq, d) are the last Tq positions; k, v (B, Hkv, Tk, d) the cache as held (flushed
+    blocks dequantized, then the float16 residual); `states` the S and P of the flushed blocks,
+    kept by `States.flush` as each block is flushed. Without states this is plain attention.
+    """
+    if states is None:
+        return mixed_attention(q, k, v, opts)
+    out, lse = mixed_attention(q, k, v, opts, return_lse=True)
+    return combine(out, lse, features(q, adapter.q_w1, adapter.q_w2), states)
+
+
+class Kvlinc(Kivi):
+    name = "kvlinc"
+
+    def __init__(self, config: KiviConfig, shape: AttentionShape, adapters: dict[int, Adapter] | None = None,
+                 scaling: float | None = None):
+        super().__init__(config, shape)
+        self.shape = shape
+        self.adapters = adapters or {}
+        self.scaling = scaling  # the attention scaling the adapters were trained for
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KvlincPacked:
+        c = self.config
+        return KvlincPacked(k=quantize(k, c.bits, c.group_size, "tokens"),
+                            v=quantize(rotate(v.float()), c.bits, self.value_group, "channels"),
+                            corrected=layer in self.adapters)
+
+    def decompress(self, layer: int, packed: KvlincPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        return dequantize(packed.k), rotate(dequantize(packed.v))
+
+    def state_bits(self, batch: int) -> int:
+        """Bits of one layer's S and P for `batch` sequences (0 without an adapter)."""
+        rank = next(iter(self.adapters.values())).rank if self.adapters else 0
+        return STATE_BITS * batch * self.shape.num_kv_heads * rank * (self.shape.head_dim + 1)
+
+    def stored_bits(self, packed: KvlincPacked) -> int:
+        states = self.state_bits(packed.k.codes.shape[0]) if packed.corrected else 0
+        return super().stored_bits(packed) + states
+
+    def constant_bits(self) -> int:
+        return 16 * sum(a.numel() for a in self.adapters.values())
+
+    def settings(self) -> dict:
+        extra = {"rank": next(iter(self.adapters.values())).rank, "corrected_layers": len(self.adapters)} \
+            if self.adapters else {"correction": "none"}
+        return super().settings() | extra
+
+    def states(self, layer: int, k: torch.Tensor, held: Held) -> list[States]:
+        """S, P after each flushed block: entry b holds the first b blocks (entry 0 is empty)."""
+        adapter = self.adapters[layer]
+        b, hkv, _, d = k.shape
+        out = [States.empty(b, hkv, adapter.rank, d)]
+        for start in range(0, held.flushed, self.block):
+            blk = slice(start, start + self.block)
+            k_err = k[..., blk, :].float() - held.k[..., blk, :].float()
+            out.append(out[-1].flush(adapter, k_err, held.v[..., blk, :]))
+        return out
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: Held,
+               flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
+        adapter = self.adapters.get(layer)
+        if adapter is None or held.flushed == 0:
+            return mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+        if opts.sliding_window:
+            raise SettingsError("KVLinC's correction states cannot drop tokens that leave a sliding window")
+        if self.scaling is not None and abs(opts.scaling - self.scaling) > 1e-6 * self.scaling:
+            raise ArtifactError(f"adapters were trained for attention scaling {self.scaling}, the model uses {opts.scaling}")
+        out, lse = mixed_attention(q, k, v, opts, held.k, held.v, flushed, return_lse=True)
+        fq = features(q, adapter.q_w1, adapter.q_w2)
+        states = self.states(layer, k, held)
+        # Query i reads the states of the flushed[i] // block blocks it sees, exactly as a decoder would.
+        blocks = flushed // self.block
+        result = out.clone()
+        for n in blocks.unique().tolist():
+            if n == 0:
+                continue
+            i = (blocks == n).nonzero().squeeze(1)
+            result[:, :, i] = combine(out[:, :, i], lse[:, :, i], fq[:, :, i], states[n])
+        return result
+
+
+def load_adapters(path: str, shape: AttentionShape, model: LoadedModel | None = None):
+    """The artifact's adapters per layer, its settings and its attention scaling, validated."""
+    art = load_artifact(path, "kvlinc", model=model.model if model is not None else None)
+    layers = art.settings.get("layers", [])
+    adapters = {}
+    for i in layers:
+        try:
+            adapters[i] = Adapter(*(art.layer(i, n).float() for n in ADAPTER_NAMES))
+        except KeyError as err:
+            raise ArtifactError(f"artifact {path} lacks tensor {err.args[0]}") from err
+        a = adapters[i]
+        want = {"q": shape.num_heads, "k": shape.num_kv_heads}
+        for n in ADAPTER_NAMES:
+            w = getattr(a, n)
+            if w.shape != (want[n[0]], shape.head_dim, a.rank // 2):
+                raise ArtifactError(f"artifact {path}: layers.{i}.{n} has shape {tuple(w.shape)}, "
+                                    f"expected {(want[n[0]], shape.head_dim, a.rank // 2)}")
+    return adapters, art.settings
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Kvlinc:
+    requested = KiviConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual)
+    if artifacts is None:
+        return Kvlinc(requested, shape)
+    adapters, trained = load_adapters(artifacts, shape, model)
+    config = KiviConfig(bits=trained["bits"], group_size=trained["group_size"], residual=trained["residual"])
+    # The artifact's quantization settings rule; options other than the defaults must agree with them.
+    if settings != MethodSettings() and requested != config:
+        raise SettingsError(f"artifact {artifacts} was trained for bits={config.bits} group_size={config.group_size} "
+                            f"residual={config.residual}; drop --bits/--group-size/--residual or pass those")
+    return Kvlinc(config, shape, adapters, trained.get("scaling"))

@@ -1,0 +1,202 @@
+"""`train-adapters`: fit KVLinC's feature maps (`kvcalib.methods.kvlinc`) on collected activations.
+
+Each layer is trained on its own (layers are independent). For a query i that sees f_i flushed
+tokens (the eval's flush rule, `attention.flushed_counts`: f_i = floor((i+1)/R)·R), the loss is
+the cross-entropy between the full-precision causal attention weights p_i = softmax(q_i Kᵀ/√d) and
+the corrected quantized weights the method applies,
+
+    ŵ_ij ∝ exp(q_i·kᵠ_j/√d) + φ_q(q_i)·φ_k(kᵉ_j)   for j < f_i,      exp(q_i·k_j/√d) for f_i ≤ j ≤ i,
+
+computed in logs: log w_ij = logaddexp(sᵠ_ij, log c_ij) (c_ij > 0, softmax features), and
+CE_i = logsumexp_j log w_ij − Σ_j p_ij log w_ij. Adam minimizes the mean over queries and heads.
+
+Data: the last max(1, S/8) of the S collected sequences are held out; the held-out loss without
+correction and with the trained (float16-rounded) adapters is written to the artifact manifest
+(`extra`). Each step draws `batch` training sequences and `tokens` query positions among those
+that see a flushed block, from a generator seeded by (seed, layer): the result depends only on the
+seed, whatever --layers selects. Initial W ~ N(0, 1/d), seeded the same way (zero W would keep the
+two halves of φ identical forever).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .artifacts import save_artifact
+from .atomic import ensure_writable_dir
+from .collect import Activations
+from .errors import SettingsError
+from .methods.kivi import KiviConfig
+from .methods.kvlinc import ADAPTER_NAMES, Adapter, features
+from .quant import dequantize, quantize
+
+log = logging.getLogger(__name__)
+
+_EVAL_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    rank: int = 256
+    steps: int = 60
+    lr: float = 1e-2
+    bits: int = 2
+    group_size: int = 128
+    residual: int = 128
+    tokens: int = 128  # query positions per Adam step
+    batch: int = 1  # sequences per Adam step
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        KiviConfig(self.bits, self.group_size, self.residual)
+        if self.rank < 2 or self.rank % 2:
+            raise SettingsError(f"--rank must be an even number >= 2, got {self.rank}")
+        if self.steps < 0 or self.tokens < 1 or self.batch < 1 or not self.lr > 0:
+            raise SettingsError("--steps must be >= 0, --tokens and the batch positive, --lr > 0")
+
+
+def parse_layers(spec: str, num_layers: int) -> list[int]:
+    """`all`, or comma-separated layer numbers and ranges: `0-9`, `0,4,7-9`."""
+    if spec == "all":
+        return list(range(num_layers))
+    layers: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            layers.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise SettingsError(f"--layers {spec!r}: give `all`, or numbers and ranges such as 0-9 or 0,4,7-9") from None
+    if not layers or min(layers) < 0 or max(layers) >= num_layers:
+        raise SettingsError(f"--layers {spec!r}: the model has layers 0-{num_layers - 1}")
+    return sorted(layers)
+
+
+@dataclass
+class _LayerData:
+    q: torch.Tensor  # (S, Hq, T, d)
+    k: torch.Tensor  # (S, Hkv, T, d)
+    k_quant: torch.Tensor  # (S, Hkv, F, d): the F flushable tokens as the cache stores them
+    k_err: torch.Tensor  # k - k_quant over the same tokens
+
+    def take(self, seqs: torch.Tensor) -> "_LayerData":
+        return _LayerData(*(getattr(self, n)[seqs] for n in ("q", "k", "k_quant", "k_err")))
+
+
+def _layer_data(acts: dict[str, torch.Tensor], config: TrainConfig) -> _LayerData:
+    q, k = acts["q"].float(), acts["k"].float()
+    flushable = k.shape[-2] // config.residual * config.residual
+    kq = dequantize(quantize(k[..., :flushable, :], config.bits, config.group_size, "tokens"))
+    return _LayerData(q, k, kq, k[..., :flushable, :] - kq)
+
+
+def attention_ce(data: _LayerData, pos: torch.Tensor, residual: int, scaling: float,
+                 adapter: Adapter | None) -> torch.Tensor:
+    """CE between exact and corrected quantized attention of the queries at `pos`: (S, Hq, n)."""
+    s_, hq, _, d = data.q.shape
+    hkv, t = data.k.shape[1], data.k.shape[2]
+    g = hq // hkv
+    q = data.q[:, :, pos].reshape(s_, hkv, g, len(pos), d)
+    scores = scaling * q @ data.k.unsqueeze(2).transpose(-1, -2)
+    flushable = data.k_quant.shape[-2]
+    j = torch.arange(t)
+    visible = j[None, :] <= pos[:, None]
+    held = (j[None, :flushable] < ((pos + 1) // residual * residual)[:, None])
+    held_scores = scaling * q @ data.k_quant.unsqueeze(2).transpose(-1, -2)
+    if adapter is not None:
+        fq = features(data.q[:, :, pos], adapter.q_w1, adapter.q_w2).reshape(s_, hkv, g, len(pos), -1)
+        fk = features(data.k_err, adapter.k_w1, adapter.k_w2).unsqueeze(2)
+        held_scores = torch.logaddexp(held_scores, torch.log((fq @ fk.transpose(-1, -2)).clamp_min(1e-30)))
+    log_w = torch.cat([torch.where(held, held_scores, scores[..., :flushable]), scores[..., flushable:]], -1)
+    log_w = log_w.masked_fill(~visible, float("-inf"))
+    # CE minus the entropy of p: the KL divergence, same gradient, and 0 for a perfect correction.
+    log_p = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    p = log_p.exp()
+    kl = torch.logsumexp(log_w, -1) - (p * (log_w - log_p).masked_fill(~visible, 0.0)).sum(-1)
+    return kl.reshape(s_, hq, len(pos))
+
+
+def heldout_loss(data: _LayerData, config: TrainConfig, scaling: float, adapter: Adapter | None) -> float:
+    eligible = torch.arange(config.residual - 1, data.q.shape[-2])
+    with torch.no_grad():
+        total = sum(attention_ce(data, chunk, config.residual, scaling, adapter).sum().item()
+                    for chunk in eligible.split(_EVAL_CHUNK))
+    return total / (data.q.shape[0] * data.q.shape[1] * len(eligible))
+
+
+def _init(shape: tuple[int, int, int], config: TrainConfig, gen: torch.Generator) -> Adapter:
+    hq, hkv, d = shape
+    sizes = {"q": hq, "k": hkv}
+    return Adapter(*(torch.randn(sizes[n[0]], d, config.rank // 2, generator=gen) * d**-0.5 for n in ADAPTER_NAMES))
+
+
+def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: int,
+                bar: tqdm | None = None) -> Adapter:
+    """Adam on the attention cross-entropy over `data` (training sequences only)."""
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer)
+    adapter = _init((data.q.shape[1], data.k.shape[1], data.q.shape[-1]), config, gen)
+    params = [getattr(adapter, n).requires_grad_() for n in ADAPTER_NAMES]
+    opt = torch.optim.Adam(params, lr=config.lr)
+    n_seq, t = data.q.shape[0], data.q.shape[-2]
+    batch = min(config.batch, n_seq)
+    for _ in range(config.steps):
+        seqs = torch.randperm(n_seq, generator=gen)[:batch]
+        pos = torch.randint(config.residual - 1, t, (config.tokens,), generator=gen).unique()
+        loss = attention_ce(data.take(seqs), pos, config.residual, scaling, adapter).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(layer=layer, loss=f"{loss.item():.4f}")
+    # The artifact stores float16; train and report with exactly what is stored.
+    return Adapter(*(p.detach().half().float() for p in params))
+
+
+def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, steps: int = 60, lr: float = 1e-2,
+                   bits: int = 2, group_size: int = 128, residual: int = 128, tokens: int = 128,
+                   layers: str = "all", seed: int = 0) -> Path:
+    """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`."""
+    config = TrainConfig(rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size, residual=residual,
+                         tokens=tokens, seed=seed)
+    out = ensure_writable_dir(out)
+    acts = Activations(activations)
+    settings = acts.manifest["settings"]
+    if not acts.full_sequences:
+        raise SettingsError(f"{activations} keeps a sub-sample of positions (--max-tokens); training needs whole "
+                            "sequences: collect without --max-tokens")
+    if settings["seq_len"] <= residual:
+        raise SettingsError(f"sequences of {settings['seq_len']} tokens never flush a block of --residual {residual}")
+    if settings["num_samples"] < 2:
+        raise SettingsError("training needs at least 2 collected sequences (one is held out)")
+    chosen = parse_layers(layers, acts.num_layers)
+    head_dim = acts.fingerprint["head_dim"]
+    scaling = head_dim**-0.5
+    n_held = max(1, settings["num_samples"] // 8)
+
+    tensors, before, after = {}, [], []
+    start = time.perf_counter()
+    with tqdm(total=len(chosen) * config.steps, desc="train-adapters", unit="step") as bar:
+        for i in chosen:
+            data = _layer_data(acts.layer(i), config)
+            n = data.q.shape[0]
+            train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))
+            adapter = train_layer(train, config, scaling, i, bar)
+            before.append(heldout_loss(held, config, scaling, None))
+            after.append(heldout_loss(held, config, scaling, adapter))
+            log.info("layer %d: held-out attention CE %.4f uncorrected, %.4f corrected", i, before[-1], after[-1])
+            tensors |= {f"layers.{i}.{n}": getattr(adapter, n).half() for n in ADAPTER_NAMES}
+    seconds = time.perf_counter() - start
+    return save_artifact(
+        out, "kvlinc",
+        settings=asdict(config) | {"layers": chosen, "scaling": scaling, "value_rotation": "hadamard",
+                                   "state_dtype": "float32", "activations": settings},
+        fingerprint=acts.fingerprint, tensors=tensors,
+        extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after, "train_seconds": seconds,
+               "heldout_sequences": n_held},
+    )
