@@ -28,7 +28,7 @@ def _decoded_perplexity(lm, windows, method):
     def attend(layer, q, k, v, opts):
         held = hold(method, layer, k, v)
         flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block)
-        return mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+        return method.attend(layer, q, k, v, held, flushed, opts)
 
     with torch.no_grad(), intercept(lm.model, attend):
         for w in windows:

@@ -32,8 +32,10 @@ def _adapter(shape: AttentionShape, rank: int, kind: str = "random", seed: int =
 
 
 def _explicit(q, k, v, held, flushed, adapter, scaling):
-    """Float64 quadratic form of the corrected attention, without any max-subtraction."""
-    q, k, kh, vh = q.double(), k.double(), held.k.double(), held.v.double()
+    """Float64 quadratic form of the corrected attention, without any max-subtraction, over the cache's
+    float16 keys and values (k16, v16) and their quantized form (held.k, held.v)."""
+    q, k, kh, vh, v = q.double(), held.k16.double(), held.k.double(), held.v.double(), held.v16
+
     g = q.shape[1] // k.shape[1]
     kh, vh, k = (x.repeat_interleave(g, 1) for x in (kh, vh, k))
 
@@ -81,10 +83,10 @@ def test_without_states_the_output_is_plain_quantized_attention(t):
     held = hold(plain, 0, k, v)
     flushed = flushed_counts(t, t, 8)
     opts = AttentionOptions(scaling=0.25)
-    expected = mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+    expected = mixed_attention(q, held.k16, held.v16, opts, held.k, held.v, flushed)
     assert torch.equal(plain.attend(0, q, k, v, held, flushed, opts), expected)
     # Zero states (nothing flushed yet, or S = P = 0) leave the attention untouched.
-    out, lse = mixed_attention(q, k, v, opts, held.k, held.v, flushed, return_lse=True)
+    out, lse = mixed_attention(q, held.k16, held.v16, opts, held.k, held.v, flushed, return_lse=True)
     zero = combine(out, lse, torch.rand(1, 4, t, 32), States.empty(1, 2, 32, 16))
     assert torch.allclose(zero, expected, rtol=1e-6, atol=1e-7)
     if t < 8:
@@ -130,6 +132,7 @@ def _decoded_perplexity(lm, windows, method):
             states: dict[int, States] = {}
 
             def attend(layer, q, k, v, opts):
+                k, v = k.half().float(), v.half().float()  # the cache receives float16
                 kq, vq = blocks.setdefault(layer, ([], []))
                 n = sum(x.shape[-2] for x in kq)
                 if k.shape[-2] - n >= method.block:  # the residual filled: flush one block
@@ -141,7 +144,7 @@ def _decoded_perplexity(lm, windows, method):
                     state = states.get(layer) or States.empty(1, k.shape[1], adapter.rank, k.shape[-1])
                     states[layer] = state.flush(adapter, kb - kd, vd)
                     n += method.block
-                # The residual as eval reads it (`mixed_attention` takes unflushed keys from k, v).
+                # The residual in float16, exact otherwise.
                 k_held, v_held = torch.cat([*kq, k[..., n:, :]], -2), torch.cat([*vq, v[..., n:, :]], -2)
                 return decode_attention(q, k_held, v_held, opts, method.adapters.get(layer), states.get(layer))
 

@@ -45,32 +45,36 @@ class Method:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: "Held",
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
         """Attention of every query over the cache as held; methods with correction terms override it."""
-        return mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+        return mixed_attention(q, held.k16, held.v16, opts, held.k, held.v, flushed)
 
 
 @dataclass
 class Held:
-    k: torch.Tensor
+    k: torch.Tensor  # every token as stored: compressed part decompressed, the rest float16
     v: torch.Tensor
+    k16: torch.Tensor  # every token as the float16 cache received it (a query's residual reads these)
+    v16: torch.Tensor
     flushed: int  # tokens in compressed storage
     stored_bits: int  # compressed blocks plus the float16 residual
 
 
 def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
-    """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16."""
+    """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16.
+
+    The cache receives float16 keys and values; blocks are compressed from those.
+    """
     t = k.shape[-2]
     flushed = t // method.block * method.block
-    k_res, v_res = k[..., flushed:, :].half(), v[..., flushed:, :].half()
-    bits = 16 * (k_res.numel() + v_res.numel())
+    k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
+    bits = 16 * (k16[..., flushed:, :].numel() + v16[..., flushed:, :].numel())
+    k_held, v_held = k16, v16
     if flushed:
-        packed = method.compress(layer, k[..., :flushed, :], v[..., :flushed, :])
+        packed = method.compress(layer, k16[..., :flushed, :], v16[..., :flushed, :])
         kq, vq = method.decompress(layer, packed)
         bits += method.stored_bits(packed)
-        k_held = torch.cat([kq.to(k.dtype), k_res.to(k.dtype)], dim=-2)
-        v_held = torch.cat([vq.to(v.dtype), v_res.to(v.dtype)], dim=-2)
-    else:
-        k_held, v_held = k_res.to(k.dtype), v_res.to(v.dtype)
-    return Held(k=k_held, v=v_held, flushed=flushed, stored_bits=bits)
+        k_held = torch.cat([kq.to(k.dtype), k16[..., flushed:, :]], dim=-2)
+        v_held = torch.cat([vq.to(v.dtype), v16[..., flushed:, :]], dim=-2)
+    return Held(k=k_held, v=v_held, k16=k16, v16=v16, flushed=flushed, stored_bits=bits)
 
 
 # name -> module under kvcalib.methods; each module has `build(shape, settings, artifacts, model) -> Method`.

@@ -169,7 +169,7 @@ class Kvlinc(Kivi):
         out = [States.empty(b, hkv, adapter.rank, d)]
         for start in range(0, held.flushed, self.block):
             blk = slice(start, start + self.block)
-            k_err = k[..., blk, :].float() - held.k[..., blk, :].float()
+            k_err = held.k16[..., blk, :].float() - held.k[..., blk, :].float()
             out.append(out[-1].flush(adapter, k_err, held.v[..., blk, :]))
         return out
 
@@ -177,12 +177,12 @@ class Kvlinc(Kivi):
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
         adapter = self.adapters.get(layer)
         if adapter is None or held.flushed == 0:
-            return mixed_attention(q, k, v, opts, held.k, held.v, flushed)
+            return super().attend(layer, q, k, v, held, flushed, opts)
         if opts.sliding_window:
             raise SettingsError("KVLinC's correction states cannot drop tokens that leave a sliding window")
         if self.scaling is not None and abs(opts.scaling - self.scaling) > 1e-6 * self.scaling:
             raise ArtifactError(f"adapters were trained for attention scaling {self.scaling}, the model uses {opts.scaling}")
-        out, lse = mixed_attention(q, k, v, opts, held.k, held.v, flushed, return_lse=True)
+        out, lse = mixed_attention(q, held.k16, held.v16, opts, held.k, held.v, flushed, return_lse=True)
         fq = features(q, adapter.q_w1, adapter.q_w2)
         states = self.states(layer, k, held)
         # Query i reads the states of the flushed[i] // block blocks it sees, exactly as a decoder would.
