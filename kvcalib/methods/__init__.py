@@ -42,6 +42,16 @@ class Method:
         """Bits of the method's shared tensors (codebooks, adapters), stored once for all sequences."""
         return 0
 
+    # ---- decoding (kvcalib.runtime.cache): a state kept beside the compressed blocks, None at first ----
+    def flush_state(self, layer: int, state: Any, k16: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor) -> Any:
+        """The state after one block is flushed: its float16 keys, and its keys and values as held."""
+        return state
+
+    def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
+               opts: AttentionOptions, state: Any) -> torch.Tensor:
+        """Attention of the last q.shape[-2] positions over a decoder's cache as held (reference path)."""
+        return mixed_attention(q, k_held, v_held, opts)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: "Held",
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
         """Attention of every query over the cache as held; methods with correction terms override it."""

@@ -81,8 +81,8 @@ class States:
     p: torch.Tensor
 
     @classmethod
-    def empty(cls, batch: int, kv_heads: int, rank: int, head_dim: int) -> "States":
-        return cls(torch.zeros(batch, kv_heads, rank, head_dim), torch.zeros(batch, kv_heads, rank))
+    def empty(cls, batch: int, kv_heads: int, rank: int, head_dim: int, device=None) -> "States":
+        return cls(torch.zeros(batch, kv_heads, rank, head_dim, device=device), torch.zeros(batch, kv_heads, rank, device=device))
 
     def flush(self, adapter: Adapter, k_err: torch.Tensor, v_held: torch.Tensor) -> "States":
         """The states after a block is flushed: S += φ_k(kᵉ)ᵀ vᵠ, P += Σ φ_k(kᵉ) over its tokens."""
@@ -172,6 +172,20 @@ class Kvlinc(Kivi):
             k_err = held.k16[..., blk, :].float() - held.k[..., blk, :].float()
             out.append(out[-1].flush(adapter, k_err, held.v[..., blk, :]))
         return out
+
+    def flush_state(self, layer: int, state: States | None, k16: torch.Tensor, k_held: torch.Tensor,
+                    v_held: torch.Tensor) -> States | None:
+        adapter = self.adapters.get(layer)
+        if adapter is None:
+            return None
+        if state is None:
+            b, hkv, _, d = k16.shape
+            state = States.empty(b, hkv, adapter.rank, d, device=k16.device)
+        return state.flush(adapter, k16.float() - k_held.float(), v_held)
+
+    def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
+               opts: AttentionOptions, state: States | None) -> torch.Tensor:
+        return decode_attention(q, k_held, v_held, opts, self.adapters.get(layer), state)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: Held,
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:

@@ -1,0 +1,152 @@
+"""A transformers Cache that holds the KV cache compressed by a kvcalib method.
+
+    cache = KvcalibCache.from_artifacts("artifacts/smollm2-135m/oscar", model)   # or KvcalibCache(model, "kivi")
+    model.generate(**inputs, past_key_values=cache)
+
+Per layer, tokens arrive in float16; as soon as R (the method's block) of them are waiting, they are
+compressed (`method.compress`) and kept packed, exactly the flush rule `kvcalib eval` scores. The
+model's attention runs through the registered attention function `kvcalib_runtime`:
+- a prompt into an empty cache attends in full precision, then is compressed;
+- later tokens attend over the cache as held. On CUDA, for the INT2 methods of `kvcalib.quant`
+  (kivi, kvlinc), the fused kernel of `kernels_cupy/` reads the packed blocks; elsewhere the torch
+  reference (`Method.decode` over the dequantized blocks and the float16 residual) runs.
+`from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention import AttentionOptions, mixed_attention
+from ..methods import Method, MethodSettings, build_method
+from ..models import LoadedModel, attention_shape
+
+IMPLEMENTATION = "kvcalib_runtime"
+_CURRENT: contextvars.ContextVar[tuple["CompressedLayer", int] | None] = contextvars.ContextVar("kvcalib_layer", default=None)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """One layer: compressed blocks (and, for the torch reference path, their dequantized float32
+    form), the float16 residual, and the method's decoding state (KVLinC's S and P)."""
+
+    is_sliding = False
+
+    def __init__(self, method: Method, layer: int):
+        super().__init__()
+        self.method, self.layer = method, layer
+        self.packed: list[Any] = []
+        self.k_blocks: list[torch.Tensor] = []
+        self.v_blocks: list[torch.Tensor] = []
+        self.k_res: torch.Tensor | None = None
+        self.v_res: torch.Tensor | None = None
+        self.state: Any = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.k_res = key_states[..., :0, :].half()
+        self.v_res = value_states[..., :0, :].half()
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        before = self.length
+        self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
+        self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
+        self.length += key_states.shape[-2]
+        block = self.method.block
+        while self.k_res.shape[-2] >= block:
+            k16, v16 = self.k_res[..., :block, :], self.v_res[..., :block, :]
+            packed = self.method.compress(self.layer, k16.float(), v16.float())
+            kd, vd = self.method.decompress(self.layer, packed)
+            self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
+            self.packed.append(packed)
+            self.k_blocks.append(kd)  # float32: exactly the dequantized values the method defines
+            self.v_blocks.append(vd)
+            self.k_res, self.v_res = self.k_res[..., block:, :], self.v_res[..., block:, :]
+        _CURRENT.set((self, before))
+        return key_states, value_states
+
+    def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
+        return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
+                torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
+
+    def get_seq_length(self, *args) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        return self.length + (query_length if isinstance(query_length, int) else query_length.shape[0]), 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.__init__(self.method, self.layer)
+
+    def stored_bits(self) -> int:
+        """Bits the cache holds now: packed blocks (method's count) plus the float16 residual."""
+        res = 16 * (self.k_res.numel() + self.v_res.numel()) if self.is_initialized else 0
+        return sum(self.method.stored_bits(p) for p in self.packed) + res
+
+
+class KvcalibCache(Cache):
+    def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
+                 artifacts: str | None = None):
+        lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
+        shape = attention_shape(lm.config)
+        self.method = method if isinstance(method, Method) else build_method(method, shape, settings, artifacts, lm)
+        super().__init__(layers=[CompressedLayer(self.method, i) for i in range(shape.num_layers)])
+        _register()
+        lm.model.set_attn_implementation(IMPLEMENTATION)
+
+    @classmethod
+    def from_artifacts(cls, path: str, model) -> "KvcalibCache":
+        """The cache an artifact describes, validated against `model` (fingerprint and method)."""
+        import json
+        from pathlib import Path
+
+        from ..artifacts import MANIFEST, load_artifact
+
+        manifest_path = Path(path) / MANIFEST
+        load_artifact(path, model=getattr(model, "model", model))  # validates format, checksums, fingerprint
+        method = json.loads(manifest_path.read_text())["method"]
+        return cls(model, method, artifacts=path)
+
+    def stored_bits(self) -> int:
+        return sum(layer.stored_bits() for layer in self.layers)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The model's attention while a KvcalibCache is in use; plain exact attention otherwise."""
+    opts = AttentionOptions(scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                            softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"))
+    current = _CURRENT.get()
+    if current is None or current[0].layer != module.layer_idx:
+        out = mixed_attention(query, key, value, opts)  # no compressed cache: exact attention
+    else:
+        layer, before = current
+        _CURRENT.set(None)
+        if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
+            out = mixed_attention(query, key.half().to(key.dtype), value.half().to(value.dtype), opts)
+        else:
+            out = decode(layer, query, opts)
+    return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
+    """Attention of the newest positions over the compressed cache: fused kernel or torch reference."""
+    k_held, v_held = layer.held(torch.float32)
+    return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
+
+
+def _register() -> None:
+    AttentionInterface.register(IMPLEMENTATION, _attention)
