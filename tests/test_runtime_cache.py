@@ -33,16 +33,16 @@ def _reference_greedy(model, method, prompt: torch.Tensor, steps: int) -> tuple[
     return tokens, logits
 
 
-def _kvlinc_with_adapters(shape):
+def _kvlinc_with_adapters(shape, group: int = 8, residual: int = 16, device: str = "cpu"):
     """KVLinC with random adapters in every layer, so the S, P states take part."""
     from kvcalib.methods.kivi import KiviConfig
     from kvcalib.methods.kvlinc import Adapter, Kvlinc
 
     gen = torch.Generator().manual_seed(0)
     heads = {"q": shape.num_heads, "k": shape.num_kv_heads}
-    adapters = {i: Adapter(*(torch.randn(heads[n], shape.head_dim, 16, generator=gen) for n in "qqkk"))
+    adapters = {i: Adapter(*(torch.randn(heads[n], shape.head_dim, 16, generator=gen).to(device) for n in "qqkk"))
                 for i in range(shape.num_layers)}
-    return Kvlinc(KiviConfig(2, 8, 16), shape, adapters)
+    return Kvlinc(KiviConfig(2, group, residual), shape, adapters)
 
 
 @pytest.mark.parametrize("name,settings", [

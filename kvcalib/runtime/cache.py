@@ -23,8 +23,10 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, mixed_attention
+from ..hadamard import rotate
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
+from .decode import PackedLayer, append_block, fused_decode
 
 IMPLEMENTATION = "kvcalib_runtime"
 _CURRENT: contextvars.ContextVar[tuple["CompressedLayer", int] | None] = contextvars.ContextVar("kvcalib_layer", default=None)
@@ -36,9 +38,9 @@ class CompressedLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, method: Method, layer: int):
+    def __init__(self, method: Method, layer: int, use_fused: bool = True):
         super().__init__()
-        self.method, self.layer = method, layer
+        self.method, self.layer, self.use_fused = method, layer, use_fused
         self.packed: list[Any] = []
         self.k_blocks: list[torch.Tensor] = []
         self.v_blocks: list[torch.Tensor] = []
@@ -46,6 +48,7 @@ class CompressedLayer(CacheLayerMixin):
         self.v_res: torch.Tensor | None = None
         self.state: Any = None
         self.length = 0
+        self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.k_res = key_states[..., :0, :].half()
@@ -69,6 +72,10 @@ class CompressedLayer(CacheLayerMixin):
             self.k_blocks.append(kd)  # float32: exactly the dequantized values the method defines
             self.v_blocks.append(vd)
             self.k_res, self.v_res = self.k_res[..., block:, :], self.v_res[..., block:, :]
+            if self.use_fused and _fused_capable(self.method, k16):
+                self.fused = append_block(self.fused, packed.k, packed.v, self.k_res, self.v_res)
+        if self.fused is not None:
+            self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
         _CURRENT.set((self, before))
         return key_states, value_states
 
@@ -90,7 +97,7 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.method, self.layer)
+        self.__init__(self.method, self.layer, self.use_fused)
 
     def stored_bits(self) -> int:
         """Bits the cache holds now: packed blocks (method's count) plus the float16 residual."""
@@ -100,11 +107,12 @@ class CompressedLayer(CacheLayerMixin):
 
 class KvcalibCache(Cache):
     def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
-                 artifacts: str | None = None):
+                 artifacts: str | None = None, fused: bool = True):
+        """`fused=False` keeps the torch reference path on CUDA too (for comparisons)."""
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         self.method = method if isinstance(method, Method) else build_method(method, shape, settings, artifacts, lm)
-        super().__init__(layers=[CompressedLayer(self.method, i) for i in range(shape.num_layers)])
+        super().__init__(layers=[CompressedLayer(self.method, i, fused) for i in range(shape.num_layers)])
         _register()
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
@@ -142,8 +150,39 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
+def _fused_capable(method: Method, k: torch.Tensor) -> bool:
+    """Whether the INT2 kernel reads this method's blocks: KIVI-layout 2-bit keys and values on CUDA."""
+    from ..methods.kivi import Kivi
+
+    if not (k.is_cuda and isinstance(method, Kivi) and method.config.bits == 2):
+        return False
+    g, gv = method.config.group_size, method.value_group
+    return k.shape[-1] in (64, 128) and g >= 16 and g & (g - 1) == 0 and gv >= 16 and method.block % 16 == 0
+
+
 def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
-    """Attention of the newest positions over the compressed cache: fused kernel or torch reference."""
+    """Attention of the newest positions over the compressed cache: the fused kernel for one new
+    token on CUDA (values rotated back for KVLinC, its S and P entering at the merge), otherwise
+    the method's torch reference over the dequantized cache."""
+    from ..methods.kvlinc import Kvlinc, features
+
+    fused = layer.fused
+    gqa = q.shape[1] // layer.k_res.shape[1]
+    if fused is not None and q.shape[-2] == 1 and gqa <= 8 and not opts.softcap and not opts.sliding_window:
+        qh = q[:, :, 0].half() if q.dtype == torch.float32 else q[:, :, 0]
+        correction = None
+        rotated = isinstance(layer.method, Kvlinc)
+        if rotated and layer.state is not None:
+            adapter = layer.method.adapters[layer.layer]
+            fq = features(q, adapter.q_w1, adapter.q_w2)[:, :, 0]  # (B, Hq, D)
+            fq = fq.reshape(fq.shape[0], -1, gqa, fq.shape[-1])
+            num = (fq @ layer.state.s).reshape(q.shape[0], q.shape[1], -1)
+            den = (fq @ layer.state.p.unsqueeze(-1)).reshape(q.shape[0], q.shape[1])
+            correction = (rotate(num), den)  # the kernel accumulates values in the Hadamard basis
+        out = fused_decode(qh, fused, opts.scaling, correction).float()
+        if rotated:
+            out = rotate(out)
+        return out.unsqueeze(2)
     k_held, v_held = layer.held(torch.float32)
     return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 

@@ -54,6 +54,38 @@ class PackedLayer:
         return k, v
 
 
+def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, residual_k: torch.Tensor,
+                 residual_v: torch.Tensor) -> PackedLayer:
+    """`layer` with one more flushed block (2-bit `Quantized` keys and values of kvcalib.quant),
+    growing its buffers by doubling; the residual window is replaced by the given tensors."""
+    t = kq.length
+    if layer is None:
+        empty = lambda x, dim: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
+        layer = PackedLayer(empty(kq.codes, 2), empty(kq.scale, 2), empty(kq.zero, 2), empty(vq.codes, 2),
+                            empty(vq.scale, 2), empty(vq.zero, 2), residual_k, residual_v, 0, 0,
+                            kq.group_size, vq.group_size)
+    new_len = layer.length + t
+
+    def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
+        if used + add.shape[2] > buf.shape[2]:
+            bigger = buf.new_zeros(*buf.shape[:2], max(2 * buf.shape[2], used + add.shape[2]), *buf.shape[3:])
+            bigger[:, :, :used] = buf[:, :, :used]
+            buf = bigger
+        buf[:, :, used : used + add.shape[2]] = add
+        return buf
+
+    g = layer.group_size
+    layer.kcodes = grow(layer.kcodes, kq.codes, layer.length // 16)
+    layer.kscale = grow(layer.kscale, kq.scale, layer.length // g)
+    layer.kzero = grow(layer.kzero, kq.zero, layer.length // g)
+    layer.vcodes = grow(layer.vcodes, vq.codes, layer.length)
+    layer.vscale = grow(layer.vscale, vq.scale, layer.length)
+    layer.vzero = grow(layer.vzero, vq.zero, layer.length)
+    layer.length = new_len
+    layer.kres, layer.vres, layer.residual = residual_k, residual_v, residual_k.shape[2]
+    return layer
+
+
 def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, group_size: int,
          value_group_size: int, knorm: torch.Tensor | None = None, capacity: int | None = None,
          residual_capacity: int = 128) -> PackedLayer:
