@@ -41,7 +41,7 @@ class CompressedLayer(CacheLayerMixin):
     def __init__(self, method: Method, layer: int, use_fused: bool = True):
         super().__init__()
         self.method, self.layer, self.use_fused = method, layer, use_fused
-        self.packed: list[Any] = []
+        self.packed_bits = 0
         self.k_blocks: list[torch.Tensor] = []
         self.v_blocks: list[torch.Tensor] = []
         self.k_res: torch.Tensor | None = None
@@ -68,12 +68,13 @@ class CompressedLayer(CacheLayerMixin):
             packed = self.method.compress(self.layer, k16.float(), v16.float())
             kd, vd = self.method.decompress(self.layer, packed)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
-            self.packed.append(packed)
-            self.k_blocks.append(kd)  # float32: exactly the dequantized values the method defines
-            self.v_blocks.append(vd)
+            self.packed_bits += self.method.stored_bits(packed)
             self.k_res, self.v_res = self.k_res[..., block:, :], self.v_res[..., block:, :]
             if self.use_fused and _fused_capable(self.method, k16):
                 self.fused = append_block(self.fused, packed.k, packed.v, self.k_res, self.v_res)
+            else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
+                self.k_blocks.append(kd)
+                self.v_blocks.append(vd)
         if self.fused is not None:
             self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
         _CURRENT.set((self, before))
@@ -81,6 +82,11 @@ class CompressedLayer(CacheLayerMixin):
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
+        if self.fused is not None:  # rare on the fused path: several new positions onto a filled cache
+            from ..methods.kvlinc import Kvlinc
+
+            k, v = self.fused.flushed_kv()
+            self.k_blocks, self.v_blocks = [k], [rotate(v) if isinstance(self.method, Kvlinc) else v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
 
@@ -102,7 +108,7 @@ class CompressedLayer(CacheLayerMixin):
     def stored_bits(self) -> int:
         """Bits the cache holds now: packed blocks (method's count) plus the float16 residual."""
         res = 16 * (self.k_res.numel() + self.v_res.numel()) if self.is_initialized else 0
-        return sum(self.method.stored_bits(p) for p in self.packed) + res
+        return self.packed_bits + res
 
 
 class KvcalibCache(Cache):

@@ -1,0 +1,88 @@
+"""End-to-end greedy decoding on the GPU: a random-initialised Llama-3.1-8B-shaped model (built from a
+config, fp16) with a long prompt, fp16 DynamicCache (SDPA) against each compressed KvcalibCache.
+
+    python benchmarks/generate.py [--context 32768] [--new-tokens 64] [--results FILE]
+
+Tokens/s counts the decode steps only (prefill excluded, timed separately); peak memory is
+torch.cuda.max_memory_allocated over prefill and decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from kvcalib.methods import MethodSettings
+from kvcalib.models import LoadedModel
+from kvcalib.runtime.cache import KvcalibCache
+
+
+def llama8b_config(context: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       max_position_embeddings=max(131072, context + 1024), rope_theta=500000.0)
+
+
+def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, list[int]]:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    cache = make_cache()
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        torch.cuda.synchronize()
+        prefill = time.perf_counter() - t0
+        tokens = [int(logits.argmax())]
+        t0 = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            nxt = torch.tensor([[tokens[-1]]], device="cuda")
+            tokens.append(int(model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax()))
+        torch.cuda.synchronize()
+        decode = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    return prefill, (new_tokens - 1) / decode, peak, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
+    weights = torch.cuda.memory_allocated() / 2**30
+    prompt = torch.randint(0, 128256, (1, args.context), device="cuda")
+    rows = []
+    model.set_attn_implementation("sdpa")
+    rows.append(("fp16 DynamicCache (SDPA)", *run(model, lambda: DynamicCache(config=model.config), prompt, args.new_tokens)))
+    for label, method, settings in [("KIVI-2 G=128 (fused)", "kivi", MethodSettings(2, 128, 128)),
+                                    ("KIVI-2 G=32 (fused)", "kivi", MethodSettings(2, 32, 128)),
+                                    ("CK+HV-2 G=128, KVLinC layout (fused)", "kvlinc", MethodSettings(2, 128, 128))]:
+        rows.append((label, *run(model, lambda: KvcalibCache(lm, method, settings), prompt, args.new_tokens)))
+    base_tokens = rows[0][4]
+    lines = [f"weights: {weights:.1f} GiB; prompt {args.context} tokens, {args.new_tokens} greedy tokens", "",
+             "| cache | prefill s | decode tokens/s | peak GiB | tokens equal to fp16 (of decoded) |",
+             "|---|---:|---:|---:|---:|"]
+    for label, prefill, tps, peak, tokens in rows:
+        same = sum(a == b for a, b in zip(tokens, base_tokens))
+        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {peak:.1f} | {same}/{len(tokens)} |")
+    title = f"End-to-end greedy decode, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    table = "\n".join(lines)
+    print(f"\n{title}\n\n{table}")
+    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
+    with open(args.results, "a") as f:
+        f.write(f"\n## {title} ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
