@@ -68,7 +68,6 @@ def test_generate_with_compressed_cache_matches_the_reference_recomputation(name
     for got, want in zip(out.logits, ref_logits):
         torch.testing.assert_close(got[0].float(), want.float(), rtol=1e-4, atol=1e-4)
     assert cache.get_seq_length() == prompt.shape[1] + 29  # the last token is sampled, never cached
-    assert cache.layers[0].length // method.block == len(cache.layers[0].k_blocks)
 
 
 def test_compressed_cache_stores_fewer_bits_than_float16():

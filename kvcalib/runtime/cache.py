@@ -62,14 +62,14 @@ class CompressedLayer(CacheLayerMixin):
         self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
         self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
         self.length += key_states.shape[-2]
-        block = self.method.block
-        while self.k_res.shape[-2] >= block:
-            k16, v16 = self.k_res[..., :block, :], self.v_res[..., :block, :]
+        flush = self.k_res.shape[-2] // self.method.block * self.method.block
+        if flush:  # every full block at once: blocks are compressed independently of each other
+            k16, v16 = self.k_res[..., :flush, :], self.v_res[..., :flush, :]
             packed = self.method.compress(self.layer, k16.float(), v16.float())
             kd, vd = self.method.decompress(self.layer, packed)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
             self.packed_bits += self.method.stored_bits(packed)
-            self.k_res, self.v_res = self.k_res[..., block:, :], self.v_res[..., block:, :]
+            self.k_res, self.v_res = self.k_res[..., flush:, :], self.v_res[..., flush:, :]
             if self.use_fused and _fused_capable(self.method, k16):
                 self.fused = append_block(self.fused, packed.k, packed.v, self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
@@ -150,7 +150,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         layer, before = current
         _CURRENT.set(None)
         if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
-            out = mixed_attention(query, key.half().to(key.dtype), value.half().to(value.dtype), opts)
+            k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+            if query.is_cuda and not opts.softcap and not opts.sliding_window:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
+            else:
+                out = mixed_attention(query, k16, v16, opts)
         else:
             out = decode(layer, query, opts)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
