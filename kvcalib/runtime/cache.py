@@ -69,7 +69,8 @@ class CompressedLayer(CacheLayerMixin):
             kd, vd = self.method.decompress(self.layer, packed)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
             self.packed_bits += self.method.stored_bits(packed)
-            self.k_res, self.v_res = self.k_res[..., flush:, :], self.v_res[..., flush:, :]
+            self.k_res = self.k_res[..., flush:, :].contiguous()  # the kernel reads dense (B, H, r, d)
+            self.v_res = self.v_res[..., flush:, :].contiguous()
             if self.use_fused and _fused_capable(self.method, k16):
                 self.fused = append_block(self.fused, packed.k, packed.v, self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them

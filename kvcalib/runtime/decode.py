@@ -160,6 +160,9 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     hkv = layer.kcodes.shape[1]
     if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq // hkv > 8:
         raise ValueError("fused decode needs fp16/bf16 queries, head_dim 64 or 128, at most 8 query heads per KV head")
+    buffers = (layer.kcodes, layer.kscale, layer.kzero, layer.vcodes, layer.vscale, layer.vzero, layer.kres, layer.vres)
+    if not all(b.is_contiguous() for b in buffers) or (layer.knorm is not None and not layer.knorm.is_contiguous()):
+        raise ValueError("fused decode reads dense buffers: every PackedLayer tensor must be contiguous")
     if layer.length % 16 or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
         raise ValueError("fused decode needs flushed length and capacity in multiples of 16 tokens, value groups >= 16")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
