@@ -16,6 +16,7 @@ model's attention runs through the registered attention function `kvcalib_runtim
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 from typing import Any
 
 import torch
@@ -184,6 +185,8 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
         qh = q[:, :, 0].half() if q.dtype == torch.float32 else q[:, :, 0]
         correction = None
         rotated = isinstance(layer.method, Kvlinc)
+        if rotated:  # the kernel sums flushed and residual values in one basis: the Hadamard one
+            fused = dataclasses.replace(fused, vres=rotate(fused.vres.float()).half())
         if rotated and layer.state is not None:
             adapter = layer.method.adapters[layer.layer]
             fq = features(q, adapter.q_w1, adapter.q_w2)[:, :, 0]  # (B, Hq, D)
