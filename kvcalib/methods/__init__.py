@@ -77,6 +77,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
 _MODULES = {
     "fp16": "fp16",
     "kivi": "kivi",
+    "oscar": "oscar",
 }
 METHOD_NAMES = tuple(_MODULES)
 
@@ -88,6 +89,8 @@ class MethodSettings:
     bits: int = 2
     group_size: int = 32
     residual: int = 128
+    scaling: str = "l2"  # OScaR: per-token key coefficient, or "none"
+    rotation: bool = True  # OScaR: Hadamard rotation of keys and values
 
 
 def check_method_name(name: str) -> None:
