@@ -248,8 +248,8 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
 
 
 def _default_plot_layers(layers: list[dict]) -> list[int]:
-    """The first layer, the layer with the strongest key-norm imbalance, and the last layer."""
-    worst = max(range(len(layers)), key=lambda i: max(h["max_over_median"] for h in layers[i]["norms"]["k"]["heads"]))
+    """The first layer, the layer with the strongest key-norm imbalance (max/min), and the last layer."""
+    worst = max(range(len(layers)), key=lambda i: max(h["max_over_min"] for h in layers[i]["norms"]["k"]["heads"]))
     return sorted({0, worst, len(layers) - 1})
 
 

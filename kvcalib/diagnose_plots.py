@@ -25,8 +25,9 @@ def _norm_figure(layer: int, kept: dict, path: Path) -> None:
         heads = norms.shape[1]
         ax = axes[0, col]
         ax.boxplot([norms[:, h].flatten().numpy() for h in range(heads)], whis=(1, 99), flierprops={"markersize": 2})
+        ax.set_xticks(range(1, heads + 1), [str(h) for h in range(heads)])
         ax.set_yscale("log")
-        ax.set_title(f"layer {layer} {name.upper()}: per-token L2 norm per head")
+        ax.set_title(f"layer {layer} {name.upper()}: per-token L2 norm per head (whiskers 1-99%)")
         ax.set_xlabel("head")
         ax.set_ylabel("norm (log)")
         ax = axes[1, col]

@@ -27,9 +27,11 @@ from .errors import SettingsError
 
 def _commands() -> dict[str, Callable]:
     from .collect import collect
+    from .diagnose import diagnose
     from .evaluate import evaluate
+    from .methods.oscar import save_oscar_artifact
 
-    return {"collect": collect, "eval": evaluate}
+    return {"collect": collect, "eval": evaluate, "diagnose": diagnose, "oscar-artifact": save_oscar_artifact}
 
 
 @dataclass

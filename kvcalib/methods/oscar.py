@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..artifacts import load_artifact, save_artifact
+from ..atomic import ensure_writable_dir
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, fingerprint, load_model
@@ -144,6 +145,7 @@ def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits
                         residual: int = 128, scaling: str = "l2", rotation: bool = True) -> str:
     """Write the artifact a deployment reproduces OScaR from: settings, model fingerprint, rotation."""
     config = OscarConfig(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
+    ensure_writable_dir(out, "--out")
     lm = load_model(model)
     shape = attention_shape(lm.config)
     method = Oscar(config, shape)
