@@ -73,7 +73,8 @@ def find_outliers(norms: torch.Tensor, rule: OutlierRule = OutlierRule()) -> tup
 
 
 def fake_quant(x: torch.Tensor, bits: int, group: int, axis: str, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Round-to-nearest asymmetric quantize-dequantize of x (..., T, C) in groups along `axis`.
+    """Round-to-nearest asymmetric quantize-dequantize of x (..., T, C) in groups along `axis`, as
+    `kvcalib.quant.quantize` then `dequantize` compute it, without packing.
 
     With `keep` (..., T) the range of each token group is taken over the kept tokens only (a group
     with none kept uses all); the others are clamped into it.
@@ -92,7 +93,8 @@ def fake_quant(x: torch.Tensor, bits: int, group: int, axis: str, keep: torch.Te
         any_kept = mask.any(red, keepdim=True)
         lo = torch.where(any_kept, torch.where(mask, g, math.inf).amin(red, keepdim=True), lo)
         hi = torch.where(any_kept, torch.where(mask, g, -math.inf).amax(red, keepdim=True), hi)
-    scale = (hi - lo) / levels
+    # Scale and zero are rounded to float16 as `kvcalib.quant` stores them.
+    scale, lo = ((hi - lo) / levels).half().float(), lo.half().float()
     q = torch.where(scale > 0, ((g - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, levels), 0.0)
     return (lo + scale * q).reshape(x.shape)
 
