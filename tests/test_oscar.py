@@ -130,3 +130,12 @@ def test_bad_oscar_and_diagnose_input_gives_one_line_and_exit_2(args, capsys, ti
         main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("kvcalib: error: ")
+
+
+def test_the_oscar_recipe_runs_the_ablations_as_settings_of_one_method():
+    from kvcalib.recipes import load_recipe
+
+    steps = {s.label: s.arguments for s in load_recipe("recipes/oscar.toml")}
+    assert steps["Hadamard only"]["method"] == steps["scaling only (l2)"]["method"] == "oscar"
+    assert steps["Hadamard only"]["scaling"] == "none" and steps["scaling only (l2)"]["rotation"] is False
+    assert {a.get("scaling") for a in steps.values() if a["method"] == "oscar"} == set(SCALINGS)
