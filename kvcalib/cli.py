@@ -25,6 +25,13 @@ def _common(fn):
     return fn
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+
+
 def _given(**kwargs) -> dict:
     return {k: v for k, v in kwargs.items() if v is not None}
 
@@ -57,15 +64,19 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @click.option("--bits", type=int, default=2, show_default=True)
 @click.option("--group-size", type=int, default=32, show_default=True)
 @click.option("--residual", type=int, default=128, show_default=True)
+@click.option("--scaling", default="l2", show_default=True, help="oscar: key coefficient l2|rsqrt|max|mean-abs|none.")
+@click.option("--rotation/--no-rotation", default=True, show_default=True, help="oscar: Hadamard rotation of K and V.")
 @click.option("--artifacts", type=click.Path(), default=None, help="Calibrated artifact directory.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
-def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, artifacts, json_path) -> None:
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, scaling, rotation,
+             artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
-                      group_size=group_size, residual=residual, artifacts=artifacts, json_path=json_path,
+                      group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
+                      artifacts=artifacts, json_path=json_path,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
@@ -89,6 +100,39 @@ def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual,
     path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
                           residual=residual, tokens=tokens, layers=layers, seed=seed)
     click.echo(f"adapters written to {path}")
+
+
+@cli.command("diagnose")
+@click.option("--activations", required=True, type=click.Path(), help="A finished `kvcalib collect` directory.")
+@click.option("--bits", default="2,3,4", show_default=True, help="Comma-separated bit widths.")
+@click.option("--group-size", type=int, default=32, show_default=True)
+@click.option("--max-samples", type=int, default=None, help="Use only the first N samples of the collection.")
+@click.option("--plot-layers", default=None, help="Comma-separated layers to plot (default: first, most imbalanced, last).")
+@click.option("--out", required=True, type=click.Path(), help="Output directory (report.json, report.md, PNGs).")
+def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -> None:
+    """Token Norm Imbalance of collected Q/K/V and its cost to low-bit quantization."""
+    from .diagnose import diagnose
+
+    path = diagnose(activations, out, bits=_int_list(bits, "--bits"), group_size=group_size, max_samples=max_samples,
+                    plot_layers=None if plot_layers is None else _int_list(plot_layers, "--plot-layers"))
+    click.echo(f"report written to {path}/report.md")
+
+
+@cli.command("oscar-artifact")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The model the artifact is for.")
+@click.option("--bits", type=int, default=2, show_default=True)
+@click.option("--group-size", type=int, default=32, show_default=True)
+@click.option("--residual", type=int, default=128, show_default=True)
+@click.option("--scaling", default="l2", show_default=True, help="Key coefficient l2|rsqrt|max|mean-abs|none.")
+@click.option("--rotation/--no-rotation", default=True, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out) -> None:
+    """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""
+    from .methods.oscar import save_oscar_artifact
+
+    path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
+                               scaling=scaling, rotation=rotation)
+    click.echo(f"artifact written to {path}")
 
 
 @cli.command("run")

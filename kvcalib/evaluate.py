@@ -57,16 +57,16 @@ class EvalResult:
 
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int = 2,
-             group_size: int = 32, residual: int = 128, artifacts: str | None = None,
-             json_path: str | None = None) -> EvalResult:
+             group_size: int = 32, residual: int = 128, scaling: str = "l2", rotation: bool = True,
+             artifacts: str | None = None, json_path: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text."""
     check_method_name(method)
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
     lm = load_model(model)
     shape = attention_shape(lm.config)
-    cache = build_method(method, shape, MethodSettings(bits=bits, group_size=group_size, residual=residual),
-                         artifacts=artifacts, model=lm)
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
+    cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)
     windows = token_windows(lm.tokenizer, dataset, "evaluation", num_samples, seq_len, text_field)
 

@@ -27,10 +27,13 @@ from .errors import SettingsError
 
 def _commands() -> dict[str, Callable]:
     from .collect import collect
+    from .diagnose import diagnose
     from .evaluate import evaluate
+    from .methods.oscar import save_oscar_artifact
     from .train_adapters import train_adapters
 
-    return {"collect": collect, "eval": evaluate, "train-adapters": train_adapters}
+    return {"collect": collect, "eval": evaluate, "train-adapters": train_adapters, "diagnose": diagnose,
+            "oscar-artifact": save_oscar_artifact}
 
 
 @dataclass

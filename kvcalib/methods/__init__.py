@@ -92,6 +92,7 @@ _MODULES = {
     "fp16": "fp16",
     "kivi": "kivi",
     "kvlinc": "kvlinc",
+    "oscar": "oscar",
 }
 METHOD_NAMES = tuple(_MODULES)
 
@@ -103,6 +104,8 @@ class MethodSettings:
     bits: int = 2
     group_size: int = 32
     residual: int = 128
+    scaling: str = "l2"  # OScaR: per-token key coefficient, or "none"
+    rotation: bool = True  # OScaR: Hadamard rotation of keys and values
 
 
 def check_method_name(name: str) -> None:

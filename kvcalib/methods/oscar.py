@@ -1,0 +1,171 @@
+"""OScaR (Su et al., 2026, "Omni-Scaled Canalized Rotation"): Hadamard rotation, then per-token key
+scaling, then KIVI's per-channel key / per-token value quantization. Training-free.
+
+Keys: k' = (k H) / s(k H), with H the normalized Hadamard matrix (`kvcalib.hadamard`) and s one
+coefficient per token and KV head, stored in float16; k' is quantized per channel in groups of G
+tokens. Reading back: k = (dequant(k') * s) H. Queries take the same rotation, so q·k is unchanged
+(H is orthogonal); the evaluation reads keys back in the original space, which gives the same scores.
+Values: v H quantized per token in groups of min(G, head_dim) channels. A deployment folds H into
+the value and output projections once (`fold_value_rotation`); the evaluation simulates that fold in
+the cache (rotate V, quantize, rotate back), which is the same computation because H H = I.
+
+Scaling coefficients s (the paper's ablation), over the rotated key of one token and head:
+`l2` ||k||_2 (default), `rsqrt` sqrt(||k||_2) (only half the norm spread, in log scale, is removed),
+`max` max_i |k_i|, `mean-abs` mean_i |k_i|, `none` no scaling (the "Hadamard only" ablation);
+`rotation=False` is the "scaling only" ablation.
+
+Packed layout: `kvcalib.quant` exactly as KIVI (keys axis="tokens", values axis="channels"), plus
+
+| what      | dtype   | shape             | meaning                                               |
+|-----------|---------|-------------------|-------------------------------------------------------|
+| `k_scale` | float16 | `(B, Hkv, T, 1)`  | s of each token and KV head; absent with scaling none |
+
+Stored bits per flushed block: KIVI's, plus 16 per token and KV head for `k_scale`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..artifacts import load_artifact, save_artifact
+from ..atomic import ensure_writable_dir
+from ..errors import ArtifactError, SettingsError
+from ..hadamard import hadamard, rotate
+from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, fingerprint, load_model
+from . import MethodSettings
+from .kivi import Kivi, KiviConfig, KiviPacked
+
+SCALINGS = ("l2", "rsqrt", "max", "mean-abs", "none")
+_FP16_TINY = 2.0**-14  # smallest normal float16: a zero token keeps a finite, storable coefficient
+
+
+def token_scale(x: torch.Tensor, scaling: str) -> torch.Tensor | None:
+    """The float16 coefficient s of every token of x (..., T, d), shape (..., T, 1); None for `none`."""
+    x = x.float()
+    if scaling == "none":
+        return None
+    if scaling == "l2":
+        s = x.norm(dim=-1, keepdim=True)
+    elif scaling == "rsqrt":
+        s = x.norm(dim=-1, keepdim=True).sqrt()
+    elif scaling == "max":
+        s = x.abs().amax(-1, keepdim=True)
+    elif scaling == "mean-abs":
+        s = x.abs().mean(-1, keepdim=True)
+    else:
+        raise SettingsError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    return s.clamp(_FP16_TINY, 65504.0).half()
+
+
+def encode_keys(k: torch.Tensor, rotation: bool, scaling: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What OScaR quantizes: the rotated keys divided by their per-token coefficients, and those."""
+    k = rotate(k.float()) if rotation else k.float()
+    s = token_scale(k, scaling)
+    return (k if s is None else k / s.float()), s
+
+
+def decode_keys(k: torch.Tensor, s: torch.Tensor | None, rotation: bool) -> torch.Tensor:
+    """Inverse of `encode_keys` (H is its own inverse)."""
+    k = k.float() if s is None else k.float() * s.float()
+    return rotate(k) if rotation else k
+
+
+@dataclass(frozen=True)
+class OscarConfig(KiviConfig):
+    scaling: str = "l2"
+    rotation: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.scaling not in SCALINGS:
+            raise SettingsError(f"--scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+
+
+@dataclass
+class OscarPacked:
+    kivi: KiviPacked
+    k_scale: torch.Tensor | None
+
+
+class Oscar(Kivi):
+    name = "oscar"
+
+    def __init__(self, config: OscarConfig, shape: AttentionShape):
+        super().__init__(config, shape)
+        if config.rotation:
+            hadamard(shape.head_dim)  # refuses an odd head_dim now, not mid-evaluation
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> OscarPacked:
+        c = self.config
+        k, s = encode_keys(k, c.rotation, c.scaling)
+        v = rotate(v.float()) if c.rotation else v
+        return OscarPacked(kivi=super().compress(layer, k, v), k_scale=s)
+
+    def decompress(self, layer: int, packed: OscarPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = super().decompress(layer, packed.kivi)
+        return decode_keys(k, packed.k_scale, self.config.rotation), (rotate(v) if self.config.rotation else v)
+
+    def stored_bits(self, packed: OscarPacked) -> int:
+        norms = 0 if packed.k_scale is None else 16 * packed.k_scale.numel()
+        return super().stored_bits(packed.kivi) + norms
+
+    def settings(self) -> dict:
+        return super().settings() | {"scaling": self.config.scaling, "rotation": self.config.rotation}
+
+
+def fold_value_rotation(model: torch.nn.Module) -> None:
+    """Fold H into every attention layer's v_proj (rows of each KV head) and o_proj (columns of each
+    query head, with the rotation of the KV head it reads), in place: the value cache then holds v H
+    and the model's outputs are unchanged. This is what a deployment does once, offline."""
+    shape = attention_shape(model.config)
+    d, group = shape.head_dim, shape.num_heads // shape.num_kv_heads
+    attentions = [m for m in model.modules() if hasattr(m, "v_proj") and hasattr(m, "o_proj")]
+    if not attentions:
+        raise SettingsError("folding the value rotation needs attention modules with separate v_proj and o_proj")
+    with torch.no_grad():
+        for attn in attentions:
+            v_proj, o_proj = attn.v_proj, attn.o_proj
+            h = hadamard(d, torch.float64, v_proj.weight.device)
+            rotations = [h] * shape.num_kv_heads  # one per KV head; query head j reads KV head j // group
+            w = v_proj.weight.double().reshape(shape.num_kv_heads, d, -1)
+            # v_j H = x W_jᵀ H = x (Hᵀ W_j)ᵀ: each KV head's rows become Hᵀ W_j.
+            v_proj.weight.copy_(torch.stack([r.T @ w[j] for j, r in enumerate(rotations)]).reshape(v_proj.weight.shape))
+            if v_proj.bias is not None:
+                b = v_proj.bias.double().reshape(shape.num_kv_heads, d)
+                v_proj.bias.copy_(torch.stack([b[j] @ r for j, r in enumerate(rotations)]).reshape(-1))
+            # (a_j H) W'_jᵀ = a_j W_jᵀ needs W'_j = W_j H for the columns of query head j.
+            wo = o_proj.weight.double().reshape(o_proj.weight.shape[0], shape.num_heads, d)
+            folded = [wo[:, j] @ rotations[j // group] for j in range(shape.num_heads)]
+            o_proj.weight.copy_(torch.stack(folded, dim=1).reshape(o_proj.weight.shape))
+
+
+def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits: int = 2, group_size: int = 32,
+                        residual: int = 128, scaling: str = "l2", rotation: bool = True) -> str:
+    """Write the artifact a deployment reproduces OScaR from: settings, model fingerprint, rotation."""
+    config = OscarConfig(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
+    ensure_writable_dir(out, "--out")
+    lm = load_model(model)
+    shape = attention_shape(lm.config)
+    method = Oscar(config, shape)
+    tensors = {"rotation": hadamard(shape.head_dim)} if rotation else {}
+    return str(save_artifact(out, "oscar", method.settings(), fingerprint(lm.model), tensors))
+
+
+def _from_artifact(path: str, shape: AttentionShape, model: LoadedModel | None) -> OscarConfig:
+    art = load_artifact(path, method="oscar", model=model.model if model is not None else None)
+    fields = {k: art.settings[k] for k in ("bits", "group_size", "residual", "scaling", "rotation") if k in art.settings}
+    config = OscarConfig(**fields)
+    if config.rotation and not torch.equal(art.tensors.get("rotation", torch.empty(0)), hadamard(shape.head_dim)):
+        raise ArtifactError(f"artifact {path} holds another rotation than the normalized Hadamard of size {shape.head_dim}")
+    return config
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Oscar:
+    """With an artifact, its settings are used (a deployment reproduces them); otherwise the command's."""
+    if artifacts is not None:
+        return Oscar(_from_artifact(artifacts, shape, model), shape)
+    config = OscarConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual,
+                         scaling=settings.scaling, rotation=settings.rotation)
+    return Oscar(config, shape)

@@ -1,0 +1,88 @@
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvcalib.collect import shard_name
+from kvcalib.diagnose import diagnose, fake_quant
+from kvcalib.errors import SettingsError
+from kvcalib.quant import dequantize, quantize
+
+S, HQ, HKV, T, D, LAYERS = 3, 4, 2, 128, 32, 2
+
+
+def _collection(path, k_edit):
+    """A synthetic activation collection in `collect`'s format; k_edit(layer, k) plants tokens in place."""
+    path.mkdir()
+    shards = {}
+    for layer in range(LAYERS):
+        k = torch.randn(S, HKV, T, D) + torch.linspace(-2, 2, D)
+        k_edit(layer, k)
+        data = {"q": torch.randn(S, HQ, T, D).half(), "k": k.half(), "v": torch.randn(S, HKV, T, D).half(),
+                "positions": torch.arange(T, dtype=torch.int32).expand(S, T).contiguous()}
+        save_file(data, str(path / shard_name(layer, 0)))
+        shards[shard_name(layer, 0)] = hashlib.sha256((path / shard_name(layer, 0)).read_bytes()).hexdigest()
+    manifest = {"format_version": 1, "kind": "activations", "model": "synthetic", "num_chunks": 1, "shards": shards,
+                "model_fingerprint": {"num_layers": LAYERS, "num_heads": HQ, "num_kv_heads": HKV, "head_dim": D},
+                "settings": {"num_samples": S, "seq_len": T, "max_tokens": None}}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_diagnosis_finds_exactly_the_planted_low_norm_tokens(tmp_path):
+    torch.manual_seed(1)
+    planted = {(0, 0, 0), (1, 0, 0), (2, 1, 0), (0, 1, 77), (2, 0, 5)}  # (sample, head, position) in layer 1
+
+    def plant(layer, k):
+        if layer == 1:
+            for s, h, t in planted:
+                k[s, h, t] *= 0.04
+
+    out = diagnose(_collection(tmp_path / "acts", plant), tmp_path / "diag", bits=[2, 3], group_size=32)
+    report = json.loads((out / "report.json").read_text())
+    found = {(s, h, t) for h, head in enumerate(report["layers"][1]["norms"]["k"]["heads"]) for s, t in head["low_tokens"]}
+    assert found == planted
+    for layer in range(LAYERS):
+        for name in ("q", "k", "v"):
+            heads = report["layers"][layer]["norms"][name]["heads"]
+            assert sum(h["high_count"] for h in heads) == 0
+            if (layer, name) != (1, "k"):
+                assert sum(h["low_count"] for h in heads) == 0
+    assert report["layers"][1]["norms"]["k"]["low_positions"]["0"] == 3
+    # Scaling brings the sinks' relative error down to the other tokens' level.
+    k2 = report["layers"][1]["quant"]["k"]["2"]
+    assert k2["oscar"]["rel_err_outlier_tokens"] < 0.5 * k2["none"]["rel_err_outlier_tokens"]
+    assert report["summary"]["layers_with_low_norm_key_tokens"] == [1]
+    assert {"report.md", "error_by_layer.png", "norms_layer01.png", "oscar_keys_layer01.png"} <= {p.name for p in out.iterdir()}
+    assert "| 1 |" in (out / "report.md").read_text()
+
+
+def test_a_high_norm_token_inflates_the_key_error_of_its_group_neighbours(tmp_path):
+    torch.manual_seed(2)
+
+    def plant(layer, k):
+        k[:, :, 40] *= 12.0
+
+    out = diagnose(_collection(tmp_path / "acts", plant), tmp_path / "diag", bits=[2], group_size=32, plot_layers=[0])
+    report = json.loads((out / "report.json").read_text())
+    heads = report["layers"][0]["norms"]["k"]["heads"]
+    assert [sorted(h["high_tokens"]) for h in heads] == [[[s, 40] for s in range(S)]] * HKV
+    fig = report["layers"][0]["quant"]["k"]["2"]["none"]
+    assert fig["mse_others_with_outliers"] > 3 * fig["mse_others_without_outliers"]
+
+
+@pytest.mark.parametrize("bits,group,axis", [(2, 8, "tokens"), (3, 16, "channels"), (4, 32, "tokens")])
+def test_fake_quant_matches_the_packed_quantizer(bits, group, axis):
+    x = torch.randn(2, 3, 64, 32) * 3
+    ref = dequantize(quantize(x, bits, group, axis))
+    assert ((fake_quant(x, bits, group, axis) - ref).norm() / (ref - x).norm()).item() < 1e-5
+
+
+def test_bad_diagnose_settings_are_refused_before_writing(tmp_path):
+    acts = _collection(tmp_path / "acts", lambda layer, k: None)
+    for kwargs in (dict(bits=[0]), dict(group_size=0), dict(plot_layers=[7]), dict(group_size=24)):
+        with pytest.raises(SettingsError):
+            diagnose(acts, tmp_path / "diag", **kwargs)
+    assert not (tmp_path / "diag").exists()
