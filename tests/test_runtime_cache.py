@@ -50,6 +50,7 @@ def _kvlinc_with_adapters(shape, group: int = 8, residual: int = 16, device: str
     ("kivi", MethodSettings(bits=2, group_size=8, residual=16)),
     ("kvlinc", MethodSettings(bits=2, group_size=8, residual=16)),
     ("kvlinc+adapters", None),
+    ("oscar", MethodSettings(bits=2, group_size=8, residual=16)),
 ])
 def test_generate_with_compressed_cache_matches_the_reference_recomputation(name, settings):
     model = tiny_model("llama", seed=1)

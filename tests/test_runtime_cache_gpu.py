@@ -29,7 +29,7 @@ def _model(head_dim: int):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters"])
+@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, name, batch, monkeypatch):
     """Every single-token step of a fused cache, against the method's torch reference (`Method.decode`)

@@ -52,6 +52,16 @@ class Kivi(Method):
         if shape.head_dim % self.value_group:
             raise SettingsError(f"--group-size {config.group_size} must divide head_dim {shape.head_dim} for values")
 
+    # What the fused INT2 kernel (kernels_cupy/quant_decode.cu) reads of a flushed block, and in
+    # which basis: queries and residual keys are rotated to match rotated keys, and the output is
+    # rotated back when values are stored rotated.
+    rotated_keys = False
+    rotated_values = False
+
+    def kernel_parts(self, packed: KiviPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
+        """(keys, values, per-token key norms or None) in the layout of kvcalib.quant."""
+        return packed.k, packed.v, None
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KiviPacked:
         c = self.config
         return KiviPacked(

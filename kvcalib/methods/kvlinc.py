@@ -128,6 +128,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: At
 
 class Kvlinc(Kivi):
     name = "kvlinc"
+    rotated_values = True
 
     def __init__(self, config: KiviConfig, shape: AttentionShape, adapters: dict[int, Adapter] | None = None,
                  scaling: float | None = None):

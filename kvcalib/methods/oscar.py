@@ -34,6 +34,7 @@ from ..atomic import ensure_writable_dir
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, fingerprint, load_model
+from ..quant import Quantized
 from . import MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 
@@ -96,6 +97,18 @@ class Oscar(Kivi):
         super().__init__(config, shape)
         if config.rotation:
             hadamard(shape.head_dim)  # refuses an odd head_dim now, not mid-evaluation
+
+    @property
+    def rotated_keys(self) -> bool:
+        return self.config.rotation
+
+    @property
+    def rotated_values(self) -> bool:
+        return self.config.rotation
+
+    def kernel_parts(self, packed: OscarPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
+        norms = None if packed.k_scale is None else packed.k_scale[..., 0]
+        return packed.kivi.k, packed.kivi.v, norms
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> OscarPacked:
         c = self.config

@@ -8,7 +8,7 @@ compressed (`method.compress`) and kept packed, exactly the flush rule `kvcalib 
 model's attention runs through the registered attention function `kvcalib_runtime`:
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. On CUDA, for the INT2 methods of `kvcalib.quant`
-  (kivi, kvlinc), the fused kernel of `kernels_cupy/` reads the packed blocks; elsewhere the torch
+  (kivi, kvlinc, oscar), the fused kernel of `kernels_cupy/` reads the packed blocks; elsewhere the torch
   reference (`Method.decode` over the dequantized blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
@@ -73,7 +73,7 @@ class CompressedLayer(CacheLayerMixin):
             self.k_res = self.k_res[..., flush:, :].contiguous()  # the kernel reads dense (B, H, r, d)
             self.v_res = self.v_res[..., flush:, :].contiguous()
             if self.use_fused and _fused_capable(self.method, k16):
-                self.fused = append_block(self.fused, packed.k, packed.v, self.k_res, self.v_res)
+                self.fused = append_block(self.fused, *self.method.kernel_parts(packed), self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
@@ -164,7 +164,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 
 
 def _fused_capable(method: Method, k: torch.Tensor) -> bool:
-    """Whether the INT2 kernel reads this method's blocks: KIVI-layout 2-bit keys and values on CUDA."""
+    """Whether the INT2 kernel reads this method's blocks (kivi, kvlinc, oscar: KIVI-layout 2-bit)."""
     from ..methods.kivi import Kivi
 
     if not (k.is_cuda and isinstance(method, Kivi) and method.config.bits == 2):
@@ -182,22 +182,23 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     fused = layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
     if fused is not None and q.shape[-2] == 1 and gqa <= 8 and not opts.softcap and not opts.sliding_window:
-        qh = q[:, :, 0].half() if q.dtype == torch.float32 else q[:, :, 0]
-        correction = None
-        rotated = isinstance(layer.method, Kvlinc)
-        if rotated:  # the kernel sums flushed and residual values in one basis: the Hadamard one
+        method = layer.method
+        q1 = q[:, :, 0]
+        if method.rotated_keys:  # q·k is taken in the Hadamard basis the keys are stored in
+            q1 = rotate(q1.float())
+            fused = dataclasses.replace(fused, kres=rotate(fused.kres.float()).half())
+        if method.rotated_values:  # flushed and residual values are summed in one basis
             fused = dataclasses.replace(fused, vres=rotate(fused.vres.float()).half())
-        if rotated and layer.state is not None:
-            adapter = layer.method.adapters[layer.layer]
+        correction = None
+        if isinstance(method, Kvlinc) and layer.state is not None:
+            adapter = method.adapters[layer.layer]
             fq = features(q, adapter.q_w1, adapter.q_w2)[:, :, 0]  # (B, Hq, D)
             fq = fq.reshape(fq.shape[0], -1, gqa, fq.shape[-1])
             num = (fq @ layer.state.s).reshape(q.shape[0], q.shape[1], -1)
             den = (fq @ layer.state.p.unsqueeze(-1)).reshape(q.shape[0], q.shape[1])
-            correction = (rotate(num), den)  # the kernel accumulates values in the Hadamard basis
-        out = fused_decode(qh, fused, opts.scaling, correction).float()
-        if rotated:
-            out = rotate(out)
-        return out.unsqueeze(2)
+            correction = (rotate(num) if method.rotated_values else num, den)
+        out = fused_decode(q1.half() if q1.dtype == torch.float32 else q1, fused, opts.scaling, correction).float()
+        return (rotate(out) if method.rotated_values else out).unsqueeze(2)
     k_held, v_held = layer.held(torch.float32)
     return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 

@@ -54,16 +54,16 @@ class PackedLayer:
         return k, v
 
 
-def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, residual_k: torch.Tensor,
-                 residual_v: torch.Tensor) -> PackedLayer:
-    """`layer` with one more flushed block (2-bit `Quantized` keys and values of kvcalib.quant),
-    growing its buffers by doubling; the residual window is replaced by the given tensors."""
+def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm: torch.Tensor | None,
+                 residual_k: torch.Tensor, residual_v: torch.Tensor) -> PackedLayer:
+    """`layer` with more flushed tokens (2-bit `Quantized` keys and values of kvcalib.quant, optional
+    per-token key norms), growing its buffers by doubling; the residual window is replaced."""
     t = kq.length
     if layer is None:
-        empty = lambda x, dim: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
-        layer = PackedLayer(empty(kq.codes, 2), empty(kq.scale, 2), empty(kq.zero, 2), empty(vq.codes, 2),
-                            empty(vq.scale, 2), empty(vq.zero, 2), residual_k, residual_v, 0, 0,
-                            kq.group_size, vq.group_size)
+        empty = lambda x: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
+        layer = PackedLayer(empty(kq.codes), empty(kq.scale), empty(kq.zero), empty(vq.codes), empty(vq.scale),
+                            empty(vq.zero), residual_k, residual_v, 0, 0, kq.group_size, vq.group_size,
+                            None if knorm is None else empty(knorm.half()))
     new_len = layer.length + t
 
     def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
@@ -81,6 +81,8 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, residu
     layer.vcodes = grow(layer.vcodes, vq.codes, layer.length)
     layer.vscale = grow(layer.vscale, vq.scale, layer.length)
     layer.vzero = grow(layer.vzero, vq.zero, layer.length)
+    if knorm is not None:
+        layer.knorm = grow(layer.knorm, knorm.half(), layer.length)
     layer.length = new_len
     layer.kres, layer.vres, layer.residual = residual_k, residual_v, residual_k.shape[2]
     return layer
