@@ -85,10 +85,9 @@ class CompressedLayer(CacheLayerMixin):
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
         if self.fused is not None:  # rare on the fused path: several new positions onto a filled cache
-            from ..methods.kvlinc import Kvlinc
-
-            k, v = self.fused.flushed_kv()
-            self.k_blocks, self.v_blocks = [k], [rotate(v) if isinstance(self.method, Kvlinc) else v]
+            k, v = self.fused.flushed_kv()  # in the basis the blocks are stored in
+            self.k_blocks = [rotate(k) if self.method.rotated_keys else k]
+            self.v_blocks = [rotate(v) if self.method.rotated_values else v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
 
