@@ -4,7 +4,7 @@ config, fp16) with a long prompt, fp16 DynamicCache (SDPA) against each compress
     python benchmarks/generate.py [--context 32768] [--new-tokens 64] [--results FILE]
 
 Tokens/s counts the decode steps only (prefill excluded, timed separately); peak memory is
-torch.cuda.max_memory_allocated over prefill and decode.
+torch.cuda.max_memory_allocated, over the prefill and over the decode steps separately.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def llama8b_config(context: int) -> LlamaConfig:
                        max_position_embeddings=max(131072, context + 1024), rope_theta=500000.0)
 
 
-def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, list[int]]:
+def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, float, list[int]]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cache = make_cache()
@@ -40,14 +40,16 @@ def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float
         torch.cuda.synchronize()
         prefill = time.perf_counter() - t0
         tokens = [int(logits.argmax())]
+        prefill_peak = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(new_tokens - 1):
             nxt = torch.tensor([[tokens[-1]]], device="cuda")
             tokens.append(int(model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax()))
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    return prefill, (new_tokens - 1) / decode, peak, tokens
+    decode_peak = torch.cuda.max_memory_allocated() / 2**30
+    return prefill, (new_tokens - 1) / decode, prefill_peak, decode_peak, tokens
 
 
 def main() -> None:
@@ -67,15 +69,18 @@ def main() -> None:
     rows.append(("fp16 DynamicCache (SDPA)", *run(model, lambda: DynamicCache(config=model.config), prompt, args.new_tokens)))
     for label, method, settings in [("KIVI-2 G=128 (fused)", "kivi", MethodSettings(2, 128, 128)),
                                     ("KIVI-2 G=32 (fused)", "kivi", MethodSettings(2, 32, 128)),
-                                    ("CK+HV-2 G=128, KVLinC layout (fused)", "kvlinc", MethodSettings(2, 128, 128))]:
+                                    ("CK+HV-2 G=128, KVLinC layout (fused)", "kvlinc", MethodSettings(2, 128, 128)),
+                                    ("OScaR-2 G=32 (fused)", "oscar", MethodSettings(2, 32, 128))]:
         rows.append((label, *run(model, lambda: KvcalibCache(lm, method, settings), prompt, args.new_tokens)))
-    base_tokens = rows[0][4]
-    lines = [f"weights: {weights:.1f} GiB; prompt {args.context} tokens, {args.new_tokens} greedy tokens", "",
-             "| cache | prefill s | decode tokens/s | peak GiB | tokens equal to fp16 (of decoded) |",
-             "|---|---:|---:|---:|---:|"]
-    for label, prefill, tps, peak, tokens in rows:
+    base_tokens = rows[0][-1]
+    lines = [f"weights: {weights:.1f} GiB; prompt {args.context} tokens, {args.new_tokens} greedy tokens "
+             "(random weights: near-uniform logits, so a 2-bit cache changes greedy tokens freely)", "",
+             "| cache | prefill s | decode tokens/s | peak GiB, prefill | peak GiB, decode | tokens equal to fp16 |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for label, prefill, tps, prefill_peak, decode_peak, tokens in rows:
         same = sum(a == b for a, b in zip(tokens, base_tokens))
-        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {peak:.1f} | {same}/{len(tokens)} |")
+        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {prefill_peak:.1f} | {decode_peak:.1f} | "
+                     f"{same}/{len(tokens)} |")
     title = f"End-to-end greedy decode, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
