@@ -10,6 +10,7 @@ torch.cuda.max_memory_allocated, over the prefill and over the decode steps sepa
 from __future__ import annotations
 
 import argparse
+import gc
 import shlex
 import sys
 import time
@@ -30,6 +31,7 @@ def llama8b_config(context: int) -> LlamaConfig:
 
 
 def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, float, list[int]]:
+    gc.collect()  # the previous run's cache must not count in this one's peak
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     cache = make_cache()
@@ -49,7 +51,11 @@ def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float
         torch.cuda.synchronize()
         decode = time.perf_counter() - t0
     decode_peak = torch.cuda.max_memory_allocated() / 2**30
-    return prefill, (new_tokens - 1) / decode, prefill_peak, decode_peak, tokens
+    if isinstance(cache, KvcalibCache):
+        cache_gib = cache.stored_bits() / 8 / 2**30
+    else:
+        cache_gib = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / 2**30
+    return prefill, (new_tokens - 1) / decode, prefill_peak, decode_peak, cache_gib, tokens
 
 
 def main() -> None:
@@ -75,11 +81,11 @@ def main() -> None:
     base_tokens = rows[0][-1]
     lines = [f"weights: {weights:.1f} GiB; prompt {args.context} tokens, {args.new_tokens} greedy tokens "
              "(random weights: near-uniform logits, so a 2-bit cache changes greedy tokens freely)", "",
-             "| cache | prefill s | decode tokens/s | peak GiB, prefill | peak GiB, decode | tokens equal to fp16 |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for label, prefill, tps, prefill_peak, decode_peak, tokens in rows:
+             "| cache | prefill s | decode tokens/s | cache GiB | peak GiB, prefill | peak GiB, decode | tokens equal to fp16 |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, prefill, tps, prefill_peak, decode_peak, cache_gib, tokens in rows:
         same = sum(a == b for a, b in zip(tokens, base_tokens))
-        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {prefill_peak:.1f} | {decode_peak:.1f} | "
+        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {cache_gib:.2f} | {prefill_peak:.1f} | {decode_peak:.1f} | "
                      f"{same}/{len(tokens)} |")
     title = f"End-to-end greedy decode, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
     table = "\n".join(lines)
