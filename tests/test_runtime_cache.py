@@ -83,3 +83,15 @@ def test_compressed_cache_stores_fewer_bits_than_float16():
         bits[name] = cache.stored_bits()
     assert bits["fp16"] == 16 * 2 * 2 * 64 * 2 * 16  # layers x (k, v) x kv heads x tokens x head_dim
     assert bits["kivi"] == pytest.approx(bits["fp16"] * (2 + 32 / 16) / 16)
+
+
+def test_flushing_keeps_no_view_of_the_prompt_buffer():
+    # A view, even an empty one, of the pre-flush float16 buffer would keep the whole prompt alive.
+    model = tiny_model("llama", seed=3)
+    cache = KvcalibCache(LoadedModel(model=model, tokenizer=None, spec="tiny"), "kivi",
+                         MethodSettings(bits=2, group_size=16, residual=32))
+    with torch.no_grad():
+        model(torch.randint(0, 512, (1, 96)), past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        assert layer.k_res.shape[-2] == 0
+        assert layer.k_res.untyped_storage().nbytes() == 0 and layer.v_res.untyped_storage().nbytes() == 0

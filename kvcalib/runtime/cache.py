@@ -52,8 +52,9 @@ class CompressedLayer(CacheLayerMixin):
         self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.k_res = key_states[..., :0, :].half()
-        self.v_res = value_states[..., :0, :].half()
+        b, h, _, d = key_states.shape
+        self.k_res = key_states.new_zeros(b, h, 0, d, dtype=torch.float16)
+        self.v_res = value_states.new_zeros(b, h, 0, value_states.shape[-1], dtype=torch.float16)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -70,8 +71,9 @@ class CompressedLayer(CacheLayerMixin):
             kd, vd = self.method.decompress(self.layer, packed)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
             self.packed_bits += self.method.stored_bits(packed)
-            self.k_res = self.k_res[..., flush:, :].contiguous()  # the kernel reads dense (B, H, r, d)
-            self.v_res = self.v_res[..., flush:, :].contiguous()
+            # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
+            self.k_res = self.k_res[..., flush:, :].clone()
+            self.v_res = self.v_res[..., flush:, :].clone()
             if self.use_fused and _fused_capable(self.method, k16):
                 self.fused = append_block(self.fused, *self.method.kernel_parts(packed), self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
