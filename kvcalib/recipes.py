@@ -28,8 +28,9 @@ from .errors import SettingsError
 def _commands() -> dict[str, Callable]:
     from .collect import collect
     from .evaluate import evaluate
+    from .methods.vecinfer import fit_codebook
 
-    return {"collect": collect, "eval": evaluate}
+    return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook}
 
 
 @dataclass

@@ -77,6 +77,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
 _MODULES = {
     "fp16": "fp16",
     "kivi": "kivi",
+    "vecinfer": "vecinfer",
 }
 METHOD_NAMES = tuple(_MODULES)
 
