@@ -66,13 +66,13 @@ def load_recipe(path: str | Path) -> list[Step]:
     return steps
 
 
+def run_step(step: Step, **overrides) -> object:
+    """Run one step; `overrides` replace its arguments where its command takes them."""
+    command = _commands()[step.command]
+    accepted = inspect.signature(command).parameters
+    return command(**(step.arguments | {k: v for k, v in overrides.items() if k in accepted and v is not None}))
+
+
 def run_recipe(path: str | Path, model=None) -> list[tuple[Step, object]]:
     """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's."""
-    commands = _commands()
-    results = []
-    for step in load_recipe(path):
-        arguments = dict(step.arguments)
-        if model is not None:
-            arguments["model"] = model
-        results.append((step, commands[step.command](**arguments)))
-    return results
+    return [(step, run_step(step, model=model)) for step in load_recipe(path)]
