@@ -46,6 +46,6 @@ def test_recipe_collects_fits_codebooks_and_evaluates_vecinfer(tmp_path, tiny_lm
 
 
 def test_shipped_vecinfer_recipes_parse():
-    for name in ("vecinfer", "vecinfer-ablation", "vecinfer-transfer"):
+    for name in ("vecinfer", "vecinfer-ablation", "vecinfer-transfer", "vecinfer-d8b16"):
         assert any(step.command == "eval" and step.arguments["method"] == "vecinfer"
                    for step in load_recipe(f"recipes/{name}.toml"))

@@ -204,3 +204,16 @@ def test_missing_activations_give_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fit-codebook", "--activations", str(tmp_path / "none"), "--out", str(tmp_path / "art")])
     assert exc.value.code == 2 and "collect" in capsys.readouterr().err
+
+
+def test_eval_with_a_corrupted_or_missing_artifact_gives_one_line(acts, tmp_path, tiny_model_dir, text_file, capsys):
+    path = _fit(acts, tmp_path / "art")
+    (path / "manifest.json").write_text("{ not json")
+    base = ["eval", "--model", str(tiny_model_dir), "--dataset", str(text_file), "--num-samples", "1",
+            "--seq-len", "32", "--method", "vecinfer"]
+    for extra, message in ((["--artifacts", str(path)], "corrupted"), ([], "needs --artifacts")):
+        with pytest.raises(SystemExit) as exc:
+            main(base + extra)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and lines[-1].startswith("kvcalib: error: ") and message in lines[-1]
+        assert "Traceback" not in "\n".join(lines)
