@@ -6,6 +6,8 @@ the same number of centroids and iterations, and inertia is computed the same wa
 (`kvcalib.vq.inertia`), on the training sample and on all of the layer's sub-vectors.
 
     python benchmarks/kmeans.py runs/acts/pydoc-16x512 [--layer 10] [--config d4b8] [--points 65536] [--iters 30]
+
+Needs scikit-learn besides the project.
 """
 
 from __future__ import annotations
