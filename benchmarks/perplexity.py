@@ -1,4 +1,6 @@
-"""Run the eval steps of a recipe, print one table, and append it with its command to RESULTS.md.
+"""Run a recipe and append the table of its eval steps, with the command, to RESULTS.md.
+
+Collect and fit steps run first, in recipe order, producing what the evaluations read.
 
     python benchmarks/perplexity.py recipes/baselines.toml [--seq-len 1024] [--num-samples 4]
 """
@@ -11,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvcalib.recipes import load_recipe
+from kvcalib.recipes import load_recipe, run_step
 from kvcalib.report import result_table
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
@@ -24,6 +26,18 @@ def record(title: str, table: str, argv: list[str]) -> None:
         f.write(f"\n## {title} ({stamp})\n\n`{command}`\n\n{table}\n")
 
 
+def bits_breakdown(results, labels) -> str:
+    """Where the effective bits go, for methods with shared tensors (codebooks, smoothing factors)."""
+    rows = [(label, r.bits_breakdown) for label, r in zip(labels, results)
+            if r.bits_breakdown.get("shared_bits_per_element")]
+    if not rows:
+        return ""
+    lines = ["", "", "| method | cache bits/element (codes + float16 residual) | shared bits/element (codebooks, λ; once) |",
+             "|---|---:|---:|"]
+    lines += [f"| {label} | {b['cache_bits_per_element']:.3f} | {b['shared_bits_per_element']:.3f} |" for label, b in rows]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe", nargs="?", default="recipes/baselines.toml")
@@ -32,18 +46,16 @@ def main() -> None:
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
 
-    from kvcalib.evaluate import evaluate
-
     labels, results = [], []
     for step in load_recipe(args.recipe):
         if step.command != "eval":
+            run_step(step)  # collect or fit the artifacts the evaluations read
             continue
-        overrides = {k: v for k, v in (("seq_len", args.seq_len), ("num_samples", args.num_samples)) if v is not None}
-        results.append(evaluate(**(step.arguments | overrides)))
+        results.append(run_step(step, seq_len=args.seq_len, num_samples=args.num_samples))
         labels.append(step.label)
     r = results[0]
     title = f"{Path(args.recipe).stem}: {r.model}, {r.dataset} evaluation part, {r.num_samples} x {r.seq_len} tokens"
-    table = result_table(results, labels)
+    table = result_table(results, labels) + bits_breakdown(results, labels)
     print(f"\n{title}\n\n{table}")
     if not args.no_record:
         record(title, table, sys.argv)

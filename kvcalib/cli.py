@@ -60,7 +60,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 
 @cli.command("eval")
 @_common
-@click.option("--method", required=True, help="Cache method: fp16, kivi, kvlinc, or a calibrated one (see README).")
+@click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer (see README).")
 @click.option("--bits", type=int, default=2, show_default=True)
 @click.option("--group-size", type=int, default=32, show_default=True)
 @click.option("--residual", type=int, default=128, show_default=True)
@@ -132,6 +132,28 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
                                scaling=scaling, rotation=rotation)
+
+
+@cli.command("fit-codebook")
+@click.option("--activations", required=True, type=click.Path(), help="Directory written by `kvcalib collect`.")
+@click.option("--k-config", default="d4b8", show_default=True, help="Keys: dNbM = sub-vectors of N elements, 2^M centroids.")
+@click.option("--v-config", default="d4b8", show_default=True, help="Values: dNbM.")
+@click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
+              help="One codebook per layer, or per KV head.")
+@click.option("--no-smooth", "smooth", is_flag=True, flag_value=False, default=True, help="Skip the key smoothing λ.")
+@click.option("--no-hadamard", "hadamard", is_flag=True, flag_value=False, default=True, help="Skip the Hadamard rotation of keys.")
+@click.option("--iters", type=int, default=30, show_default=True, help="k-means iterations.")
+@click.option("--max-points-per-centroid", type=int, default=256, show_default=True,
+              help="faiss samples at most this many training points per centroid.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
+                     seed, out) -> None:
+    """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
+    from .methods.vecinfer import fit_codebook
+
+    path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
+                        hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid)
     click.echo(f"artifact written to {path}")
 
 

@@ -46,8 +46,13 @@ def _pydoc_topics(part: Part) -> Iterator[str]:
 
 
 def _stdlib_docstrings() -> Iterator[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"test", "idlelib", "site-packages", "lib2to3", "tkinter", "turtledemo"}
+    return source_docstrings(Path(sysconfig.get_paths()["stdlib"]), skip)
+
+
+def source_docstrings(root: Path, skip: set[str]) -> Iterator[str]:
+    """Docstrings over 200 characters of the .py files under root (read with `ast`, never imported),
+    file by file in sorted order, skipping files under a folder named in `skip`."""
     for path in sorted(root.rglob("*.py")):
         if skip & set(path.relative_to(root).parts):
             continue

@@ -30,10 +30,11 @@ def _commands() -> dict[str, Callable]:
     from .diagnose import diagnose
     from .evaluate import evaluate
     from .methods.oscar import save_oscar_artifact
+    from .methods.vecinfer import fit_codebook
     from .train_adapters import train_adapters
 
-    return {"collect": collect, "eval": evaluate, "train-adapters": train_adapters, "diagnose": diagnose,
-            "oscar-artifact": save_oscar_artifact}
+    return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook, "train-adapters": train_adapters,
+            "diagnose": diagnose, "oscar-artifact": save_oscar_artifact}
 
 
 @dataclass
@@ -69,13 +70,13 @@ def load_recipe(path: str | Path) -> list[Step]:
     return steps
 
 
+def run_step(step: Step, **overrides) -> object:
+    """Run one step; `overrides` replace its arguments where its command takes them."""
+    command = _commands()[step.command]
+    accepted = inspect.signature(command).parameters
+    return command(**(step.arguments | {k: v for k, v in overrides.items() if k in accepted and v is not None}))
+
+
 def run_recipe(path: str | Path, model=None) -> list[tuple[Step, object]]:
     """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's."""
-    commands = _commands()
-    results = []
-    for step in load_recipe(path):
-        arguments = dict(step.arguments)
-        if model is not None:
-            arguments["model"] = model
-        results.append((step, commands[step.command](**arguments)))
-    return results
+    return [(step, run_step(step, model=model)) for step in load_recipe(path)]

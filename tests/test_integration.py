@@ -48,3 +48,13 @@ def test_collect_and_eval_run_end_to_end_on_the_embedded_model(smollm, tmp_path,
     assert kivi["effective_bits"] == pytest.approx(3.0)
     assert len(kivi["per_layer_attention_rel_error"]) == 30
     assert "| kivi |" in capsys.readouterr().out
+
+
+def test_shipped_vecinfer_artifact_fits_the_embedded_model_and_scores_a_short_window(smollm):
+    from kvcalib.evaluate import evaluate
+
+    result = evaluate(smollm, num_samples=1, seq_len=256, method="vecinfer",
+                      artifacts="artifacts/smollm2-135m/vecinfer-d4b8")
+    fp16 = evaluate(smollm, num_samples=1, seq_len=256, method="fp16")
+    assert result.settings["k"] == "d4b8" and result.settings["smooth"] and result.settings["hadamard"]
+    assert fp16.perplexity < result.perplexity < 1.3 * fp16.perplexity

@@ -30,3 +30,22 @@ def test_malformed_recipes_are_refused(tmp_path, body, message):
     recipe.write_text(body)
     with pytest.raises(SettingsError, match=message):
         load_recipe(recipe)
+
+
+def test_recipe_collects_fits_codebooks_and_evaluates_vecinfer(tmp_path, tiny_lm, text_file):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(
+        f'[defaults]\nseq_len = 64\nnum_samples = 2\ndataset = "{text_file}"\nactivations = "{tmp_path / "acts"}"\n'
+        f'[[steps]]\ncommand = "collect"\nout = "{tmp_path / "acts"}"\nnum_samples = 4\n'
+        f'[[steps]]\ncommand = "fit-codebook"\nout = "{tmp_path / "art"}"\nk_config = "d4b6"\nv_config = "d2b5"\niters = 3\n'
+        f'[[steps]]\ncommand = "eval"\nmethod = "vecinfer"\nresidual = 16\nartifacts = "{tmp_path / "art"}"\n'
+    )
+    done = run_recipe(recipe, model=tiny_lm)
+    assert [step.command for step, _ in done] == ["collect", "fit-codebook", "eval"]
+    assert done[2][1].settings["k"] == "d4b6" and done[2][1].tokens == 2 * 63
+
+
+def test_shipped_vecinfer_recipes_parse():
+    for name in ("vecinfer", "vecinfer-ablation", "vecinfer-transfer", "vecinfer-d8b16"):
+        assert any(step.command == "eval" and step.arguments["method"] == "vecinfer"
+                   for step in load_recipe(f"recipes/{name}.toml"))

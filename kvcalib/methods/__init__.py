@@ -93,6 +93,7 @@ _MODULES = {
     "kivi": "kivi",
     "kvlinc": "kvlinc",
     "oscar": "oscar",
+    "vecinfer": "vecinfer",
 }
 METHOD_NAMES = tuple(_MODULES)
 

@@ -1,0 +1,251 @@
+"""VecInfer: vector quantization of the KV cache with smoothed, Hadamard-rotated keys.
+
+Keys are smoothed per channel, k / λ with λ_i = sqrt(max |K_i|) over the calibration activations
+(per KV head and channel), then rotated by the normalized Walsh–Hadamard matrix H (block-diagonal
+when head_dim is not a power of two, see `kvcalib.hadamard`): k̃ = (k / λ) H. Queries take the
+inverse scaling and the same rotation, q̃ = (q λ) H, so q̃ · k̃ = q · k. Values are quantized as they
+are. Each transformed key and each value is cut into sub-vectors and stored as codes of k-means
+centroids (`kvcalib.vq`, which defines the packed code layout next to `kvcalib.quant`'s table).
+Keys and values take separate `dNbM` configurations.
+
+The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
+default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
+space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
+the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel uses, q̃ · codebookᵀ
+indexed by the codes, and is tested against dequantize-then-dot.
+
+Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
+float16 (G, 2^M, N) with G = 1 (granularity "layer") or the KV head count ("head"), and, when
+smoothing is on, `layers.{i}.k_smooth` float16 (Hkv, head_dim).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import vq
+from ..artifacts import load_artifact, save_artifact
+from ..atomic import ensure_writable_dir
+from ..collect import Activations
+from ..errors import ArtifactError, SettingsError
+from ..hadamard import rotate
+from ..models import AttentionShape, LoadedModel
+from . import Method, MethodSettings
+
+log = logging.getLogger(__name__)
+
+GRANULARITIES = ("layer", "head")
+
+
+@dataclass(frozen=True)
+class VecInferConfig:
+    k_config: str = "d4b8"
+    v_config: str = "d4b8"
+    granularity: str = "layer"
+    smooth: bool = True
+    hadamard: bool = True
+
+    def __post_init__(self) -> None:
+        vq.VQConfig.parse(self.k_config)  # parse both now: a bad configuration fails before any work
+        vq.VQConfig.parse(self.v_config)
+        if self.granularity not in GRANULARITIES:
+            raise SettingsError(f"--granularity must be one of {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+
+    @property
+    def k(self) -> vq.VQConfig:
+        return vq.VQConfig.parse(self.k_config)
+
+    @property
+    def v(self) -> vq.VQConfig:
+        return vq.VQConfig.parse(self.v_config)
+
+    def check(self, shape: AttentionShape) -> None:
+        self.k.check(shape.head_dim)
+        self.v.check(shape.head_dim)
+        if self.hadamard:
+            rotate(torch.zeros(1, shape.head_dim))  # refuses an odd head_dim with a clear line
+
+    def groups(self, shape: AttentionShape) -> int:
+        return shape.num_kv_heads if self.granularity == "head" else 1
+
+
+def smoothing_factors(k: torch.Tensor) -> torch.Tensor:
+    """λ (Hkv, d) = sqrt(max |K|) per KV head and channel over keys k (S, Hkv, T, d), as float16."""
+    # A channel that is zero everywhere gets λ = 1 instead of a division by zero.
+    peak = k.float().abs().amax(dim=(0, 2))
+    return torch.where(peak > 0, peak.sqrt(), 1.0).half()
+
+
+def keys_to_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
+    """k̃ = (k / λ) H for keys (B, Hkv, T, d)."""
+    k = k.float()
+    if smooth is not None:
+        k = k / smooth.float()[:, None, :]
+    return rotate(k) if hadamard else k
+
+
+def keys_from_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
+    """Inverse of `keys_to_codec`: H is symmetric and orthogonal, so H⁻¹ = H."""
+    if hadamard:
+        k = rotate(k)
+    return k * smooth.float()[:, None, :] if smooth is not None else k
+
+
+def queries_to_codec(q: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
+    """q̃ = (q λ) H for queries (B, Hq, T, d); query head h reads KV head h // (Hq / Hkv)."""
+    q = q.float()
+    if smooth is not None:
+        q = q * smooth.float().repeat_interleave(q.shape[1] // smooth.shape[0], dim=0)[:, None, :]
+    return rotate(q) if hadamard else q
+
+
+@dataclass
+class VecInferPacked:
+    k: torch.Tensor  # uint8 (B, Hkv, T, row bytes), layout in kvcalib.vq
+    v: torch.Tensor
+
+
+@dataclass
+class LayerCodebooks:
+    k: torch.Tensor  # float16 (G, 2^M, N)
+    v: torch.Tensor
+    smooth: torch.Tensor | None  # float16 (Hkv, d)
+
+
+class VecInfer(Method):
+    name = "vecinfer"
+
+    def __init__(self, config: VecInferConfig, layers: list[LayerCodebooks], shape: AttentionShape, residual: int = 128):
+        if residual < 1:
+            raise SettingsError("--residual must be positive")
+        self.config = config
+        self.layers = layers
+        self.shape = shape
+        self.block = residual
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
+        c, books = self.config, self.layers[layer]
+        k_codes = vq.encode(keys_to_codec(k, books.smooth, c.hadamard), books.k.to(k.device))
+        v_codes = vq.encode(v.float(), books.v.to(v.device))
+        return VecInferPacked(k=vq.pack_codes(k_codes, c.k.bits), v=vq.pack_codes(v_codes, c.v.bits))
+
+    def codes(self, packed: torch.Tensor, which: str) -> torch.Tensor:
+        config = self.config.k if which == "k" else self.config.v
+        return vq.unpack_codes(packed, config.bits, self.shape.head_dim // config.dim)
+
+    def decompress(self, layer: int, packed: VecInferPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        books = self.layers[layer]
+        k = vq.decode(self.codes(packed.k, "k"), books.k.to(packed.k.device))
+        v = vq.decode(self.codes(packed.v, "v"), books.v.to(packed.v.device))
+        return keys_from_codec(k, books.smooth, self.config.hadamard), v
+
+    def key_scores(self, layer: int, q: torch.Tensor, packed: VecInferPacked) -> torch.Tensor:
+        """q · k̂ᵀ (B, Hq, Tq, Tk), unscaled, by table lookup: LUT[j, e] = q̃_j · codebook[e] per sub-vector j,
+        score = Σ_j LUT[j, code_j]. The fused kernel computes exactly this."""
+        books = self.layers[layer]
+        n = self.config.k.dim
+        hq, hkv = q.shape[1], self.shape.num_kv_heads
+        qt = queries_to_codec(q, books.smooth, self.config.hadamard).unflatten(-1, (-1, n))  # (B, Hq, Tq, c, N)
+        codebook = books.k.float().to(q.device).repeat_interleave(hq // books.k.shape[0], dim=0)  # (Hq, 2^M, N)
+        lut = torch.einsum("bhqcn,hen->bhcqe", qt, codebook)  # (B, Hq, c, Tq, 2^M)
+        codes = self.codes(packed.k, "k").repeat_interleave(hq // hkv, dim=1).transpose(-1, -2)  # (B, Hq, c, Tk)
+        index = codes.unsqueeze(-2).expand(*lut.shape[:-1], codes.shape[-1])
+        return lut.gather(-1, index).sum(2)
+
+    def stored_bits(self, packed: VecInferPacked) -> int:
+        return 8 * (packed.k.numel() + packed.v.numel())
+
+    def constant_bits(self) -> int:
+        tensors = [t for books in self.layers for t in (books.k, books.v, books.smooth) if t is not None]
+        return 16 * sum(t.numel() for t in tensors)
+
+    def settings(self) -> dict:
+        c = self.config
+        return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
+                "hadamard": c.hadamard, "residual": self.block}
+
+
+def load(path: str | Path, shape: AttentionShape, model=None, residual: int = 128) -> VecInfer:
+    """Load a fitted artifact and check it is complete and consistent with `shape`."""
+    art = load_artifact(path, VecInfer.name, model)
+    try:
+        config = VecInferConfig(**{k: art.settings[k] for k in ("k_config", "v_config", "granularity", "smooth", "hadamard")})
+    except (KeyError, TypeError, SettingsError) as err:
+        raise ArtifactError(f"artifact {path} has invalid VecInfer settings ({err}); fit it again") from err
+    groups = config.groups(shape)
+    layers = []
+    for i in range(shape.num_layers):
+        expected = {"k_codebook": (groups, config.k.centroids, config.k.dim),
+                    "v_codebook": (groups, config.v.centroids, config.v.dim)}
+        if config.smooth:
+            expected["k_smooth"] = (shape.num_kv_heads, shape.head_dim)
+        for what, want in expected.items():
+            name = f"layers.{i}.{what}"
+            if name not in art.tensors or tuple(art.tensors[name].shape) != want:
+                raise ArtifactError(f"artifact {path}: tensor {name} is missing or not of shape {want}; fit it again")
+        layers.append(LayerCodebooks(k=art.layer(i, "k_codebook"), v=art.layer(i, "v_codebook"),
+                                     smooth=art.layer(i, "k_smooth") if config.smooth else None))
+    return VecInfer(config, layers, shape, residual)
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> VecInfer:
+    if artifacts is None:
+        raise SettingsError("--method vecinfer needs --artifacts: fit one with `kvcalib fit-codebook`")
+    return load(artifacts, shape, model.model if model is not None else None, settings.residual)
+
+
+def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
+    """Rows of `dim` elements of x (S, H, T, d): every sub-vector of every token of one head, or of all."""
+    x = x if head is None else x[:, head : head + 1]
+    return x.reshape(-1, dim)
+
+
+def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
+                 granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
+                 seed: int = 0, max_points_per_centroid: int = 256) -> Path:
+    """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact."""
+    import faiss
+
+    config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard)
+    if iters < 1 or max_points_per_centroid < 1:
+        raise SettingsError("--iters and --max-points-per-centroid must be positive")
+    out = ensure_writable_dir(out)
+    acts = Activations(activations)
+    fp = acts.fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    config.check(shape)
+    heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
+    vectors = acts.manifest["tokens_per_layer"] * shape.num_kv_heads // len(heads)
+    for vqc in (config.k, config.v):
+        vqc.check_points(vectors * (shape.head_dim // vqc.dim))
+
+    tensors: dict[str, torch.Tensor] = {}
+    seconds = {"k": 0.0, "v": 0.0}
+    training_points = {}
+    for i in tqdm(range(shape.num_layers), desc=f"fit-codebook K {config.k} V {config.v}", unit="layer"):
+        data = acts.layer(i)
+        lam = smoothing_factors(data["k"]) if smooth else None
+        if lam is not None:
+            tensors[f"layers.{i}.k_smooth"] = lam
+        sources = {"k": (keys_to_codec(data["k"], lam, hadamard), config.k), "v": (data["v"].float(), config.v)}
+        for which, (x, vqc) in sources.items():
+            books = []
+            for head in heads:
+                fit = vq.kmeans(_subvectors(x, head, vqc.dim), vqc, iters, seed, max_points_per_centroid)
+                seconds[which] += fit.seconds
+                training_points[which] = fit.training_points
+                books.append(fit.codebook)
+            tensors[f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
+    settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid}
+    extra = {
+        "activations": str(activations),
+        "calibration": acts.manifest["settings"],
+        "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": faiss.get_num_gpus() > 0,
+                   "training_points_per_codebook": training_points, "fit_seconds": seconds},
+    }
+    return save_artifact(out, VecInfer.name, settings, fp, tensors, extra)

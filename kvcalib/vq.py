@@ -1,0 +1,161 @@
+"""Vector quantization: k-means codebooks (faiss) and the packed codes of sub-vectors.
+
+A configuration `dNbM` cuts every head_dim vector into c = head_dim / N sub-vectors of N elements
+and replaces each by the index of its nearest centroid in a codebook of 2^M entries: M / N bits per
+element (d4b8 = 2, d8b12 = 1.5, d8b16 = 2, d2b8 = 4).
+
+Packed code layout (the vector counterpart of the scalar table in `kvcalib.quant`)
+=================================================================================
+
+| what       | dtype   | shape                        | meaning                                          |
+|------------|---------|------------------------------|--------------------------------------------------|
+| `codes`    | uint8   | `(B, H, T, ceil(c * M / 8))` | per token and head: its c codes as one bitstream  |
+| `codebook` | float16 | `(G, 2^M, N)`                | in the artifact; G = 1 (per layer) or H (per head) |
+
+- Code j of a token occupies bits `[M * j, M * j + M)` of its row, least significant first; bit b
+  of the row is bit `b % 8` of byte `b // 8`. So M = 8 is one uint8 per code, M = 16 is one
+  little-endian uint16 per code (two bytes; view the row as int16/uint16), M = 12 puts two codes in
+  three bytes, M = 4 two codes per byte.
+- A row whose c * M bits are not a multiple of 8 is zero-padded to a whole byte; the padding is
+  counted in the stored bits, which are exactly `8 * codes.numel()`: codes carry no scales.
+- A sub-vector j of a token is elements `[N * j, N * j + N)` of the (transformed) head vector; all
+  c sub-vectors of a head share its codebook. Codebooks and any smoothing factors are shared
+  tensors, counted once over all sequences (`Method.constant_bits`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import SettingsError
+
+log = logging.getLogger(__name__)
+
+# Rows of points per nearest-centroid chunk are chosen so one chunk's distance matrix holds at most
+# this many float32 entries (64 MiB), whatever the context length.
+_DISTANCE_ENTRIES = 1 << 24
+
+
+@dataclass(frozen=True)
+class VQConfig:
+    """`dNbM`: sub-vectors of `dim` elements, codebooks of 2^`bits` centroids."""
+
+    dim: int
+    bits: int
+
+    @classmethod
+    def parse(cls, text: str) -> VQConfig:
+        match = re.fullmatch(r"d(\d+)b(\d+)", text)
+        if not match:
+            raise SettingsError(f"vector configuration {text!r} must look like dNbM, e.g. d4b8 or d8b12")
+        config = cls(int(match[1]), int(match[2]))
+        if config.dim < 1 or not 1 <= config.bits <= 16:
+            raise SettingsError(f"vector configuration {text}: need N >= 1 and M in 1..16")
+        return config
+
+    def __str__(self) -> str:
+        return f"d{self.dim}b{self.bits}"
+
+    @property
+    def centroids(self) -> int:
+        return 1 << self.bits
+
+    def check(self, head_dim: int) -> None:
+        if head_dim % self.dim:
+            raise SettingsError(f"{self}: sub-vectors of {self.dim} elements do not tile head_dim {head_dim}")
+
+    def check_points(self, count: int) -> None:
+        if count < self.centroids:
+            raise SettingsError(f"{self}: {count} sub-vectors per codebook cannot fill {self.centroids} centroids; "
+                                "collect more tokens or use fewer bits")
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (..., c) < 2^bits to the bitstream rows (..., ceil(c * bits / 8)) uint8 of the layout."""
+    shifts = torch.arange(bits, device=codes.device)
+    stream = ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).flatten(-2)
+    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).unflatten(-1, (-1, 8))
+    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: rows (..., bytes) uint8 to `count` codes (..., count) int64."""
+    stream = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    stream = stream[..., : count * bits].unflatten(-1, (count, bits))
+    return (stream << torch.arange(bits, device=packed.device)).sum(-1)
+
+
+def nearest(points: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest centroid (squared Euclidean) of every row of points (P, N); (P,) int64.
+
+    Chunked over points so memory stays bounded at any context length.
+    """
+    codebook = codebook.float()
+    norms = codebook.pow(2).sum(-1)
+    rows = max(1, _DISTANCE_ENTRIES // codebook.shape[0])
+    out = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
+    for start in range(0, points.shape[0], rows):
+        chunk = points[start : start + rows].float()
+        # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 does not change the argmin.
+        out[start : start + rows] = (norms - 2 * chunk @ codebook.T).argmin(-1)
+    return out
+
+
+def inertia(points: torch.Tensor, codebook: torch.Tensor) -> float:
+    """Sum of squared distances of the points to their nearest centroid (float64)."""
+    nearest_centroids = codebook.double()[nearest(points, codebook)]
+    return (points.double() - nearest_centroids).pow(2).sum().item()
+
+
+@dataclass
+class KMeansFit:
+    codebook: torch.Tensor  # (2^M, N) float32
+    seconds: float
+    training_points: int
+
+
+def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_points_per_centroid: int) -> KMeansFit:
+    """faiss k-means of points (P, N) into 2^M centroids; on the GPU when faiss sees one.
+
+    faiss samples at most `max_points_per_centroid * 2^M` points (with `seed`) to train on.
+    """
+    import faiss
+
+    k = config.centroids
+    config.check_points(points.shape[0])
+    if points.shape[0] < 39 * k:
+        log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / k)
+    x = np.ascontiguousarray(points.float().cpu().numpy())
+    # min_points_per_centroid=1: the warning above replaces faiss's own, printed once per call.
+    km = faiss.Kmeans(config.dim, k, niter=iters, seed=seed, gpu=faiss.get_num_gpus() > 0,
+                      max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1, verbose=False)
+    start = time.perf_counter()
+    km.train(x)
+    return KMeansFit(codebook=torch.from_numpy(km.centroids.copy()), seconds=time.perf_counter() - start,
+                     training_points=min(x.shape[0], k * max_points_per_centroid))
+
+
+def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """Codes (B, H, T, c) of x (B, H, T, d) against codebooks (G, 2^M, N), head h using h // (H / G)."""
+    b, h, t, d = x.shape
+    n = codebooks.shape[-1]
+    per_group = h // codebooks.shape[0]
+    sub = x.unflatten(-1, (d // n, n))
+    codes = torch.empty(b, h, t, d // n, dtype=torch.int64, device=x.device)
+    for head in range(h):
+        codes[:, head] = nearest(sub[:, head].reshape(-1, n), codebooks[head // per_group]).reshape(b, t, d // n)
+    return codes
+
+
+def decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
+    """Inverse of `encode`: the centroids (B, H, T, c * N) float32 that the codes name."""
+    h = codes.shape[1]
+    per_head = codebooks.float().repeat_interleave(h // codebooks.shape[0], dim=0)  # (H, 2^M, N)
+    heads = torch.arange(h, device=codes.device)[None, :, None, None]
+    return per_head[heads, codes].flatten(-2)
