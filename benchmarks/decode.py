@@ -12,15 +12,13 @@ device-to-device copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import sys
-import time
-from pathlib import Path
 
 import torch
 
 from kvcalib.runtime.decode import fused_decode, pack
+from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
 
@@ -71,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     bw = copy_bandwidth()
     rows = []
@@ -112,7 +110,6 @@ def main() -> None:
             for name, ls in layers.items():
                 us = timed(lambda i: fused_decode(q[i][:, :, 0], ls[i], D**-0.5), copies)
                 rows.append((b, length, f"fused {name}", us, layer_bytes(ls[0], q[0])))
-            del kv, layers
             torch.cuda.empty_cache()
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"
     lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write)", "",
@@ -125,9 +122,7 @@ def main() -> None:
                      f"{gbs:.0f} | {100 * gbs / bw:.0f}% |")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    with open(args.results, "a") as f:
-        f.write(f"\n## {title} ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n{table}\n")
+    record(title, table, sys.argv, args.results)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
@@ -22,6 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 from kvcalib.methods import MethodSettings
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.cache import KvcalibCache
+from results import RESULTS, record
 
 
 def llama8b_config(context: int) -> LlamaConfig:
@@ -62,7 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--results", default=str(Path(__file__).with_name("RESULTS.md")))
+    parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -92,9 +91,7 @@ def main() -> None:
     title = f"End-to-end greedy decode, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    with open(args.results, "a") as f:
-        f.write(f"\n## {title} ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n{table}\n")
+    record(title, table, sys.argv, args.results)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from kvcalib import vq
 from kvcalib.collect import Activations
 from kvcalib.methods.vecinfer import keys_to_codec, smoothing_factors
-from perplexity import record
+from results import record
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import torch
 from kvcalib.artifacts import load_artifact
 from kvcalib.recipes import _commands, load_recipe
 from kvcalib.report import result_table
-from perplexity import record
+from results import record
 
 
 def layer_table(labels: list[str], results: list) -> str:

@@ -8,23 +8,12 @@ Collect and fit steps run first, in recipe order, producing what the evaluations
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
-import time
 from pathlib import Path
 
 from kvcalib.recipes import load_recipe, run_step
 from kvcalib.report import result_table
-
-RESULTS = Path(__file__).with_name("RESULTS.md")
-
-
-def record(title: str, table: str, argv: list[str]) -> None:
-    command = "python " + " ".join(shlex.quote(a) for a in argv)
-    stamp = time.strftime("%Y-%m-%d")
-    with RESULTS.open("a") as f:
-        f.write(f"\n## {title} ({stamp})\n\n`{command}`\n\n{table}\n")
-
+from results import record
 
 def bits_breakdown(results, labels) -> str:
     """Where the effective bits go, for methods with shared tensors (codebooks, smoothing factors)."""

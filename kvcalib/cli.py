@@ -132,6 +132,7 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
                                scaling=scaling, rotation=rotation)
+    click.echo(f"artifact written to {path}")
 
 
 @cli.command("fit-codebook")

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvcalib.attention import flushed_counts, intercept, mixed_attention
+from kvcalib.attention import flushed_counts, intercept
 from kvcalib.data import token_windows
 from kvcalib.evaluate import evaluate
 from kvcalib.methods import MethodSettings, build_method, hold

@@ -10,7 +10,7 @@ from kvcalib.attention import AttentionOptions, flushed_counts, intercept, mixed
 from kvcalib.cli import main
 from kvcalib.collect import collect
 from kvcalib.data import token_windows
-from kvcalib.errors import ArtifactError, KvcalibError, SettingsError
+from kvcalib.errors import KvcalibError, SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.hadamard import rotate
 from kvcalib.methods import MethodSettings, build_method, hold

@@ -25,7 +25,7 @@ Stored bits per flushed block: KIVI's, plus 16 per token and KV head for `k_scal
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
