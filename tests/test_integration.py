@@ -58,3 +58,15 @@ def test_shipped_vecinfer_artifact_fits_the_embedded_model_and_scores_a_short_wi
     fp16 = evaluate(smollm, num_samples=1, seq_len=256, method="fp16")
     assert result.settings["k"] == "d4b8" and result.settings["smooth"] and result.settings["hadamard"]
     assert fp16.perplexity < result.perplexity < 1.3 * fp16.perplexity
+
+
+def test_generate_with_the_shipped_oscar_artifact_matches_the_reference(smollm):
+    from kvcalib.runtime.cache import KvcalibCache
+    from test_runtime_cache import _reference_greedy
+
+    prompt = token_windows(smollm.tokenizer, "pydoc", "evaluation", 1, 200)  # over R = 128: blocks get flushed
+    cache = KvcalibCache.from_artifacts("artifacts/smollm2-135m/oscar", smollm)
+    out = smollm.model.generate(prompt, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    reference, _ = _reference_greedy(smollm.model, cache.method, prompt, 12)
+    assert out[0, 200:].tolist() == reference
+    assert cache.layers[0].fused is None and cache.layers[0].k_blocks  # CPU: the reference path, blocks flushed

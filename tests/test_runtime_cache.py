@@ -95,3 +95,13 @@ def test_flushing_keeps_no_view_of_the_prompt_buffer():
     for layer in cache.layers:
         assert layer.k_res.shape[-2] == 0
         assert layer.k_res.untyped_storage().nbytes() == 0 and layer.v_res.untyped_storage().nbytes() == 0
+
+
+def test_an_artifact_for_another_model_is_refused_before_anything_runs():
+    from kvcalib.errors import KvcalibError
+
+    model = tiny_model("llama", seed=4)
+    before = model.config._attn_implementation
+    with pytest.raises(KvcalibError, match="another model"):
+        KvcalibCache.from_artifacts("artifacts/smollm2-135m/oscar", LoadedModel(model=model, tokenizer=None, spec="tiny"))
+    assert model.config._attn_implementation == before
