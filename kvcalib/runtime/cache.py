@@ -128,15 +128,10 @@ class KvcalibCache(Cache):
     @classmethod
     def from_artifacts(cls, path: str, model) -> "KvcalibCache":
         """The cache an artifact describes, validated against `model` (fingerprint and method)."""
-        import json
-        from pathlib import Path
+        from ..artifacts import load_artifact
 
-        from ..artifacts import MANIFEST, load_artifact
-
-        manifest_path = Path(path) / MANIFEST
-        load_artifact(path, model=getattr(model, "model", model))  # validates format, checksums, fingerprint
-        method = json.loads(manifest_path.read_text())["method"]
-        return cls(model, method, artifacts=path)
+        artifact = load_artifact(path, model=getattr(model, "model", model))  # format, checksums, fingerprint
+        return cls(model, artifact.method, artifacts=path)
 
     def stored_bits(self) -> int:
         return sum(layer.stored_bits() for layer in self.layers)
