@@ -32,6 +32,12 @@ class AttentionOptions:
     softcap: float | None = None
     sliding_window: int | None = None
 
+    @classmethod
+    def of_call(cls, query: torch.Tensor, scaling: float | None, kwargs: dict) -> "AttentionOptions":
+        """The options of one call of a transformers attention function."""
+        return cls(scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                   softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"))
+
 
 def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     handler = _HANDLER.get()
@@ -39,12 +45,7 @@ def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise RuntimeError("kvcalib attention called outside kvcalib.attention.intercept()")
     if kwargs.get("s_aux") is not None:
         raise SettingsError("models with attention sinks (s_aux) are not supported yet")
-    opts = AttentionOptions(
-        scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-        softcap=kwargs.get("softcap"),
-        sliding_window=kwargs.get("sliding_window"),
-    )
-    out = handler(module.layer_idx, query, key, value, opts)
+    out = handler(module.layer_idx, query, key, value, AttentionOptions.of_call(query, scaling, kwargs))
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 

@@ -90,6 +90,16 @@ class States:
         return States(self.s + fk.transpose(-1, -2) @ v_held.float(), self.p + fk.sum(-2))
 
 
+def correction_terms(fq: torch.Tensor, states: States) -> tuple[torch.Tensor, torch.Tensor]:
+    """φ_q(q) S (B, Hq, T, d) and φ_q(q) P (B, Hq, T), in exp units; fq (B, Hq, T, D), states per KV head."""
+    b, hq, t, _ = fq.shape
+    hkv = states.s.shape[1]
+    fq = fq.reshape(b, hkv, hq // hkv, t, -1)
+    num = (fq @ states.s.unsqueeze(2)).reshape(b, hq, t, -1)
+    den = (fq @ states.p[:, :, None, :, None]).reshape(b, hq, t)
+    return num, den
+
+
 def combine(out: torch.Tensor, lse: torch.Tensor, fq: torch.Tensor, states: States) -> torch.Tensor:
     """Add the correction to attention normalized as `out` with log-sum-exp `lse`.
 
@@ -97,11 +107,7 @@ def combine(out: torch.Tensor, lse: torch.Tensor, fq: torch.Tensor, states: Stat
     the module docstring's formula are divided by e^M, M = max(lse, 0), so nothing overflows:
     o = (out·e^(lse−M) + e^(−M) φ_q S) / (e^(lse−M) + e^(−M) φ_q P).
     """
-    b, hq, t, d = out.shape
-    hkv = states.s.shape[1]
-    fq = fq.reshape(b, hkv, hq // hkv, t, -1)
-    num = (fq @ states.s.unsqueeze(2)).reshape(b, hq, t, d)
-    den = (fq @ states.p[:, :, None, :, None]).reshape(b, hq, t)
+    num, den = correction_terms(fq, states)
     m = lse.clamp_min(0.0)
     exact, shift = torch.exp(lse - m), torch.exp(-m)
     return (out * exact[..., None] + shift[..., None] * num) / (exact + shift * den)[..., None]

@@ -139,8 +139,7 @@ class KvcalibCache(Cache):
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The model's attention while a KvcalibCache is in use; plain exact attention otherwise."""
-    opts = AttentionOptions(scaling=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                            softcap=kwargs.get("softcap"), sliding_window=kwargs.get("sliding_window"))
+    opts = AttentionOptions.of_call(query, scaling, kwargs)
     current = _CURRENT.get()
     if current is None or current[0].layer != module.layer_idx:
         out = mixed_attention(query, key, value, opts)  # no compressed cache: exact attention
@@ -173,7 +172,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     """Attention of the newest positions over the compressed cache: the fused kernel for one new
     token on CUDA (values rotated back for KVLinC, its S and P entering at the merge), otherwise
     the method's torch reference over the dequantized cache."""
-    from ..methods.kvlinc import Kvlinc, features
+    from ..methods.kvlinc import Kvlinc, correction_terms, features
 
     fused = layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
@@ -188,10 +187,8 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
         correction = None
         if isinstance(method, Kvlinc) and layer.state is not None:
             adapter = method.adapters[layer.layer]
-            fq = features(q, adapter.q_w1, adapter.q_w2)[:, :, 0]  # (B, Hq, D)
-            fq = fq.reshape(fq.shape[0], -1, gqa, fq.shape[-1])
-            num = (fq @ layer.state.s).reshape(q.shape[0], q.shape[1], -1)
-            den = (fq @ layer.state.p.unsqueeze(-1)).reshape(q.shape[0], q.shape[1])
+            num, den = correction_terms(features(q, adapter.q_w1, adapter.q_w2), layer.state)
+            num, den = num[:, :, 0], den[:, :, 0]  # the single new position
             correction = (rotate(num) if method.rotated_values else num, den)
         out = fused_decode(q1.half() if q1.dtype == torch.float32 else q1, fused, opts.scaling, correction).float()
         return (rotate(out) if method.rotated_values else out).unsqueeze(2)
