@@ -92,13 +92,15 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
 @click.option("--tokens", type=int, default=128, show_default=True, help="Query positions per step.")
 @click.option("--layers", default="all", show_default=True, help="all, or layers such as 0-9 or 0,4,7-9.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gate/--no-gate", default=True, show_default=True,
+              help="Keep a layer's adapters only if they lower its held-out attention loss.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, out) -> None:
+def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, out) -> None:
     """Train KVLinC's linear-correction adapters on collected activations."""
     from .train_adapters import train_adapters
 
     path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
-                          residual=residual, tokens=tokens, layers=layers, seed=seed)
+                          residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate)
     click.echo(f"adapters written to {path}")
 
 
@@ -146,15 +148,18 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out
 @click.option("--iters", type=int, default=30, show_default=True, help="k-means iterations.")
 @click.option("--max-points-per-centroid", type=int, default=256, show_default=True,
               help="faiss samples at most this many training points per centroid.")
+@click.option("--sink-tokens", type=int, default=0, show_default=True,
+              help="Keep the first N tokens of every sequence in float16 and leave them out of the fit.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
-                     seed, out) -> None:
+                     sink_tokens, seed, out) -> None:
     """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
     from .methods.vecinfer import fit_codebook
 
     path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
-                        hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid)
+                        hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,
+                        sink_tokens=sink_tokens)
     click.echo(f"artifact written to {path}")
 
 

@@ -12,7 +12,8 @@ CE_i = logsumexp_j log w_ij − Σ_j p_ij log w_ij. Adam minimizes the mean over
 
 Data: the last max(1, S/8) of the S collected sequences are held out; the held-out loss without
 correction and with the trained (float16-rounded) adapters is written to the artifact manifest
-(`extra`). Each step draws `batch` training sequences and `tokens` query positions among those
+(`extra`). With `gate` (the default) a layer whose adapters do not lower its held-out loss is left
+out of the artifact, so it stays uncorrected (and carries no S, P states) rather than made worse. Each step draws `batch` training sequences and `tokens` query positions among those
 that see a flushed block, from a generator seeded by (seed, layer): the result depends only on the
 seed, whatever --layers selects. Initial W ~ N(0, 1/d), seeded the same way (zero W would keep the
 two halves of φ identical forever).
@@ -160,7 +161,7 @@ def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: in
 
 def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, steps: int = 60, lr: float = 1e-2,
                    bits: int = 2, group_size: int = 128, residual: int = 128, tokens: int = 128,
-                   layers: str = "all", seed: int = 0) -> Path:
+                   layers: str = "all", seed: int = 0, gate: bool = True) -> Path:
     """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`."""
     config = TrainConfig(rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size, residual=residual,
                          tokens=tokens, seed=seed)
@@ -179,7 +180,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     scaling = head_dim**-0.5
     n_held = max(1, settings["num_samples"] // 8)
 
-    tensors, before, after = {}, [], []
+    tensors, before, after, kept = {}, [], [], []
     start = time.perf_counter()
     with tqdm(total=len(chosen) * config.steps, desc="train-adapters", unit="step") as bar:
         for i in chosen:
@@ -190,11 +191,14 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
             before.append(heldout_loss(held, config, scaling, None))
             after.append(heldout_loss(held, config, scaling, adapter))
             log.info("layer %d: held-out attention CE %.4f uncorrected, %.4f corrected", i, before[-1], after[-1])
+            if gate and not after[-1] < before[-1]:
+                continue
+            kept.append(i)
             tensors |= {f"layers.{i}.{n}": getattr(adapter, n).half() for n in ADAPTER_NAMES}
     seconds = time.perf_counter() - start
     return save_artifact(
         out, "kvlinc",
-        settings=asdict(config) | {"layers": chosen, "scaling": scaling, "value_rotation": "hadamard",
+        settings=asdict(config) | {"layers": kept, "trained_layers": chosen, "gate": gate, "scaling": scaling, "value_rotation": "hadamard",
                                    "state_dtype": "float32", "activations": settings},
         fingerprint=acts.fingerprint, tensors=tensors,
         extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after, "train_seconds": seconds,

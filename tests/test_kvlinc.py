@@ -190,15 +190,26 @@ def test_training_lowers_the_attention_loss_on_held_out_tokens(tiny_acts, tmp_pa
 
 
 def test_training_is_deterministic_under_a_seed(tiny_acts, tmp_path):
-    a = load_artifact(_train(tiny_acts, tmp_path / "a", steps=5, seed=3)).tensors
-    b = load_artifact(_train(tiny_acts, tmp_path / "b", steps=5, seed=3)).tensors
-    c = load_artifact(_train(tiny_acts, tmp_path / "c", steps=5, seed=4)).tensors
+    a = load_artifact(_train(tiny_acts, tmp_path / "a", steps=5, seed=3, gate=False)).tensors
+    b = load_artifact(_train(tiny_acts, tmp_path / "b", steps=5, seed=3, gate=False)).tensors
+    c = load_artifact(_train(tiny_acts, tmp_path / "c", steps=5, seed=4, gate=False)).tensors
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not all(torch.equal(a[n], c[n]) for n in a)
 
 
+def test_gate_keeps_exactly_the_layers_whose_held_out_loss_the_adapters_lower(tiny_acts, tmp_path):
+    for steps in (0, 40):  # the initial random adapters, and trained ones
+        art = load_artifact(_train(tiny_acts, tmp_path / f"s{steps}", steps=steps), "kvlinc")
+        before, after = art.extra["heldout_ce_uncorrected"], art.extra["heldout_ce_corrected"]
+        assert art.settings["trained_layers"] == [0, 1]
+        assert art.settings["layers"] == [i for i in (0, 1) if after[i] < before[i]]
+        assert sorted({n.split(".")[1] for n in art.tensors}) == [str(i) for i in art.settings["layers"]]
+    ungated = load_artifact(_train(tiny_acts, tmp_path / "all", steps=0, gate=False), "kvlinc")
+    assert ungated.settings["layers"] == [0, 1]
+
+
 def test_trained_layers_follow_the_layers_option(tiny_acts, tmp_path, tiny_lm):
-    path = _train(tiny_acts, tmp_path / "a", steps=2, layers="1")
+    path = _train(tiny_acts, tmp_path / "a", steps=2, layers="1", gate=False)
     method = build_method("kvlinc", attention_shape(tiny_lm.config), artifacts=str(path), model=tiny_lm)
     assert set(method.adapters) == {1}
     assert method.settings()["corrected_layers"] == 1

@@ -45,8 +45,21 @@ def _kvlinc_with_adapters(shape, group: int = 8, residual: int = 16, device: str
     return Kvlinc(KiviConfig(2, group, residual), shape, adapters)
 
 
+def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
+    """VecInfer with random codebooks whose first `sink` tokens stay float16."""
+    from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig
+
+    gen = torch.Generator().manual_seed(0)
+    config = VecInferConfig("d4b6", "d4b6", sink_tokens=sink)
+    books = [LayerCodebooks(k=torch.randn(1, 64, 4, generator=gen).half(), v=torch.randn(1, 64, 4, generator=gen).half(),
+                            smooth=(torch.rand(shape.num_kv_heads, shape.head_dim, generator=gen) + 0.5).half())
+             for _ in range(shape.num_layers)]
+    return VecInfer(config, books, shape, residual)
+
+
 @pytest.mark.parametrize("name,settings", [
     ("fp16", MethodSettings()),
+    ("vecinfer+sinks", None),
     ("kivi", MethodSettings(bits=2, group_size=8, residual=16)),
     ("kvlinc", MethodSettings(bits=2, group_size=8, residual=16)),
     ("kvlinc+adapters", None),
@@ -58,7 +71,8 @@ def test_generate_with_compressed_cache_matches_the_reference_recomputation(name
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (1, 21))
     shape = attention_shape(model.config)
-    method = _kvlinc_with_adapters(shape) if settings is None else build_method(name, shape, settings)
+    builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks}
+    method = builders[name](shape) if settings is None else build_method(name, shape, settings)
     cache = KvcalibCache(lm, method)
     with torch.no_grad():
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=30, do_sample=False,

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 
@@ -109,6 +110,42 @@ def test_compress_round_trips_centroid_vectors_and_counts_code_bytes_only():
     # 5 residual tokens in float16.
     assert held.stored_bits == 16 * 2 * 8 * (3 + 5) + 5 * 2 * 2 * 16 * 16
     assert method.constant_bits() == 16 * (2 * 64 * 4 + 2 * 32 * 2 + 2 * 16)
+
+
+@pytest.mark.parametrize("sink", [1, 5])
+def test_sink_tokens_are_held_in_float16_and_cost_16_bits_beside_their_codes(sink):
+    plain = _random_method(1)
+    method = VecInfer(dataclasses.replace(plain.config, sink_tokens=sink), plain.layers, plain.shape, residual=8)
+    k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16)
+    held, base = hold(method, 0, k, v), hold(plain, 0, k, v)
+    assert torch.equal(held.k[..., :sink, :], k[..., :sink, :].half().float())
+    assert torch.equal(held.v[..., :sink, :], v[..., :sink, :].half().float())
+    assert torch.equal(held.k[..., sink:, :], base.k[..., sink:, :]) and torch.equal(held.v[..., sink:, :], base.v[..., sink:, :])
+    assert not torch.equal(base.k[..., :sink, :], held.k[..., :sink, :])
+    assert held.stored_bits == base.stored_bits + 16 * 2 * 2 * sink * 16
+    # No flushed block yet: every token is in the float16 residual, nothing extra is counted.
+    early = hold(method, 0, k[..., :7, :], v[..., :7, :])
+    assert early.stored_bits == hold(plain, 0, k[..., :7, :], v[..., :7, :]).stored_bits
+
+
+def test_fit_leaves_sink_tokens_out_of_smoothing_and_codebooks(acts, tmp_path, tiny_lm):
+    from safetensors.torch import load_file
+
+    from kvcalib.collect import Activations
+
+    layer = Activations(acts).layer(0)
+    rest = layer["k"][:, :, 2:]
+    path = _fit(acts, tmp_path / "sinks", sink_tokens=2)
+    tensors = load_file(str(path / "tensors.safetensors"))
+    torch.testing.assert_close(tensors["layers.0.k_smooth"], smoothing_factors(rest))
+    method = build_method("vecinfer", AttentionShape(2, 4, 2, 16), MethodSettings(residual=16), str(path), tiny_lm)
+    assert method.sink == 2 and method.settings()["sink_tokens"] == 2
+
+
+def test_sink_tokens_that_leave_nothing_to_fit_are_refused(acts, tmp_path):
+    with pytest.raises(SettingsError, match="sink-tokens"):
+        _fit(acts, tmp_path / "art", sink_tokens=64)
+    assert not (tmp_path / "art").exists()
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,9 @@ reads them back, `decompress(layer, packed) -> (k, v)`; k and v are (B, Hkv, T, 
 multiple of `block`. Tokens that have not yet filled a block stay in the float16 residual window.
 `hold` applies that rule to a whole sequence: it returns the cache exactly as a decoder holding
 these tokens would hold it, and what it costs in stored bits.
+
+A method may keep the first `sink` tokens of every sequence (attention sinks) in float16 beside
+their compressed form (`keep_sinks`); they are counted at 16 bits on top of their codes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class Method:
 
     name: str
     block: int  # tokens per flush; the residual window holds 0..block-1 tokens
+    sink: int = 0  # leading tokens of a sequence also kept in float16 (attention sinks)
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -81,10 +85,24 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     if flushed:
         packed = method.compress(layer, k16[..., :flushed, :], v16[..., :flushed, :])
         kq, vq = method.decompress(layer, packed)
-        bits += method.stored_bits(packed)
+        kq, vq, sink_bits = keep_sinks(method, 0, k16, v16, kq, vq)
+        bits += method.stored_bits(packed) + sink_bits
         k_held = torch.cat([kq.to(k.dtype), k16[..., flushed:, :]], dim=-2)
         v_held = torch.cat([vq.to(v.dtype), v16[..., flushed:, :]], dim=-2)
     return Held(k=k_held, v=v_held, k16=k16, v16=v16, flushed=flushed, stored_bits=bits)
+
+
+def keep_sinks(method: Method, start: int, k16: torch.Tensor, v16: torch.Tensor, kq: torch.Tensor,
+               vq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Blocks read back (kq, vq) starting at sequence position `start`, with the method's sink tokens
+    restored to their float16 originals (k16, v16 from the same position); and their extra bits."""
+    count = min(max(method.sink - start, 0), kq.shape[-2])
+    if not count:
+        return kq, vq, 0
+    kq, vq = kq.clone(), vq.clone()
+    kq[..., :count, :] = k16[..., :count, :].to(kq.dtype)
+    vq[..., :count, :] = v16[..., :count, :].to(vq.dtype)
+    return kq, vq, 16 * (kq[..., :count, :].numel() + vq[..., :count, :].numel())
 
 
 # name -> module under kvcalib.methods; each module has `build(shape, settings, artifacts, model) -> Method`.

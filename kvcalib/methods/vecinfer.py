@@ -8,6 +8,11 @@ are. Each transformed key and each value is cut into sub-vectors and stored as c
 centroids (`kvcalib.vq`, which defines the packed code layout next to `kvcalib.quant`'s table).
 Keys and values take separate `dNbM` configurations.
 
+Attention sinks (`--sink-tokens S`, 0 by default): the first S tokens of every sequence draw much
+of the attention and their keys are far from the others (`kvcalib diagnose` shows it). With S > 0
+they are left out of λ and of the k-means fit, and the cache keeps them in float16 beside their codes
+(`Method.sink`), counted at 16 bits per element. This is our addition to the paper's method.
+
 The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
 default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
@@ -49,8 +54,11 @@ class VecInferConfig:
     granularity: str = "layer"
     smooth: bool = True
     hadamard: bool = True
+    sink_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.sink_tokens < 0:
+            raise SettingsError(f"--sink-tokens must be 0 or more, got {self.sink_tokens}")
         vq.VQConfig.parse(self.k_config)  # parse both now: a bad configuration fails before any work
         vq.VQConfig.parse(self.v_config)
         if self.granularity not in GRANULARITIES:
@@ -127,6 +135,7 @@ class VecInfer(Method):
         self.layers = layers
         self.shape = shape
         self.block = residual
+        self.sink = config.sink_tokens
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
         c, books = self.config, self.layers[layer]
@@ -167,14 +176,15 @@ class VecInfer(Method):
     def settings(self) -> dict:
         c = self.config
         return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
-                "hadamard": c.hadamard, "residual": self.block}
+                "hadamard": c.hadamard, "sink_tokens": c.sink_tokens, "residual": self.block}
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = 128) -> VecInfer:
     """Load a fitted artifact and check it is complete and consistent with `shape`."""
     art = load_artifact(path, VecInfer.name, model)
     try:
-        config = VecInferConfig(**{k: art.settings[k] for k in ("k_config", "v_config", "granularity", "smooth", "hadamard")})
+        names = ("k_config", "v_config", "granularity", "smooth", "hadamard")
+        config = VecInferConfig(**{k: art.settings[k] for k in names}, sink_tokens=art.settings.get("sink_tokens", 0))
     except (KeyError, TypeError, SettingsError) as err:
         raise ArtifactError(f"artifact {path} has invalid VecInfer settings ({err}); fit it again") from err
     groups = config.groups(shape)
@@ -199,6 +209,12 @@ def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None
     return load(artifacts, shape, model.model if model is not None else None, settings.residual)
 
 
+def _without_sinks(data: dict[str, torch.Tensor], sink_tokens: int) -> dict[str, torch.Tensor]:
+    """Keys and values of a collected layer as (1, Hkv, N, d), the tokens at positions < sink_tokens left out."""
+    keep = data["positions"] >= sink_tokens  # (S, T)
+    return {name: data[name].transpose(1, 2)[keep].transpose(0, 1)[None] for name in ("k", "v")}
+
+
 def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
     """Rows of `dim` elements of x (S, H, T, d): every sub-vector of every token of one head, or of all."""
     x = x if head is None else x[:, head : head + 1]
@@ -207,11 +223,14 @@ def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
 
 def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
                  granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
-                 seed: int = 0, max_points_per_centroid: int = 256) -> Path:
-    """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact."""
+                 seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0) -> Path:
+    """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact.
+
+    The first `sink_tokens` tokens of every calibration sequence are left out: the cache keeps them
+    in float16."""
     import faiss
 
-    config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard)
+    config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
     if iters < 1 or max_points_per_centroid < 1:
         raise SettingsError("--iters and --max-points-per-centroid must be positive")
     out = ensure_writable_dir(out)
@@ -219,6 +238,9 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     fp = acts.fingerprint
     shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
     config.check(shape)
+    if sink_tokens >= acts.manifest["settings"]["seq_len"]:
+        raise SettingsError(f"--sink-tokens {sink_tokens} leaves no token of the {acts.manifest['settings']['seq_len']}-token "
+                            "calibration sequences to fit")
     heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
     vectors = acts.manifest["tokens_per_layer"] * shape.num_kv_heads // len(heads)
     for vqc in (config.k, config.v):
@@ -228,7 +250,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     seconds = {"k": 0.0, "v": 0.0}
     training_points = {}
     for i in tqdm(range(shape.num_layers), desc=f"fit-codebook K {config.k} V {config.v}", unit="layer"):
-        data = acts.layer(i)
+        data = _without_sinks(acts.layer(i), sink_tokens)
         lam = smoothing_factors(data["k"]) if smooth else None
         if lam is not None:
             tensors[f"layers.{i}.k_smooth"] = lam

@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, mixed_attention
 from ..hadamard import rotate
-from ..methods import Method, MethodSettings, build_method
+from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
 from .decode import PackedLayer, append_block, fused_decode
 
@@ -69,8 +69,9 @@ class CompressedLayer(CacheLayerMixin):
             k16, v16 = self.k_res[..., :flush, :], self.v_res[..., :flush, :]
             packed = self.method.compress(self.layer, k16.float(), v16.float())
             kd, vd = self.method.decompress(self.layer, packed)
+            kd, vd, sink_bits = keep_sinks(self.method, self.length - self.k_res.shape[-2], k16, v16, kd, vd)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
-            self.packed_bits += self.method.stored_bits(packed)
+            self.packed_bits += self.method.stored_bits(packed) + sink_bits
             # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
@@ -162,7 +163,7 @@ def _fused_capable(method: Method, k: torch.Tensor) -> bool:
     """Whether the INT2 kernel reads this method's blocks (kivi, kvlinc, oscar: KIVI-layout 2-bit)."""
     from ..methods.kivi import Kivi
 
-    if not (k.is_cuda and isinstance(method, Kivi) and method.config.bits == 2):
+    if not (k.is_cuda and isinstance(method, Kivi) and method.config.bits == 2 and not method.sink):
         return False
     g, gv = method.config.group_size, method.value_group
     return k.shape[-1] in (64, 128) and g >= 16 and g & (g - 1) == 0 and gv >= 16 and method.block % 16 == 0
