@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from kvcalib.quant import dequantize, quantize
 from kvcalib.runtime.decode import fused_decode, pack
 from results import RESULTS, record
 
@@ -86,7 +87,7 @@ def main() -> None:
             t_sdpa = timed(sdpa, copies)
             rows.append((b, length, "SDPA fp16", t_sdpa, fp16_bytes + 4 * q[0].numel()))
             variants = {"KIVI-2 G=32": (32, False), "KIVI-2 G=128": (128, False), "OScaR-2 G=32 (norms)": (32, True)}
-            layers = {}
+            layers, plain = {}, []  # plain: KIVI-2 G=128 in the kvcalib.quant layout, for dequantize + SDPA
             for name, (group, norms) in variants.items():
                 layers[name] = []
                 for k, v in kv:
@@ -95,14 +96,15 @@ def main() -> None:
                     if norms:
                         kf = kf / kn[..., None]
                     layers[name].append(pack(kf, vf, k[:, :, length:], v[:, :, length:], group, min(group, D), kn))
+                    if name == "KIVI-2 G=128":
+                        plain.append((quantize(kf, 2, group, "tokens"), quantize(vf, 2, min(group, D), "channels")))
                     del kf, vf
                 torch.cuda.empty_cache()
 
             def dequant_sdpa(i, name="KIVI-2 G=128"):
                 layer = layers[name][i]
-                kd, vd = layer.flushed_kv()
-                kd = torch.cat([kd.half(), layer.kres[:, :, : layer.residual]], 2)
-                vd = torch.cat([vd.half(), layer.vres[:, :, : layer.residual]], 2)
+                kd = torch.cat([dequantize(plain[i][0], torch.float16), layer.kres[:, :, : layer.residual]], 2)
+                vd = torch.cat([dequantize(plain[i][1], torch.float16), layer.vres[:, :, : layer.residual]], 2)
                 return torch.nn.functional.scaled_dot_product_attention(q[i], kd, vd, enable_gqa=True)
 
             rows.append((b, length, "dequantize + SDPA (KIVI-2 G=128)", timed(dequant_sdpa, copies, 10),

@@ -1,20 +1,20 @@
 // Fused decode attention over the packed INT2 cache of kvcalib.quant (KIVI, OScaR).
 //
 // Computes, for one new query per (batch, query head), softmax(q K^T * scale) V over
-//   - T flushed tokens stored packed: keys per-channel (2-bit codes packed 16 tokens per int32 word
-//     along tokens, fp16 scale/zero per G tokens and channel), optional fp16 per-token key norms
-//     (OScaR: key = norm * dequant), values per-token (2-bit codes packed 16 channels per word along
-//     channels, fp16 scale/zero per GV channels and token);
+//   - T flushed tokens stored packed: keys per-channel (2-bit codes, fp16 scale/zero per G tokens
+//     and channel), optional fp16 per-token key norms (OScaR: key = norm * dequant), values per-token
+//     (2-bit codes, fp16 scale/zero per GV channels and token), the codes (and value scales/zeros)
+//     of each 16-token block in the tensor-core order of kvcalib/runtime/decode.py;
 //   - r < R residual tokens in fp16 (kernel `residual_partial`, RT tokens per block).
 // Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
-// Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/quant.py):
+// Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/runtime/decode.py):
 //   q        (B, HKV*GQ, D)            QT (half or bf16), already rotated when keys are (OScaR)
-//   kcodes   (B, HKV, CAPW, D)  int32  word w of channel c holds tokens 16w..16w+15, token j at bits 2(j%16)
+//   kcodes   (B, HKV, CAPW, D)  int32  row n: the D words of tokens 16n..16n+15, tensor-core order
 //   kscale,kzero (B, HKV, CAPG, D) fp16   group g covers tokens G*g..G*g+G-1
 //   knorm    (B, HKV, CAPT)     fp16   only when HAS_NORM
-//   vcodes   (B, HKV, CAPT, D/16) int32 word w of token t holds channels 16w..16w+15
-//   vscale,vzero (B, HKV, CAPT, D/GV) fp16
+//   vcodes   (B, HKV, CAPT, D/16) int32 tokens 16n..16n+15: D words, tensor-core order
+//   vscale,vzero (B, HKV, CAPT, D/GV) fp16  per 16-token block stored as (D/GV, 16)
 //   kres,vres (B, HKV, CAPR, D) fp16   residual window
 // Parallel split (flash-decoding): block (split, kv head, batch) handles SPLIT_LEN flushed tokens for
 // all GQ query heads sharing that KV head, so each packed byte is read once per block. Partial
@@ -98,58 +98,81 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 }
 
 // ---- Tensor-core path for the flushed tokens -------------------------------------------------
-// A warp takes 16 tokens per step. Scores S (16 head rows x 16 tokens) = Q (16 x D) . K^T with
-// mma.m16n8k16 (f16 in, f32 accumulate): keys are dequantized from the packed words into the B
-// fragments in registers. The block's 4 warps share a 4-stage cp.async ring of 64-token stages in
-// shared memory, which keeps enough bytes in flight to stream at memory speed. Within a 16-channel k-slice, lane (g = lane/4, t = lane%4)
-// supplies logical k = {2t, 2t+1, 2t+8, 2t+9} from physical channels {4t..4t+3} (one 16-byte load
-// of 4 consecutive words); Q's A fragments use the same permutation, so q.k is unchanged.
-// Token order is natural: n-tile j column n is token 8j + n, so one word gives tokens g and g+8.
-// Then O (16 x D) += P (16 x 16 tokens, f16) . V with the C fragments of S reused as P's A
-// fragments; values are dequantized into B fragments the same way (channel 8u + g of n-tile u).
-// Heads GQ..15 are zero padding. Each warp keeps its own online softmax; the block combines its
-// four warps at the end and writes one partial.
+// A warp takes 16 tokens per step. Scores S (16 head rows x 16 tokens) = Q~ (16 x D) . codes^T with
+// mma.m16n8k16 (f16 in, f32 accumulate), then O (16 x D) += P~ (16 x 16 tokens) . codes. The
+// dequantization is factored out of the B operands, which are the raw codes:
+//   keys   (per channel c: scale s_c, zero z_c of the token's group):
+//          q.k_n = sum_c (q_c s_c) x_cn + sum_c q_c z_c  ->  A = q~ = q o s (per key group),
+//   values (per token n: scale s_n, zero z_n of the channel's group):
+//          sum_n p_n v_nc = sum_n (p_n s_n) x_nc + sum_n p_n z_n  ->  A = p~ = p o s.
+// The codes arrive in the tensor-core order of kvcalib/runtime/decode.py: a lane's D/32 words
+// hold exactly its B fragments, and one AND-OR per register makes half2(off + x) with the fp16
+// exponent chosen so that code bits 4-5, 6-7 or 8-9 of each half read as 64 + x, 16 + x or 4 + x
+// (`unpack8`). The offsets are exact constants: keys subtract sum_c off_c q~_c (per key group and
+// n-tile), values subtract off * sum_n p~_n (running sums per row, value group and token half).
+// The block's 4 warps share a cp.async ring of 64-token stages in shared memory; each warp keeps its
+// own online softmax and its own q~ fragments; the block combines its warps and writes one partial.
+// Heads GQ..15 are zero padding.
 
 #define WARPS (NT / 32)
-#define KS (D / 16)  // 16-channel k-slices of a key
-#define NV (D / 8)   // 8-channel n-tiles of the output
+#define KS (D / 16)   // 16-channel k-slices of a key
+#define NV (D / 8)    // 8-channel n-tiles of the output
+#define WPL (D / 32)  // words per lane per 16-token block
 
-__device__ __forceinline__ void mma16816(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+__device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, unsigned b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// Codes at bit `shift` and `shift + 16` of w, as half2(1024 + code_lo, 1024 + code_hi).
-__device__ __forceinline__ unsigned code_pair(unsigned w, int shift) {
-  return ((w >> shift) & 0x00030003u) | 0x64006400u;
+// The 8 B registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits 16 + 2p),
+// off_p = 64, 16, 64, 16, 4, 64, 16, 4 (the fp16 exponent ORed in makes the code bits the units digit).
+// (a & b) | c in one LOP3: with both constants in registers (the ISA takes one immediate) the
+// compiler would otherwise split it into an AND and an OR.
+__device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
+  unsigned d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
 }
-
-__device__ __forceinline__ unsigned dequant(unsigned x, __half2 scale, __half2 zero) {
-  const __half2 c = __hsub2(*reinterpret_cast<__half2*>(&x), __float2half2_rn(1024.f));
-  const __half2 v = __hfma2(c, scale, zero);
-  return *reinterpret_cast<const unsigned*>(&v);
+__device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* mask, const unsigned* magic) {
+  const unsigned wl = w << 4, wr = w >> 6;
+  o[0] = and_or(wl, mask[0], magic[0]);  // bits 0-1  -> 4-5: 64 + x
+  o[1] = and_or(wl, mask[1], magic[1]);  // bits 2-3  -> 6-7: 16 + x
+  o[2] = and_or(w, mask[0], magic[0]);   // bits 4-5:        64 + x
+  o[3] = and_or(w, mask[1], magic[1]);   // bits 6-7:        16 + x
+  o[4] = and_or(w, mask[2], magic[2]);   // bits 8-9:         4 + x
+  o[5] = and_or(wr, mask[0], magic[0]);  // bits 10-11 -> 4-5
+  o[6] = and_or(wr, mask[1], magic[1]);  // bits 12-13 -> 6-7
+  o[7] = and_or(wr, mask[2], magic[2]);  // bits 14-15 -> 8-9
+}
+// half2(-off_p, -off_p) for register p of `unpack8`, as a B register (exact in fp16).
+__device__ __forceinline__ constexpr unsigned neg_off2(int p) {
+  return (p == 4 || p == 7) ? 0xC400C400u : (p == 1 || p == 3 || p == 6) ? 0xCC00CC00u : 0xD400D400u;
 }
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const unsigned*>(&v);
 }
-
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
+__device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
+  const __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), b);
+  return *reinterpret_cast<const unsigned*>(&v);
+}
 
 // One pipeline stage: the packed data of ST tokens, copied global -> shared with cp.async.
 #define ST (16 * WARPS)
-#define NSTAGE 4
 #define KGS ((ST + G - 1) / G)  // key groups a stage touches (G is a power of two >= 16)
 struct __align__(16) Stage {
-  int kw[ST / 16][D];  // key words: row r = tokens 16r..16r+15
-  int vw[ST][VW];      // value words
+  int kw[ST / 16][D];  // key words, row r = tokens 16r..16r+15 (tensor-core order)
+  int vw[ST / 16][D];  // value words, same
   __half ks[KGS][D], kz[KGS][D];
-  __half vs[ST][VG], vz[ST][VG];
+  __half vs[ST / 16][VG][16], vz[ST / 16][VG][16];  // value scales / zeros, tensor-core order
   __half kn[ST];
 };
+// Static shared memory (ring, queries, q~ fragments, warp maxima) stays under 48 KB.
+constexpr int NSTAGE = 4 * sizeof(Stage) + 16 * KS * 32 + 16 * WARPS * KS * 32 + 1024 <= 48 * 1024 ? 4 : 3;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -159,36 +182,67 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2)); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-// Copy tokens [t0, t0 + ST) of this (batch, kv head) into `st`; nothing at or past `stop` is read.
-__device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, long bh, const int* kcodes,
-                                           const __half* kscale, const __half* kzero, const __half* knorm,
-                                           const int* vcodes, const __half* vscale, const __half* vzero,
-                                           int capw, int capg, int capt) {
-  for (int i = threadIdx.x; i < (ST / 16) * (D / 4); i += NT) {
-    const int row = i / (D / 4), ch = 4 * (i % (D / 4));
-    if (t0 + 16 * row < stop) cp_async16(&st.kw[row][ch], kcodes + (bh * capw + t0 / 16 + row) * D + ch);
-  }
-  for (int i = threadIdx.x; i < ST * (VW / 4); i += NT) {
-    const int tok = i / (VW / 4), ch = 4 * (i % (VW / 4));
-    if (t0 + tok < stop) cp_async16(&st.vw[tok][ch], vcodes + (bh * capt + t0 + tok) * VW + ch);
-  }
-  for (int i = threadIdx.x; i < KGS * (D / 8); i += NT) {
-    const int r = i / (D / 8), ch = 8 * (i % (D / 8)), grp = t0 / G + r;
-    if (grp * G < stop) {
-      cp_async16(&st.ks[r][ch], kscale + (bh * capg + grp) * D + ch);
-      cp_async16(&st.kz[r][ch], kzero + (bh * capg + grp) * D + ch);
+// Copy tokens [t0, t0 + ST) of one (batch, kv head) into `st`; nothing at or past `stop` is read.
+// The pointers are already at that (batch, kv head); offsets stay 32-bit. Trip counts are
+// compile-time constants (a runtime-bounded loop costs more instructions than the copies).
+__device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, const int* kcodes, const __half* kscale,
+                                           const __half* kzero, const __half* knorm, const int* vcodes,
+                                           const __half* vscale, const __half* vzero) {
+  constexpr int NW = (ST / 16) * (D / 4);  // 16-byte chunks of key words (and of value words)
+#pragma unroll
+  for (int k = 0; k < (NW + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT, row = i / (D / 4), ch = 4 * (i % (D / 4));
+    if (i < NW && t0 + 16 * row < stop) {
+      cp_async16(&st.kw[row][ch], kcodes + (t0 / 16 + row) * D + ch);
+      cp_async16(&st.vw[row][ch], vcodes + (t0 / 16 + row) * D + ch);
     }
   }
-  for (int i = threadIdx.x; i < ST * VG / 8; i += NT) {
-    if (t0 + 8 * i / VG < stop) {
-      cp_async16(&st.vs[0][0] + 8 * i, vscale + (bh * capt + t0) * VG + 8 * i);
-      cp_async16(&st.vz[0][0] + 8 * i, vzero + (bh * capt + t0) * VG + 8 * i);
+  constexpr int NS = KGS * (D / 8);  // 16-byte chunks of key scales (and of zeros)
+#pragma unroll
+  for (int k = 0; k < (NS + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT, r = i / (D / 8), ch = 8 * (i % (D / 8)), grp = t0 / G + r;
+    if (i < NS && grp * G < stop) {
+      cp_async16(&st.ks[r][ch], kscale + grp * D + ch);
+      cp_async16(&st.kz[r][ch], kzero + grp * D + ch);
+    }
+  }
+  constexpr int NV8 = ST * VG / 8;  // 16-byte chunks of value scales (and of zeros)
+#pragma unroll
+  for (int k = 0; k < (NV8 + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT;
+    if (i < NV8 && t0 + 8 * i / VG < stop) {
+      cp_async16(&st.vs[0][0][0] + 8 * i, vscale + t0 * VG + 8 * i);
+      cp_async16(&st.vz[0][0][0] + 8 * i, vzero + t0 * VG + 8 * i);
     }
   }
 #if HAS_NORM
-  for (int i = threadIdx.x; i < ST / 8; i += NT)
-    if (t0 + 8 * i < stop) cp_async16(&st.kn[8 * i], knorm + bh * capt + t0 + 8 * i);
+  if (threadIdx.x < ST / 8 && t0 + 8 * threadIdx.x < stop)
+    cp_async16(&st.kn[8 * threadIdx.x], knorm + t0 + 8 * threadIdx.x);
 #endif
+}
+
+// At a new key group: this lane's q~ = q o s fragments (to `frag`) and the score constants of the
+// group, k0[j] = sum_c q_c z_c - sum_c off_c q~_c for n-tile j, in the C-fragment layout of the
+// scores (every column of a row equal), both sums on the tensor cores exactly as the scores are.
+__device__ __forceinline__ void key_group(const uint4* qraw, const __half* s, const __half* z, uint4* frag,
+                                          float (*k0)[4]) {
+  const int t = threadIdx.x % 4;
+  float qz[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < 2; ++j) k0[j][0] = k0[j][1] = k0[j][2] = k0[j][3] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const int c = 16 * ks + 2 * t;
+    const __half2 s0 = half2_at(s + c), s1 = half2_at(s + c + 8);
+    const uint4 q = qraw[ks * 32 + threadIdx.x % 32];
+    const uint4 qt = make_uint4(hmul2u(q.x, s0), hmul2u(q.y, s0), hmul2u(q.z, s1), hmul2u(q.w, s1));
+    frag[ks * 32 + threadIdx.x % 32] = qt;
+    mma16816(qz, q, *reinterpret_cast<const unsigned*>(z + c), *reinterpret_cast<const unsigned*>(z + c + 8));
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      mma16816(k0[j], qt, neg_off2(4 * (ks % 2) + 2 * j), neg_off2(4 * (ks % 2) + 2 * j + 1));
+  }
+  for (int j = 0; j < 2; ++j)
+    for (int i = 0; i < 4; ++i) k0[j][i] += qz[i];
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
@@ -200,30 +254,44 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
   __shared__ Stage ring[NSTAGE];
-
-  // Q A-fragments of every lane, in shared memory (registers go to the accumulators): rows g and
-  // g+8 (heads), permuted channels 16s + 4t + {0,1 | 2,3}. Read after the loop's first barrier.
-  __shared__ uint4 qfrag[KS][32];
+  __shared__ uint4 qraw[KS * 32];         // each lane's A fragments of q (fp16; rows GQ..15 zero)
+  __shared__ uint4 qfrag[WARPS][KS][32];  // each lane's q~ fragments of its warp's key group
   for (int i = threadIdx.x; i < KS * 32; i += NT) {
-    const int s = i / 32, fg = (i % 32) / 4, c = 16 * s + 4 * (i % 4);
-    float r0[4] = {0.f, 0.f, 0.f, 0.f}, r1[4] = {0.f, 0.f, 0.f, 0.f};
-    if (fg < GQ)
-      for (int j = 0; j < 4; ++j) r0[j] = to_float(q[(bh * GQ + fg) * D + c + j]);
-    if (fg + 8 < GQ)
-      for (int j = 0; j < 4; ++j) r1[j] = to_float(q[(bh * GQ + fg + 8) * D + c + j]);
-    qfrag[s][i % 32] = make_uint4(pack_half2(r0[0], r0[1]), pack_half2(r1[0], r1[1]), pack_half2(r0[2], r0[3]),
-                                  pack_half2(r1[2], r1[3]));
+    const int ks = i / 32, fg = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
+    float r[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int h = 0; h < 2; ++h)
+      if (fg + 8 * h < GQ)
+        for (int e = 0; e < 4; ++e) r[h][e] = to_float(q[(bh * GQ + fg + 8 * h) * D + c + 8 * (e / 2) + e % 2]);
+    qraw[i] = make_uint4(pack_half2(r[0][0], r[0][1]), pack_half2(r[1][0], r[1][1]), pack_half2(r[0][2], r[0][3]),
+                         pack_half2(r[1][2], r[1][3]));
   }
+
   float acc[NV][4];
   for (int u = 0; u < NV; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+  // Per value group: -sum_n off * p~_n (column n of a row: the offsets of n-tile class n % 4) and
+  // sum_n p_n z_n (every column), accumulated on the tensor cores beside acc.
+  float vo[VG][4], vzs[VG][4];
+  for (int gv = 0; gv < VG; ++gv)
+    for (int i = 0; i < 4; ++i) vo[gv][i] = vzs[gv][i] = 0.f;
+  const unsigned voff0 = neg_off2(2 * (g % 4)), voff1 = neg_off2(2 * (g % 4) + 1);
+  // unpack8's masks and fp16 exponents, in registers (see and_or)
+  unsigned mask[3] = {0x00300030u, 0x00C000C0u, 0x03000300u}, magic[3] = {0x54005400u, 0x4C004C00u, 0x44004400u};
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // rows g, g+8; l is this lane's share
+  float k0[2][4];
+  int group = -1;
 
   const int start = split * split_len;
   const int stop = min(start + split_len, T);
   const int stages = (stop - start + ST - 1) / ST;
+  kcodes += bh * capw * D;
+  vcodes += bh * capt * VW;
+  kscale += bh * capg * D;
+  kzero += bh * capg * D;
+  vscale += bh * capt * VG;
+  vzero += bh * capt * VG;
+  knorm += HAS_NORM ? bh * capt : 0;
   for (int s = 0; s < NSTAGE - 1; ++s) {
-    if (s < stages)
-      load_stage(ring[s], start + s * ST, stop, bh, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero, capw, capg, capt);
+    if (s < stages) load_stage(ring[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
     cp_async_commit();
   }
   for (int s = 0; s < stages; ++s) {
@@ -231,36 +299,44 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
     __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
     const int next = s + NSTAGE - 1;
     if (next < stages)
-      load_stage(ring[next % NSTAGE], start + next * ST, stop, bh, kcodes, kscale, kzero, knorm, vcodes, vscale,
-                 vzero, capw, capg, capt);
+      load_stage(ring[next % NSTAGE], start + next * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
     cp_async_commit();
     const Stage& st = ring[s % NSTAGE];
-    if (start + s * ST + 16 * warp >= stop) continue;
-    const int kg = 16 * warp / G;  // this warp's key group row in the stage
-    // ---- scores: two n-tiles of 8 tokens ----
-    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int ks = 0; ks < KS; ++ks) {
-      const int c = 16 * ks + 4 * t;
-      const uint4 q4 = qfrag[ks][lane];
-      const unsigned qa[4] = {q4.x, q4.y, q4.z, q4.w};
-      const int4 w = *reinterpret_cast<const int4*>(&st.kw[warp][c]);
-      const uint2 sv = *reinterpret_cast<const uint2*>(&st.ks[kg][c]);
-      const uint2 zv = *reinterpret_cast<const uint2*>(&st.kz[kg][c]);
-      const __half2 s01 = *reinterpret_cast<const __half2*>(&sv.x), s23 = *reinterpret_cast<const __half2*>(&sv.y);
-      const __half2 z01 = *reinterpret_cast<const __half2*>(&zv.x), z23 = *reinterpret_cast<const __half2*>(&zv.y);
-      const unsigned x0 = code_pair(w.x, 2 * g), x1 = code_pair(w.y, 2 * g);
-      const unsigned x2 = code_pair(w.z, 2 * g), x3 = code_pair(w.w, 2 * g);
-      // n-tile 0: token g (low halves); n-tile 1: token g + 8 (high halves).
-      mma16816(sc[0], qa, dequant(__byte_perm(x0, x1, 0x5410), s01, z01), dequant(__byte_perm(x2, x3, 0x5410), s23, z23));
-      mma16816(sc[1], qa, dequant(__byte_perm(x0, x1, 0x7632), s01, z01), dequant(__byte_perm(x2, x3, 0x7632), s23, z23));
+    const int tok0 = start + s * ST + 16 * warp;
+    if (tok0 >= stop) continue;
+    if (tok0 / G != group) {
+      group = tok0 / G;
+      const int kg = group - (start + s * ST) / G;  // the group's row in the stage
+      key_group(qraw, st.ks[kg], st.kz[kg], &qfrag[warp][0][0], k0);
     }
+    // ---- scores: word i holds k-slices 2i, 2i+1 of both n-tiles (tokens g and 8 + g) ----
+    unsigned kw[WPL];
+    for (int i = 0; i < WPL; ++i) kw[i] = (unsigned)st.kw[warp][lane * WPL + i];
+    float sc[2][4], sc2[2][4];  // even and odd k-slices: two independent mma chains
+    for (int j = 0; j < 2; ++j)
+      for (int i = 0; i < 4; ++i) {
+        sc[j][i] = k0[j][i];
+        sc2[j][i] = 0.f;
+      }
+#pragma unroll
+    for (int i = 0; i < WPL; ++i) {
+      unsigned o[8];
+      unpack8(kw[i], o, mask, magic);
+      const uint4 qa = qfrag[warp][2 * i][lane], qb = qfrag[warp][2 * i + 1][lane];
+      mma16816(sc[0], qa, o[0], o[1]);
+      mma16816(sc[1], qa, o[2], o[3]);
+      mma16816(sc2[0], qb, o[4], o[5]);
+      mma16816(sc2[1], qb, o[6], o[7]);
+    }
+    for (int j = 0; j < 2; ++j)
+      for (int i = 0; i < 4; ++i) sc[j][i] += sc2[j][i];
     // sc[j][0..1]: row g, tokens 8j + 2t + {0,1}; sc[j][2..3]: row g + 8.
     float norm[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
 #if HAS_NORM
     for (int j = 0; j < 2; ++j) {
-      const __half2 n2 = half2_at(&st.kn[16 * warp + 8 * j + 2 * t]);
-      norm[j][0] = __low2float(n2);
-      norm[j][1] = __high2float(n2);
+      const float2 n2 = __half22float2(half2_at(&st.kn[16 * warp + 8 * j + 2 * t]));
+      norm[j][0] = n2.x;
+      norm[j][1] = n2.y;
     }
 #endif
     float mx[2] = {NEG_INF, NEG_INF};
@@ -269,55 +345,76 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
         sc[j][i] *= scale_log2 * norm[j][i & 1];
         mx[i / 2] = fmaxf(mx[i / 2], sc[j][i]);
       }
-    unsigned pa[4];
+    float alpha[2];
+    unsigned pa[4];  // P in fp16: A reg 2j + r = row g + 8r, tokens 8j + 2t + {0,1}
     for (int r = 0; r < 2; ++r) {
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
       mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
       const float m_new = fmaxf(m[r], mx[r]);
-      const float alpha = exp2f(m[r] - m_new);  // m[r] = -inf gives 0
+      alpha[r] = exp2f(m[r] - m_new);  // m[r] = -inf gives 0
       m[r] = m_new;
-      l[r] *= alpha;
-      for (int u = 0; u < NV; ++u) {
-        acc[u][2 * r] *= alpha;
-        acc[u][2 * r + 1] *= alpha;
-      }
-      float p[2][2];
+      l[r] *= alpha[r];
       for (int j = 0; j < 2; ++j) {
-        p[j][0] = exp2f(sc[j][2 * r] - m_new);
-        p[j][1] = exp2f(sc[j][2 * r + 1] - m_new);
-        l[r] += p[j][0] + p[j][1];
+        const float p0 = exp2f(sc[j][2 * r] - m_new), p1 = exp2f(sc[j][2 * r + 1] - m_new);
+        l[r] += p0 + p1;
+        pa[2 * j + r] = pack_half2(p0, p1);
       }
-      pa[r] = pack_half2(p[0][0], p[0][1]);      // A reg 0 / 1: k = 2t, 2t+1 (n-tile 0)
-      pa[2 + r] = pack_half2(p[1][0], p[1][1]);  // A reg 2 / 3: k = 2t+8, 2t+9 (n-tile 1)
     }
-    // ---- values: tokens 2t, 2t+1 (B reg 0) and 2t+8, 2t+9 (B reg 1) ----
-    const int v0 = 16 * warp;
+    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
+      for (int u = 0; u < NV; ++u)
+        for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i / 2];
+      for (int gv = 0; gv < VG; ++gv)
+        for (int i = 0; i < 4; ++i) {
+          vo[gv][i] *= alpha[i / 2];
+          vzs[gv][i] *= alpha[i / 2];
+        }
+    }
+    // ---- values: P~ = P o s per value group (tokens 2t, 2t+1 | 2t+8, 2t+9) ----
+    const uint4 pu = make_uint4(pa[0], pa[1], pa[2], pa[3]);
+    uint4 pt[VG];
     for (int gv = 0; gv < VG; ++gv) {
-      __half2 vsc[2], vze[2];  // one value group: (token 2t, 2t+1) and (2t+8, 2t+9)
-      for (int k = 0; k < 2; ++k) {
-        const int tok = v0 + 2 * t + 8 * k;
-        vsc[k] = __halves2half2(st.vs[tok][gv], st.vs[tok + 1][gv]);
-        vze[k] = __halves2half2(st.vz[tok][gv], st.vz[tok + 1][gv]);
-      }
-      for (int wi = gv * (GV / 16); wi < (gv + 1) * (GV / 16); ++wi) {
-        unsigned x[4];
-        for (int k = 0; k < 4; ++k) x[k] = code_pair((unsigned)st.vw[v0 + 2 * t + (k & 1) + 8 * (k / 2)][wi], 2 * g);
-        // n-tile 2wi: channel 16wi + g (low halves); n-tile 2wi + 1: channel 16wi + 8 + g (high halves).
-        mma16816(acc[2 * wi], pa, dequant(__byte_perm(x[0], x[1], 0x5410), vsc[0], vze[0]),
-                 dequant(__byte_perm(x[2], x[3], 0x5410), vsc[1], vze[1]));
-        mma16816(acc[2 * wi + 1], pa, dequant(__byte_perm(x[0], x[1], 0x7632), vsc[0], vze[0]),
-                 dequant(__byte_perm(x[2], x[3], 0x7632), vsc[1], vze[1]));
+      const __half2 s0 = half2_at(&st.vs[warp][gv][2 * t]), s1 = half2_at(&st.vs[warp][gv][8 + 2 * t]);
+      pt[gv] = make_uint4(hmul2u(pa[0], s0), hmul2u(pa[1], s0), hmul2u(pa[2], s1), hmul2u(pa[3], s1));
+      mma16816(vo[gv], pt[gv], voff0, voff1);
+      mma16816(vzs[gv], pu, *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][2 * t]),
+               *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][8 + 2 * t]));
+    }
+    unsigned vw[WPL];
+    for (int i = 0; i < WPL; ++i) vw[i] = (unsigned)st.vw[warp][lane * WPL + i];
+#pragma unroll
+    for (int i = 0; i < WPL; ++i) {
+      unsigned o[8];
+      unpack8(vw[i], o, mask, magic);
+#pragma unroll
+      for (int mm = 0; mm < 4; ++mm) {  // n-tile u = 4i + mm: channels 8u..8u+7
+        const int u = 4 * i + mm;
+        mma16816(acc[u], pt[8 * u / GV], o[2 * mm], o[2 * mm + 1]);
       }
     }
   }
   cp_async_wait_all();
-  // ---- combine the four warps of the block, write one partial ----
+  // ---- settle the value offsets and zero points: column c of vo holds n-tile class c ----
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
   }
+  for (int gv = 0; gv < VG; ++gv)
+    for (int cls = 0; cls < 4; ++cls) {
+      const float o0 = __shfl_sync(0xffffffff, vo[gv][cls & 1], 4 * g + cls / 2);
+      const float o1 = __shfl_sync(0xffffffff, vo[gv][2 + (cls & 1)], 4 * g + cls / 2);
+      for (int u = cls; u < NV; u += 4)
+        if (8 * u / GV == gv) {
+          acc[u][0] += o0 + vzs[gv][0];
+          acc[u][1] += o0 + vzs[gv][0];
+          acc[u][2] += o1 + vzs[gv][2];
+          acc[u][3] += o1 + vzs[gv][2];
+        }
+    }
+  // ---- combine the four warps of the block (in the ring's memory, now idle), write one partial ----
+  __syncthreads();
   __shared__ float wm[WARPS][16], wl[WARPS][16];
-  __shared__ float wacc[WARPS][GQ][D];
+  float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(&ring[0]);
+  static_assert(sizeof(float) * WARPS * GQ * D <= sizeof(Stage) * NSTAGE, "ring too small for the warp combine");
   if (t == 0) {
     wm[warp][g] = m[0]; wl[warp][g] = l[0];
     wm[warp][g + 8] = m[1]; wl[warp][g + 8] = l[1];

@@ -1,9 +1,25 @@
 """Decode attention over one layer's packed INT2 cache: the torch reference and the fused kernel.
 
-`PackedLayer` holds exactly the layout of `kvcalib.quant` (keys axis="tokens", values
-axis="channels"), with optional per-token key norms (OScaR) and the float16 residual window, in
-capacity-sized buffers so that a runtime can append in place; `length` and `residual` say how much
-is filled. `reference_decode` dequantizes and attends in float64; `fused_decode` runs
+`PackedLayer` holds the INT2 cache of `kvcalib.quant` (keys axis="tokens", values axis="channels":
+the same scales, zero points and buffer shapes), with optional per-token key norms (OScaR) and the
+float16 residual window, in capacity-sized buffers so that a runtime can append in place; `length`
+and `residual` say how much is filled. Only the order of the 2-bit codes inside each block of 16
+tokens differs: the "tensor-core order" below, written once per flushed block by `append_block`.
+
+Tensor-core order (keys and values alike: a block of 16 tokens x D channels is D int32 words)
+-------------------------------------------------------------------------------------------
+Word `w = lane * (D / 32) + i` (lane = 4 g + t of a warp, i < D/32) holds 16 codes, 8 per 16-bit
+half: half `h`, position `p` at bits `16 h + 2 p`. With r = 8 i + p:
+- keys:   token `8 * ((r // 2) % 2) + g`, channel `16 * (r // 4) + 8 * (r % 2) + 2 t + h`;
+- values: token `8 * (r % 2) + 2 t + h`,  channel `8 * (r // 2) + g`.
+Each lane thus reads D/32 consecutive words holding exactly the elements of its mma.m16n8k16 B
+fragments, and one AND-OR per pair of elements turns them into half2(offset + code) (see
+`quant_decode.cu`). Key words of block n are row n of `kcodes` (B, Hkv, CAPT/16, D); value words
+fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n is tokens 16n..16n+15 as before. Value
+scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
+lane reads the scales of its two tokens as one half2.
+
+`reference_decode` dequantizes and attends in float64; `fused_decode` runs
 `kernels_cupy/quant_decode.cu`; both take KVLinC's correction terms (numerator (B, Hq, D) and
 denominator (B, Hq), in exp units) when given.
 """
@@ -16,18 +32,73 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import Quantized, dequantize, quantize
+from ..quant import Quantized, dequantize, pack_bits, quantize, unpack_bits
 
 TILE = 128  # split alignment in tokens
 RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
 
 
+@functools.lru_cache(maxsize=4)
+def _order(d: int, device: str) -> tuple[torch.Tensor, ...]:
+    """(key token, key channel, value token, value channel, bit shift) per (word, half, position)."""
+    lane = torch.arange(32).view(32, 1, 1, 1)
+    g, t = lane // 4, lane % 4
+    i = torch.arange(d // 32).view(1, -1, 1, 1)
+    h = torch.arange(2).view(1, 1, 2, 1)
+    p = torch.arange(8).view(1, 1, 1, 8)
+    r = 8 * i + p
+    full = lambda x: x.expand(32, d // 32, 2, 8).reshape(d, 16).to(device)  # noqa: E731
+    return (full(8 * ((r // 2) % 2) + g), full(16 * (r // 4) + 8 * (r % 2) + 2 * t + h),
+            full(8 * (r % 2) + 2 * t + h), full(8 * (r // 2) + g), full(16 * h + 2 * p))
+
+
+def to_tensor_core_order(codes: torch.Tensor, which: str) -> torch.Tensor:
+    """2-bit codes (..., T, D), T a multiple of 16, to the words (..., T/16, D) int32 of the order above."""
+    *lead, t, d = codes.shape
+    ktok, kch, vtok, vch, shift = _order(d, str(codes.device))
+    tok, ch = (ktok, kch) if which == "k" else (vtok, vch)
+    blocks = codes.reshape(*lead, t // 16, 16, d).to(torch.int64)
+    words = (blocks[..., tok, ch] << shift).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def from_tensor_core_order(words: torch.Tensor, which: str) -> torch.Tensor:
+    """Inverse of `to_tensor_core_order`: words (..., T/16, D) to codes (..., T, D) int64."""
+    *lead, n, d = words.shape
+    ktok, kch, vtok, vch, shift = _order(d, str(words.device))
+    tok, ch = (ktok, kch) if which == "k" else (vtok, vch)
+    bits = ((words.to(torch.int64) & 0xFFFFFFFF).unsqueeze(-1) >> shift) & 3  # (..., n, D, 16)
+    codes = torch.empty(*lead, n, 16, d, dtype=torch.int64, device=words.device)
+    codes[..., tok, ch] = bits
+    return codes.reshape(*lead, n * 16, d)
+
+
+def _block_transpose(x: torch.Tensor) -> torch.Tensor:
+    """Per-token rows (..., T, n) stored per block of 16 tokens as (n, 16): same shape, new order."""
+    *lead, t, n = x.shape
+    return x.reshape(*lead, t // 16, 16, n).transpose(-1, -2).reshape(*lead, t, n)
+
+
+def _block_untranspose(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of `_block_transpose`."""
+    *lead, t, n = x.shape
+    return x.reshape(*lead, t // 16, n, 16).transpose(-1, -2).reshape(*lead, t, n)
+
+
+def _kernel_parts(kq: Quantized, vq: Quantized) -> tuple[torch.Tensor, ...]:
+    """Key codes, value codes, value scales and zeros of kvcalib.quant in tensor-core order."""
+    kw = to_tensor_core_order(unpack_bits(kq.codes, 2, -2, kq.length), "k")
+    vw = to_tensor_core_order(unpack_bits(vq.codes, 2, -1, vq.length), "v")
+    vw = vw.reshape(*vw.shape[:-2], vw.shape[-2] * 16, vw.shape[-1] // 16)
+    return kw, vw, _block_transpose(vq.scale), _block_transpose(vq.zero)
+
+
 @dataclass
 class PackedLayer:
-    kcodes: torch.Tensor  # (B, Hkv, CAPT/16, D) int32
+    kcodes: torch.Tensor  # (B, Hkv, CAPT/16, D) int32, tensor-core order
     kscale: torch.Tensor  # (B, Hkv, CAPT/G, D) fp16
     kzero: torch.Tensor
-    vcodes: torch.Tensor  # (B, Hkv, CAPT, D/16) int32
+    vcodes: torch.Tensor  # (B, Hkv, CAPT, D/16) int32, tensor-core order
     vscale: torch.Tensor  # (B, Hkv, CAPT, D/GV) fp16
     vzero: torch.Tensor
     kres: torch.Tensor  # (B, Hkv, CAPR, D) fp16
@@ -44,11 +115,13 @@ class PackedLayer:
 
     def flushed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized flushed keys and values (float32), norms applied."""
-        t, g = self.length, self.group_size
-        k = dequantize(Quantized(self.kcodes[:, :, : -(-t // 16)], self.kscale[:, :, : t // g], self.kzero[:, :, : t // g],
+        t, g, d = self.length, self.group_size, self.head_dim
+        kc = from_tensor_core_order(self.kcodes[:, :, : t // 16], "k")
+        vc = from_tensor_core_order(self.vcodes[:, :, :t].reshape(*self.vcodes.shape[:2], t // 16, d), "v")
+        k = dequantize(Quantized(pack_bits(kc, 2, -2), self.kscale[:, :, : t // g], self.kzero[:, :, : t // g],
                                  2, g, "tokens", t))
-        v = dequantize(Quantized(self.vcodes[:, :, :t], self.vscale[:, :, :t], self.vzero[:, :, :t],
-                                 2, self.value_group_size, "channels", self.head_dim))
+        v = dequantize(Quantized(pack_bits(vc, 2, -1), _block_untranspose(self.vscale[:, :, :t]),
+                                 _block_untranspose(self.vzero[:, :, :t]), 2, self.value_group_size, "channels", d))
         if self.knorm is not None:
             k = k * self.knorm[:, :, :t, None].float()
         return k, v
@@ -59,10 +132,11 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm:
     """`layer` with more flushed tokens (2-bit `Quantized` keys and values of kvcalib.quant, optional
     per-token key norms), growing its buffers by doubling; the residual window is replaced."""
     t = kq.length
+    kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
     if layer is None:
         empty = lambda x: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
-        layer = PackedLayer(empty(kq.codes), empty(kq.scale), empty(kq.zero), empty(vq.codes), empty(vq.scale),
-                            empty(vq.zero), residual_k, residual_v, 0, 0, kq.group_size, vq.group_size,
+        layer = PackedLayer(empty(kcodes), empty(kq.scale), empty(kq.zero), empty(vcodes), empty(vscale),
+                            empty(vzero), residual_k, residual_v, 0, 0, kq.group_size, vq.group_size,
                             None if knorm is None else empty(knorm.half()))
     new_len = layer.length + t
 
@@ -75,12 +149,12 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm:
         return buf
 
     g = layer.group_size
-    layer.kcodes = grow(layer.kcodes, kq.codes, layer.length // 16)
+    layer.kcodes = grow(layer.kcodes, kcodes, layer.length // 16)
     layer.kscale = grow(layer.kscale, kq.scale, layer.length // g)
     layer.kzero = grow(layer.kzero, kq.zero, layer.length // g)
-    layer.vcodes = grow(layer.vcodes, vq.codes, layer.length)
-    layer.vscale = grow(layer.vscale, vq.scale, layer.length)
-    layer.vzero = grow(layer.vzero, vq.zero, layer.length)
+    layer.vcodes = grow(layer.vcodes, vcodes, layer.length)
+    layer.vscale = grow(layer.vscale, vscale, layer.length)
+    layer.vzero = grow(layer.vzero, vzero, layer.length)
     if knorm is not None:
         layer.knorm = grow(layer.knorm, knorm.half(), layer.length)
     layer.length = new_len
@@ -96,6 +170,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Ten
     cap = capacity or max(t, TILE)
     kq = quantize(k, 2, group_size, "tokens")
     vq = quantize(v, 2, value_group_size, "channels")
+    kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
 
     def buffer(src: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         shape = list(src.shape)
@@ -105,9 +180,9 @@ def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Ten
         return out
 
     return PackedLayer(
-        kcodes=buffer(kq.codes, 2, cap // 16), kscale=buffer(kq.scale, 2, cap // group_size),
-        kzero=buffer(kq.zero, 2, cap // group_size), vcodes=buffer(vq.codes, 2, cap),
-        vscale=buffer(vq.scale, 2, cap), vzero=buffer(vq.zero, 2, cap),
+        kcodes=buffer(kcodes, 2, cap // 16), kscale=buffer(kq.scale, 2, cap // group_size),
+        kzero=buffer(kq.zero, 2, cap // group_size), vcodes=buffer(vcodes, 2, cap),
+        vscale=buffer(vscale, 2, cap), vzero=buffer(vzero, 2, cap),
         kres=buffer(k_res.half(), 2, residual_capacity), vres=buffer(v_res.half(), 2, residual_capacity),
         length=t, residual=k_res.shape[2], group_size=group_size, value_group_size=value_group_size,
         knorm=None if knorm is None else buffer(knorm.half(), 2, cap),

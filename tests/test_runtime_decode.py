@@ -1,0 +1,69 @@
+"""The packed INT2 layer of the runtime (CPU): tensor-core order of the codes and its reference."""
+
+import pytest
+import torch
+
+from kvcalib.quant import dequantize, quantize
+from kvcalib.runtime.decode import (append_block, from_tensor_core_order, pack, reference_decode,
+                                    to_tensor_core_order)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_tensor_core_order_is_a_permutation_of_the_codes_of_each_block(d, which):
+    codes = torch.randint(0, 4, (2, 3, 48, d))
+    words = to_tensor_core_order(codes, which)
+    assert words.shape == (2, 3, 3, d) and words.dtype == torch.int32
+    assert torch.equal(from_tensor_core_order(words, which), codes)
+    # One code set in a block lands in exactly one 2-bit field of that block's words.
+    one = torch.zeros(1, 1, 16, d, dtype=torch.int64)
+    one[0, 0, 5, 7] = 3
+    fields = to_tensor_core_order(one, which).to(torch.int64) & 0xFFFFFFFF
+    assert (fields != 0).sum() == 1 and bin(int(fields.max())).count("1") == 2
+
+
+def test_key_words_give_each_lane_its_mma_b_fragments():
+    # Lane (g, t) = (2, 1), word 0, position 1 (r = 1), low half: token g, channel 8 + 2t.
+    codes = torch.zeros(1, 1, 16, 128, dtype=torch.int64)
+    codes[0, 0, 2, 8 + 2] = 1
+    words = to_tensor_core_order(codes, "k")[0, 0, 0]
+    lane = 4 * 2 + 1
+    assert int(words[lane * 4]) == 1 << 2 and int(words.abs().sum()) == 1 << 2
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_layer_reads_back_what_kvcalib_quant_stores(d):
+    k, v = torch.randn(2, 2, 64, d), torch.randn(2, 2, 64, d)
+    layer = pack(k, v, torch.randn(2, 2, 5, d), torch.randn(2, 2, 5, d), 32, 16)
+    kd, vd = layer.flushed_kv()
+    assert torch.equal(kd, dequantize(quantize(k, 2, 32, "tokens")))
+    assert torch.equal(vd, dequantize(quantize(v, 2, 16, "channels")))
+
+
+def test_appending_blocks_equals_packing_them_at_once():
+    d = 64
+    k, v = torch.randn(1, 2, 48, d), torch.randn(1, 2, 48, d)
+    layer = None
+    empty = torch.zeros(1, 2, 0, d).half()
+    for start in range(0, 48, 16):
+        block = slice(start, start + 16)
+        layer = append_block(layer, quantize(k[:, :, block], 2, 16, "tokens"), quantize(v[:, :, block], 2, 16, "channels"),
+                             None, empty, empty)
+    kd, vd = layer.flushed_kv()
+    assert layer.length == 48
+    assert torch.equal(kd, dequantize(quantize(k, 2, 16, "tokens")))
+    assert torch.equal(vd, dequantize(quantize(v, 2, 16, "channels")))
+
+
+def test_reference_decode_is_softmax_attention_over_the_held_cache():
+    d = 64
+    k, v = torch.randn(1, 2, 32, d), torch.randn(1, 2, 32, d)
+    kr, vr = torch.randn(1, 2, 3, d).half(), torch.randn(1, 2, 3, d).half()
+    layer = pack(k, v, kr, vr, 16, 16)
+    q = torch.randn(1, 4, d)
+    kd, vd = layer.flushed_kv()
+    keys = torch.cat([kd, kr.float()], 2).double().repeat_interleave(2, 1)
+    values = torch.cat([vd, vr.float()], 2).double().repeat_interleave(2, 1)
+    want = torch.softmax(torch.einsum("bhd,bhtd->bht", q.double(), keys) * d**-0.5, -1)
+    want = torch.einsum("bht,bhtd->bhd", want, values)
+    torch.testing.assert_close(reference_decode(q, layer, d**-0.5), want)
