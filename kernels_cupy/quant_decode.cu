@@ -24,7 +24,7 @@
 // Bytes that must move per (batch, kv head): T*D/4 (key codes) + T*D/4 (value codes) +
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
 //
-// Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 16),
+// Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 8),
 // HAS_NORM, QT. Queries are rounded to fp16 for the tensor cores whatever QT is.
 
 #include <cuda_fp16.h>
@@ -98,25 +98,27 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 }
 
 // ---- Tensor-core path for the flushed tokens -------------------------------------------------
-// A warp takes 16 tokens per step. Scores S (16 head rows x 16 tokens) = Q~ (16 x D) . codes^T with
-// mma.m16n8k16 (f16 in, f32 accumulate), then O (16 x D) += P~ (16 x 16 tokens) . codes. The
-// dequantization is factored out of the B operands, which are the raw codes:
+// A warp takes 16 tokens per step, with tokens on the M dimension of mma.m16n8k16 (f16 in, f32
+// accumulate) and the GQ query heads of the KV head on N (8 columns, heads GQ..7 zero):
+//   scores  S^T (16 tokens x 8 heads) = codes_K (16 x D) . Q~^T,
+//   output  O^T (D x 8 heads)        += codes_V^T (D x 16 tokens) . P~^T,
+// P^T moved from the scores' C fragments to B fragments by movmatrix (an 8x8 transpose). The
+// dequantization is factored out of the operands, which are the raw codes:
 //   keys   (per channel c: scale s_c, zero z_c of the token's group):
-//          q.k_n = sum_c (q_c s_c) x_cn + sum_c q_c z_c  ->  A = q~ = q o s (per key group),
+//          q.k_n = sum_c (q_c s_c) x_cn + sum_c q_c z_c  ->  B = q~ = q o s (per key group),
 //   values (per token n: scale s_n, zero z_n of the channel's group):
-//          sum_n p_n v_nc = sum_n (p_n s_n) x_nc + sum_n p_n z_n  ->  A = p~ = p o s.
+//          sum_n p_n v_nc = sum_n x_nc (p_n s_n) + sum_n p_n z_n  ->  B = p~ = p o s.
 // The codes arrive in the tensor-core order of kvcalib/runtime/decode.py: a lane's D/32 words
-// hold exactly its B fragments, and one AND-OR per register makes half2(off + x) with the fp16
-// exponent chosen so that code bits 4-5, 6-7 or 8-9 of each half read as 64 + x, 16 + x or 4 + x
-// (`unpack8`). The offsets are exact constants: keys subtract sum_c off_c q~_c (per key group and
-// n-tile), values subtract off * sum_n p~_n (running sums per row, value group and token half).
+// hold exactly its A fragments, and one AND-OR per register makes half2(off + x) with the fp16
+// exponent chosen so that code bits 4-5 or 6-7 of each half read as 64 + x or 16 + x (`unpack8`):
+// the offset is 64 for the fragment rows g and 16 for rows g + 8. Offsets and zero points are exact
+// sums on the tensor cores: per key group the score constants k0 = Q.z - off.Q~ (mma with constant
+// A operands), per value group and step -off.P~ and z.P (two more mma).
 // The block's 4 warps share a cp.async ring of 64-token stages in shared memory; each warp keeps its
 // own online softmax and its own q~ fragments; the block combines its warps and writes one partial.
-// Heads GQ..15 are zero padding.
 
 #define WARPS (NT / 32)
-#define KS (D / 16)   // 16-channel k-slices of a key
-#define NV (D / 8)    // 8-channel n-tiles of the output
+#define KS (D / 16)   // 16-channel k-slices of a key, 16-channel row blocks of the output
 #define WPL (D / 32)  // words per lane per 16-token block
 
 __device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, unsigned b1) {
@@ -126,8 +128,13 @@ __device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, u
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// The 8 B registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits 16 + 2p),
-// off_p = 64, 16, 64, 16, 4, 64, 16, 4 (the fp16 exponent ORed in makes the code bits the units digit).
+// The transpose of an 8x8 fp16 matrix held one half2 per lane (row lane/4, columns 2(lane%4)+{0,1}).
+__device__ __forceinline__ unsigned transpose8x8(unsigned x) {
+  unsigned y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // (a & b) | c in one LOP3: with both constants in registers (the ISA takes one immediate) the
 // compiler would otherwise split it into an AND and an OR.
 __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
@@ -135,21 +142,22 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-__device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* mask, const unsigned* magic) {
-  const unsigned wl = w << 4, wr = w >> 6;
-  o[0] = and_or(wl, mask[0], magic[0]);  // bits 0-1  -> 4-5: 64 + x
-  o[1] = and_or(wl, mask[1], magic[1]);  // bits 2-3  -> 6-7: 16 + x
-  o[2] = and_or(w, mask[0], magic[0]);   // bits 4-5:        64 + x
-  o[3] = and_or(w, mask[1], magic[1]);   // bits 6-7:        16 + x
-  o[4] = and_or(w, mask[2], magic[2]);   // bits 8-9:         4 + x
-  o[5] = and_or(wr, mask[0], magic[0]);  // bits 10-11 -> 4-5
-  o[6] = and_or(wr, mask[1], magic[1]);  // bits 12-13 -> 6-7
-  o[7] = and_or(wr, mask[2], magic[2]);  // bits 14-15 -> 8-9
+// The 8 A registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits
+// 16 + 2p), off_p = 64 for even p, 16 for odd p (the fp16 exponent ORed in makes the code bits the
+// units digit). k[0] = mask of bits 4-5, k[1] = mask of bits 6-7, k[2], k[3] = their exponents.
+__device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* k) {
+  const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
+  o[0] = and_or(wl, k[0], k[2]);  // bits 0-1   -> 4-5: 64 + x
+  o[1] = and_or(wl, k[1], k[3]);  // bits 2-3   -> 6-7: 16 + x
+  o[2] = and_or(w, k[0], k[2]);   // bits 4-5
+  o[3] = and_or(w, k[1], k[3]);   // bits 6-7
+  o[4] = and_or(w4, k[0], k[2]);  // bits 8-9   -> 4-5
+  o[5] = and_or(w4, k[1], k[3]);  // bits 10-11 -> 6-7
+  o[6] = and_or(w8, k[0], k[2]);  // bits 12-13 -> 4-5
+  o[7] = and_or(w8, k[1], k[3]);  // bits 14-15 -> 6-7
 }
-// half2(-off_p, -off_p) for register p of `unpack8`, as a B register (exact in fp16).
-__device__ __forceinline__ constexpr unsigned neg_off2(int p) {
-  return (p == 4 || p == 7) ? 0xC400C400u : (p == 1 || p == 3 || p == 6) ? 0xCC00CC00u : 0xD400D400u;
-}
+#define NEG64 0xD400D400u  // half2(-64, -64)
+#define NEG16 0xCC00CC00u  // half2(-16, -16)
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
@@ -172,7 +180,7 @@ struct __align__(16) Stage {
   __half kn[ST];
 };
 // Static shared memory (ring, queries, q~ fragments, warp maxima) stays under 48 KB.
-constexpr int NSTAGE = 4 * sizeof(Stage) + 16 * KS * 32 + 16 * WARPS * KS * 32 + 1024 <= 48 * 1024 ? 4 : 3;
+constexpr int NSTAGE = 4 * sizeof(Stage) + 8 * KS * 32 + 8 * WARPS * KS * 32 + 1024 <= 48 * 1024 ? 4 : 3;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -221,28 +229,27 @@ __device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, const in
 #endif
 }
 
-// At a new key group: this lane's q~ = q o s fragments (to `frag`) and the score constants of the
-// group, k0[j] = sum_c q_c z_c - sum_c off_c q~_c for n-tile j, in the C-fragment layout of the
-// scores (every column of a row equal), both sums on the tensor cores exactly as the scores are.
-__device__ __forceinline__ void key_group(const uint4* qraw, const __half* s, const __half* z, uint4* frag,
-                                          float (*k0)[4]) {
-  const int t = threadIdx.x % 4;
-  float qz[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < 2; ++j) k0[j][0] = k0[j][1] = k0[j][2] = k0[j][3] = 0.f;
+// At a new key group: this lane's q~ = q o s B fragments (to `frag`: heads g, channels 16ks + 2t +
+// {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
+// g + 8; heads 2t, 2t + 1): k0 = sum_c q_c z_c - sum_c off(token row) q~_c, on the tensor cores
+// exactly as the scores are.
+__device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, const __half* z, uint2* frag,
+                                          float* k0) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain
+  k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
+  const uint4 noff = make_uint4(NEG64, NEG16, NEG64, NEG16);
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     const int c = 16 * ks + 2 * t;
-    const __half2 s0 = half2_at(s + c), s1 = half2_at(s + c + 8);
-    const uint4 q = qraw[ks * 32 + threadIdx.x % 32];
-    const uint4 qt = make_uint4(hmul2u(q.x, s0), hmul2u(q.y, s0), hmul2u(q.z, s1), hmul2u(q.w, s1));
-    frag[ks * 32 + threadIdx.x % 32] = qt;
-    mma16816(qz, q, *reinterpret_cast<const unsigned*>(z + c), *reinterpret_cast<const unsigned*>(z + c + 8));
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      mma16816(k0[j], qt, neg_off2(4 * (ks % 2) + 2 * j), neg_off2(4 * (ks % 2) + 2 * j + 1));
+    const uint2 q = qraw[ks * 32 + lane];
+    const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
+    frag[ks * 32 + lane] = qt;
+    const unsigned za = *reinterpret_cast<const unsigned*>(z + c), zb = *reinterpret_cast<const unsigned*>(z + c + 8);
+    mma16816(k0, make_uint4(za, za, zb, zb), q.x, q.y);  // every token row: sum_c z_c q_c
+    mma16816(k1, noff, qt.x, qt.y);                       // -sum_c off q~_c
   }
-  for (int j = 0; j < 2; ++j)
-    for (int i = 0; i < 4; ++i) k0[j][i] += qz[i];
+  for (int i = 0; i < 4; ++i) k0[i] += k1[i];
 }
 
 extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
@@ -254,30 +261,25 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
   __shared__ Stage ring[NSTAGE];
-  __shared__ uint4 qraw[KS * 32];         // each lane's A fragments of q (fp16; rows GQ..15 zero)
-  __shared__ uint4 qfrag[WARPS][KS][32];  // each lane's q~ fragments of its warp's key group
+  __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
+  __shared__ uint2 qfrag[WARPS][KS * 32];  // each lane's q~ fragments of its warp's key group
   for (int i = threadIdx.x; i < KS * 32; i += NT) {
-    const int ks = i / 32, fg = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
-    float r[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    for (int h = 0; h < 2; ++h)
-      if (fg + 8 * h < GQ)
-        for (int e = 0; e < 4; ++e) r[h][e] = to_float(q[(bh * GQ + fg + 8 * h) * D + c + 8 * (e / 2) + e % 2]);
-    qraw[i] = make_uint4(pack_half2(r[0][0], r[0][1]), pack_half2(r[1][0], r[1][1]), pack_half2(r[0][2], r[0][3]),
-                         pack_half2(r[1][2], r[1][3]));
+    const int ks = i / 32, h = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
+    float r[4] = {0.f, 0.f, 0.f, 0.f};
+    if (h < GQ)
+      for (int e = 0; e < 4; ++e) r[e] = to_float(q[(bh * GQ + h) * D + c + 8 * (e / 2) + e % 2]);
+    qraw[i] = make_uint2(pack_half2(r[0], r[1]), pack_half2(r[2], r[3]));
   }
 
-  float acc[NV][4];
-  for (int u = 0; u < NV; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
-  // Per value group: -sum_n off * p~_n (column n of a row: the offsets of n-tile class n % 4) and
-  // sum_n p_n z_n (every column), accumulated on the tensor cores beside acc.
-  float vo[VG][4], vzs[VG][4];
+  float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
+  for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+  float voff[VG][4], vzp[VG][4];  // per value group: -sum_n off p~_n and sum_n z_n p_n, same layout
   for (int gv = 0; gv < VG; ++gv)
-    for (int i = 0; i < 4; ++i) vo[gv][i] = vzs[gv][i] = 0.f;
-  const unsigned voff0 = neg_off2(2 * (g % 4)), voff1 = neg_off2(2 * (g % 4) + 1);
-  // unpack8's masks and fp16 exponents, in registers (see and_or)
-  unsigned mask[3] = {0x00300030u, 0x00C000C0u, 0x03000300u}, magic[3] = {0x54005400u, 0x4C004C00u, 0x44004400u};
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // rows g, g+8; l is this lane's share
-  float k0[2][4];
+    for (int i = 0; i < 4; ++i) voff[gv][i] = vzp[gv][i] = 0.f;
+  const unsigned kmask[4] = {0x00300030u, 0x00C000C0u, 0x54005400u, 0x4C004C00u};  // unpack8's constants
+  const uint4 noff = make_uint4(NEG64, NEG16, NEG64, NEG16);
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
+  float k0[4];
   int group = -1;
 
   const int start = split * split_len;
@@ -307,122 +309,91 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
     if (tok0 / G != group) {
       group = tok0 / G;
       const int kg = group - (start + s * ST) / G;  // the group's row in the stage
-      key_group(qraw, st.ks[kg], st.kz[kg], &qfrag[warp][0][0], k0);
+      key_group(qraw, st.ks[kg], st.kz[kg], qfrag[warp], k0);
     }
-    // ---- scores: word i holds k-slices 2i, 2i+1 of both n-tiles (tokens g and 8 + g) ----
+    // ---- scores S^T: word i holds k-slices 2i (registers 0-3) and 2i + 1 (4-7) ----
     unsigned kw[WPL];
     for (int i = 0; i < WPL; ++i) kw[i] = (unsigned)st.kw[warp][lane * WPL + i];
-    float sc[2][4], sc2[2][4];  // even and odd k-slices: two independent mma chains
-    for (int j = 0; j < 2; ++j)
-      for (int i = 0; i < 4; ++i) {
-        sc[j][i] = k0[j][i];
-        sc2[j][i] = 0.f;
-      }
+    float sc[4] = {k0[0], k0[1], k0[2], k0[3]}, sc2[4] = {0.f, 0.f, 0.f, 0.f};  // two mma chains
 #pragma unroll
     for (int i = 0; i < WPL; ++i) {
       unsigned o[8];
-      unpack8(kw[i], o, mask, magic);
-      const uint4 qa = qfrag[warp][2 * i][lane], qb = qfrag[warp][2 * i + 1][lane];
-      mma16816(sc[0], qa, o[0], o[1]);
-      mma16816(sc[1], qa, o[2], o[3]);
-      mma16816(sc2[0], qb, o[4], o[5]);
-      mma16816(sc2[1], qb, o[6], o[7]);
+      unpack8(kw[i], o, kmask);
+      const uint2 qa = qfrag[warp][(2 * i) * 32 + lane], qb = qfrag[warp][(2 * i + 1) * 32 + lane];
+      mma16816(sc, make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
+      mma16816(sc2, make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
     }
-    for (int j = 0; j < 2; ++j)
-      for (int i = 0; i < 4; ++i) sc[j][i] += sc2[j][i];
-    // sc[j][0..1]: row g, tokens 8j + 2t + {0,1}; sc[j][2..3]: row g + 8.
-    float norm[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+    // sc[0..1]: token g, heads 2t, 2t+1; sc[2..3]: token g + 8.
+    float mx[2];
+    for (int i = 0; i < 4; ++i) {
+      sc[i] = (sc[i] + sc2[i]) * scale_log2;
 #if HAS_NORM
-    for (int j = 0; j < 2; ++j) {
-      const float2 n2 = __half22float2(half2_at(&st.kn[16 * warp + 8 * j + 2 * t]));
-      norm[j][0] = n2.x;
-      norm[j][1] = n2.y;
-    }
+      sc[i] *= __half2float(st.kn[16 * warp + g + 8 * (i / 2)]);
 #endif
-    float mx[2] = {NEG_INF, NEG_INF};
-    for (int j = 0; j < 2; ++j)
-      for (int i = 0; i < 4; ++i) {
-        sc[j][i] *= scale_log2 * norm[j][i & 1];
-        mx[i / 2] = fmaxf(mx[i / 2], sc[j][i]);
-      }
-    float alpha[2];
-    unsigned pa[4];  // P in fp16: A reg 2j + r = row g + 8r, tokens 8j + 2t + {0,1}
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffff, mx[r], 2));
-      const float m_new = fmaxf(m[r], mx[r]);
-      alpha[r] = exp2f(m[r] - m_new);  // m[r] = -inf gives 0
-      m[r] = m_new;
-      l[r] *= alpha[r];
-      for (int j = 0; j < 2; ++j) {
-        const float p0 = exp2f(sc[j][2 * r] - m_new), p1 = exp2f(sc[j][2 * r + 1] - m_new);
-        l[r] += p0 + p1;
-        pa[2 * j + r] = pack_half2(p0, p1);
-      }
+    }
+    for (int e = 0; e < 2; ++e) {
+      mx[e] = fmaxf(sc[e], sc[2 + e]);
+      for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
+    }
+    float alpha[2], p[4];
+    for (int e = 0; e < 2; ++e) {
+      const float m_new = fmaxf(m[e], mx[e]);
+      alpha[e] = exp2f(m[e] - m_new);  // m = -inf gives 0
+      m[e] = m_new;
+      p[e] = exp2f(sc[e] - m_new);
+      p[2 + e] = exp2f(sc[2 + e] - m_new);
+      l[e] = l[e] * alpha[e] + p[e] + p[2 + e];
     }
     if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
-      for (int u = 0; u < NV; ++u)
-        for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i / 2];
+      for (int u = 0; u < KS; ++u)
+        for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
       for (int gv = 0; gv < VG; ++gv)
         for (int i = 0; i < 4; ++i) {
-          vo[gv][i] *= alpha[i / 2];
-          vzs[gv][i] *= alpha[i / 2];
+          voff[gv][i] *= alpha[i & 1];
+          vzp[gv][i] *= alpha[i & 1];
         }
     }
-    // ---- values: P~ = P o s per value group (tokens 2t, 2t+1 | 2t+8, 2t+9) ----
-    const uint4 pu = make_uint4(pa[0], pa[1], pa[2], pa[3]);
-    uint4 pt[VG];
+    // ---- values: P^T as B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g), scaled per value group ----
+    const unsigned pb0 = transpose8x8(pack_half2(p[0], p[1])), pb1 = transpose8x8(pack_half2(p[2], p[3]));
+    uint2 pt[VG];
     for (int gv = 0; gv < VG; ++gv) {
-      const __half2 s0 = half2_at(&st.vs[warp][gv][2 * t]), s1 = half2_at(&st.vs[warp][gv][8 + 2 * t]);
-      pt[gv] = make_uint4(hmul2u(pa[0], s0), hmul2u(pa[1], s0), hmul2u(pa[2], s1), hmul2u(pa[3], s1));
-      mma16816(vo[gv], pt[gv], voff0, voff1);
-      mma16816(vzs[gv], pu, *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][2 * t]),
-               *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][8 + 2 * t]));
+      pt[gv] = make_uint2(hmul2u(pb0, half2_at(&st.vs[warp][gv][2 * t])), hmul2u(pb1, half2_at(&st.vs[warp][gv][8 + 2 * t])));
+      mma16816(voff[gv], noff, pt[gv].x, pt[gv].y);
+      const unsigned za = *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][2 * t]);
+      const unsigned zb = *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][8 + 2 * t]);
+      mma16816(vzp[gv], make_uint4(za, za, zb, zb), pb0, pb1);
     }
     unsigned vw[WPL];
     for (int i = 0; i < WPL; ++i) vw[i] = (unsigned)st.vw[warp][lane * WPL + i];
 #pragma unroll
     for (int i = 0; i < WPL; ++i) {
       unsigned o[8];
-      unpack8(vw[i], o, mask, magic);
-#pragma unroll
-      for (int mm = 0; mm < 4; ++mm) {  // n-tile u = 4i + mm: channels 8u..8u+7
-        const int u = 4 * i + mm;
-        mma16816(acc[u], pt[8 * u / GV], o[2 * mm], o[2 * mm + 1]);
-      }
+      unpack8(vw[i], o, kmask);
+      const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
+      mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
+      mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
     }
   }
   cp_async_wait_all();
-  // ---- settle the value offsets and zero points: column c of vo holds n-tile class c ----
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffff, l[r], 2);
-  }
-  for (int gv = 0; gv < VG; ++gv)
-    for (int cls = 0; cls < 4; ++cls) {
-      const float o0 = __shfl_sync(0xffffffff, vo[gv][cls & 1], 4 * g + cls / 2);
-      const float o1 = __shfl_sync(0xffffffff, vo[gv][2 + (cls & 1)], 4 * g + cls / 2);
-      for (int u = cls; u < NV; u += 4)
-        if (8 * u / GV == gv) {
-          acc[u][0] += o0 + vzs[gv][0];
-          acc[u][1] += o0 + vzs[gv][0];
-          acc[u][2] += o1 + vzs[gv][2];
-          acc[u][3] += o1 + vzs[gv][2];
-        }
-    }
+  // ---- offsets and zero points settled; l summed over the lanes of a head column ----
+  for (int u = 0; u < KS; ++u)
+    for (int i = 0; i < 4; ++i) acc[u][i] += voff[16 * u / GV][i] + vzp[16 * u / GV][i];
+  for (int e = 0; e < 2; ++e)
+    for (int o = 4; o < 32; o *= 2) l[e] += __shfl_xor_sync(0xffffffff, l[e], o);
   // ---- combine the four warps of the block (in the ring's memory, now idle), write one partial ----
   __syncthreads();
-  __shared__ float wm[WARPS][16], wl[WARPS][16];
+  __shared__ float wm[WARPS][8], wl[WARPS][8];
   float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(&ring[0]);
   static_assert(sizeof(float) * WARPS * GQ * D <= sizeof(Stage) * NSTAGE, "ring too small for the warp combine");
-  if (t == 0) {
-    wm[warp][g] = m[0]; wl[warp][g] = l[0];
-    wm[warp][g + 8] = m[1]; wl[warp][g + 8] = l[1];
-  }
-  for (int u = 0; u < NV; ++u)
+  if (g == 0)
+    for (int e = 0; e < 2; ++e) {
+      wm[warp][2 * t + e] = m[e];
+      wl[warp][2 * t + e] = l[e];
+    }
+  for (int u = 0; u < KS; ++u)
     for (int i = 0; i < 4; ++i) {
-      const int row = g + 8 * (i / 2), col = 8 * u + 2 * t + (i & 1);
-      if (row < GQ) wacc[warp][row][col] = acc[u][i];
+      const int head = 2 * t + (i & 1), ch = 16 * u + g + 8 * (i / 2);
+      if (head < GQ) wacc[warp][head][ch] = acc[u][i];
     }
   __syncthreads();
   for (int i = threadIdx.x; i < GQ * D; i += NT) {

@@ -22,10 +22,11 @@ def test_tensor_core_order_is_a_permutation_of_the_codes_of_each_block(d, which)
     assert (fields != 0).sum() == 1 and bin(int(fields.max())).count("1") == 2
 
 
-def test_key_words_give_each_lane_its_mma_b_fragments():
-    # Lane (g, t) = (2, 1), word 0, position 1 (r = 1), low half: token g, channel 8 + 2t.
+def test_key_words_give_each_lane_its_mma_a_fragments():
+    # Lane (g, t) = (2, 1), word 0, position 1 (r = 1: register a1 = row g + 8, k = 2t), low half:
+    # token g + 8, channel 2t.
     codes = torch.zeros(1, 1, 16, 128, dtype=torch.int64)
-    codes[0, 0, 2, 8 + 2] = 1
+    codes[0, 0, 2 + 8, 2] = 1
     words = to_tensor_core_order(codes, "k")[0, 0, 0]
     lane = 4 * 2 + 1
     assert int(words[lane * 4]) == 1 << 2 and int(words.abs().sum()) == 1 << 2

@@ -9,11 +9,12 @@ tokens differs: the "tensor-core order" below, written once per flushed block by
 Tensor-core order (keys and values alike: a block of 16 tokens x D channels is D int32 words)
 -------------------------------------------------------------------------------------------
 Word `w = lane * (D / 32) + i` (lane = 4 g + t of a warp, i < D/32) holds 16 codes, 8 per 16-bit
-half: half `h`, position `p` at bits `16 h + 2 p`. With r = 8 i + p:
-- keys:   token `8 * ((r // 2) % 2) + g`, channel `16 * (r // 4) + 8 * (r % 2) + 2 t + h`;
-- values: token `8 * (r % 2) + 2 t + h`,  channel `8 * (r // 2) + g`.
-Each lane thus reads D/32 consecutive words holding exactly the elements of its mma.m16n8k16 B
-fragments, and one AND-OR per pair of elements turns them into half2(offset + code) (see
+half: half `h`, position `p` at bits `16 h + 2 p`. With r = 8 i + p, a = r % 4, n = r // 4:
+- keys:   token `g + 8 (a % 2)`,        channel `16 n + 8 (a // 2) + 2 t + h`;
+- values: token `2 t + h + 8 (a // 2)`, channel `16 n + g + 8 (a % 2)`.
+Each lane thus reads D/32 consecutive words holding exactly the elements of its mma.m16n8k16 A
+fragments (keys 16 tokens x 16 channels, values 16 channels x 16 tokens; register a of k-slice or
+row block n), and one AND-OR per pair of elements turns them into half2(offset + code) (see
 `quant_decode.cu`). Key words of block n are row n of `kcodes` (B, Hkv, CAPT/16, D); value words
 fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n is tokens 16n..16n+15 as before. Value
 scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
@@ -48,8 +49,9 @@ def _order(d: int, device: str) -> tuple[torch.Tensor, ...]:
     p = torch.arange(8).view(1, 1, 1, 8)
     r = 8 * i + p
     full = lambda x: x.expand(32, d // 32, 2, 8).reshape(d, 16).to(device)  # noqa: E731
-    return (full(8 * ((r // 2) % 2) + g), full(16 * (r // 4) + 8 * (r % 2) + 2 * t + h),
-            full(8 * (r % 2) + 2 * t + h), full(8 * (r // 2) + g), full(16 * h + 2 * p))
+    a, blk = r % 4, r // 4
+    return (full(g + 8 * (a % 2)), full(16 * blk + 8 * (a // 2) + 2 * t + h),
+            full(2 * t + h + 8 * (a // 2)), full(16 * blk + g + 8 * (a % 2)), full(16 * h + 2 * p))
 
 
 def to_tensor_core_order(codes: torch.Tensor, which: str) -> torch.Tensor:
