@@ -5,7 +5,7 @@
 //     and channel), optional fp16 per-token key norms (OScaR: key = norm * dequant), values per-token
 //     (2-bit codes, fp16 scale/zero per GV channels and token), the codes (and value scales/zeros)
 //     of each 16-token block in the tensor-core order of kvcalib/runtime/decode.py;
-//   - r < R residual tokens in fp16 (kernel `residual_partial`, RT tokens per block).
+//   - r < R residual tokens in fp16 (`residual_body`: extra blocks of the same launch, RT tokens each).
 // Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
 // Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/runtime/decode.py):
@@ -252,15 +252,67 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
 }
 
+// The fp16 residual window (r < R tokens): block (num_splits + chunk, kv head, batch) of
+// `packed_partial` takes RT tokens and writes partial number num_splits + chunk; it runs beside the
+// packed blocks in the same launch. Shared arrays are carved from `smem` (the ring, idle here). Scores: warp per token, lanes over channels
+// (coalesced rows), shuffle-reduced; values: thread per channel, coalesced rows of V.
+#define RT 16
+__device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __half* __restrict__ kres,
+                                              const __half* __restrict__ vres, int r, int capr, float scale_log2,
+                                              float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts,
+                                              int chunk, float* smem) {
+  const int kvh = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32, t0 = chunk * RT;
+  const long bh = (long)b * gridDim.y + kvh;
+  float (*qs)[D] = reinterpret_cast<float (*)[D]>(smem);
+  float (*s)[RT] = reinterpret_cast<float (*)[RT]>(smem + GQ * D);
+  float* m = smem + GQ * D + GQ * RT;
+  float* l = m + GQ;
+  float* alpha = l + GQ;
+  float* red = alpha + GQ;  // REP * GQ * D
+  for (int i = tid; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
+  if (tid < GQ) { m[tid] = NEG_INF; l[tid] = 0.f; }
+  __syncthreads();
+  for (int tt = warp; tt < RT; tt += NT / 32) {
+    float kv[D / 32];
+    for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
+    for (int h = 0; h < GQ; ++h) {
+      float v = 0.f;
+      for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
+      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+      if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
+    }
+  }
+  __syncthreads();
+  softmax_tile<RT>(s, m, l, alpha);
+  __syncthreads();
+  const int c = tid % D, rep = tid / D;
+  float acc[GQ];
+  for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
+  for (int tt = rep; tt < RT && t0 + tt < r; tt += REP) {
+    const float v = __half2float(vres[(bh * capr + t0 + tt) * D + c]);
+    for (int h = 0; h < GQ; ++h) acc[h] += s[h][tt] * v;
+  }
+  write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, blockIdx.x, num_parts);
+}
+
 extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
     const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
     const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
-    int split_len, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts) {
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y;
+    int split_len, int num_splits, const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
+    int capr, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
   __shared__ Stage ring[NSTAGE];
+  static_assert(sizeof(float) * (GQ * D + GQ * RT + 3 * GQ + REP * GQ * D) <= sizeof(Stage) * NSTAGE,
+                "ring too small for the residual window's scratch");
+  if (split >= num_splits) {  // the residual window's blocks
+    residual_body(q, kres, vres, r, capr, scale_log2, part_acc, part_ml, num_parts, split - num_splits,
+                  reinterpret_cast<float*>(ring));
+    return;
+  }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
   __shared__ uint2 qfrag[WARPS][KS * 32];  // each lane's q~ fragments of its warp's key group
   for (int i = threadIdx.x; i < KS * 32; i += NT) {
@@ -416,51 +468,13 @@ extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
   }
 }
 
-// The fp16 residual window (r < R tokens): block (chunk, kv head, batch) takes RT tokens and writes
-// partial number num_parts - gridDim.x + chunk. Scores: warp per token, lanes over channels
-// (coalesced rows), shuffle-reduced; values: thread per channel, coalesced rows of V.
-#define RT 16
-extern "C" __global__ void __launch_bounds__(NT) residual_partial(
-    const QT* __restrict__ q, const __half* __restrict__ kres, const __half* __restrict__ vres, int r, int capr,
-    float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml, int num_parts) {
-  const int chunk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, tid = threadIdx.x;
-  const int warp = tid / 32, lane = tid % 32, t0 = chunk * RT;
-  const long bh = (long)b * hkv + kvh;
-  __shared__ float qs[GQ][D];
-  __shared__ float s[GQ][RT];
-  __shared__ float m[GQ], l[GQ], alpha[GQ];
-  __shared__ float red[REP * GQ * D];
-  for (int i = tid; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
-  if (tid < GQ) { m[tid] = NEG_INF; l[tid] = 0.f; }
-  __syncthreads();
-  for (int tt = warp; tt < RT; tt += NT / 32) {
-    float kv[D / 32];
-    for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
-    for (int h = 0; h < GQ; ++h) {
-      float v = 0.f;
-      for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
-      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
-    }
-  }
-  __syncthreads();
-  softmax_tile<RT>(s, m, l, alpha);
-  __syncthreads();
-  const int c = tid % D, rep = tid / D;
-  float acc[GQ];
-  for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
-  for (int tt = rep; tt < RT && t0 + tt < r; tt += REP) {
-    const float v = __half2float(vres[(bh * capr + t0 + tt) * D + c]);
-    for (int h = 0; h < GQ; ++h) acc[h] += s[h][tt] * v;
-  }
-  write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, num_parts - gridDim.x + chunk, num_parts);
-}
-
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)
 //                                                        / (sum_s 2^(m_s-M) l_s + 2^-M den),
 // where num (D) and den (1) are KVLinC's correction terms in exp units (null when absent).
-// Block per (batch, query head), D threads; the weights 2^(m_s-M) are computed once, in parallel.
+// Block per (batch, query head), MJ x D threads: thread (j, c) sums the partials p = j mod MJ of
+// channel c, so MJ times more loads are in flight; the weights 2^(m_s-M) are computed once.
 #define MAX_PARTS 1024
+#define MJ 4
 
 __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
   for (int o = 16; o > 0; o /= 2) {
@@ -471,22 +485,23 @@ __device__ __forceinline__ float block_reduce(float v, bool is_max, float* scrat
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   v = scratch[0];
-  for (int w = 1; w < D / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
+  for (int w = 1; w < MJ * D / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
   return v;
 }
 
-extern "C" __global__ void merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                 const float* __restrict__ corr_num, const float* __restrict__ corr_den,
-                                 int num_parts, QT* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(MJ * D) merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ corr_num,
+    const float* __restrict__ corr_den, int num_parts, QT* __restrict__ out) {
   const long row = blockIdx.x;
-  const int c = threadIdx.x;
+  const int c = threadIdx.x % D, j = threadIdx.x / D;
   __shared__ float weight[MAX_PARTS];
-  __shared__ float scratch[D / 32];
+  __shared__ float scratch[MJ * D / 32];
+  __shared__ float partial[MJ][D];
   float M = NEG_INF;
-  for (int p = c; p < num_parts; p += D) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
+  for (int p = threadIdx.x; p < num_parts; p += MJ * D) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
   M = block_reduce(M, true, scratch);
   float den = 0.f;
-  for (int p = c; p < num_parts; p += D) {
+  for (int p = threadIdx.x; p < num_parts; p += MJ * D) {
     const float mp = part_ml[(row * num_parts + p) * 2];
     const float w = mp == NEG_INF ? 0.f : exp2f(mp - M);
     weight[p] = w;
@@ -495,11 +510,16 @@ extern "C" __global__ void merge(const float* __restrict__ part_acc, const float
   den = block_reduce(den, false, scratch);  // its barriers also publish weight[]
   float num = 0.f;
 #pragma unroll 8
-  for (int p = 0; p < num_parts; ++p) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
-  if (corr_num != nullptr) {
-    const float w = exp2f(-M);
-    num += w * corr_num[row * D + c];
-    den += w * corr_den[row];
+  for (int p = j; p < num_parts; p += MJ) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
+  partial[j][c] = num;
+  __syncthreads();
+  if (j == 0) {
+    for (int k = 1; k < MJ; ++k) num += partial[k][c];
+    if (corr_num != nullptr) {
+      const float w = exp2f(-M);
+      num += w * corr_num[row * D + c];
+      den += w * corr_den[row];
+    }
+    from_float(&out[row * D + c], num / den);
   }
-  from_float(&out[row * D + c], num / den);
 }

@@ -212,12 +212,13 @@ def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     return num / den[..., None]
 
 
-def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int) -> tuple[int, int]:
+def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reserved: int = 0) -> tuple[int, int]:
     """Split the flushed tokens into at most one wave of blocks (4 resident per SM: 128 threads at
-    <= 128 registers); splits align to 128 tokens and to key groups."""
+    <= 128 registers), `reserved` of the wave's slots going to the residual blocks; splits align to
+    128 tokens and to key groups."""
     unit = TILE * group // math.gcd(TILE, group)
     units = max(1, -(-length // unit))
-    want = max(1, 4 * sms // blocks_per_split_unit)
+    want = max(1, (4 * sms - reserved) // blocks_per_split_unit)
     per = -(-units // min(units, want))
     split_len = per * unit
     return max(1, -(-length // split_len)) if length else 0, split_len
@@ -247,8 +248,9 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
-    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0))
     residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
+    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0),
+                                    residual_blocks * b * hkv)
     parts = num_splits + residual_blocks  # the last partials are the residual window's
     assert parts <= 1024, "merge holds at most 1024 partials (MAX_PARTS in quant_decode.cu)"
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
@@ -261,18 +263,15 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     # Raw device pointers: cupy.asarray on each tensor would cost more than the kernel at short lengths.
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
     with cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
-        if num_splits:
-            # Block (split, kv head, batch): 4 warps stream split_len packed tokens for the GQ heads.
-            launch(kernel("quant_decode.cu", defines, "packed_partial"), (num_splits, hkv, b), (128,),
-                   (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
-                    ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
-                    i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
-                    i32(split_len), scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
-        # Block (chunk of 16 tokens, kv head, batch): the fp16 residual window, the last partials.
-        launch(kernel("quant_decode.cu", defines, "residual_partial"), (residual_blocks, hkv, b), (128,),
-               (ptr(q), ptr(layer.kres), ptr(layer.vres), i32(layer.residual), i32(layer.kres.shape[2]),
-                scale_log2, ptr(part_acc), ptr(part_ml), i32(parts)), checked)
-        # Block per (batch, query head), thread per channel: merge partials (+ KVLinC terms), normalise.
-        launch(kernel("quant_decode.cu", defines, "merge"), (b * hq,), (d,),
+        # Block (part, kv head, batch): the first num_splits stream split_len packed tokens each for the
+        # GQ heads of their KV head; the others take 16 tokens of the fp16 residual window.
+        launch(kernel("quant_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
+               (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
+                ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
+                i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
+                i32(split_len), i32(num_splits), ptr(layer.kres), ptr(layer.vres), i32(layer.residual),
+                i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml)), checked)
+        # Block per (batch, query head), 4 x D threads: merge partials (+ KVLinC terms), normalise.
+        launch(kernel("quant_decode.cu", defines, "merge"), (b * hq,), (4 * d,),
                (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), ptr(out)), checked)
     return out
