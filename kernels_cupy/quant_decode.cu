@@ -25,6 +25,7 @@
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
 //
 // Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 8),
+// BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
 // HAS_NORM, QT. Queries are rounded to fp16 for the tensor cores whatever QT is.
 
 #include <cuda_fp16.h>
@@ -296,7 +297,7 @@ __device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __
   write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, blockIdx.x, num_parts);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 4) packed_partial(
+extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
     const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,

@@ -37,6 +37,7 @@ from ..quant import Quantized, dequantize, pack_bits, quantize, unpack_bits
 
 TILE = 128  # split alignment in tokens
 RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
+BLOCKS_PER_SM = 4  # resident decode blocks per SM: the kernel's register budget and the size of one wave
 
 
 @functools.lru_cache(maxsize=4)
@@ -213,12 +214,12 @@ def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
 
 
 def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reserved: int = 0) -> tuple[int, int]:
-    """Split the flushed tokens into at most one wave of blocks (4 resident per SM: 128 threads at
-    <= 128 registers), `reserved` of the wave's slots going to the residual blocks; splits align to
+    """Split the flushed tokens into at most one wave of blocks (BLOCKS_PER_SM resident per SM),
+    `reserved` of the wave's slots going to the residual blocks; splits align to
     128 tokens and to key groups."""
     unit = TILE * group // math.gcd(TILE, group)
     units = max(1, -(-length // unit))
-    want = max(1, (4 * sms - reserved) // blocks_per_split_unit)
+    want = max(1, (BLOCKS_PER_SM * sms - reserved) // blocks_per_split_unit)
     per = -(-units // min(units, want))
     split_len = per * unit
     return max(1, -(-length // split_len)) if length else 0, split_len
@@ -246,11 +247,14 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     if layer.length % 16 or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
         raise ValueError("fused decode needs flushed length and capacity in multiples of 16 tokens, value groups >= 16")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
-               "HAS_NORM": int(layer.knorm is not None),
+               "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
-    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, _sm_count(q.device.index or 0),
-                                    residual_blocks * b * hkv)
+    sms = _sm_count(q.device.index or 0)
+    # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
+    # run as packed blocks finish.
+    reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
+    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms, reserved)
     parts = num_splits + residual_blocks  # the last partials are the residual window's
     assert parts <= 1024, "merge holds at most 1024 partials (MAX_PARTS in quant_decode.cu)"
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
