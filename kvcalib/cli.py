@@ -149,17 +149,18 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out
 @click.option("--max-points-per-centroid", type=int, default=256, show_default=True,
               help="faiss samples at most this many training points per centroid.")
 @click.option("--sink-tokens", type=int, default=0, show_default=True,
-              help="Keep the first N tokens of every sequence in float16 and leave them out of the fit.")
+              help="The cache keeps the first N tokens of every sequence in float16.")
+@click.option("--exclude-sinks", is_flag=True, help="Also leave those N positions out of λ and the k-means fit.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
-                     sink_tokens, seed, out) -> None:
+                     sink_tokens, exclude_sinks, seed, out) -> None:
     """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
     from .methods.vecinfer import fit_codebook
 
     path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
                         hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,
-                        sink_tokens=sink_tokens)
+                        sink_tokens=sink_tokens, exclude_sinks=exclude_sinks)
     click.echo(f"artifact written to {path}")
 
 

@@ -128,23 +128,29 @@ def test_sink_tokens_are_held_in_float16_and_cost_16_bits_beside_their_codes(sin
     assert early.stored_bits == hold(plain, 0, k[..., :7, :], v[..., :7, :]).stored_bits
 
 
-def test_fit_leaves_sink_tokens_out_of_smoothing_and_codebooks(acts, tmp_path, tiny_lm):
+def test_fit_leaves_sink_tokens_out_of_smoothing_and_codebooks_only_when_asked(acts, tmp_path, tiny_lm):
     from safetensors.torch import load_file
 
     from kvcalib.collect import Activations
 
     layer = Activations(acts).layer(0)
     rest = layer["k"][:, :, 2:]
-    path = _fit(acts, tmp_path / "sinks", sink_tokens=2)
+    path = _fit(acts, tmp_path / "sinks", sink_tokens=2, exclude_sinks=True)
     tensors = load_file(str(path / "tensors.safetensors"))
     torch.testing.assert_close(tensors["layers.0.k_smooth"], smoothing_factors(rest))
     method = build_method("vecinfer", AttentionShape(2, 4, 2, 16), MethodSettings(residual=16), str(path), tiny_lm)
     assert method.sink == 2 and method.settings()["sink_tokens"] == 2
+    # Without --exclude-sinks the fit sees every token; the cache still keeps the sinks in float16.
+    assert not torch.equal(smoothing_factors(rest), smoothing_factors(layer["k"]))  # the sinks matter here
+    seen = load_file(str(_fit(acts, tmp_path / "all", sink_tokens=2) / "tensors.safetensors"))
+    torch.testing.assert_close(seen["layers.0.k_smooth"], smoothing_factors(layer["k"]))
+    assert build_method("vecinfer", AttentionShape(2, 4, 2, 16), MethodSettings(residual=16),
+                        str(tmp_path / "all"), tiny_lm).sink == 2
 
 
 def test_sink_tokens_that_leave_nothing_to_fit_are_refused(acts, tmp_path):
     with pytest.raises(SettingsError, match="sink-tokens"):
-        _fit(acts, tmp_path / "art", sink_tokens=64)
+        _fit(acts, tmp_path / "art", sink_tokens=64, exclude_sinks=True)
     assert not (tmp_path / "art").exists()
 
 

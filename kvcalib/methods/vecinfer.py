@@ -10,8 +10,9 @@ Keys and values take separate `dNbM` configurations.
 
 Attention sinks (`--sink-tokens S`, 0 by default): the first S tokens of every sequence draw much
 of the attention and their keys are far from the others (`kvcalib diagnose` shows it). With S > 0
-they are left out of λ and of the k-means fit, and the cache keeps them in float16 beside their codes
-(`Method.sink`), counted at 16 bits per element. This is our addition to the paper's method.
+the cache keeps them in float16 beside their codes (`Method.sink`), counted at 16 bits per element.
+This is our addition to the paper's method. The fit still sees them unless `--exclude-sinks`
+(measured: excluding them did not help, benchmarks/RESULTS.md).
 
 The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
 default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
@@ -223,11 +224,12 @@ def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
 
 def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
                  granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
-                 seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0) -> Path:
+                 seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0,
+                 exclude_sinks: bool = False) -> Path:
     """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact.
 
-    The first `sink_tokens` tokens of every calibration sequence are left out: the cache keeps them
-    in float16."""
+    The cache keeps the first `sink_tokens` tokens of a sequence in float16; with `exclude_sinks`
+    those positions of every calibration sequence are also left out of λ and the codebooks."""
     import faiss
 
     config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
@@ -238,7 +240,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     fp = acts.fingerprint
     shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
     config.check(shape)
-    if sink_tokens >= acts.manifest["settings"]["seq_len"]:
+    if exclude_sinks and sink_tokens >= acts.manifest["settings"]["seq_len"]:
         raise SettingsError(f"--sink-tokens {sink_tokens} leaves no token of the {acts.manifest['settings']['seq_len']}-token "
                             "calibration sequences to fit")
     heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
@@ -250,7 +252,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     seconds = {"k": 0.0, "v": 0.0}
     training_points = {}
     for i in tqdm(range(shape.num_layers), desc=f"fit-codebook K {config.k} V {config.v}", unit="layer"):
-        data = _without_sinks(acts.layer(i), sink_tokens)
+        data = _without_sinks(acts.layer(i), sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
         if lam is not None:
             tensors[f"layers.{i}.k_smooth"] = lam
@@ -263,7 +265,8 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
                 training_points[which] = fit.training_points
                 books.append(fit.codebook)
             tensors[f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
-    settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid}
+    settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid,
+                                 "exclude_sinks": exclude_sinks}
     extra = {
         "activations": str(activations),
         "calibration": acts.manifest["settings"],
