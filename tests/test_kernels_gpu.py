@@ -95,3 +95,17 @@ def test_output_is_fully_rewritten_on_fresh_inputs_each_call():
 def test_flushed_lengths_that_are_not_multiples_of_the_stage(length, group, d):
     layer = _layer(2, 2, d, length, 9, group=group, vgroup=16, norms=False, extra=0)
     _check(torch.randn(2, 8, d, device=DEV).half(), layer)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("shape", [(1, 1, 16), (3, 2, 48), (1, 8, 4096)])
+def test_reorder_kernel_equals_the_torch_tensor_core_order(d, which, shape):
+    from kvcalib.quant import pack_bits
+    from kvcalib.runtime.decode import reorder_packed, to_tensor_core_order
+
+    codes = torch.randint(0, 4, (*shape, d), device=DEV)
+    words = pack_bits(codes, 2, -2 if which == "k" else -1)
+    got = reorder_packed(words, which)
+    torch.cuda.synchronize()
+    assert torch.equal(got, to_tensor_core_order(codes, which))

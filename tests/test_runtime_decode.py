@@ -68,3 +68,14 @@ def test_reference_decode_is_softmax_attention_over_the_held_cache():
     want = torch.softmax(torch.einsum("bhd,bhtd->bht", q.double(), keys) * d**-0.5, -1)
     want = torch.einsum("bht,bhtd->bhd", want, values)
     torch.testing.assert_close(reference_decode(q, layer, d**-0.5), want)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_reordering_packed_words_equals_reordering_codes(d, which):
+    from kvcalib.quant import pack_bits
+    from kvcalib.runtime.decode import reorder_packed
+
+    codes = torch.randint(0, 4, (2, 3, 48, d))
+    words = pack_bits(codes, 2, -2 if which == "k" else -1)
+    assert torch.equal(reorder_packed(words, which), to_tensor_core_order(codes, which))

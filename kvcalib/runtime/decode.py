@@ -88,10 +88,37 @@ def _block_untranspose(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(*lead, t // 16, n, 16).transpose(-1, -2).reshape(*lead, t, n)
 
 
+def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
+    """2-bit words of kvcalib.quant (keys (..., T/16, D) packed along tokens, values (..., T, D/16)
+    along channels) to the tensor-core order, as (..., T/16, D): `kernels_cupy/reorder.cu` on CUDA,
+    `to_tensor_core_order` elsewhere (the two are tested equal bit for bit)."""
+    if which == "k":
+        *lead, nb, d = words.shape
+    else:
+        *lead, t, w = words.shape
+        nb, d = t // 16, 16 * w
+    if not words.is_cuda:
+        codes = unpack_bits(words, 2, -2, 16 * nb) if which == "k" else unpack_bits(words, 2, -1, d)
+        return to_tensor_core_order(codes, which)
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch
+
+    src = words.contiguous()
+    out = torch.empty(*lead, nb, d, dtype=torch.int32, device=words.device)
+    total = out.numel()
+    if total:
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream(words.device).cuda_stream):
+            # Thread per destination word, 256 per block.
+            launch(kernel("reorder.cu", {"D": d, "VALUES": int(which == "v")}, "reorder"), (-(-total // 256),), (256,),
+                   (cupy.uint64(src.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(total)))
+    return out
+
+
 def _kernel_parts(kq: Quantized, vq: Quantized) -> tuple[torch.Tensor, ...]:
     """Key codes, value codes, value scales and zeros of kvcalib.quant in tensor-core order."""
-    kw = to_tensor_core_order(unpack_bits(kq.codes, 2, -2, kq.length), "k")
-    vw = to_tensor_core_order(unpack_bits(vq.codes, 2, -1, vq.length), "v")
+    kw = reorder_packed(kq.codes, "k")
+    vw = reorder_packed(vq.codes, "v")
     vw = vw.reshape(*vw.shape[:-2], vw.shape[-2] * 16, vw.shape[-1] // 16)
     return kw, vw, _block_transpose(vq.scale), _block_transpose(vq.zero)
 
