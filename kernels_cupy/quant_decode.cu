@@ -43,11 +43,6 @@ __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bflo
 __device__ __forceinline__ void from_float(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
-struct Softmax {
-  float m[GQ];  // running max (log2 units)
-  float l[GQ];  // running sum of 2^(s - m)
-};
-
 // Online-softmax step over one tile of scores s[h][t] (log2 units, -inf for absent tokens):
 // warp w owns heads w, w+4, ...; turns scores into probabilities in place, stores the rescale
 // factor of the old accumulator in alpha[h].
@@ -157,14 +152,19 @@ __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned*
   o[6] = and_or(w8, k[0], k[2]);  // bits 12-13 -> 4-5
   o[7] = and_or(w8, k[1], k[3]);  // bits 14-15 -> 6-7
 }
-#define NEG64 0xD400D400u  // half2(-64, -64)
-#define NEG16 0xCC00CC00u  // half2(-16, -16)
+// The A operand that subtracts unpack8's offsets: rows g get -64, rows g + 8 get -16 (half2, exact).
+__device__ __forceinline__ uint4 neg_offsets() { return make_uint4(0xD400D400u, 0xCC00CC00u, 0xD400D400u, 0xCC00CC00u); }
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const unsigned*>(&v);
 }
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
+// An A operand whose every row is the half2 pairs at p and p + 8 (zero points broadcast over rows).
+__device__ __forceinline__ uint4 rows_of_pairs(const __half* p) {
+  const unsigned a = *reinterpret_cast<const unsigned*>(p), b = *reinterpret_cast<const unsigned*>(p + 8);
+  return make_uint4(a, a, b, b);
+}
 __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
   const __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), b);
   return *reinterpret_cast<const unsigned*>(&v);
@@ -239,24 +239,23 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
   const int lane = threadIdx.x % 32, t = lane % 4;
   float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain
   k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
-  const uint4 noff = make_uint4(NEG64, NEG16, NEG64, NEG16);
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
     const int c = 16 * ks + 2 * t;
     const uint2 q = qraw[ks * 32 + lane];
     const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
     frag[ks * 32 + lane] = qt;
-    const unsigned za = *reinterpret_cast<const unsigned*>(z + c), zb = *reinterpret_cast<const unsigned*>(z + c + 8);
-    mma16816(k0, make_uint4(za, za, zb, zb), q.x, q.y);  // every token row: sum_c z_c q_c
-    mma16816(k1, noff, qt.x, qt.y);                       // -sum_c off q~_c
+    mma16816(k0, rows_of_pairs(z + c), q.x, q.y);  // every token row: sum_c z_c q_c
+    mma16816(k1, neg_offsets(), qt.x, qt.y);       // -sum_c off q~_c
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
 }
 
 // The fp16 residual window (r < R tokens): block (num_splits + chunk, kv head, batch) of
 // `packed_partial` takes RT tokens and writes partial number num_splits + chunk; it runs beside the
-// packed blocks in the same launch. Shared arrays are carved from `smem` (the ring, idle here). Scores: warp per token, lanes over channels
-// (coalesced rows), shuffle-reduced; values: thread per channel, coalesced rows of V.
+// packed blocks in the same launch. Shared arrays are carved from `smem` (the ring, idle here).
+// Scores: warp per token, lanes over channels (coalesced rows), shuffle-reduced; values: thread per
+// channel, coalesced rows of V.
 #define RT 16
 __device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __half* __restrict__ kres,
                                               const __half* __restrict__ vres, int r, int capr, float scale_log2,
@@ -330,7 +329,6 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   for (int gv = 0; gv < VG; ++gv)
     for (int i = 0; i < 4; ++i) voff[gv][i] = vzp[gv][i] = 0.f;
   const unsigned kmask[4] = {0x00300030u, 0x00C000C0u, 0x54005400u, 0x4C004C00u};  // unpack8's constants
-  const uint4 noff = make_uint4(NEG64, NEG16, NEG64, NEG16);
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
   float k0[4];
   int group = -1;
@@ -411,10 +409,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     uint2 pt[VG];
     for (int gv = 0; gv < VG; ++gv) {
       pt[gv] = make_uint2(hmul2u(pb0, half2_at(&st.vs[warp][gv][2 * t])), hmul2u(pb1, half2_at(&st.vs[warp][gv][8 + 2 * t])));
-      mma16816(voff[gv], noff, pt[gv].x, pt[gv].y);
-      const unsigned za = *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][2 * t]);
-      const unsigned zb = *reinterpret_cast<const unsigned*>(&st.vz[warp][gv][8 + 2 * t]);
-      mma16816(vzp[gv], make_uint4(za, za, zb, zb), pb0, pb1);
+      mma16816(voff[gv], neg_offsets(), pt[gv].x, pt[gv].y);
+      mma16816(vzp[gv], rows_of_pairs(&st.vz[warp][gv][2 * t]), pb0, pb1);
     }
     unsigned vw[WPL];
     for (int i = 0; i < WPL; ++i) vw[i] = (unsigned)st.vw[warp][lane * WPL + i];

@@ -127,9 +127,14 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
 
 
 def dequantize(p: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    dim = _dim(p.axis)
-    q = unpack_bits(p.codes, p.bits, dim, p.length).float()
-    red = -2 if p.axis == "tokens" else -1
-    g = _grouped(q, p.group_size, p.axis)
-    x = p.zero.float().unsqueeze(red) + p.scale.float().unsqueeze(red) * g
-    return x.reshape(q.shape).to(dtype)
+    codes = unpack_bits(p.codes, p.bits, _dim(p.axis), p.length)
+    return dequantize_codes(codes, p.scale, p.zero, p.group_size, p.axis, dtype)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, axis: Axis,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`zero + scale * q` for unpacked codes (..., T, C), with scale and zero laid out as in `Quantized`."""
+    red = -2 if axis == "tokens" else -1
+    g = _grouped(codes.float(), group_size, axis)
+    x = zero.float().unsqueeze(red) + scale.float().unsqueeze(red) * g
+    return x.reshape(codes.shape).to(dtype)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import Quantized, dequantize, pack_bits, quantize, unpack_bits
+from ..quant import Quantized, dequantize_codes, quantize, unpack_bits
 
 TILE = 128  # split alignment in tokens
 RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
@@ -148,10 +148,9 @@ class PackedLayer:
         t, g, d = self.length, self.group_size, self.head_dim
         kc = from_tensor_core_order(self.kcodes[:, :, : t // 16], "k")
         vc = from_tensor_core_order(self.vcodes[:, :, :t].reshape(*self.vcodes.shape[:2], t // 16, d), "v")
-        k = dequantize(Quantized(pack_bits(kc, 2, -2), self.kscale[:, :, : t // g], self.kzero[:, :, : t // g],
-                                 2, g, "tokens", t))
-        v = dequantize(Quantized(pack_bits(vc, 2, -1), _block_untranspose(self.vscale[:, :, :t]),
-                                 _block_untranspose(self.vzero[:, :, :t]), 2, self.value_group_size, "channels", d))
+        k = dequantize_codes(kc, self.kscale[:, :, : t // g], self.kzero[:, :, : t // g], g, "tokens")
+        v = dequantize_codes(vc, _block_untranspose(self.vscale[:, :, :t]), _block_untranspose(self.vzero[:, :, :t]),
+                             self.value_group_size, "channels")
         if self.knorm is not None:
             k = k * self.knorm[:, :, :t, None].float()
         return k, v
