@@ -41,12 +41,16 @@ def main() -> None:
         elif step.command == "train-adapters":
             extra = load_artifact(out).extra
             before, after = extra["heldout_ce_uncorrected"], extra["heldout_ce_corrected"]
+            heads = extra["heads_lowered"]
             trainings.append(f"| {step.label} | {len(before)} | {extra['train_seconds']:.0f} | "
                              f"{time.perf_counter() - start:.0f} | {sum(before) / len(before):.4f} | "
-                             f"{sum(after) / len(after):.4f} | {sum(a < b for a, b in zip(after, before))}/{len(before)} |")
+                             f"{sum(after) / len(after):.4f} | {sum(a < b for a, b in zip(after, before))}/{len(before)} | "
+                             f"{sum(heads)}/{len(heads) * len(extra['heldout_head_error_corrected'][0])} | "
+                             f"{sum(h > 0 for h in heads)}/{len(heads)} |")
     labels, results = [label for label, _ in evals], [r for _, r in evals]
     train_table = "\n".join(["| adapters | layers | train s | total s | held-out KL uncorrected | held-out KL corrected "
-                             "| layers improved |", "|---|---:|---:|---:|---:|---:|---:|", *trainings])
+                             "| layers with lower KL | heads with lower output error (kept by the gate) | layers kept |",
+                             "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *trainings])
     table = (f"{result_table(results, labels)}\n\nTraining on this machine (torch threads: "
              f"{torch.get_num_threads()}), mean held-out attention KL over the trained layers:\n\n{train_table}"
              f"\n\nPer-layer attention error ‖o − o_ref‖/‖o_ref‖:\n\n{layer_table(labels, results)}")

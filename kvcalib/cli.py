@@ -93,7 +93,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
 @click.option("--layers", default="all", show_default=True, help="all, or layers such as 0-9 or 0,4,7-9.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--gate/--no-gate", default=True, show_default=True,
-              help="Keep a layer's adapters only if they lower its held-out attention loss.")
+              help="Correct only the query heads whose held-out attention output error the adapters lower "
+                   "(a layer with none left gets no adapters).")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, out) -> None:
     """Train KVLinC's linear-correction adapters on collected activations."""

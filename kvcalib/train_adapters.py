@@ -12,8 +12,15 @@ CE_i = logsumexp_j log w_ij − Σ_j p_ij log w_ij. Adam minimizes the mean over
 
 Data: the last max(1, S/8) of the S collected sequences are held out; the held-out loss without
 correction and with the trained (float16-rounded) adapters is written to the artifact manifest
-(`extra`). With `gate` (the default) a layer whose adapters do not lower its held-out loss is left
-out of the artifact, so it stays uncorrected (and carries no S, P states) rather than made worse. Each step draws `batch` training sequences and `tokens` query positions among those
+(`extra`), with each query head's held-out attention output error ‖o − o_ref‖/‖o_ref‖ (`head_errors`:
+the method's own attention, values quantized too) without and with the correction.
+
+Gate (`gate`, the default; our addition): the loss is a proxy, and a small KL gain does not always
+lower the output error. A query head keeps its correction only if it lowers that head's held-out
+output error; the others get φ_q = 0 (`Adapter.heads`), and a layer with no head left is left out
+of the artifact, so it stays uncorrected (and carries no S, P states) rather than made worse.
+
+Each step draws `batch` training sequences and `tokens` query positions among those
 that see a flushed block, from a generator seeded by (seed, layer): the result depends only on the
 seed, whatever --layers selects. Initial W ~ N(0, 1/d), seeded the same way (zero W would keep the
 two halves of φ identical forever).
@@ -31,10 +38,13 @@ from tqdm.auto import tqdm
 
 from .artifacts import save_artifact
 from .atomic import ensure_writable_dir
+from .attention import AttentionOptions, flushed_counts, mixed_attention
 from .collect import Activations
 from .errors import SettingsError
+from .methods import hold
 from .methods.kivi import KiviConfig
-from .methods.kvlinc import ADAPTER_NAMES, Adapter, features
+from .methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, features
+from .models import AttentionShape
 from .quant import dequantize, quantize
 
 log = logging.getLogger(__name__)
@@ -130,6 +140,32 @@ def heldout_loss(data: _LayerData, config: TrainConfig, scaling: float, adapter:
     return total / (data.q.shape[0] * data.q.shape[1] * len(eligible))
 
 
+def head_errors(method: Kvlinc, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scaling: float) -> torch.Tensor:
+    """Per query head, ‖o − o_ref‖/‖o_ref‖ of `method`'s attention against exact attention over the
+    queries that see a flushed block: q (S, Hq, T, d), k, v (S, Hkv, T, d) -> (Hq,)."""
+    t = q.shape[-2]
+    opts = AttentionOptions(scaling=scaling)
+    flushed = flushed_counts(t, t, method.block)
+    seen = flushed > 0
+    with torch.no_grad():
+        out = method.attend(layer, q, k, v, hold(method, layer, k, v), flushed, opts)[:, :, seen]
+        ref = mixed_attention(q, k, v, opts)[:, :, seen]
+    return (((out - ref) ** 2).sum((0, 2, 3)) / (ref**2).sum((0, 2, 3))).sqrt()
+
+
+def gated(adapter: Adapter, config: TrainConfig, shape: AttentionShape, layer: int,
+          held: dict[str, torch.Tensor], scaling: float) -> tuple[Adapter, torch.Tensor, torch.Tensor]:
+    """`adapter` with `heads` set to the query heads whose held-out output error it lowers, and the
+    per-head errors without and with the correction."""
+    kivi = KiviConfig(config.bits, config.group_size, config.residual)
+    q, k, v = (held[n].float() for n in "qkv")
+    before, after = (head_errors(Kvlinc(kivi, shape, adapters), layer, q, k, v, scaling)
+                     for adapters in ({}, {layer: adapter}))
+    heads = (after < before).float()
+    return Adapter(*(getattr(adapter, n) for n in ADAPTER_NAMES), heads=heads), before, after
+
+
 def _init(shape: tuple[int, int, int], config: TrainConfig, gen: torch.Generator) -> Adapter:
     hq, hkv, d = shape
     sizes = {"q": hq, "k": hkv}
@@ -176,25 +212,36 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     if settings["num_samples"] < 2:
         raise SettingsError("training needs at least 2 collected sequences (one is held out)")
     chosen = parse_layers(layers, acts.num_layers)
-    head_dim = acts.fingerprint["head_dim"]
-    scaling = head_dim**-0.5
+    fp = acts.fingerprint
+    shape = AttentionShape(acts.num_layers, fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    scaling = shape.head_dim**-0.5
     n_held = max(1, settings["num_samples"] // 8)
 
     tensors, before, after, kept = {}, [], [], []
+    errors: dict[str, list] = {"uncorrected": [], "corrected": [], "heads": []}
     start = time.perf_counter()
     with tqdm(total=len(chosen) * config.steps, desc="train-adapters", unit="step") as bar:
         for i in chosen:
-            data = _layer_data(acts.layer(i), config)
+            raw = acts.layer(i)
+            data = _layer_data(raw, config)
             n = data.q.shape[0]
             train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))
             adapter = train_layer(train, config, scaling, i, bar)
             before.append(heldout_loss(held, config, scaling, None))
             after.append(heldout_loss(held, config, scaling, adapter))
-            log.info("layer %d: held-out attention CE %.4f uncorrected, %.4f corrected", i, before[-1], after[-1])
-            if gate and not after[-1] < before[-1]:
+            adapter, err_before, err_after = gated(adapter, config, shape, i,
+                                                   {x: raw[x][n - n_held:] for x in "qkv"}, scaling)
+            errors["uncorrected"].append(err_before.tolist())
+            errors["corrected"].append(err_after.tolist())
+            errors["heads"].append(int(adapter.heads.sum()))
+            log.info("layer %d: held-out attention KL %.4f uncorrected, %.4f corrected; output error lowered in "
+                     "%d of %d heads", i, before[-1], after[-1], errors["heads"][-1], len(adapter.heads))
+            if gate and not adapter.heads.any():
                 continue
             kept.append(i)
             tensors |= {f"layers.{i}.{n}": getattr(adapter, n).half() for n in ADAPTER_NAMES}
+            if gate:
+                tensors[f"layers.{i}.heads"] = adapter.heads.half()
     seconds = time.perf_counter() - start
     return save_artifact(
         out, "kvlinc",
@@ -202,5 +249,6 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
                                    "state_dtype": "float32", "activations": settings},
         fingerprint=acts.fingerprint, tensors=tensors,
         extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after, "train_seconds": seconds,
-               "heldout_sequences": n_held},
+               "heldout_sequences": n_held, "heldout_head_error_uncorrected": errors["uncorrected"],
+               "heldout_head_error_corrected": errors["corrected"], "heads_lowered": errors["heads"]},
     )

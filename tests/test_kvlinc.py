@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from kvcalib.artifacts import load_artifact, save_artifact
 from kvcalib.attention import AttentionOptions, flushed_counts, intercept, mixed_attention
 from kvcalib.cli import main
-from kvcalib.collect import collect
+from kvcalib.collect import Activations, collect
 from kvcalib.data import token_windows
 from kvcalib.errors import KvcalibError, SettingsError
 from kvcalib.evaluate import evaluate
@@ -17,7 +17,7 @@ from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.methods.kivi import KiviConfig
 from kvcalib.methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, States, combine, decode_attention, features
 from kvcalib.models import AttentionShape, attention_shape, fingerprint
-from kvcalib.train_adapters import parse_layers, train_adapters
+from kvcalib.train_adapters import head_errors, parse_layers, train_adapters
 from conftest import tiny_config
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -91,6 +91,18 @@ def test_without_states_the_output_is_plain_quantized_attention(t):
     assert torch.allclose(zero, expected, rtol=1e-6, atol=1e-7)
     if t < 8:
         assert torch.equal(corrected.attend(0, q, k, v, held, flushed, opts), expected)
+
+
+def test_heads_switched_off_by_the_gate_read_exactly_the_uncorrected_attention():
+    adapter = _adapter(SHAPE, 32)
+    adapter.heads = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    corrected = Kvlinc(KiviConfig(2, 4, 8), SHAPE, {0: adapter})
+    plain = Kvlinc(KiviConfig(2, 4, 8), SHAPE)
+    q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    held, flushed, opts = hold(plain, 0, k, v), flushed_counts(40, 40, 8), AttentionOptions(scaling=0.25)
+    out, ref = (m.attend(0, q, k, v, held, flushed, opts) for m in (corrected, plain))
+    assert torch.allclose(out[:, 1:3], ref[:, 1:3], rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(out[:, [0, 3]], ref[:, [0, 3]], rtol=1e-3, atol=1e-4)
 
 
 def test_values_are_quantized_in_the_hadamard_basis_and_rotated_back():
@@ -197,15 +209,29 @@ def test_training_is_deterministic_under_a_seed(tiny_acts, tmp_path):
     assert not all(torch.equal(a[n], c[n]) for n in a)
 
 
-def test_gate_keeps_exactly_the_layers_whose_held_out_loss_the_adapters_lower(tiny_acts, tmp_path):
+def test_gate_keeps_exactly_the_heads_whose_held_out_output_error_the_adapters_lower(tiny_acts, tmp_path, tiny_lm):
+    shape = attention_shape(tiny_lm.config)
     for steps in (0, 40):  # the initial random adapters, and trained ones
         art = load_artifact(_train(tiny_acts, tmp_path / f"s{steps}", steps=steps), "kvlinc")
-        before, after = art.extra["heldout_ce_uncorrected"], art.extra["heldout_ce_corrected"]
+        before, after = art.extra["heldout_head_error_uncorrected"], art.extra["heldout_head_error_corrected"]
         assert art.settings["trained_layers"] == [0, 1]
-        assert art.settings["layers"] == [i for i in (0, 1) if after[i] < before[i]]
+        lowered = {i: [a < b for a, b in zip(after[i], before[i])] for i in (0, 1)}
+        assert art.settings["layers"] == [i for i in (0, 1) if any(lowered[i])]
         assert sorted({n.split(".")[1] for n in art.tensors}) == [str(i) for i in art.settings["layers"]]
+        for i in art.settings["layers"]:
+            assert art.layer(i, "heads").tolist() == [float(x) for x in lowered[i]]
+        # The stored adapters reproduce the corrected errors the gate compared, head by head.
+        acts = Activations(tiny_acts)
+        for i in art.settings["layers"]:
+            held = {x: acts.layer(i)[x][-1:].float() for x in "qkv"}
+            adapter = Adapter(*(art.layer(i, n).float() for n in ADAPTER_NAMES), heads=art.layer(i, "heads").float())
+            method = Kvlinc(KiviConfig(2, 8, 16), shape, {i: adapter})
+            err = head_errors(method, i, *(held[x] for x in "qkv"), shape.head_dim**-0.5)
+            want = [a if on else b for a, b, on in zip(after[i], before[i], lowered[i])]
+            assert err.tolist() == pytest.approx(want, rel=1e-4)
     ungated = load_artifact(_train(tiny_acts, tmp_path / "all", steps=0, gate=False), "kvlinc")
     assert ungated.settings["layers"] == [0, 1]
+    assert not any(n.endswith(".heads") for n in ungated.tensors)
 
 
 def test_trained_layers_follow_the_layers_option(tiny_acts, tmp_path, tiny_lm):
@@ -226,12 +252,16 @@ def test_bad_layers_spec_is_refused(spec):
         parse_layers(spec, 4)
 
 
-@pytest.mark.parametrize("case", ["another model", "wrong shape", "missing tensor", "other method", "conflicting settings"])
+@pytest.mark.parametrize("case", ["another model", "wrong shape", "missing tensor", "other method", "conflicting settings",
+                                  "heads not 0 or 1", "heads of another count"])
 def test_invalid_artifacts_are_refused(case, tiny_lm, tmp_path):
     shape = attention_shape(tiny_lm.config)
     settings = MethodSettings()
     if case == "wrong shape":
         path = _save_adapters(tmp_path / "a", tiny_lm, **{"layers.0.k_w1": torch.zeros(4, 16, 8).half()})
+    elif case.startswith("heads"):
+        heads = torch.full((shape.num_heads,), 0.5) if case == "heads not 0 or 1" else torch.ones(shape.num_heads + 1)
+        path = _save_adapters(tmp_path / "a", tiny_lm, **{"layers.0.heads": heads.half()})
     elif case == "missing tensor":
         path = _save_adapters(tmp_path / "a", tiny_lm)
         manifest = json.loads((path / "manifest.json").read_text())

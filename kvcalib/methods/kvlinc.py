@@ -52,12 +52,23 @@ ADAPTER_NAMES = ("q_w1", "q_w2", "k_w1", "k_w2")
 
 @dataclass
 class Adapter:
-    """One layer's feature maps: q_w* (Hq, d, D/2) for φ_q, k_w* (Hkv, d, D/2) for φ_k."""
+    """One layer's feature maps: q_w* (Hq, d, D/2) for φ_q, k_w* (Hkv, d, D/2) for φ_k.
+
+    `heads` (Hq, 0 or 1), when set, switches the correction off for the query heads marked 0 (the
+    per-head gate of `train-adapters`): their φ_q is zero, so φ_q S = φ_q P = 0 and the head reads
+    the uncorrected attention exactly.
+    """
 
     q_w1: torch.Tensor
     q_w2: torch.Tensor
     k_w1: torch.Tensor
     k_w2: torch.Tensor
+    heads: torch.Tensor | None = None
+
+    def query_features(self, q: torch.Tensor) -> torch.Tensor:
+        """φ_q(q) per query head, zero for the heads the gate switched off: q (B, Hq, T, d) -> (B, Hq, T, D)."""
+        fq = features(q, self.q_w1, self.q_w2)
+        return fq if self.heads is None else fq * self.heads.to(fq)[:, None, None]
 
     @property
     def rank(self) -> int:
@@ -129,7 +140,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: At
     if states is None:
         return mixed_attention(q, k, v, opts)
     out, lse = mixed_attention(q, k, v, opts, return_lse=True)
-    return combine(out, lse, features(q, adapter.q_w1, adapter.q_w2), states)
+    return combine(out, lse, adapter.query_features(q), states)
 
 
 class Kvlinc(Kivi):
@@ -204,7 +215,7 @@ class Kvlinc(Kivi):
         if self.scaling is not None and abs(opts.scaling - self.scaling) > 1e-6 * self.scaling:
             raise ArtifactError(f"adapters were trained for attention scaling {self.scaling}, the model uses {opts.scaling}")
         out, lse = mixed_attention(q, held.k16, held.v16, opts, held.k, held.v, flushed, return_lse=True)
-        fq = features(q, adapter.q_w1, adapter.q_w2)
+        fq = adapter.query_features(q)
         states = self.states(layer, k, held)
         # Query i reads the states of the flushed[i] // block blocks it sees, exactly as a decoder would.
         blocks = flushed // self.block
@@ -228,6 +239,10 @@ def load_adapters(path: str, shape: AttentionShape, model: LoadedModel | None = 
         except KeyError as err:
             raise ArtifactError(f"artifact {path} lacks tensor {err.args[0]}") from err
         a = adapters[i]
+        if f"layers.{i}.heads" in art.tensors:
+            a.heads = art.layer(i, "heads").float()
+            if a.heads.shape != (shape.num_heads,) or not ((a.heads == 0) | (a.heads == 1)).all():
+                raise ArtifactError(f"artifact {path}: layers.{i}.heads must hold {shape.num_heads} values, each 0 or 1")
         want = {"q": shape.num_heads, "k": shape.num_kv_heads}
         for n in ADAPTER_NAMES:
             w = getattr(a, n)

@@ -173,7 +173,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     """Attention of the newest positions over the compressed cache: the fused kernel for one new
     token on CUDA (values rotated back for KVLinC, its S and P entering at the merge), otherwise
     the method's torch reference over the dequantized cache."""
-    from ..methods.kvlinc import Kvlinc, correction_terms, features
+    from ..methods.kvlinc import Kvlinc, correction_terms
 
     fused = layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
@@ -188,7 +188,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
         correction = None
         if isinstance(method, Kvlinc) and layer.state is not None:
             adapter = method.adapters[layer.layer]
-            num, den = correction_terms(features(q, adapter.q_w1, adapter.q_w2), layer.state)
+            num, den = correction_terms(adapter.query_features(q), layer.state)
             num, den = num[:, :, 0], den[:, :, 0]  # the single new position
             correction = (rotate(num) if method.rotated_values else num, den)
         out = fused_decode(q1.half() if q1.dtype == torch.float32 else q1, fused, opts.scaling, correction).float()
