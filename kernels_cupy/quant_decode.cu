@@ -26,7 +26,7 @@
 //
 // Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
-// HAS_NORM, QT. Queries are rounded to fp16 for the tensor cores whatever QT is.
+// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too). Queries are rounded to fp16 for the tensor cores whatever QT is.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -191,12 +191,70 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2)); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-// Copy tokens [t0, t0 + ST) of one (batch, kv head) into `st`; nothing at or past `stop` is read.
-// The pointers are already at that (batch, kv head); offsets stay 32-bit. Trip counts are
-// compile-time constants (a runtime-bounded loop costs more instructions than the copies).
-__device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, const int* kcodes, const __half* kscale,
-                                           const __half* kzero, const __half* knorm, const int* vcodes,
-                                           const __half* vscale, const __half* vzero) {
+// Two stage loaders, one interface: `issue_stage` starts copying tokens [t0, t0 + ST) of one
+// (batch, kv head) into a ring stage (nothing at or past `stop` is read), `wait_stage` blocks until
+// they have landed. The pointers are already at that (batch, kv head); offsets stay 32-bit.
+#if __CUDA_ARCH__ >= 900 && !CP_ASYNC_LOADER
+#define BULK_LOADER 1
+// sm_90: the bulk-copy engine (TMA) moves each contiguous piece of a stage (key words, value words,
+// key scales, key zeros, value scales, value zeros, norms) with one instruction, and signals an
+// mbarrier per stage. Lane 0 of warp w issues part w; warp 0 also announces the stage's bytes.
+// The other 124 threads spend no instruction on addresses.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void init_stages(unsigned long long* bar) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < NSTAGE; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&bar[s])));
+    asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+}
+__device__ __forceinline__ void issue_stage(Stage& st, unsigned long long* bar, int t0, int stop, const int* kcodes,
+                                            const __half* kscale, const __half* kzero, const __half* knorm,
+                                            const int* vcodes, const __half* vscale, const __half* vzero) {
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32) return;
+  const unsigned rows = min(ST / 16, (stop - t0 + 15) / 16);         // 16-token rows of codes
+  const unsigned groups = min(KGS, (stop + G - 1) / G - t0 / G);     // key groups
+  const unsigned code_bytes = rows * D * 4, group_bytes = groups * D * 2, vscale_bytes = rows * 16 * VG * 2;
+  if (warp == 0) {
+    const unsigned total = 2 * (code_bytes + group_bytes + vscale_bytes) + (HAS_NORM ? rows * 32 : 0);
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(total) : "memory");
+    bulk_copy(st.kw, kcodes + (t0 / 16) * D, code_bytes, bar);
+  } else if (warp == 1) {
+    bulk_copy(st.vw, vcodes + (t0 / 16) * D, code_bytes, bar);
+  } else if (warp == 2) {
+    bulk_copy(st.ks, kscale + (t0 / G) * D, group_bytes, bar);
+    bulk_copy(st.kz, kzero + (t0 / G) * D, group_bytes, bar);
+  } else {
+    bulk_copy(st.vs, vscale + t0 * VG, vscale_bytes, bar);
+    bulk_copy(st.vz, vzero + t0 * VG, vscale_bytes, bar);
+#if HAS_NORM
+    bulk_copy(st.kn, knorm + t0, rows * 32, bar);
+#endif
+  }
+}
+// Use u of a stage completes phase u of its mbarrier.
+__device__ __forceinline__ void wait_stage(unsigned long long* bar, int use) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(use & 1) : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void commit_stage() {}
+__device__ __forceinline__ void finish_stages() {}
+#else
+#define BULK_LOADER 0
+// Before sm_90: every thread copies 16-byte chunks with cp.async, one commit group per stage; the
+// trip counts are compile-time constants (a runtime-bounded loop costs more instructions than the copies).
+__device__ __forceinline__ void init_stages(unsigned long long*) {}
+__device__ __forceinline__ void issue_stage(Stage& st, unsigned long long*, int t0, int stop, const int* kcodes,
+                                            const __half* kscale, const __half* kzero, const __half* knorm,
+                                            const int* vcodes, const __half* vscale, const __half* vzero) {
   constexpr int NW = (ST / 16) * (D / 4);  // 16-byte chunks of key words (and of value words)
 #pragma unroll
   for (int k = 0; k < (NW + NT - 1) / NT; ++k) {
@@ -229,6 +287,12 @@ __device__ __forceinline__ void load_stage(Stage& st, int t0, int stop, const in
     cp_async16(&st.kn[8 * threadIdx.x], knorm + t0 + 8 * threadIdx.x);
 #endif
 }
+// One commit group per stage number, issued or not (see the main loop): groups complete in order,
+// so waiting for stage s's group is waiting until at most NSTAGE - 2 newer ones are pending.
+__device__ __forceinline__ void commit_stage() { cp_async_commit(); }
+__device__ __forceinline__ void wait_stage(unsigned long long*, int) { cp_async_wait(); }
+__device__ __forceinline__ void finish_stages() { cp_async_wait_all(); }
+#endif
 
 // At a new key group: this lane's q~ = q o s B fragments (to `frag`: heads g, channels 16ks + 2t +
 // {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
@@ -343,17 +407,20 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   vscale += bh * capt * VG;
   vzero += bh * capt * VG;
   knorm += HAS_NORM ? bh * capt : 0;
+  __shared__ unsigned long long bar[NSTAGE];  // the bulk loader's mbarrier per stage
+  init_stages(bar);
   for (int s = 0; s < NSTAGE - 1; ++s) {
-    if (s < stages) load_stage(ring[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
-    cp_async_commit();
+    if (s < stages) issue_stage(ring[s], &bar[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
+    commit_stage();
   }
   for (int s = 0; s < stages; ++s) {
-    cp_async_wait();
+    wait_stage(&bar[s % NSTAGE], s / NSTAGE);
     __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
     const int next = s + NSTAGE - 1;
     if (next < stages)
-      load_stage(ring[next % NSTAGE], start + next * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
-    cp_async_commit();
+      issue_stage(ring[next % NSTAGE], &bar[next % NSTAGE], start + next * ST, stop, kcodes, kscale, kzero, knorm,
+                  vcodes, vscale, vzero);
+    commit_stage();
     const Stage& st = ring[s % NSTAGE];
     const int tok0 = start + s * ST + 16 * warp;
     if (tok0 >= stop) continue;
@@ -423,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
     }
   }
-  cp_async_wait_all();
+  finish_stages();
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
   for (int u = 0; u < KS; ++u)
     for (int i = 0; i < 4; ++i) acc[u][i] += voff[16 * u / GV][i] + vzp[16 * u / GV][i];

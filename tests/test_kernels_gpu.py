@@ -28,8 +28,8 @@ def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256):
     return layer
 
 
-def _check(q, layer, correction=None):
-    out = fused_decode(q, layer, q.shape[-1] ** -0.5, correction, checked=True)
+def _check(q, layer, correction=None, loader="auto"):
+    out = fused_decode(q, layer, q.shape[-1] ** -0.5, correction, checked=True, loader=loader)
     ref = reference_decode(q, layer, q.shape[-1] ** -0.5, correction)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
     err = ((out.double() - ref).norm() / ref.norm()).item()
@@ -42,20 +42,22 @@ def _check(q, layer, correction=None):
 @pytest.mark.parametrize("length,residual", [(0, 77), (128, 0), (896, 104), (4224, 1), (33280, 127)])
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_fused_kivi_decode_matches_float64_reference(d, gqa, length, residual, b, dtype):
+@pytest.mark.parametrize("loader", ["auto", "cp.async"])  # the bulk-copy loader on sm_90+, and the other
+def test_fused_kivi_decode_matches_float64_reference(d, gqa, length, residual, b, dtype, loader):
     hkv = 2
     layer = _layer(b, hkv, d, length, residual, group=32, vgroup=min(32, d), norms=False)
     q = torch.randn(b, hkv * gqa, d, device=DEV).to(dtype)
-    _check(q, layer)
+    _check(q, layer, loader=loader)
 
 
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
-def test_fused_decode_handles_group_sizes_and_oscar_norms(group, norms, d):
+@pytest.mark.parametrize("loader", ["auto", "cp.async"])
+def test_fused_decode_handles_group_sizes_and_oscar_norms(group, norms, d, loader):
     layer = _layer(2, 2, d, 2048, 50, group=group, vgroup=min(group, d), norms=norms)
     q = torch.randn(2, 8, d, device=DEV).half()
-    _check(q, layer)
+    _check(q, layer, loader=loader)
 
 
 def test_every_residual_length_from_0_to_127():
@@ -92,9 +94,10 @@ def test_output_is_fully_rewritten_on_fresh_inputs_each_call():
 @pytest.mark.parametrize("length,group", [(16, 16), (32, 16), (48, 16), (96, 16), (4112, 16), (64, 64), (192, 64),
                                           (4160, 64)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_flushed_lengths_that_are_not_multiples_of_the_stage(length, group, d):
+@pytest.mark.parametrize("loader", ["auto", "cp.async"])
+def test_flushed_lengths_that_are_not_multiples_of_the_stage(length, group, d, loader):
     layer = _layer(2, 2, d, length, 9, group=group, vgroup=16, norms=False, extra=0)
-    _check(torch.randn(2, 8, d, device=DEV).half(), layer)
+    _check(torch.randn(2, 8, d, device=DEV).half(), layer, loader=loader)
 
 
 @pytest.mark.parametrize("d", [64, 128])

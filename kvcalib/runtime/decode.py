@@ -257,8 +257,13 @@ def _sm_count(device: int) -> int:
 
 
 def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
-                 correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
-    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype."""
+                 correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False,
+                 loader: str = "auto") -> torch.Tensor:
+    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype.
+
+    `loader`: "auto" streams the packed cache with the bulk-copy engine on sm_90 and later, with
+    cp.async before; "cp.async" forces the latter (the tests run both on one GPU).
+    """
     import cupy
 
     from kernels_cupy.loader import kernel, launch
@@ -270,10 +275,15 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     buffers = (layer.kcodes, layer.kscale, layer.kzero, layer.vcodes, layer.vscale, layer.vzero, layer.kres, layer.vres)
     if not all(b.is_contiguous() for b in buffers) or (layer.knorm is not None and not layer.knorm.is_contiguous()):
         raise ValueError("fused decode reads dense buffers: every PackedLayer tensor must be contiguous")
+    if any(t.data_ptr() % 16 for t in buffers) or (layer.knorm is not None and layer.knorm.data_ptr() % 16):
+        raise ValueError("fused decode copies 16-byte pieces: every PackedLayer tensor must start 16-byte aligned")
+    if loader not in ("auto", "cp.async"):
+        raise ValueError(f"loader must be 'auto' or 'cp.async', got {loader!r}")
     if layer.length % 16 or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
         raise ValueError("fused decode needs flushed length and capacity in multiples of 16 tokens, value groups >= 16")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
+               "CP_ASYNC_LOADER": int(loader == "cp.async"),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
     sms = _sm_count(q.device.index or 0)
