@@ -94,7 +94,7 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 }
 
 // ---- Tensor-core path for the flushed tokens -------------------------------------------------
-// A warp takes 16 tokens per step, with tokens on the M dimension of mma.m16n8k16 (f16 in, f32
+// A warp takes TILES tiles of 16 tokens per step, with tokens on the M dimension of mma.m16n8k16 (f16 in, f32
 // accumulate) and the GQ query heads of the KV head on N (8 columns, heads GQ..7 zero):
 //   scores  S^T (16 tokens x 8 heads) = codes_K (16 x D) . Q~^T,
 //   output  O^T (D x 8 heads)        += codes_V^T (D x 16 tokens) . P~^T,
@@ -110,7 +110,7 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 // the offset is 64 for the fragment rows g and 16 for rows g + 8. Offsets and zero points are exact
 // sums on the tensor cores: per key group the score constants k0 = Q.z - off.Q~ (mma with constant
 // A operands), per value group and step -off.P~ and z.P (two more mma).
-// The block's 4 warps share a cp.async ring of 64-token stages in shared memory; each warp keeps its
+// The block's 4 warps share a ring of ST-token stages in shared memory; each warp keeps its
 // own online softmax and its own q~ fragments; the block combines its warps and writes one partial.
 
 #define WARPS (NT / 32)
@@ -170,8 +170,13 @@ __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 
-// One pipeline stage: the packed data of ST tokens, copied global -> shared with cp.async.
-#define ST (16 * WARPS)
+// One pipeline stage: the packed data of ST tokens, copied global -> shared (`issue_stage`).
+// 16-token tiles per warp and stage: two, so that a warp has two independent mma chains per operand
+// and one softmax step per 32 tokens; one when G = 16 (two tiles would span two key groups).
+#ifndef TILES
+#define TILES (G >= 32 ? 2 : 1)
+#endif
+#define ST (16 * WARPS * TILES)
 #define KGS ((ST + G - 1) / G)  // key groups a stage touches (G is a power of two >= 16)
 struct __align__(16) Stage {
   int kw[ST / 16][D];  // key words, row r = tokens 16r..16r+15 (tensor-core order)
@@ -181,7 +186,8 @@ struct __align__(16) Stage {
   __half kn[ST];
 };
 // Static shared memory (ring, queries, q~ fragments, warp maxima) stays under 48 KB.
-constexpr int NSTAGE = 4 * sizeof(Stage) + 8 * KS * 32 + 8 * WARPS * KS * 32 + 1024 <= 48 * 1024 ? 4 : 3;
+constexpr bool ring_fits(int n) { return n * sizeof(Stage) + 8 * KS * 32 + 8 * WARPS * KS * 32 + 1024 <= 48 * 1024; }
+constexpr int NSTAGE = ring_fits(4) ? 4 : ring_fits(3) ? 3 : 2;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -422,45 +428,60 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
                   vcodes, vscale, vzero);
     commit_stage();
     const Stage& st = ring[s % NSTAGE];
-    const int tok0 = start + s * ST + 16 * warp;
-    if (tok0 >= stop) continue;
-    if (tok0 / G != group) {
+    const int tok0 = start + s * ST + 16 * TILES * warp;  // tile j: tokens tok0 + 16j .. + 15, stage row TILES*warp + j
+    if (tok0 >= stop) continue;  // T holds whole key groups, so with G >= 32 both tiles are full
+    const int row0 = TILES * warp;
+    if (tok0 / G != group) {  // a warp's tiles share one key group
       group = tok0 / G;
       const int kg = group - (start + s * ST) / G;  // the group's row in the stage
       key_group(qraw, st.ks[kg], st.kz[kg], qfrag[warp], k0);
     }
-    // ---- scores S^T: word i holds k-slices 2i (registers 0-3) and 2i + 1 (4-7) ----
-    unsigned kw[WPL];
-    for (int i = 0; i < WPL; ++i) kw[i] = (unsigned)st.kw[warp][lane * WPL + i];
-    float sc[4] = {k0[0], k0[1], k0[2], k0[3]}, sc2[4] = {0.f, 0.f, 0.f, 0.f};  // two mma chains
+    // ---- scores S^T of both tiles: word i holds k-slices 2i (registers 0-3) and 2i + 1 (4-7) ----
+    float sc[TILES][4], sc2[TILES][4];  // two mma chains per tile
+#pragma unroll
+    for (int j = 0; j < TILES; ++j)
+      for (int i = 0; i < 4; ++i) {
+        sc[j][i] = k0[i];
+        sc2[j][i] = 0.f;
+      }
 #pragma unroll
     for (int i = 0; i < WPL; ++i) {
-      unsigned o[8];
-      unpack8(kw[i], o, kmask);
-      const uint2 qa = qfrag[warp][(2 * i) * 32 + lane], qb = qfrag[warp][(2 * i + 1) * 32 + lane];
-      mma16816(sc, make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
-      mma16816(sc2, make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
+#pragma unroll
+      for (int j = 0; j < TILES; ++j) {
+        unsigned o[8];
+        unpack8((unsigned)st.kw[row0 + j][lane * WPL + i], o, kmask);
+        const uint2 qa = qfrag[warp][(2 * i) * 32 + lane], qb = qfrag[warp][(2 * i + 1) * 32 + lane];
+        mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
+        mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
+      }
     }
-    // sc[0..1]: token g, heads 2t, 2t+1; sc[2..3]: token g + 8.
-    float mx[2];
-    for (int i = 0; i < 4; ++i) {
-      sc[i] = (sc[i] + sc2[i]) * scale_log2;
+    // sc[j][0..1]: token g of tile j, heads 2t, 2t+1; sc[j][2..3]: token g + 8.
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j = 0; j < TILES; ++j)
+      for (int i = 0; i < 4; ++i) {
+        float x = (sc[j][i] + sc2[j][i]) * scale_log2;
 #if HAS_NORM
-      sc[i] *= __half2float(st.kn[16 * warp + g + 8 * (i / 2)]);
+        x *= __half2float(st.kn[16 * (row0 + j) + g + 8 * (i / 2)]);
 #endif
-    }
-    for (int e = 0; e < 2; ++e) {
-      mx[e] = fmaxf(sc[e], sc[2 + e]);
+        sc[j][i] = x;
+        mx[i & 1] = fmaxf(mx[i & 1], x);
+      }
+    for (int e = 0; e < 2; ++e)
       for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
-    }
-    float alpha[2], p[4];
+    float alpha[2], p[TILES][4];
     for (int e = 0; e < 2; ++e) {
       const float m_new = fmaxf(m[e], mx[e]);
       alpha[e] = exp2f(m[e] - m_new);  // m = -inf gives 0
       m[e] = m_new;
-      p[e] = exp2f(sc[e] - m_new);
-      p[2 + e] = exp2f(sc[2 + e] - m_new);
-      l[e] = l[e] * alpha[e] + p[e] + p[2 + e];
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < TILES; ++j) {
+        p[j][e] = exp2f(sc[j][e] - m_new);
+        p[j][2 + e] = exp2f(sc[j][2 + e] - m_new);
+        sum += p[j][e] + p[j][2 + e];
+      }
+      l[e] = l[e] * alpha[e] + sum;
     }
     if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
       for (int u = 0; u < KS; ++u)
@@ -472,22 +493,24 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
         }
     }
     // ---- values: P^T as B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g), scaled per value group ----
-    const unsigned pb0 = transpose8x8(pack_half2(p[0], p[1])), pb1 = transpose8x8(pack_half2(p[2], p[3]));
-    uint2 pt[VG];
-    for (int gv = 0; gv < VG; ++gv) {
-      pt[gv] = make_uint2(hmul2u(pb0, half2_at(&st.vs[warp][gv][2 * t])), hmul2u(pb1, half2_at(&st.vs[warp][gv][8 + 2 * t])));
-      mma16816(voff[gv], neg_offsets(), pt[gv].x, pt[gv].y);
-      mma16816(vzp[gv], rows_of_pairs(&st.vz[warp][gv][2 * t]), pb0, pb1);
-    }
-    unsigned vw[WPL];
-    for (int i = 0; i < WPL; ++i) vw[i] = (unsigned)st.vw[warp][lane * WPL + i];
 #pragma unroll
-    for (int i = 0; i < WPL; ++i) {
-      unsigned o[8];
-      unpack8(vw[i], o, kmask);
-      const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
-      mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
-      mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
+    for (int j = 0; j < TILES; ++j) {
+      const unsigned pb0 = transpose8x8(pack_half2(p[j][0], p[j][1])), pb1 = transpose8x8(pack_half2(p[j][2], p[j][3]));
+      uint2 pt[VG];
+      for (int gv = 0; gv < VG; ++gv) {
+        const __half* vs = st.vs[row0 + j][gv];
+        pt[gv] = make_uint2(hmul2u(pb0, half2_at(vs + 2 * t)), hmul2u(pb1, half2_at(vs + 8 + 2 * t)));
+        mma16816(voff[gv], neg_offsets(), pt[gv].x, pt[gv].y);
+        mma16816(vzp[gv], rows_of_pairs(&st.vz[row0 + j][gv][2 * t]), pb0, pb1);
+      }
+#pragma unroll
+      for (int i = 0; i < WPL; ++i) {
+        unsigned o[8];
+        unpack8((unsigned)st.vw[row0 + j][lane * WPL + i], o, kmask);
+        const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
+        mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
+        mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
+      }
     }
   }
   finish_stages();

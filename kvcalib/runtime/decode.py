@@ -279,8 +279,9 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
         raise ValueError("fused decode copies 16-byte pieces: every PackedLayer tensor must start 16-byte aligned")
     if loader not in ("auto", "cp.async"):
         raise ValueError(f"loader must be 'auto' or 'cp.async', got {loader!r}")
-    if layer.length % 16 or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
-        raise ValueError("fused decode needs flushed length and capacity in multiples of 16 tokens, value groups >= 16")
+    if layer.length % max(16, layer.group_size) or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
+        raise ValueError("fused decode needs whole key groups of >= 16 tokens, capacity in multiples of 16 tokens, "
+                         "value groups >= 16")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
                "CP_ASYNC_LOADER": int(loader == "cp.async"),
