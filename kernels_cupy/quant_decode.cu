@@ -340,15 +340,34 @@ __device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __
   float* l = m + GQ;
   float* alpha = l + GQ;
   float* red = alpha + GQ;  // REP * GQ * D
+  // Every load is issued before the first is used: a block's latency is a couple of round trips,
+  // not one per token (these blocks finish the launch at short lengths).
+  constexpr int TPW = RT / (NT / 32);  // tokens per warp
+  float kv[TPW][D / 32];
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tt = warp + i * (NT / 32);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e)
+      kv[i][e] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * e]) : 0.f;
+  }
+  const int c = tid % D, rep = tid / D;
+  float vv[RT / REP];  // this thread's channel of tokens rep, rep + REP, ...
+#pragma unroll
+  for (int i = 0; i < RT / REP; ++i) {
+    const int tt = rep + i * REP;
+    vv[i] = t0 + tt < r ? __half2float(vres[(bh * capr + t0 + tt) * D + c]) : 0.f;
+  }
   for (int i = tid; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
   if (tid < GQ) { m[tid] = NEG_INF; l[tid] = 0.f; }
   __syncthreads();
-  for (int tt = warp; tt < RT; tt += NT / 32) {
-    float kv[D / 32];
-    for (int i = 0; i < D / 32; ++i) kv[i] = t0 + tt < r ? __half2float(kres[(bh * capr + t0 + tt) * D + lane + 32 * i]) : 0.f;
+#pragma unroll
+  for (int i = 0; i < TPW; ++i) {
+    const int tt = warp + i * (NT / 32);
     for (int h = 0; h < GQ; ++h) {
       float v = 0.f;
-      for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
+#pragma unroll
+      for (int e = 0; e < D / 32; ++e) v += qs[h][lane + 32 * e] * kv[i][e];
       for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
       if (lane == 0) s[h][tt] = t0 + tt < r ? v : NEG_INF;
     }
@@ -356,13 +375,11 @@ __device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __
   __syncthreads();
   softmax_tile<RT>(s, m, l, alpha);
   __syncthreads();
-  const int c = tid % D, rep = tid / D;
   float acc[GQ];
   for (int h = 0; h < GQ; ++h) acc[h] = 0.f;
-  for (int tt = rep; tt < RT && t0 + tt < r; tt += REP) {
-    const float v = __half2float(vres[(bh * capr + t0 + tt) * D + c]);
-    for (int h = 0; h < GQ; ++h) acc[h] += s[h][tt] * v;
-  }
+#pragma unroll
+  for (int i = 0; i < RT / REP; ++i)  // absent tokens have p = 0 and v = 0
+    for (int h = 0; h < GQ; ++h) acc[h] += s[h][rep + i * REP] * vv[i];
   write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, blockIdx.x, num_parts);
 }
 
@@ -385,13 +402,6 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
   __shared__ uint2 qfrag[WARPS][KS * 32];  // each lane's q~ fragments of its warp's key group
-  for (int i = threadIdx.x; i < KS * 32; i += NT) {
-    const int ks = i / 32, h = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
-    float r[4] = {0.f, 0.f, 0.f, 0.f};
-    if (h < GQ)
-      for (int e = 0; e < 4; ++e) r[e] = to_float(q[(bh * GQ + h) * D + c + 8 * (e / 2) + e % 2]);
-    qraw[i] = make_uint2(pack_half2(r[0], r[1]), pack_half2(r[2], r[3]));
-  }
 
   float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
@@ -418,6 +428,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   for (int s = 0; s < NSTAGE - 1; ++s) {
     if (s < stages) issue_stage(ring[s], &bar[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
     commit_stage();
+  }
+  // q's fragments while the first stages are in flight (the first wait_stage's barrier publishes them)
+  for (int i = threadIdx.x; i < KS * 32; i += NT) {
+    const int ks = i / 32, h = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
+    float r[4] = {0.f, 0.f, 0.f, 0.f};
+    if (h < GQ)
+      for (int e = 0; e < 4; ++e) r[e] = to_float(q[(bh * GQ + h) * D + c + 8 * (e / 2) + e % 2]);
+    qraw[i] = make_uint2(pack_half2(r[0], r[1]), pack_half2(r[2], r[3]));
   }
   for (int s = 0; s < stages; ++s) {
     wait_stage(&bar[s % NSTAGE], s / NSTAGE);
@@ -584,28 +602,52 @@ extern "C" __global__ void __launch_bounds__(MJ * D) merge(
   __shared__ float weight[MAX_PARTS];
   __shared__ float scratch[MJ * D / 32];
   __shared__ float partial[MJ][D];
+  // Every load that does not depend on another is issued first: the partials' (m, l), the first AP
+  // accumulators of this thread's channel, the correction; then two block reductions and the sums.
+  constexpr int PPT = MAX_PARTS / (MJ * D), AP = 16;
+  float mp[PPT], lp[PPT], a[AP], cnum = 0.f, cden = 0.f;
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    const int p = threadIdx.x + i * MJ * D;
+    mp[i] = p < num_parts ? part_ml[(row * num_parts + p) * 2] : NEG_INF;
+    lp[i] = p < num_parts ? part_ml[(row * num_parts + p) * 2 + 1] : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < AP; ++i) {
+    const int p = j + i * MJ;
+    a[i] = p < num_parts ? part_acc[(row * num_parts + p) * D + c] : 0.f;
+  }
+  if (corr_num != nullptr && j == 0) {
+    cnum = corr_num[row * D + c];
+    cden = corr_den[row];
+  }
   float M = NEG_INF;
-  for (int p = threadIdx.x; p < num_parts; p += MJ * D) M = fmaxf(M, part_ml[(row * num_parts + p) * 2]);
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) M = fmaxf(M, mp[i]);
   M = block_reduce(M, true, scratch);
   float den = 0.f;
-  for (int p = threadIdx.x; p < num_parts; p += MJ * D) {
-    const float mp = part_ml[(row * num_parts + p) * 2];
-    const float w = mp == NEG_INF ? 0.f : exp2f(mp - M);
-    weight[p] = w;
-    den += w * part_ml[(row * num_parts + p) * 2 + 1];
+#pragma unroll
+  for (int i = 0; i < PPT; ++i) {
+    const int p = threadIdx.x + i * MJ * D;
+    const float w = mp[i] == NEG_INF ? 0.f : exp2f(mp[i] - M);
+    if (p < num_parts) weight[p] = w;
+    den += w * lp[i];
   }
   den = block_reduce(den, false, scratch);  // its barriers also publish weight[]
   float num = 0.f;
+#pragma unroll
+  for (int i = 0; i < AP; ++i)
+    if (j + i * MJ < num_parts) num += weight[j + i * MJ] * a[i];
 #pragma unroll 8
-  for (int p = j; p < num_parts; p += MJ) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
+  for (int p = j + AP * MJ; p < num_parts; p += MJ) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
   partial[j][c] = num;
   __syncthreads();
   if (j == 0) {
     for (int k = 1; k < MJ; ++k) num += partial[k][c];
     if (corr_num != nullptr) {
       const float w = exp2f(-M);
-      num += w * corr_num[row * D + c];
-      den += w * corr_den[row];
+      num += w * cnum;
+      den += w * cden;
     }
     from_float(&out[row * D + c], num / den);
   }
