@@ -29,6 +29,8 @@ Packed layout
 
 from __future__ import annotations
 
+import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,9 +103,19 @@ def _grouped(x: torch.Tensor, group_size: int, axis: Axis) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
-    """Asymmetric round-to-nearest quantization of x (..., T, C) in groups along `axis`."""
+    """Asymmetric round-to-nearest quantization of x (..., T, C) in groups along `axis`.
+
+    On CUDA with cupy installed, `kernels_cupy/quantize.cu` computes it (bit for bit the same: the GPU
+    tests compare the two); elsewhere these torch ops.
+    """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
+    if x.is_cuda and importlib.util.find_spec("cupy") is not None:
+        return _quantize_cuda(x, bits, group_size, axis)
+    return _quantize_torch(x, bits, group_size, axis)
+
+
+def _quantize_torch(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
     g = _grouped(x.float(), group_size, axis)
     red = -2 if axis == "tokens" else -1
     lo = g.amin(red, keepdim=True)
@@ -124,6 +136,35 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
         axis=axis,
         length=x.shape[_dim(axis)],
     )
+
+
+def _quantize_cuda(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch
+
+    _grouped(x, group_size, axis)  # the same refusal as the torch path
+    *lead, t, c = x.shape
+    n = math.prod(lead)
+    k = per_word(bits)
+    xf = x.float().contiguous()
+    if axis == "tokens":
+        codes_shape, group_shape = (*lead, -(-t // k), c), (*lead, t // group_size, c)
+    else:
+        codes_shape, group_shape = (*lead, t, -(-c // k)), (*lead, t, c // group_size)
+    codes = torch.empty(codes_shape, dtype=torch.int32, device=x.device)
+    scale = torch.empty(group_shape, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    defines = {"BITS": bits, "G": group_size, "AXIS_TOKENS": int(axis == "tokens")}
+    ptr = lambda a: cupy.uint64(a.data_ptr())  # noqa: E731
+    sizes = (cupy.int32(n), cupy.int32(t), cupy.int32(c))
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
+        for name, count, args in (("group_stats", scale.numel(), (ptr(xf), ptr(scale), ptr(zero))),
+                                  ("pack_codes", codes.numel(), (ptr(xf), ptr(scale), ptr(zero), ptr(codes)))):
+            if count:  # thread per group, then thread per word
+                launch(kernel("quantize.cu", defines, name), (-(-count // 256),), (256,), (*args, *sizes))
+    return Quantized(codes=codes, scale=scale, zero=zero, bits=bits, group_size=group_size, axis=axis,
+                     length=x.shape[_dim(axis)])
 
 
 def dequantize(p: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
