@@ -177,6 +177,7 @@ __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
 #define TILES (G >= 32 ? 2 : 1)
 #endif
 #define ST (16 * WARPS * TILES)
+#define SHARED_Q (G >= ST)  // a stage lies in one key group: its q~ is computed once per block
 #define KGS ((ST + G - 1) / G)  // key groups a stage touches (G is a power of two >= 16)
 struct __align__(16) Stage {
   int kw[ST / 16][D];  // key words, row r = tokens 16r..16r+15 (tensor-core order)
@@ -186,7 +187,9 @@ struct __align__(16) Stage {
   __half kn[ST];
 };
 // Static shared memory (ring, queries, q~ fragments, warp maxima) stays under 48 KB.
-constexpr bool ring_fits(int n) { return n * sizeof(Stage) + 8 * KS * 32 + 8 * WARPS * KS * 32 + 1024 <= 48 * 1024; }
+constexpr bool ring_fits(int n) {
+  return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 1024 <= 48 * 1024;
+}
 constexpr int NSTAGE = ring_fits(4) ? 4 : ring_fits(3) ? 3 : 2;
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -303,15 +306,16 @@ __device__ __forceinline__ void finish_stages() { cp_async_wait_all(); }
 // At a new key group: this lane's q~ = q o s B fragments (to `frag`: heads g, channels 16ks + 2t +
 // {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
 // g + 8; heads 2t, 2t + 1): k0 = sum_c q_c z_c - sum_c off(token row) q~_c, on the tensor cores
-// exactly as the scores are.
+// exactly as the scores are. Over the N k-slices from `first` (all KS, or a warp's share of them).
+template <int N>
 __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, const __half* z, uint2* frag,
-                                          float* k0) {
+                                          float* k0, int first) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain
   k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    const int c = 16 * ks + 2 * t;
+  for (int i = 0; i < N; ++i) {
+    const int ks = first + i, c = 16 * ks + 2 * t;
     const uint2 q = qraw[ks * 32 + lane];
     const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
     frag[ks * 32 + lane] = qt;
@@ -401,7 +405,9 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     return;
   }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
-  __shared__ uint2 qfrag[WARPS][KS * 32];  // each lane's q~ fragments of its warp's key group
+  // q~ fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
+  __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
+  __shared__ float4 k0part[SHARED_Q ? WARPS : 1][32];  // SHARED_Q: each warp's share of k0
 
   float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
@@ -447,13 +453,31 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     commit_stage();
     const Stage& st = ring[s % NSTAGE];
     const int tok0 = start + s * ST + 16 * TILES * warp;  // tile j: tokens tok0 + 16j .. + 15, stage row TILES*warp + j
+#if SHARED_Q
+    if ((start + s * ST) / G != group) {  // the whole block enters a new key group: each warp takes KS/WARPS slices
+      group = (start + s * ST) / G;
+      float part[4];
+      key_group<KS / WARPS>(qraw, st.ks[0], st.kz[0], qfrag[0], part, warp * (KS / WARPS));
+      k0part[warp][lane] = make_float4(part[0], part[1], part[2], part[3]);
+      __syncthreads();  // every slice of q~ and every share of k0 in place
+      k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
+      for (int w = 0; w < WARPS; ++w) {
+        const float4 p = k0part[w][lane];
+        k0[0] += p.x, k0[1] += p.y, k0[2] += p.z, k0[3] += p.w;
+      }
+    }
+    const uint2* qf = qfrag[0];
     if (tok0 >= stop) continue;  // T holds whole key groups, so with G >= 32 both tiles are full
-    const int row0 = TILES * warp;
+#else
+    if (tok0 >= stop) continue;
     if (tok0 / G != group) {  // a warp's tiles share one key group
       group = tok0 / G;
       const int kg = group - (start + s * ST) / G;  // the group's row in the stage
-      key_group(qraw, st.ks[kg], st.kz[kg], qfrag[warp], k0);
+      key_group<KS>(qraw, st.ks[kg], st.kz[kg], qfrag[warp], k0, 0);
     }
+    const uint2* qf = qfrag[warp];
+#endif
+    const int row0 = TILES * warp;
     // ---- scores S^T of both tiles: word i holds k-slices 2i (registers 0-3) and 2i + 1 (4-7) ----
     float sc[TILES][4], sc2[TILES][4];  // two mma chains per tile
 #pragma unroll
@@ -468,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       for (int j = 0; j < TILES; ++j) {
         unsigned o[8];
         unpack8((unsigned)st.kw[row0 + j][lane * WPL + i], o, kmask);
-        const uint2 qa = qfrag[warp][(2 * i) * 32 + lane], qb = qfrag[warp][(2 * i + 1) * 32 + lane];
+        const uint2 qa = qf[(2 * i) * 32 + lane], qb = qf[(2 * i + 1) * 32 + lane];
         mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
         mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
       }
