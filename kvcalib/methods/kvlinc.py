@@ -20,8 +20,9 @@ Choices made here:
 - GQA: φ_q has its own W₁, W₂ per query head, φ_k per KV head, so S and P are per KV head (all
   the query heads of a group read the same states).
 - States are float32 and counted in the stored bits: Hkv x (D·d + D) x 32 bits per layer and
-  sequence, once a first block is flushed. Adapters are stored as float16 and counted once as
-  shared bits.
+  sequence, once a first block is flushed (every KV head of a corrected layer, also one whose query
+  heads the gate all switched off: the runtime keeps them). Adapters are stored as float16 and
+  counted once as shared bits.
 - Numerics: the formula's exp has no max-subtraction. We keep the exact value with one shared
   shift M = max(lse, 0), lse the log-sum-exp of the held scores: both sums are divided by e^M, so
   the correction enters as e^(−M) φ_q(q) S (`combine`).
