@@ -19,14 +19,16 @@
 // Parallel split (flash-decoding): block (split, kv head, batch) handles SPLIT_LEN flushed tokens for
 // all GQ query heads sharing that KV head, so each packed byte is read once per block. Partial
 // results (unnormalised accumulator, running max in log2 units, running sum) go to `part_*`; the
-// last ceil(r / RT) partials hold the residual window; `merge` combines them and adds KVLinC's correction
-// terms (num, den in exp units, optional) before normalising.
+// last ceil(r / RT) partials hold the residual window; `merge` combines them and adds KVLinC's
+// correction terms (num, den in exp units, optional) before normalising.
 // Bytes that must move per (batch, kv head): T*D/4 (key codes) + T*D/4 (value codes) +
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
 //
 // Compile-time parameters (#define, set by kvcalib/runtime/decode.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
-// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too). Queries are rounded to fp16 for the tensor cores whatever QT is.
+// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too); TILES may be set to
+// override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
+// cores whatever QT is.
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
