@@ -21,7 +21,7 @@ import torch
 from kvcalib import vq
 from kvcalib.collect import Activations
 from kvcalib.methods.vecinfer import keys_to_codec, smoothing_factors
-from results import record
+from results import publish
 
 
 def main() -> None:
@@ -60,9 +60,7 @@ def main() -> None:
     title = (f"k-means: layer {args.layer} keys (smoothed + Hadamard) of {args.activations}, {args.config}, "
              f"{sample.shape[0]} of {everything.shape[0]} sub-vectors, {args.iters} iterations, CPU")
     table = "\n".join(rows)
-    print(f"\n{title}\n\n{table}")
-    if not args.no_record:
-        record(title, table, sys.argv)
+    publish(title, table, sys.argv, not args.no_record)
 
 
 if __name__ == "__main__":

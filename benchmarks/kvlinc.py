@@ -15,7 +15,7 @@ import torch
 from kvcalib.artifacts import load_artifact
 from kvcalib.recipes import _commands, load_recipe
 from kvcalib.report import result_table
-from results import record
+from results import publish
 
 
 def layer_table(labels: list[str], results: list) -> str:
@@ -55,9 +55,7 @@ def main() -> None:
              f"{torch.get_num_threads()}), mean held-out attention KL over the trained layers:\n\n{train_table}"
              f"\n\nPer-layer attention error ‖o − o_ref‖/‖o_ref‖:\n\n{layer_table(labels, results)}")
     title = f"{args.recipe}: {results[0].model}, {results[0].num_samples} x {results[0].seq_len} tokens"
-    print(f"\n{title}\n\n{table}")
-    if not args.no_record:
-        record(title, table, sys.argv)
+    publish(title, table, sys.argv, not args.no_record)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Does KVLinC's correction lower the attention output error of every layer and head? Train each
 layer's adapters as `train-adapters` does, on all but the last --held sequences of an activations
 directory, then score the held-out sequences with the method's own attention per query head
-(`train_adapters.head_errors`, what the gate compares): ‖o − o_ref‖/‖o_ref‖ over the queries that
+(`train_adapters.gated`, what the gate compares): ‖o − o_ref‖/‖o_ref‖ over the queries that
 see a flushed block, without and with the (ungated) correction, next to the held-out attention KL
 the training minimizes. Print the table and append it
 to RESULTS.md.
@@ -18,11 +18,9 @@ import time
 import torch
 
 from kvcalib.collect import Activations
-from kvcalib.methods.kivi import KiviConfig
-from kvcalib.methods.kvlinc import Kvlinc
 from kvcalib.models import AttentionShape
-from kvcalib.train_adapters import TrainConfig, _layer_data, head_errors, heldout_loss, parse_layers, train_layer
-from results import record
+from kvcalib.train_adapters import TrainConfig, _layer_data, gated, heldout_loss, parse_layers, train_layer
+from results import publish
 
 
 def main() -> None:
@@ -50,9 +48,7 @@ def main() -> None:
         train, held = data.take(torch.arange(n - args.held)), data.take(torch.arange(n - args.held, n))
         adapter = train_layer(train, config, scaling, i)
         kl = [heldout_loss(held, config, scaling, a) for a in (None, adapter)]
-        q, k, v = (layer[x][n - args.held:].float() for x in "qkv")
-        kivi = KiviConfig(args.bits, args.group_size, config.residual)
-        errs = [head_errors(Kvlinc(kivi, shape, adapters), i, q, k, v, scaling) for adapters in ({}, {i: adapter})]
+        _, *errs = gated(adapter, config, shape, i, {x: layer[x][n - args.held:] for x in "qkv"}, scaling)
         change = (errs[1] / errs[0] - 1) * 100
         before, after = (e.pow(2).mean().sqrt().item() for e in errs)
         totals += torch.tensor([kl[0], kl[1], before, after])
@@ -67,9 +63,7 @@ def main() -> None:
              f"{acts.manifest['settings']['num_samples'] - args.held} sequences, scored on the {args.held} held out "
              f"({time.perf_counter() - start:.0f} s, torch threads {torch.get_num_threads()}):\n\n" + "\n".join(header + rows))
     title = f"benchmarks/kvlinc_heads.py: {args.activations}"
-    print(f"\n{title}\n\n{table}")
-    if not args.no_record:
-        record(title, table, sys.argv)
+    publish(title, table, sys.argv, not args.no_record)
 
 
 if __name__ == "__main__":

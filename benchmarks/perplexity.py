@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kvcalib.recipes import load_recipe, run_step
 from kvcalib.report import result_table
-from results import record
+from results import publish
 
 def bits_breakdown(results, labels) -> str:
     """Where the effective bits go, for methods with shared tensors (codebooks, smoothing factors)."""
@@ -45,9 +45,7 @@ def main() -> None:
     r = results[0]
     title = f"{Path(args.recipe).stem}: {r.model}, {r.dataset} evaluation part, {r.num_samples} x {r.seq_len} tokens"
     table = result_table(results, labels) + bits_breakdown(results, labels)
-    print(f"\n{title}\n\n{table}")
-    if not args.no_record:
-        record(title, table, sys.argv)
+    publish(title, table, sys.argv, not args.no_record)
 
 
 if __name__ == "__main__":

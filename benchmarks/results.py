@@ -14,3 +14,10 @@ def record(title: str, table: str, argv: list[str], path: str | Path = RESULTS) 
     command = "python " + " ".join(shlex.quote(a) for a in argv)
     with open(path, "a") as f:
         f.write(f"\n## {title} ({time.strftime('%Y-%m-%d')})\n\n`{command}`\n\n{table}\n")
+
+
+def publish(title: str, table: str, argv: list[str], record_it: bool = True) -> None:
+    """Print the table under its title and, unless told not to (--no-record), `record` it."""
+    print(f"\n{title}\n\n{table}")
+    if record_it:
+        record(title, table, argv)
