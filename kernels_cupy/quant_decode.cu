@@ -107,11 +107,11 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 //   values (per token n: scale s_n, zero z_n of the channel's group):
 //          sum_n p_n v_nc = sum_n x_nc (p_n s_n) + sum_n p_n z_n  ->  B = p~ = p o s.
 // The codes arrive in the tensor-core order of kvcalib/runtime/decode.py: a lane's D/32 words
-// hold exactly its A fragments, and one AND-OR per register makes half2(off + x) with the fp16
-// exponent chosen so that code bits 4-5 or 6-7 of each half read as 64 + x or 16 + x (`unpack8`):
-// the offset is 64 for the fragment rows g and 16 for rows g + 8. Offsets and zero points are exact
-// sums on the tensor cores: per key group the score constants k0 = Q.z - off.Q~ (mma with constant
-// A operands), per value group and step -off.P~ and z.P (two more mma).
+// hold exactly its A fragments, and one AND-OR per register makes half2(off + x), an fp16 exponent
+// making the code bits the units digit (`unpack8`; the offset depends on the register). Offsets and
+// zero points are exact sums on the tensor cores: per key group the score constants
+// k0 = Q.z - off.Q~ (mma with constant A operands), per value group and step -off.P~ and z.P (two
+// more mma).
 // The block's 4 warps share a ring of ST-token stages in shared memory; each warp keeps its
 // own online softmax and its own q~ fragments; the block combines its warps and writes one partial.
 
@@ -141,21 +141,47 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
   return d;
 }
 // The 8 A registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits
-// 16 + 2p), off_p = 64 for even p, 16 for odd p (the fp16 exponent ORed in makes the code bits the
-// units digit). k[0] = mask of bits 4-5, k[1] = mask of bits 6-7, k[2], k[3] = their exponents.
-__device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* k) {
-  const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
-  o[0] = and_or(wl, k[0], k[2]);  // bits 0-1   -> 4-5: 64 + x
-  o[1] = and_or(wl, k[1], k[3]);  // bits 2-3   -> 6-7: 16 + x
-  o[2] = and_or(w, k[0], k[2]);   // bits 4-5
-  o[3] = and_or(w, k[1], k[3]);   // bits 6-7
-  o[4] = and_or(w4, k[0], k[2]);  // bits 8-9   -> 4-5
-  o[5] = and_or(w4, k[1], k[3]);  // bits 10-11 -> 6-7
-  o[6] = and_or(w8, k[0], k[2]);  // bits 12-13 -> 4-5
-  o[7] = and_or(w8, k[1], k[3]);  // bits 14-15 -> 6-7
+// 16 + 2p), an fp16 exponent ORed over the code bits making them the units digit. Two schemes:
+//   0: three shifts bring each code to bits 4-5 or 6-7: off_p = 64 for even p, 16 for odd p;
+//   1: one shift: codes at bits 0-1, 2-3, 4-5, 6-7 of each half read as 1024, 256, 64, 16 + x,
+//      and w >> 8 brings bits 8-15 there: off_p = 1024, 256, 64, 16 for p mod 4 = 0..3 (two
+//      instructions per word fewer; the larger offsets cancel on the tensor cores in fp32).
+// Keys use scheme 1; values scheme 0: their offsets pile up in the accumulators over a block's
+// tokens, and with scheme 1 the output's error against float64 doubled (1.8e-3 -> 3.9e-3 at 128k).
+#define KEY_SCHEME 1
+#define VALUE_SCHEME 0
+// e: the exponents 64, 16, 1024, 256 as half2 (masks are immediates).
+template <int SCHEME>
+__device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* e) {
+  if (SCHEME == 0) {
+    const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
+    o[0] = and_or(wl, 0x00300030u, e[0]);  // bits 0-1   -> 4-5: 64 + x
+    o[1] = and_or(wl, 0x00C000C0u, e[1]);  // bits 2-3   -> 6-7: 16 + x
+    o[2] = and_or(w, 0x00300030u, e[0]);   // bits 4-5
+    o[3] = and_or(w, 0x00C000C0u, e[1]);   // bits 6-7
+    o[4] = and_or(w4, 0x00300030u, e[0]);  // bits 8-9   -> 4-5
+    o[5] = and_or(w4, 0x00C000C0u, e[1]);  // bits 10-11 -> 6-7
+    o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
+    o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
+  } else {
+    const unsigned w8 = w >> 8;
+    o[0] = and_or(w, 0x00030003u, e[2]);   // bits 0-1: 1024 + x
+    o[1] = and_or(w, 0x000C000Cu, e[3]);   // bits 2-3: 256 + x
+    o[2] = and_or(w, 0x00300030u, e[0]);   // bits 4-5: 64 + x
+    o[3] = and_or(w, 0x00C000C0u, e[1]);   // bits 6-7: 16 + x
+    o[4] = and_or(w8, 0x00030003u, e[2]);  // bits 8-9   -> 0-1
+    o[5] = and_or(w8, 0x000C000Cu, e[3]);  // bits 10-11 -> 2-3
+    o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
+    o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
+  }
 }
-// The A operand that subtracts unpack8's offsets: rows g get -64, rows g + 8 get -16 (half2, exact).
-__device__ __forceinline__ uint4 neg_offsets() { return make_uint4(0xD400D400u, 0xCC00CC00u, 0xD400D400u, 0xCC00CC00u); }
+// The A operand that subtracts unpack8's offsets (half2, exact): scheme 0: rows g -64, rows g + 8
+// -16; scheme 1: registers a0..a3 (row g | g + 8, k low | high) -1024, -256, -64, -16.
+template <int SCHEME>
+__device__ __forceinline__ uint4 neg_offsets() {
+  return SCHEME == 0 ? make_uint4(0xD400D400u, 0xCC00CC00u, 0xD400D400u, 0xCC00CC00u)
+                     : make_uint4(0xE400E400u, 0xDC00DC00u, 0xD400D400u, 0xCC00CC00u);
+}
 
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
@@ -321,10 +347,112 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
     const uint2 q = qraw[ks * 32 + lane];
     const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
     frag[ks * 32 + lane] = qt;
-    mma16816(k0, rows_of_pairs(z + c), q.x, q.y);  // every token row: sum_c z_c q_c
-    mma16816(k1, neg_offsets(), qt.x, qt.y);       // -sum_c off q~_c
+    mma16816(k0, rows_of_pairs(z + c), q.x, q.y);              // every token row: sum_c z_c q_c
+    mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);  // -sum_c off q~_c
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
+}
+
+// The scores sc (log2 units) of a warp's TILES tiles at stage rows row0, row0 + 1, ...: sc[j][0..1]
+// token g of tile j, heads 2t, 2t + 1; sc[j][2..3] token g + 8. Two mma chains per tile.
+__device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uint2* qf, const float* k0,
+                                            const unsigned* kexp, float scale_log2, float (*sc)[4]) {
+  const int lane = threadIdx.x % 32;
+  float sc2[TILES][4];
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+    for (int i = 0; i < 4; ++i) {
+      sc[j][i] = k0[i];
+      sc2[j][i] = 0.f;
+    }
+#pragma unroll
+  for (int i = 0; i < WPL; ++i) {  // word i: k-slices 2i (registers 0-3) and 2i + 1 (4-7)
+    const uint2 qa = qf[(2 * i) * 32 + lane], qb = qf[(2 * i + 1) * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+      unsigned o[8];
+      unpack8<KEY_SCHEME>((unsigned)st.kw[row0 + j][lane * WPL + i], o, kexp);
+      mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
+      mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+    for (int i = 0; i < 4; ++i) {
+      float x = (sc[j][i] + sc2[j][i]) * scale_log2;
+#if HAS_NORM
+      x *= __half2float(st.kn[16 * (row0 + j) + lane / 4 + 8 * (i / 2)]);
+#endif
+      sc[j][i] = x;
+    }
+}
+
+// Accumulates the values of a warp's tiles weighted by pp (the probabilities as half2 pairs in the
+// scores' layout): O^T += codes_V^T . P~^T with P~ = P o (value scales), offsets and zero points in
+// voff and vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
+__device__ __forceinline__ void value_tiles(const Stage& st, int row0, const unsigned (*pp)[2], const unsigned* kexp,
+                                            float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    const unsigned pb0 = transpose8x8(pp[j][0]), pb1 = transpose8x8(pp[j][1]);
+    uint2 pt[VG];
+    for (int gv = 0; gv < VG; ++gv) {
+      const __half* vs = st.vs[row0 + j][gv];
+      pt[gv] = make_uint2(hmul2u(pb0, half2_at(vs + 2 * t)), hmul2u(pb1, half2_at(vs + 8 + 2 * t)));
+      mma16816(voff[gv], neg_offsets<VALUE_SCHEME>(), pt[gv].x, pt[gv].y);
+      mma16816(vzp[gv], rows_of_pairs(&st.vz[row0 + j][gv][2 * t]), pb0, pb1);
+    }
+#pragma unroll
+    for (int i = 0; i < WPL; ++i) {  // word i: output rows 32i .. 32i + 15 (registers 0-3), 32i + 16 .. (4-7)
+      unsigned o[8];
+      unpack8<VALUE_SCHEME>((unsigned)st.vw[row0 + j][lane * WPL + i], o, kexp);
+      const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
+      mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
+      mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
+    }
+  }
+}
+
+// Online softmax over a warp's tiles of scores: probabilities to pp (half2 pairs, the layout of
+// value_tiles), running max m (log2 units) and this lane's share l of the sum, per head column 2t + e;
+// the accumulators are rescaled when the running max moves.
+__device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, unsigned (*pp)[2],
+                                              float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
+  float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int j = 0; j < TILES; ++j)
+    for (int i = 0; i < 4; ++i) mx[i & 1] = fmaxf(mx[i & 1], sc[j][i]);
+  for (int e = 0; e < 2; ++e)
+    for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
+  float alpha[2], p[TILES][4];
+  for (int e = 0; e < 2; ++e) {
+    const float m_new = fmaxf(m[e], mx[e]);
+    alpha[e] = exp2f(m[e] - m_new);  // m = -inf gives 0
+    m[e] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) {
+      p[j][e] = exp2f(sc[j][e] - m_new);
+      p[j][2 + e] = exp2f(sc[j][2 + e] - m_new);
+      sum += p[j][e] + p[j][2 + e];
+    }
+    l[e] = l[e] * alpha[e] + sum;
+  }
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    pp[j][0] = pack_half2(p[j][0], p[j][1]);
+    pp[j][1] = pack_half2(p[j][2], p[j][3]);
+  }
+  if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
+    for (int u = 0; u < KS; ++u)
+      for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
+    for (int gv = 0; gv < VG; ++gv)
+      for (int i = 0; i < 4; ++i) {
+        voff[gv][i] *= alpha[i & 1];
+        vzp[gv][i] *= alpha[i & 1];
+      }
+  }
 }
 
 // The fp16 residual window (r < R tokens): block (num_splits + chunk, kv head, batch) of
@@ -416,7 +544,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   float voff[VG][4], vzp[VG][4];  // per value group: -sum_n off p~_n and sum_n z_n p_n, same layout
   for (int gv = 0; gv < VG; ++gv)
     for (int i = 0; i < 4; ++i) voff[gv][i] = vzp[gv][i] = 0.f;
-  const unsigned kmask[4] = {0x00300030u, 0x00C000C0u, 0x54005400u, 0x4C004C00u};  // unpack8's constants
+  const unsigned kexp[4] = {0x54005400u, 0x4C004C00u, 0x64006400u, 0x5C005C00u};  // unpack8's exponents
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
   float k0[4];
   int group = -1;
@@ -480,82 +608,11 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     const uint2* qf = qfrag[warp];
 #endif
     const int row0 = TILES * warp;
-    // ---- scores S^T of both tiles: word i holds k-slices 2i (registers 0-3) and 2i + 1 (4-7) ----
-    float sc[TILES][4], sc2[TILES][4];  // two mma chains per tile
-#pragma unroll
-    for (int j = 0; j < TILES; ++j)
-      for (int i = 0; i < 4; ++i) {
-        sc[j][i] = k0[i];
-        sc2[j][i] = 0.f;
-      }
-#pragma unroll
-    for (int i = 0; i < WPL; ++i) {
-#pragma unroll
-      for (int j = 0; j < TILES; ++j) {
-        unsigned o[8];
-        unpack8((unsigned)st.kw[row0 + j][lane * WPL + i], o, kmask);
-        const uint2 qa = qf[(2 * i) * 32 + lane], qb = qf[(2 * i + 1) * 32 + lane];
-        mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
-        mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
-      }
-    }
-    // sc[j][0..1]: token g of tile j, heads 2t, 2t+1; sc[j][2..3]: token g + 8.
-    float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-    for (int j = 0; j < TILES; ++j)
-      for (int i = 0; i < 4; ++i) {
-        float x = (sc[j][i] + sc2[j][i]) * scale_log2;
-#if HAS_NORM
-        x *= __half2float(st.kn[16 * (row0 + j) + g + 8 * (i / 2)]);
-#endif
-        sc[j][i] = x;
-        mx[i & 1] = fmaxf(mx[i & 1], x);
-      }
-    for (int e = 0; e < 2; ++e)
-      for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
-    float alpha[2], p[TILES][4];
-    for (int e = 0; e < 2; ++e) {
-      const float m_new = fmaxf(m[e], mx[e]);
-      alpha[e] = exp2f(m[e] - m_new);  // m = -inf gives 0
-      m[e] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < TILES; ++j) {
-        p[j][e] = exp2f(sc[j][e] - m_new);
-        p[j][2 + e] = exp2f(sc[j][2 + e] - m_new);
-        sum += p[j][e] + p[j][2 + e];
-      }
-      l[e] = l[e] * alpha[e] + sum;
-    }
-    if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
-      for (int u = 0; u < KS; ++u)
-        for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
-      for (int gv = 0; gv < VG; ++gv)
-        for (int i = 0; i < 4; ++i) {
-          voff[gv][i] *= alpha[i & 1];
-          vzp[gv][i] *= alpha[i & 1];
-        }
-    }
-    // ---- values: P^T as B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g), scaled per value group ----
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      const unsigned pb0 = transpose8x8(pack_half2(p[j][0], p[j][1])), pb1 = transpose8x8(pack_half2(p[j][2], p[j][3]));
-      uint2 pt[VG];
-      for (int gv = 0; gv < VG; ++gv) {
-        const __half* vs = st.vs[row0 + j][gv];
-        pt[gv] = make_uint2(hmul2u(pb0, half2_at(vs + 2 * t)), hmul2u(pb1, half2_at(vs + 8 + 2 * t)));
-        mma16816(voff[gv], neg_offsets(), pt[gv].x, pt[gv].y);
-        mma16816(vzp[gv], rows_of_pairs(&st.vz[row0 + j][gv][2 * t]), pb0, pb1);
-      }
-#pragma unroll
-      for (int i = 0; i < WPL; ++i) {
-        unsigned o[8];
-        unpack8((unsigned)st.vw[row0 + j][lane * WPL + i], o, kmask);
-        const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
-        mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
-        mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
-      }
-    }
+    float sc[TILES][4];
+    unsigned pp[TILES][2];
+    score_tiles(st, row0, qf, k0, kexp, scale_log2, sc);
+    softmax_tiles(sc, m, l, pp, acc, voff, vzp);
+    value_tiles(st, row0, pp, kexp, acc, voff, vzp);
   }
   finish_stages();
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
@@ -602,79 +659,74 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)
 //                                                        / (sum_s 2^(m_s-M) l_s + 2^-M den),
 // where num (D) and den (1) are KVLinC's correction terms in exp units (null when absent).
-// Block per (batch, query head), MJ x D threads: thread (j, c) sums the partials p = j mod MJ of
-// channel c, so MJ times more loads are in flight; the weights 2^(m_s-M) are computed once.
-#define MAX_PARTS 1024
-#define MJ 4
+// A warp per (batch, query head, 32 channels), lane = channel, no block-wide barrier. The first
+// 32 MP partials' (m, l) (lane p holds partials p, p + 32, ...) and the first MA accumulators of
+// the lane's channel are all loaded before any is used: up to MA partials cost about one round
+// trip to L2. Rounds of 32 MP partials: their weights go through the warp's shared row `w`.
+#define MERGE_WARPS 4
+#define MP 4   // partials' (m, l) per lane and round (32 * MP partials)
+#define MA 64  // accumulators per lane loaded up front
 
-__device__ __forceinline__ float block_reduce(float v, bool is_max, float* scratch) {
-  for (int o = 16; o > 0; o /= 2) {
-    const float other = __shfl_xor_sync(0xffffffff, v, o);
-    v = is_max ? fmaxf(v, other) : v + other;
-  }
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[0];
-  for (int w = 1; w < MJ * D / 32; ++w) v = is_max ? fmaxf(v, scratch[w]) : v + scratch[w];
-  return v;
-}
-
-extern "C" __global__ void __launch_bounds__(MJ * D) merge(
+extern "C" __global__ void __launch_bounds__(32 * MERGE_WARPS) merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ corr_num,
-    const float* __restrict__ corr_den, int num_parts, QT* __restrict__ out) {
-  const long row = blockIdx.x;
-  const int c = threadIdx.x % D, j = threadIdx.x / D;
-  __shared__ float weight[MAX_PARTS];
-  __shared__ float scratch[MJ * D / 32];
-  __shared__ float partial[MJ][D];
-  // Every load that does not depend on another is issued first: the partials' (m, l), the first AP
-  // accumulators of this thread's channel, the correction; then two block reductions and the sums.
-  constexpr int PPT = MAX_PARTS / (MJ * D), AP = 16;
-  float mp[PPT], lp[PPT], a[AP], cnum = 0.f, cden = 0.f;
+    const float* __restrict__ corr_den, int num_parts, int rows, QT* __restrict__ out) {
+  __shared__ float weights[MERGE_WARPS][32 * MP];
+  const int lane = threadIdx.x % 32;
+  float* w = weights[threadIdx.x / 32];
+  const long item = (long)blockIdx.x * MERGE_WARPS + threadIdx.x / 32;
+  const long row = item / (D / 32);
+  const int c = (item % (D / 32)) * 32 + lane;
+  if (row >= rows) return;  // whole warps
+  const float* ml = part_ml + row * num_parts * 2;
+  const float* acc = part_acc + row * num_parts * D + c;
+  float mp[MP], lp[MP], a[MA], cnum = 0.f, cden = 0.f;
 #pragma unroll
-  for (int i = 0; i < PPT; ++i) {
-    const int p = threadIdx.x + i * MJ * D;
-    mp[i] = p < num_parts ? part_ml[(row * num_parts + p) * 2] : NEG_INF;
-    lp[i] = p < num_parts ? part_ml[(row * num_parts + p) * 2 + 1] : 0.f;
+  for (int i = 0; i < MP; ++i) {
+    const int p = lane + 32 * i;
+    mp[i] = p < num_parts ? ml[2 * p] : NEG_INF;
+    lp[i] = p < num_parts ? ml[2 * p + 1] : 0.f;
   }
 #pragma unroll
-  for (int i = 0; i < AP; ++i) {
-    const int p = j + i * MJ;
-    a[i] = p < num_parts ? part_acc[(row * num_parts + p) * D + c] : 0.f;
-  }
-  if (corr_num != nullptr && j == 0) {
+  for (int i = 0; i < MA; ++i) a[i] = i < num_parts ? acc[(long)i * D] : 0.f;
+  if (corr_num != nullptr) {
     cnum = corr_num[row * D + c];
     cden = corr_den[row];
   }
   float M = NEG_INF;
 #pragma unroll
-  for (int i = 0; i < PPT; ++i) M = fmaxf(M, mp[i]);
-  M = block_reduce(M, true, scratch);
-  float den = 0.f;
+  for (int i = 0; i < MP; ++i) M = fmaxf(M, mp[i]);
+  for (int p = lane + 32 * MP; p < num_parts; p += 32) M = fmaxf(M, ml[2 * p]);
+  for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
+  float num = 0.f, den = 0.f;
+  for (int base = 0; base < num_parts; base += 32 * MP) {
+    __syncwarp();  // the previous round's weights are read
 #pragma unroll
-  for (int i = 0; i < PPT; ++i) {
-    const int p = threadIdx.x + i * MJ * D;
-    const float w = mp[i] == NEG_INF ? 0.f : exp2f(mp[i] - M);
-    if (p < num_parts) weight[p] = w;
-    den += w * lp[i];
-  }
-  den = block_reduce(den, false, scratch);  // its barriers also publish weight[]
-  float num = 0.f;
-#pragma unroll
-  for (int i = 0; i < AP; ++i)
-    if (j + i * MJ < num_parts) num += weight[j + i * MJ] * a[i];
-#pragma unroll 8
-  for (int p = j + AP * MJ; p < num_parts; p += MJ) num += weight[p] * part_acc[(row * num_parts + p) * D + c];
-  partial[j][c] = num;
-  __syncthreads();
-  if (j == 0) {
-    for (int k = 1; k < MJ; ++k) num += partial[k][c];
-    if (corr_num != nullptr) {
-      const float w = exp2f(-M);
-      num += w * cnum;
-      den += w * cden;
+    for (int i = 0; i < MP; ++i) {
+      const int p = base + lane + 32 * i;
+      const float m = base == 0 ? mp[i] : p < num_parts ? ml[2 * p] : NEG_INF;
+      const float l = base == 0 ? lp[i] : p < num_parts ? ml[2 * p + 1] : 0.f;
+      const float wp = m == NEG_INF ? 0.f : exp2f(m - M);
+      w[lane + 32 * i] = wp;
+      den += wp * l;
     }
-    from_float(&out[row * D + c], num / den);
+    __syncwarp();
+    const int n = min(32 * MP, num_parts - base);
+    if (base == 0) {
+#pragma unroll
+      for (int i = 0; i < MA; ++i)
+        if (i < n) num += w[i] * a[i];
+#pragma unroll 8
+      for (int i = MA; i < n; ++i) num += w[i] * acc[(long)i * D];
+    } else {
+#pragma unroll 8
+      for (int i = 0; i < n; ++i) num += w[i] * acc[(long)(base + i) * D];
+    }
   }
+  for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffff, den, o);
+  if (corr_num != nullptr) {
+    const float wc = exp2f(-M);
+    num += wc * cnum;
+    den += wc * cden;
+  }
+  from_float(&out[row * D + c], num / den);
 }

@@ -293,7 +293,6 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
     num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms, reserved)
     parts = num_splits + residual_blocks  # the last partials are the residual window's
-    assert parts <= 1024, "merge holds at most 1024 partials (MAX_PARTS in quant_decode.cu)"
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
@@ -312,7 +311,8 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                 i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
                 i32(split_len), i32(num_splits), ptr(layer.kres), ptr(layer.vres), i32(layer.residual),
                 i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml)), checked)
-        # Block per (batch, query head), 4 x D threads: merge partials (+ KVLinC terms), normalise.
-        launch(kernel("quant_decode.cu", defines, "merge"), (b * hq,), (4 * d,),
-               (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), ptr(out)), checked)
+        # Warp per (batch, query head, 32 channels), 4 per block: merge partials (+ KVLinC terms), normalise.
+        warps = b * hq * d // 32
+        launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // 4),), (128,),
+               (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
     return out
