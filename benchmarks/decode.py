@@ -4,9 +4,14 @@ INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
-over enough copies of the inputs that they do not fit in L2. GB/s counts the bytes each variant must read (codes,
-scales, zero points, norms, residual, query) and write (output); "% copy" divides that by the
-device-to-device copy bandwidth measured in the same run.
+over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
+event keeps the GPU busy while the host submits the event and the replay, so the interval holds the
+GPU's work only, as in a decode step whose kernels queue behind each other; without it, every figure
+also held the host's submission latency (an empty graph measured 13.5 µs on the H100). The table's
+header gives the empty graph's figure. GB/s counts the bytes each variant must read (codes, scales,
+zero points, norms, residual, query) and write (output); "% copy" divides that by the
+device-to-device copy bandwidth measured in the same run; "read floor" is one launch that only
+reads the row's bytes (kernels_cupy/stream_read.cu), timed the same way.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from kvcalib.runtime.decode import fused_decode, pack
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
+SPIN_CYCLES = 200_000  # ~0.1 ms of GPU clock: longer than the host takes to submit an event, a replay and an event
 
 
 def timed(fn, copies: int, reps: int = 30) -> float:
     """Median microseconds of fn(i) over rotating copies i, each captured once in a CUDA graph
-    so that Python launch overhead stays out of the figure."""
+    so that Python launch overhead stays out of the figure, and replayed behind a spin kernel so
+    that the host's submission latency does too."""
     for i in range(copies):
         fn(i)
     torch.cuda.synchronize()
@@ -41,6 +48,7 @@ def timed(fn, copies: int, reps: int = 30) -> float:
     times = []
     for r in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(SPIN_CYCLES)
         start.record()
         graphs[r % copies].replay()
         stop.record()
@@ -54,6 +62,31 @@ def copy_bandwidth() -> float:
     y = torch.empty_like(x)
     us = timed(lambda i: y.copy_(x), 1, 20)
     return 2 * x.numel() / (us * 1e-6) / 1e9
+
+
+def read_floor(nbytes: int) -> float:
+    """Median µs of one launch of kernels_cupy/stream_read.cu reading `nbytes` once (one wave of
+    512-thread blocks, four loads in flight per thread): what the same bytes cost with nothing else
+    to do, launch included. Rotates over enough buffers that they do not stay in L2."""
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch
+
+    n16 = -(-nbytes // 16)
+    copies = max(2, min(64, -(-400 * 2**20 // (16 * n16))))
+    bufs = [torch.randint(-2**31, 2**31 - 1, (n16, 4), dtype=torch.int32, device="cuda") for _ in range(copies)]
+    blocks = 4 * torch.cuda.get_device_properties(0).multi_processor_count
+    sink = torch.zeros(blocks, dtype=torch.int32, device="cuda")
+    read = kernel("stream_read.cu", {}, "stream_read")
+
+    def fn(i):
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            launch(read, (blocks,), (512,), (cupy.uint64(bufs[i].data_ptr()), cupy.int64(n16), cupy.uint64(sink.data_ptr())))
+
+    us = timed(fn, copies)
+    del bufs
+    torch.cuda.empty_cache()
+    return us
 
 
 def layer_bytes(layer, q) -> int:
@@ -113,15 +146,18 @@ def main() -> None:
                 us = timed(lambda i: fused_decode(q[i][:, :, 0], ls[i], D**-0.5), copies)
                 rows.append((b, length, f"fused {name}", us, layer_bytes(ls[0], q[0])))
             torch.cuda.empty_cache()
+    floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"
-    lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write)", "",
-             "| B | L (flushed) | variant | µs | speedup vs SDPA fp16 | bytes (MB) | GB/s | % copy |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    empty = timed(lambda i: None, 1)
+    lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write); an empty graph measures {empty:.1f} µs. "
+             "Read floor: one launch that only reads the row's bytes (kernels_cupy/stream_read.cu).", "",
+             "| B | L (flushed) | variant | µs | speedup vs SDPA fp16 | bytes (MB) | GB/s | % copy | read floor µs |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     sdpa_us = {(b, n): us for b, n, name, us, _ in rows if name == "SDPA fp16"}
     for b, n, name, us, nbytes in rows:
         gbs = nbytes / (us * 1e-6) / 1e9
         lines.append(f"| {b} | {n} | {name} | {us:.1f} | {sdpa_us[(b, n)] / us:.2f}x | {nbytes / 1e6:.1f} | "
-                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% |")
+                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% | {floors[nbytes]:.1f} |")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

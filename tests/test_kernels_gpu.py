@@ -112,3 +112,19 @@ def test_reorder_kernel_equals_the_torch_tensor_core_order(d, which, shape):
     got = reorder_packed(words, which)
     torch.cuda.synchronize()
     assert torch.equal(got, to_tensor_core_order(codes, which))
+
+
+@pytest.mark.parametrize("n16,blocks", [(1, 8), (1000, 3), (3 * 2**20 + 5, 528)])
+def test_stream_read_floor_reads_every_word_exactly_once(n16, blocks):
+    # benchmarks/decode.py's read floor: the XOR of the blocks' sinks is the XOR of the whole buffer
+    # only if each word was read once (a word read twice cancels, one never read is missing).
+    import numpy as np
+
+    from kernels_cupy.loader import kernel, launch
+
+    buf = torch.randint(-2**31, 2**31 - 1, (n16, 4), dtype=torch.int32, device=DEV)
+    sink = torch.full((blocks,), -1, dtype=torch.int32, device=DEV)
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        launch(kernel("stream_read.cu", {}, "stream_read"), (blocks,), (512,),
+               (cupy.uint64(buf.data_ptr()), cupy.int64(n16), cupy.uint64(sink.data_ptr())), checked=True)
+    assert np.bitwise_xor.reduce(sink.cpu().numpy()) == np.bitwise_xor.reduce(buf.cpu().numpy().ravel())
