@@ -70,7 +70,7 @@ def read_floor(nbytes: int) -> float:
     to do, launch included. Rotates over enough buffers that they do not stay in L2."""
     import cupy
 
-    from kernels_cupy.loader import kernel, launch
+    from kernels_cupy.loader import kernel, launch, torch_stream
 
     n16 = -(-nbytes // 16)
     copies = max(2, min(64, -(-400 * 2**20 // (16 * n16))))
@@ -80,7 +80,7 @@ def read_floor(nbytes: int) -> float:
     read = kernel("stream_read.cu", {}, "stream_read")
 
     def fn(i):
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        with torch_stream():
             launch(read, (blocks,), (512,), (cupy.uint64(bufs[i].data_ptr()), cupy.int64(n16), cupy.uint64(sink.data_ptr())))
 
     us = timed(fn, copies)

@@ -2,11 +2,13 @@
 
 Kernels are specialised by `#define`s prepended to the source (head_dim, group sizes, ...). CuPy
 caches the compiled binary on disk as well; this cache keeps the loaded module per process.
-`launch` runs a kernel and, when `checked` (tests), synchronises and raises on any CUDA error.
+`launch` runs a kernel and, when `checked` (tests), synchronises and raises on any CUDA error;
+`torch_stream` is CuPy's handle on torch's current stream, so the kernels order with torch's work.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from pathlib import Path
 
@@ -29,11 +31,31 @@ def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:
     return _BY_DEFINES[fast]
 
 
+_FUNCTIONS: dict[tuple, cupy.RawKernel] = {}
+
+
 def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKernel:
-    return module(filename, defines).get_function(name)
+    key = (filename, tuple(sorted(defines.items())), name)
+    if key not in _FUNCTIONS:
+        _FUNCTIONS[key] = module(filename, defines).get_function(name)
+    return _FUNCTIONS[key]
 
 
 def launch(kernel: cupy.RawKernel, grid: tuple, block: tuple, args: tuple, checked: bool = False) -> None:
     kernel(grid, block, args)  # launch-configuration errors raise here
     if checked:
         cupy.cuda.get_current_stream().synchronize()  # faults inside the kernel raise here
+
+
+@functools.lru_cache(maxsize=16)
+def _external(ptr: int, device: int) -> cupy.cuda.ExternalStream:
+    return cupy.cuda.ExternalStream(ptr, device)
+
+
+def torch_stream(device=None) -> cupy.cuda.ExternalStream:
+    """torch's current CUDA stream on `device` as a CuPy stream (one object per stream: building it
+    costs more than a short kernel). Use as `with torch_stream(t.device): launch(...)`."""
+    import torch
+
+    stream = torch.cuda.current_stream(device)
+    return _external(stream.cuda_stream, stream.device.index)

@@ -33,7 +33,14 @@ def _matrix(n: int) -> torch.Tensor:
 
 
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The n x n (block-)Hadamard matrix, normalized and symmetric."""
+    """The n x n (block-)Hadamard matrix, normalized and symmetric (one copy per dtype and device:
+    a decode step rotates several times per layer, and a host-to-device copy each time would wait
+    for the GPU)."""
+    return _on_device(n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=32)
+def _on_device(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _matrix(n).to(dtype=dtype, device=device)
 
 

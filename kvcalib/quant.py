@@ -141,7 +141,7 @@ def _quantize_torch(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> 
 def _quantize_cuda(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
     import cupy
 
-    from kernels_cupy.loader import kernel, launch
+    from kernels_cupy.loader import kernel, launch, torch_stream
 
     _grouped(x, group_size, axis)  # the same refusal as the torch path
     *lead, t, c = x.shape
@@ -158,7 +158,7 @@ def _quantize_cuda(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Q
     defines = {"BITS": bits, "G": group_size, "AXIS_TOKENS": int(axis == "tokens")}
     ptr = lambda a: cupy.uint64(a.data_ptr())  # noqa: E731
     sizes = (cupy.int32(n), cupy.int32(t), cupy.int32(c))
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(x.device).cuda_stream):
+    with torch_stream(x.device):
         for name, count, args in (("group_stats", scale.numel(), (ptr(xf), ptr(scale), ptr(zero))),
                                   ("pack_codes", codes.numel(), (ptr(xf), ptr(scale), ptr(zero), ptr(codes)))):
             if count:  # thread per group, then thread per word

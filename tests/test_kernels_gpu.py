@@ -120,11 +120,11 @@ def test_stream_read_floor_reads_every_word_exactly_once(n16, blocks):
     # only if each word was read once (a word read twice cancels, one never read is missing).
     import numpy as np
 
-    from kernels_cupy.loader import kernel, launch
+    from kernels_cupy.loader import kernel, launch, torch_stream
 
     buf = torch.randint(-2**31, 2**31 - 1, (n16, 4), dtype=torch.int32, device=DEV)
     sink = torch.full((blocks,), -1, dtype=torch.int32, device=DEV)
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with torch_stream():
         launch(kernel("stream_read.cu", {}, "stream_read"), (blocks,), (512,),
                (cupy.uint64(buf.data_ptr()), cupy.int64(n16), cupy.uint64(sink.data_ptr())), checked=True)
     assert np.bitwise_xor.reduce(sink.cpu().numpy()) == np.bitwise_xor.reduce(buf.cpu().numpy().ravel())

@@ -102,13 +102,13 @@ def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
         return to_tensor_core_order(codes, which)
     import cupy
 
-    from kernels_cupy.loader import kernel, launch
+    from kernels_cupy.loader import kernel, launch, torch_stream
 
     src = words.contiguous()
     out = torch.empty(*lead, nb, d, dtype=torch.int32, device=words.device)
     total = out.numel()
     if total:
-        with cupy.cuda.ExternalStream(torch.cuda.current_stream(words.device).cuda_stream):
+        with torch_stream(words.device):
             # Thread per destination word, 256 per block.
             launch(kernel("reorder.cu", {"D": d, "VALUES": int(which == "v")}, "reorder"), (-(-total // 256),), (256,),
                    (cupy.uint64(src.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(total)))
@@ -266,7 +266,7 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     """
     import cupy
 
-    from kernels_cupy.loader import kernel, launch
+    from kernels_cupy.loader import kernel, launch, torch_stream
 
     b, hq, d = q.shape
     hkv = layer.kcodes.shape[1]
@@ -302,7 +302,7 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     i32 = cupy.int32
     # Raw device pointers: cupy.asarray on each tensor would cost more than the kernel at short lengths.
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream):
+    with torch_stream(q.device):
         # Block (part, kv head, batch): the first num_splits stream split_len packed tokens each for the
         # GQ heads of their KV head; the others take 16 tokens of the fp16 residual window.
         launch(kernel("quant_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
