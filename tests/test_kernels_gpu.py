@@ -128,3 +128,14 @@ def test_stream_read_floor_reads_every_word_exactly_once(n16, blocks):
         launch(kernel("stream_read.cu", {}, "stream_read"), (blocks,), (512,),
                (cupy.uint64(buf.data_ptr()), cupy.int64(n16), cupy.uint64(sink.data_ptr())), checked=True)
     assert np.bitwise_xor.reduce(sink.cpu().numpy()) == np.bitwise_xor.reduce(buf.cpu().numpy().ravel())
+
+
+@pytest.mark.parametrize("length,group", [(128, 128), (384, 128), (4224, 128), (256, 256), (768, 256)])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("norms", [False, True])
+@pytest.mark.parametrize("loader", ["auto", "cp.async"])
+def test_four_tile_stages_ending_mid_stage(length, group, d, norms, loader):
+    # G >= 128 with one value group per token: stages of 256 tokens, four tiles per warp; these
+    # lengths leave the last stage half full (warps without tokens) or a single key group.
+    layer = _layer(2, 2, d, length, 9, group=group, vgroup=d, norms=norms, extra=0)
+    _check(torch.randn(2, 8, d, device=DEV).half(), layer, loader=loader)
