@@ -543,7 +543,9 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
   // q~ fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
   __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
-  __shared__ float4 k0part[SHARED_Q ? WARPS : 1][32];  // SHARED_Q: each warp's share of k0
+#if SHARED_Q
+  __shared__ float4 k0part[WARPS][32];  // each warp's share of k0
+#endif
 
   float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
@@ -603,7 +605,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       }
     }
     const uint2* qf = qfrag[0];
-    if (tok0 >= stop) continue;  // T holds whole key groups, so with G >= 32 both tiles are full
+    if (tok0 >= stop) continue;  // T holds whole key groups of >= 16 TILES tokens: a warp's tiles are all full or all absent
 #else
     if (tok0 >= stop) continue;
     if (tok0 / G != group) {  // a warp's tiles share one key group
