@@ -671,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 // 32 MP partials' (m, l) (lane p holds partials p, p + 32, ...) and the first MA accumulators of
 // the lane's channel are all loaded before any is used: up to MA partials cost about one round
 // trip to L2. Rounds of 32 MP partials: their weights go through the warp's shared row `w`.
-#define MERGE_WARPS 4
+#define MERGE_WARPS 4  // kvcalib/runtime/decode.py launches 32 * MERGE_WARPS threads per block
 #define MP 4   // partials' (m, l) per lane and round (32 * MP partials)
 #define MA 64  // accumulators per lane loaded up front
 

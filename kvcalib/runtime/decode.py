@@ -16,7 +16,7 @@ Each lane thus reads D/32 consecutive words holding exactly the elements of its 
 fragments (keys 16 tokens x 16 channels, values 16 channels x 16 tokens; register a of k-slice or
 row block n), and one AND-OR per pair of elements turns them into half2(offset + code) (see
 `quant_decode.cu`). Key words of block n are row n of `kcodes` (B, Hkv, CAPT/16, D); value words
-fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n is tokens 16n..16n+15 as before. Value
+fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n holds tokens 16n..16n+15. Value
 scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
 lane reads the scales of its two tokens as one half2.
 
@@ -37,6 +37,7 @@ from ..quant import Quantized, dequantize_codes, quantize, unpack_bits
 
 TILE = 128  # split alignment in tokens
 RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
+MERGE_WARPS = 4  # MERGE_WARPS in quant_decode.cu: warps per block of `merge`
 BLOCKS_PER_SM = 4  # resident decode blocks per SM: the kernel's register budget and the size of one wave
 
 
@@ -311,8 +312,8 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                 i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
                 i32(split_len), i32(num_splits), ptr(layer.kres), ptr(layer.vres), i32(layer.residual),
                 i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml)), checked)
-        # Warp per (batch, query head, 32 channels), 4 per block: merge partials (+ KVLinC terms), normalise.
+        # Warp per (batch, query head, 32 channels), MERGE_WARPS per block: merge partials (+ KVLinC terms), normalise.
         warps = b * hq * d // 32
-        launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // 4),), (128,),
+        launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
     return out
