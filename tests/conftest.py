@@ -76,3 +76,20 @@ def text_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("text") / "corpus.txt"
     path.write_text("\n\n".join(list(documents("pydoc", "evaluation"))[:30]))
     return path
+
+
+def pytest_addoption(parser):
+    parser.addoption("--plant", default=None, metavar="NAME",
+                     help="switch on a planted runtime-cache error (tests/test_runtime_cache.py PLANTS) in the "
+                          "tests that take the `plant` fixture, to see them fail")
+
+
+@pytest.fixture
+def plant(request, monkeypatch):
+    """Applies the error named by --plant, if any; a test that takes this fixture must then fail."""
+    name = request.config.getoption("--plant")
+    if name is not None:
+        from test_runtime_cache import PLANTS
+
+        PLANTS[name](monkeypatch)
+    return name

@@ -1,13 +1,25 @@
-"""`model.generate` with a KvcalibCache against an independent recomputation of the same cache."""
+"""`model.generate` with a KvcalibCache against an independent recomputation of the same cache.
+
+Both run the tiny model in float64 (the cache and the reference attention follow it:
+`kvcalib.attention.compute_dtype`), so they agree to float64 round-off. In float32 they would not be
+comparable this way: the two paths compute keys in float32 with different matmul shapes, and a key
+within one float32 ulp of a float16 rounding boundary is stored as a different float16 value by each,
+which moves a logit by up to ~1e-4 relative (measured: 1.3e-4 for fp16); in float64 the chance of
+such a flip is about u64 / u16 = 2^-42 per element.
+"""
+
+import copy
 
 import pytest
 import torch
 
+import kvcalib.runtime.cache as runtime_cache
 from kvcalib.attention import flushed_counts, intercept
 from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.models import LoadedModel, attention_shape
 from kvcalib.runtime.cache import KvcalibCache
 from conftest import tiny_model
+from tolerances import U32
 
 
 def _reference_greedy(model, method, prompt: torch.Tensor, steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -31,6 +43,31 @@ def _reference_greedy(model, method, prompt: torch.Tensor, steps: int) -> tuple[
             tokens.append(nxt)
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
     return tokens, logits
+
+
+# Planted errors in the runtime cache (the reference keeps the true rule), switched on one at a time
+# by the plant tests below or for every test with `pytest --plant NAME` (conftest.py).
+def _plant_residual_late(monkeypatch):
+    """The residual window off by one token: a block is flushed one token after it fills."""
+    monkeypatch.setattr(runtime_cache, "flushed_length", lambda n, block: max(n - 1, 0) // block * block)
+
+
+def _plant_block_kept(monkeypatch):
+    """The second flushed block of every layer read back in float16 instead of as compressed."""
+    real = runtime_cache.keep_sinks
+
+    def keep(method, start, k16, v16, kq, vq):
+        kq, vq, bits = real(method, start, k16, v16, kq, vq)
+        if start <= method.block < start + kq.shape[-2]:
+            blk = slice(method.block - start, 2 * method.block - start)
+            kq, vq = kq.clone(), vq.clone()
+            kq[..., blk, :], vq[..., blk, :] = k16[..., blk, :].to(kq), v16[..., blk, :].to(vq)
+        return kq, vq, bits
+
+    monkeypatch.setattr(runtime_cache, "keep_sinks", keep)
+
+
+PLANTS = {"residual-late": _plant_residual_late, "block-kept": _plant_block_kept}
 
 
 def _kvlinc_with_adapters(shape, group: int = 8, residual: int = 16, device: str = "cpu"):
@@ -57,23 +94,27 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
     return VecInfer(config, books, shape, residual)
 
 
-@pytest.mark.parametrize("name,settings", [
-    ("fp16", MethodSettings()),
-    ("vecinfer+sinks", None),
-    ("kivi", MethodSettings(bits=2, group_size=8, residual=16)),
-    ("kvlinc", MethodSettings(bits=2, group_size=8, residual=16)),
-    ("kvlinc+adapters", None),
-    ("oscar", MethodSettings(bits=2, group_size=8, residual=16)),
-])
-def test_generate_with_compressed_cache_matches_the_reference_recomputation(name, settings):
-    model = tiny_model("llama", seed=1)
+CASES = {
+    "fp16": MethodSettings(),
+    "vecinfer+sinks": None,
+    "kivi": MethodSettings(bits=2, group_size=8, residual=16),
+    "kvlinc": MethodSettings(bits=2, group_size=8, residual=16),
+    "kvlinc+adapters": None,
+    "oscar": MethodSettings(bits=2, group_size=8, residual=16),
+}
+
+
+def _generate_against_reference(name: str) -> None:
+    """Greedy decoding of 30 tokens through KvcalibCache equals the reference recomputation."""
+    model = tiny_model("llama", seed=1).double()
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (1, 21))
     shape = attention_shape(model.config)
     builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks}
+    settings = CASES[name]
     method = builders[name](shape) if settings is None else build_method(name, shape, settings)
-    cache = KvcalibCache(lm, method)
+    cache = KvcalibCache(lm, copy.copy(method))
     with torch.no_grad():
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=30, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
@@ -81,8 +122,25 @@ def test_generate_with_compressed_cache_matches_the_reference_recomputation(name
     ref_tokens, ref_logits = _reference_greedy(model, method, prompt, 30)
     assert generated == ref_tokens
     for got, want in zip(out.logits, ref_logits):
-        torch.testing.assert_close(got[0].float(), want.float(), rtol=1e-4, atol=1e-4)
+        # generate() returns float32 logits. Both sides are float64 results that agree to float64
+        # round-off (~1e-14 relative here), so their float32 roundings are equal or one float32 ulp
+        # apart (when the two straddle a rounding midpoint): |got - want| <= 2u32 |want|, plus the
+        # rounding of `want` itself to float32 (u32 |want|).
+        torch.testing.assert_close(got[0], want.float(), rtol=3 * U32, atol=0)
     assert cache.get_seq_length() == prompt.shape[1] + 29  # the last token is sampled, never cached
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_generate_with_compressed_cache_matches_the_reference_recomputation(name, plant):
+    _generate_against_reference(name)
+
+
+@pytest.mark.parametrize("plant_name", list(PLANTS))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "fp16"])  # fp16 compresses nothing to plant into
+def test_the_reference_comparison_catches_a_planted_cache_error(name, plant_name, monkeypatch):
+    PLANTS[plant_name](monkeypatch)
+    with pytest.raises(AssertionError):
+        _generate_against_reference(name)
 
 
 def test_compressed_cache_stores_fewer_bits_than_float16():

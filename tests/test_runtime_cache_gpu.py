@@ -9,7 +9,7 @@ import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
 from test_runtime_cache import _kvlinc_with_adapters
 
-pytest.importorskip("cupy", reason="the fused path needs cupy (pip install kvcalib[gpu])")
+pytest.importorskip("cupy", reason="the fused path needs cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the fused path runs only on a GPU", allow_module_level=True)
 

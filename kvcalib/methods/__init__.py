@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..attention import AttentionOptions, mixed_attention
+from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..errors import SettingsError
 from ..models import AttentionShape, LoadedModel
 
@@ -78,7 +78,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     The cache receives float16 keys and values; blocks are compressed from those.
     """
     t = k.shape[-2]
-    flushed = t // method.block * method.block
+    flushed = flushed_length(t, method.block)
     k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
     bits = 16 * (k16[..., flushed:, :].numel() + v16[..., flushed:, :].numel())
     k_held, v_held = k16, v16

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from ..artifacts import load_artifact
-from ..attention import AttentionOptions, mixed_attention
+from ..attention import AttentionOptions, compute_dtype, mixed_attention
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
@@ -81,8 +81,9 @@ class Adapter:
 
 def features(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """φ(x) = [softmax(x W₁), softmax(x W₂)] per head: x (B, H, T, d), W (H, d, D/2) -> (B, H, T, D)."""
-    x = x.float()
-    return torch.cat([torch.softmax(torch.einsum("bhtd,hde->bhte", x, w.float()), -1) for w in (w1, w2)], -1)
+    dt = compute_dtype(x)
+    x = x.to(dt)
+    return torch.cat([torch.softmax(torch.einsum("bhtd,hde->bhte", x, w.to(dt)), -1) for w in (w1, w2)], -1)
 
 
 @dataclass
@@ -107,8 +108,9 @@ def correction_terms(fq: torch.Tensor, states: States) -> tuple[torch.Tensor, to
     b, hq, t, _ = fq.shape
     hkv = states.s.shape[1]
     fq = fq.reshape(b, hkv, hq // hkv, t, -1)
-    num = (fq @ states.s.unsqueeze(2)).reshape(b, hq, t, -1)
-    den = (fq @ states.p[:, :, None, :, None]).reshape(b, hq, t)
+    s, p = states.s.to(fq.dtype), states.p.to(fq.dtype)
+    num = (fq @ s.unsqueeze(2)).reshape(b, hq, t, -1)
+    den = (fq @ p[:, :, None, :, None]).reshape(b, hq, t)
     return num, den
 
 

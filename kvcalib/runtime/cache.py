@@ -23,7 +23,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import AttentionOptions, mixed_attention
+from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..hadamard import rotate
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
@@ -64,7 +64,7 @@ class CompressedLayer(CacheLayerMixin):
         self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
         self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
         self.length += key_states.shape[-2]
-        flush = self.k_res.shape[-2] // self.method.block * self.method.block
+        flush = flushed_length(self.k_res.shape[-2], self.method.block)  # the residual starts on a block boundary
         if flush:  # every full block at once: blocks are compressed independently of each other
             k16, v16 = self.k_res[..., :flush, :], self.v_res[..., :flush, :]
             packed = self.method.compress(self.layer, k16.float(), v16.float())
@@ -193,7 +193,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
             correction = (rotate(num) if method.rotated_values else num, den)
         out = fused_decode(q1.half() if q1.dtype == torch.float32 else q1, fused, opts.scaling, correction).float()
         return (rotate(out) if method.rotated_values else out).unsqueeze(2)
-    k_held, v_held = layer.held(torch.float32)
+    k_held, v_held = layer.held(compute_dtype(q))
     return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
 

@@ -1,0 +1,41 @@
+"""Where the suite's floating-point tolerances come from: one vocabulary, cited by every comparison.
+
+Unit roundoff u of a format is half the gap between 1 and the next representable number: a correctly
+rounded operation returns x(1 + δ) with |δ| <= u. A sum or dot product of n terms, evaluated in any
+order, is within γ_n · Σ|terms| of the exact value, γ_n = n·u / (1 − n·u) (Higham, "Accuracy and
+Stability of Numerical Algorithms", 2nd ed., Lemma 3.1 and eq. 3.5). Two evaluations of the same
+expression in different orders therefore differ by at most 2·γ_n · Σ|terms|.
+
+A comparison that is not exact states which of these bounds it uses, with the reduction length n
+and the magnitude Σ|terms| it is applied to, and a planted error shows it can fail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+U16 = 2.0**-11  # float16: 10 stored mantissa bits
+U_BF16 = 2.0**-8  # bfloat16: 7 stored mantissa bits
+U32 = 2.0**-24  # float32
+U64 = 2.0**-53  # float64
+
+UNIT_ROUNDOFF = {torch.float16: U16, torch.bfloat16: U_BF16, torch.float32: U32, torch.float64: U64}
+
+
+def gamma(n: int, u: float) -> float:
+    """γ_n: the relative bound on a sum of n terms in a format of unit roundoff u (Higham, Lemma 3.1)."""
+    if n * u >= 1:
+        raise ValueError(f"γ_n is undefined for n·u >= 1 (n={n}, u={u})")
+    return n * u / (1 - n * u)
+
+
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖got − ref‖ / ‖ref‖ in float64 (Frobenius norms over the whole tensor)."""
+    ref = ref.double()
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+def worst_row_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over rows (all but the last axis) of ‖got_row − ref_row‖ / ‖ref_row‖, in float64."""
+    ref = ref.double()
+    return ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
