@@ -177,3 +177,57 @@ def test_an_artifact_for_another_model_is_refused_before_anything_runs():
     with pytest.raises(KvcalibError, match="another model"):
         KvcalibCache.from_artifacts("artifacts/smollm2-135m/oscar", LoadedModel(model=model, tokenizer=None, spec="tiny"))
     assert model.config._attn_implementation == before
+
+
+def _method(name: str, shape):
+    builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks}
+    return builders[name](shape) if CASES[name] is None else build_method(name, shape, CASES[name])
+
+
+def _greedy(model, method, ids: torch.Tensor, mask: torch.Tensor | None, steps: int):
+    lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
+    cache = KvcalibCache(lm, copy.copy(method))
+    model.generation_config.eos_token_id = None  # random weights: decode every step, whatever is drawn
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1), cache
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone(name):
+    # Prompts of 37, 21 and 5 tokens: with R = 16 the padded rows' blocks would straddle padding if the
+    # cache flushed by padded position; each row must flush at its own length, attend to no padding
+    # and store none (float64 model: see the module docstring; the bound is the one above).
+    model = tiny_model("llama", seed=5).double()
+    method = _method(name, attention_shape(model.config))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 512, (n,), generator=gen) for n in (37, 21, 5)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    tokens, logits, cache = _greedy(model, method, ids, mask, 20)
+    bits = 0
+    for b, p in enumerate(prompts):
+        alone_tokens, alone_logits, alone = _greedy(model, method, p[None], None, 20)
+        assert tokens[b].tolist() == alone_tokens[0].tolist()
+        torch.testing.assert_close(logits[b], alone_logits[0], rtol=3 * U32, atol=0)
+        bits += alone.stored_bits()
+    assert cache.stored_bits() == bits  # padding is neither stored nor counted
+
+
+def test_a_padded_batch_attends_to_no_padding_even_where_pad_keys_are_huge():
+    # The pad token's embedding scaled up: any attention to padding would swamp the output.
+    model = tiny_model("llama", seed=6).double()
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0] *= 1e3
+    method = _method("kivi", attention_shape(model.config))
+    p = torch.randint(1, 512, (9,), generator=torch.Generator().manual_seed(4))
+    ids = torch.cat([torch.zeros(1, 23, dtype=torch.long), p[None]], 1)
+    mask = torch.cat([torch.zeros(1, 23, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], 1)
+    tokens, logits, _ = _greedy(model, method, ids, mask, 8)
+    alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 8)
+    assert tokens.tolist() == alone_tokens.tolist()
+    torch.testing.assert_close(logits, alone_logits, rtol=3 * U32, atol=0)

@@ -6,6 +6,10 @@
 Per layer, tokens arrive in float16; as soon as R (the method's block) of them are waiting, they are
 compressed (`method.compress`) and kept packed, exactly the flush rule `kvcalib eval` scores. The
 model's attention runs through the registered attention function `kvcalib_runtime`:
+- a padded batch (an `attention_mask` with zeros, e.g. transformers' left-padded batch generation)
+  keeps each sequence in a row of its own holding only its real tokens: its blocks flush at its own
+  lengths, padding is never attended, stored nor counted, and each sequence decodes exactly as it
+  would alone (the mask reaches the cache through a forward pre-hook on the model);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. On CUDA, for the INT2 methods of `kvcalib.quant`
   (kivi, kvlinc, oscar), the fused kernel of `kernels_cupy/` reads the packed blocks; elsewhere the torch
@@ -25,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..hadamard import rotate
+from ..errors import SettingsError
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
 from .decode import PackedLayer, append_block, fused_decode
@@ -39,9 +44,13 @@ class CompressedLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, method: Method, layer: int, use_fused: bool = True):
+    def __init__(self, method: Method, layer: int, use_fused: bool = True, padding: "_Padding | None" = None):
         super().__init__()
         self.method, self.layer, self.use_fused = method, layer, use_fused
+        self.padding = padding if padding is not None else _Padding()
+        self.rows: list[CompressedLayer] | None = None  # a padded batch: one B=1 layer per sequence
+        self.new_valid: torch.Tensor | None = None  # (B, T) which of the newest positions are real tokens
+        self.rows_before: list[int] = []
         self.packed_bits = 0
         self.k_blocks: list[torch.Tensor] = []
         self.v_blocks: list[torch.Tensor] = []
@@ -61,6 +70,30 @@ class CompressedLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         before = self.length
+        t = key_states.shape[-2]
+        mask = self.padding.mask
+        valid = None if mask is None else mask[:, -t:].to(torch.bool)
+        if self.rows is None and valid is not None and not bool(valid.all()):
+            if before:
+                raise SettingsError("padding after the prompt is not supported: pad prompts, then append real tokens")
+            self.rows = [CompressedLayer(self.method, self.layer, self.use_fused) for _ in range(key_states.shape[0])]
+        if self.rows is not None:
+            self.new_valid = valid if valid is not None else torch.ones(key_states.shape[0], t, dtype=torch.bool)
+            self.rows_before = [row.length for row in self.rows]
+            for b, row in enumerate(self.rows):
+                idx = self.new_valid[b].nonzero().squeeze(1).to(key_states.device)
+                if len(idx):
+                    row.append(key_states[b : b + 1, :, idx], value_states[b : b + 1, :, idx])
+            self.length += t
+        else:
+            self.append(key_states, value_states)
+        _CURRENT.set((self, before))
+        return key_states, value_states
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Hold these tokens: into the float16 residual, then every block that fills is compressed."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
         self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
         self.length += key_states.shape[-2]
@@ -82,8 +115,6 @@ class CompressedLayer(CacheLayerMixin):
                 self.v_blocks.append(vd)
         if self.fused is not None:
             self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
-        _CURRENT.set((self, before))
-        return key_states, value_states
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
@@ -107,10 +138,12 @@ class CompressedLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.__init__(self.method, self.layer, self.use_fused)
+        self.__init__(self.method, self.layer, self.use_fused, self.padding)
 
     def stored_bits(self) -> int:
         """Bits the cache holds now: packed blocks (method's count) plus the float16 residual."""
+        if self.rows is not None:
+            return sum(row.stored_bits() for row in self.rows)
         res = 16 * (self.k_res.numel() + self.v_res.numel()) if self.is_initialized else 0
         return self.packed_bits + res
 
@@ -122,8 +155,10 @@ class KvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         self.method = method if isinstance(method, Method) else build_method(method, shape, settings, artifacts, lm)
-        super().__init__(layers=[CompressedLayer(self.method, i, fused) for i in range(shape.num_layers)])
+        self.padding = _Padding()
+        super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         _register()
+        _watch_padding(lm.model)
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
     @classmethod
@@ -147,16 +182,50 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     else:
         layer, before = current
         _CURRENT.set(None)
-        if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
-            k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
-            if query.is_cuda and not opts.softcap and not opts.sliding_window:
-                out = torch.nn.functional.scaled_dot_product_attention(
-                    query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
-            else:
-                out = mixed_attention(query, k16, v16, opts)
-        else:
-            out = decode(layer, query, opts)
+        if layer.rows is None:
+            out = _attend(layer, before, query, key, value, opts)
+        else:  # a padded batch: each sequence over its own real tokens; padded positions output zeros
+            out = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=compute_dtype(query))
+            for b, row in enumerate(layer.rows):
+                idx = layer.new_valid[b].nonzero().squeeze(1).to(query.device)
+                if len(idx):
+                    one = slice(b, b + 1)
+                    out[one, :, idx] = _attend(row, layer.rows_before[b], query[one, :, idx], key[one, :, idx],
+                                               value[one, :, idx], opts).to(out.dtype)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
+    """Attention of the newest positions of one layer (or one sequence's row) that held `before` tokens."""
+    if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
+        k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+        if query.is_cuda and not opts.softcap and not opts.sliding_window:
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
+        return mixed_attention(query, k16, v16, opts)
+    return decode(layer, query, opts)
+
+
+class _Padding:
+    """The 2D attention mask (B, past + new) of the forward in progress, shared by a cache's layers."""
+
+    mask: torch.Tensor | None = None
+
+
+def _watch_padding(model: torch.nn.Module) -> None:
+    """Hand each forward's `attention_mask` to the KvcalibCache it runs with (once per model)."""
+    base = getattr(model, "base_model", model)
+    if getattr(base, "_kvcalib_padding_hook", False):
+        return
+
+    def hook(_module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, KvcalibCache):
+            mask = kwargs.get("attention_mask")
+            cache.padding.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    base.register_forward_pre_hook(hook, with_kwargs=True)
+    base._kvcalib_padding_hook = True
 
 
 def _fused_capable(method: Method, k: torch.Tensor) -> bool:
