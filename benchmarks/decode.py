@@ -1,7 +1,7 @@
 """Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, and the fused
 INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
 
-    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--results FILE]
+    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--schemes K,V] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -11,7 +11,11 @@ also held the host's submission latency (an empty graph measured 13.5 µs on the
 header gives the empty graph's figure. GB/s counts the bytes each variant must read (codes, scales,
 zero points, norms, residual, query) and write (output); "% copy" divides that by the
 device-to-device copy bandwidth measured in the same run; "read floor" is one launch that only
-reads the row's bytes (kernels_cupy/stream_read.cu), timed the same way.
+reads the row's bytes (kernels_cupy/stream_read.cu), timed the same way. "worst row err" is the
+accuracy the speed was bought with: max over (batch, query head) of ‖o − o_ref‖/‖o_ref‖ against the
+float64 `reference_decode` of the same packed cache, on these diffuse (unit randn) inputs; for SDPA
+rows, SDPA fp16 over the KIVI-2 G=128 cache dequantized, against the same reference (the peer's
+error on the same cache). `--schemes K,V` compiles the kernel with other code-unpack schemes (A/B).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import sys
 import torch
 
 from kvcalib.quant import dequantize, quantize
-from kvcalib.runtime.decode import fused_decode, pack
+import kernels_cupy.loader as loader
+from kvcalib.runtime.decode import fused_decode, pack, reference_decode
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
@@ -89,6 +94,11 @@ def read_floor(nbytes: int) -> float:
     return us
 
 
+def worst_row(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max over rows (batch, query head) of ‖got − ref‖/‖ref‖."""
+    return ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+
+
 def layer_bytes(layer, q) -> int:
     t, r, g = layer.length, layer.residual, layer.group_size
     used = [layer.kcodes[:, :, : t // 16], layer.kscale[:, :, : t // g], layer.kzero[:, :, : t // g],
@@ -103,8 +113,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--schemes", default=None, help="K,V: KEY_SCHEME, VALUE_SCHEME of quant_decode.cu (A/B)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
+    if args.schemes:
+        key, value = map(int, args.schemes.split(","))
+        loader.experiment("quant_decode.cu", KEY_SCHEME=key, VALUE_SCHEME=value)
     bw = copy_bandwidth()
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -118,7 +132,8 @@ def main() -> None:
                    torch.randn(b, HKV, total, D, device="cuda", dtype=torch.float16)) for _ in range(copies)]
             sdpa = lambda i: torch.nn.functional.scaled_dot_product_attention(q[i], *kv[i], enable_gqa=True)  # noqa: E731
             t_sdpa = timed(sdpa, copies)
-            rows.append((b, length, "SDPA fp16", t_sdpa, fp16_bytes + 4 * q[0].numel()))
+            sdpa_row = [b, length, "SDPA fp16", t_sdpa, fp16_bytes + 4 * q[0].numel(), None]
+            rows.append(sdpa_row)
             variants = {"KIVI-2 G=32": (32, False), "KIVI-2 G=128": (128, False), "OScaR-2 G=32 (norms)": (32, True)}
             layers, plain = {}, []  # plain: KIVI-2 G=128 in the kvcalib.quant layout, for dequantize + SDPA
             for name, (group, norms) in variants.items():
@@ -140,24 +155,30 @@ def main() -> None:
                 vd = torch.cat([dequantize(plain[i][1], torch.float16), layer.vres[:, :, : layer.residual]], 2)
                 return torch.nn.functional.scaled_dot_product_attention(q[i], kd, vd, enable_gqa=True)
 
-            rows.append((b, length, "dequantize + SDPA (KIVI-2 G=128)", timed(dequant_sdpa, copies, 10),
-                         layer_bytes(layers["KIVI-2 G=128"][0], q[0])))
+            ref = reference_decode(q[0][:, :, 0], layers["KIVI-2 G=128"][0], D**-0.5)
+            sdpa_row[5] = worst_row(dequant_sdpa(0)[:, :, 0], ref)
+            rows.append([b, length, "dequantize + SDPA (KIVI-2 G=128)", timed(dequant_sdpa, copies, 10),
+                         layer_bytes(layers["KIVI-2 G=128"][0], q[0]), sdpa_row[5]])
             for name, ls in layers.items():
                 us = timed(lambda i: fused_decode(q[i][:, :, 0], ls[i], D**-0.5), copies)
-                rows.append((b, length, f"fused {name}", us, layer_bytes(ls[0], q[0])))
+                ref = reference_decode(q[0][:, :, 0], ls[0], D**-0.5)
+                err = worst_row(fused_decode(q[0][:, :, 0], ls[0], D**-0.5, checked=True), ref)
+                rows.append([b, length, f"fused {name}", us, layer_bytes(ls[0], q[0]), err])
+                del ref
             torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
-    title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"
+    title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens" \
+        + (f", schemes K,V = {args.schemes}" if args.schemes else "")
     empty = timed(lambda i: None, 1)
     lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write); an empty graph measures {empty:.1f} µs. "
              "Read floor: one launch that only reads the row's bytes (kernels_cupy/stream_read.cu).", "",
-             "| B | L (flushed) | variant | µs | speedup vs SDPA fp16 | bytes (MB) | GB/s | % copy | read floor µs |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    sdpa_us = {(b, n): us for b, n, name, us, _ in rows if name == "SDPA fp16"}
-    for b, n, name, us, nbytes in rows:
+             "| B | L (flushed) | variant | µs | speedup vs SDPA fp16 | bytes (MB) | GB/s | % copy | read floor µs | worst row err |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    sdpa_us = {(b, n): us for b, n, name, us, _, _ in rows if name == "SDPA fp16"}
+    for b, n, name, us, nbytes, err in rows:
         gbs = nbytes / (us * 1e-6) / 1e9
         lines.append(f"| {b} | {n} | {name} | {us:.1f} | {sdpa_us[(b, n)] / us:.2f}x | {nbytes / 1e6:.1f} | "
-                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% | {floors[nbytes]:.1f} |")
+                     f"{gbs:.0f} | {100 * gbs / bw:.0f}% | {floors[nbytes]:.1f} | {err:.1e} |")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

@@ -32,9 +32,18 @@ def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:
 
 
 _FUNCTIONS: dict[tuple, cupy.RawKernel] = {}
+_EXPERIMENT: dict[str, dict[str, object]] = {}
+
+
+def experiment(filename: str, **defines: object) -> None:
+    """Compile every later kernel of `filename` with these extra #defines (benchmarks' A/B of a
+    kernel's compile-time switches, e.g. `experiment("quant_decode.cu", KEY_SCHEME=1)`)."""
+    _EXPERIMENT[filename] = defines
 
 
 def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKernel:
+    if filename in _EXPERIMENT:
+        defines = {**defines, **_EXPERIMENT[filename]}
     key = (filename, tuple(sorted(defines.items())), name)
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = module(filename, defines).get_function(name)

@@ -141,19 +141,40 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
   return d;
 }
 // The 8 A registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits
-// 16 + 2p), an fp16 exponent ORed over the code bits making them the units digit. Two schemes:
+// 16 + 2p), an fp16 exponent ORed over the code bits making them the units digit. Schemes:
 //   0: three shifts bring each code to bits 4-5 or 6-7: off_p = 64 for even p, 16 for odd p;
 //   1: one shift: codes at bits 0-1, 2-3, 4-5, 6-7 of each half read as 1024, 256, 64, 16 + x,
-//      and w >> 8 brings bits 8-15 there: off_p = 1024, 256, 64, 16 for p mod 4 = 0..3 (two
-//      instructions per word fewer; the larger offsets cancel on the tensor cores in fp32).
-// Keys use scheme 1; values scheme 0: their offsets pile up in the accumulators over a block's
-// tokens, and with scheme 1 the output's error against float64 doubled (1.8e-3 -> 3.9e-3 at 128k).
+//      and w >> 8 brings bits 8-15 there: off_p = 1024, 256, 64, 16 for p mod 4 = 0..3;
+//   2: scheme 1, then off_p subtracted in fp16 (exact), so the A operand is the code x itself;
+//   3: scheme 0, then off_p + 1.5 subtracted in fp16 (exact: 65.5 and 17.5 are fp16 numbers), so
+//      the A operand is the centred code x - 1.5 in {-1.5, -0.5, 0.5, 1.5}; the zero point term
+//      then uses z + 1.5 s, the middle of the group's range (`centred_zeros`).
+// Schemes 0 and 1 subtract the offsets on the tensor cores (an mma with neg_offsets).
+// Keys use scheme 1: a score sums D = 64 or 128 channels, so the offsets cancel over a short sum
+// (scheme 2 measured the same error). A value output is sum_n p_n v_n over a whole split, and with
+// diffuse attention it is small: random values average out to ~|v| / sqrt(n). Split as
+// sum x p~ + sum z p (x >= 0, z the group minimum), both sums grow like sum p and cancel almost
+// completely, so the tensor cores' accumulation error (addends aligned to the largest exponent and
+// truncated, every mma) is amplified by ~sqrt(n), and by off / 1.5 more with the offsets in the
+// sums. H100, 131072 tokens, B = 8, G = 128, worst row against float64 (SDPA fp16: 4.6e-4):
+// scheme 0 3.2e-1, scheme 2 1.4e-2 (benchmarks/decode_precision.py). Values use scheme 2.
+// Scheme 3 centres both sums (random walks like the output, as in SDPA); a CPU emulation of the
+// accumulation that reproduces the two measurements (0.21 and 7.2e-3 against 0.24 and 1.0e-2)
+// predicts 2.6e-4 for it. It has not yet run on a GPU: NOTES-decode.md, "Precision".
+#ifndef KEY_SCHEME
 #define KEY_SCHEME 1
-#define VALUE_SCHEME 0
+#endif
+#ifndef VALUE_SCHEME
+#define VALUE_SCHEME 2
+#endif
+__device__ __forceinline__ unsigned hsub2u(unsigned a, unsigned b) {
+  const __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<const unsigned*>(&v);
+}
 // e: the exponents 64, 16, 1024, 256 as half2 (masks are immediates).
 template <int SCHEME>
 __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* e) {
-  if (SCHEME == 0) {
+  if (SCHEME == 0 || SCHEME == 3) {
     const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
     o[0] = and_or(wl, 0x00300030u, e[0]);  // bits 0-1   -> 4-5: 64 + x
     o[1] = and_or(wl, 0x00C000C0u, e[1]);  // bits 2-3   -> 6-7: 16 + x
@@ -163,6 +184,8 @@ __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned*
     o[5] = and_or(w4, 0x00C000C0u, e[1]);  // bits 10-11 -> 6-7
     o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
     o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
+    if (SCHEME == 3)  // 65.5, 17.5 as half2
+      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C604C60u : 0x54185418u);
   } else {
     const unsigned w8 = w >> 8;
     o[0] = and_or(w, 0x00030003u, e[2]);   // bits 0-1: 1024 + x
@@ -173,6 +196,8 @@ __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned*
     o[5] = and_or(w8, 0x000C000Cu, e[3]);  // bits 10-11 -> 2-3
     o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
     o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
+    if (SCHEME == 2)
+      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], e[(p + 2) % 4]);  // the exponent alone is off_p
   }
 }
 // The A operand that subtracts unpack8's offsets (half2, exact): scheme 0: rows g -64, rows g + 8
@@ -188,6 +213,14 @@ __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   return *reinterpret_cast<const unsigned*>(&v);
 }
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
+// Value scheme 3's zero points z + 1.5 s (the middle of each token group's range) for the tokens
+// whose half2 pairs sit at z, s and z + 8, s + 8, broadcast over rows as rows_of_pairs does.
+__device__ __forceinline__ uint4 centred_zeros(const __half* z, const __half* s) {
+  const __half2 c = __float2half2_rn(1.5f);
+  const __half2 a = __hfma2(c, half2_at(s), half2_at(z)), b = __hfma2(c, half2_at(s + 8), half2_at(z + 8));
+  const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
+  return make_uint4(ua, ua, ub, ub);
+}
 // An A operand whose every row is the half2 pairs at p and p + 8 (zero points broadcast over rows).
 __device__ __forceinline__ uint4 rows_of_pairs(const __half* p) {
   const unsigned a = *reinterpret_cast<const unsigned*>(p), b = *reinterpret_cast<const unsigned*>(p + 8);
@@ -354,7 +387,7 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
     const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
     frag[ks * 32 + lane] = qt;
     mma16816(k0, rows_of_pairs(z + c), q.x, q.y);              // every token row: sum_c z_c q_c
-    mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);  // -sum_c off q~_c
+    if (KEY_SCHEME < 2) mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);  // -sum_c off q~_c
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
 }
@@ -406,8 +439,10 @@ __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const uns
     for (int gv = 0; gv < VG; ++gv) {
       const __half* vs = st.vs[row0 + j][gv];
       pt[gv] = make_uint2(hmul2u(pb0, half2_at(vs + 2 * t)), hmul2u(pb1, half2_at(vs + 8 + 2 * t)));
-      mma16816(voff[gv], neg_offsets<VALUE_SCHEME>(), pt[gv].x, pt[gv].y);
-      mma16816(vzp[gv], rows_of_pairs(&st.vz[row0 + j][gv][2 * t]), pb0, pb1);
+      if (VALUE_SCHEME < 2) mma16816(voff[gv], neg_offsets<VALUE_SCHEME>(), pt[gv].x, pt[gv].y);
+      const uint4 za = VALUE_SCHEME == 3 ? centred_zeros(&st.vz[row0 + j][gv][2 * t], vs + 2 * t)
+                                         : rows_of_pairs(&st.vz[row0 + j][gv][2 * t]);
+      mma16816(vzp[gv], za, pb0, pb1);
     }
 #pragma unroll
     for (int i = 0; i < WPL; ++i) {  // word i: output rows 32i .. 32i + 15 (registers 0-3), 32i + 16 .. (4-7)
@@ -455,7 +490,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, fl
       for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
     for (int gv = 0; gv < VG; ++gv)
       for (int i = 0; i < 4; ++i) {
-        voff[gv][i] *= alpha[i & 1];
+        if (VALUE_SCHEME < 2) voff[gv][i] *= alpha[i & 1];
         vzp[gv][i] *= alpha[i & 1];
       }
   }
@@ -625,7 +660,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   finish_stages();
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
   for (int u = 0; u < KS; ++u)
-    for (int i = 0; i < 4; ++i) acc[u][i] += voff[16 * u / GV][i] + vzp[16 * u / GV][i];
+    for (int i = 0; i < 4; ++i) acc[u][i] += (VALUE_SCHEME < 2 ? voff[16 * u / GV][i] : 0.f) + vzp[16 * u / GV][i];
   for (int e = 0; e < 2; ++e)
     for (int o = 4; o < 32; o *= 2) l[e] += __shfl_xor_sync(0xffffffff, l[e], o);
   // ---- combine the four warps of the block (in the ring's memory, now idle), write one partial ----

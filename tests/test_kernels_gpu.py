@@ -1,4 +1,11 @@
-"""The fused INT2 decode kernel against the float64 torch reference, on fresh random inputs."""
+"""The fused INT2 decode kernel against the float64 torch reference, on fresh random inputs.
+
+Every check holds the kernel to flash-attention's rule, row by row (a row: one batch entry and query
+head): its error against float64 is at most twice the error of torch SDPA computed in the query
+dtype over the same dequantized cache, plus 1e-4 (an absolute floor for rows where SDPA happens to
+round well). SDPA in fp16/bf16 is what a user who dequantizes gets; the fused kernel may not be
+worse than that peer anywhere, not only on average.
+"""
 
 import pytest
 import torch
@@ -10,7 +17,10 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
 
 DEV = "cuda"
-TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # output rounding to the query dtype dominates
+FLOOR = 1e-4  # flash-attention's absolute term
+# With KVLinC's correction terms SDPA is no peer (it cannot add them): the global bound is then a
+# few units of output rounding to the query dtype, u = 2^-11 (fp16) or 2^-8 (bf16): 4u.
+CORRECTION_TOL = {torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 
 
 def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256):
@@ -28,13 +38,65 @@ def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256):
     return layer
 
 
+def _row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (got.double() - ref).norm(dim=-1).flatten() / ref.norm(dim=-1).flatten()
+
+
+def _sdpa(q, layer, scaling):
+    """The peer: SDPA in q's dtype over the dequantized cache (flushed blocks, then the residual)."""
+    k, v = layer.flushed_kv()
+    k = torch.cat([k.to(q.dtype), layer.kres[:, :, : layer.residual].to(q.dtype)], 2)
+    v = torch.cat([v.to(q.dtype), layer.vres[:, :, : layer.residual].to(q.dtype)], 2)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scaling, enable_gqa=True)[:, :, 0]
+
+
 def _check(q, layer, correction=None, loader="auto"):
-    out = fused_decode(q, layer, q.shape[-1] ** -0.5, correction, checked=True, loader=loader)
-    ref = reference_decode(q, layer, q.shape[-1] ** -0.5, correction)
+    scaling = q.shape[-1] ** -0.5
+    out = fused_decode(q, layer, scaling, correction, checked=True, loader=loader)
+    ref = reference_decode(q, layer, scaling, correction)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
+    rows = _row_errors(out, ref)
     err = ((out.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[q.dtype], err
+    if correction is None:
+        bound = 2 * _row_errors(_sdpa(q, layer, scaling), ref) + FLOOR
+        worst = int((rows / bound).argmax())
+        assert (rows <= bound).all(), f"row {worst}: {rows[worst]:.2e} > {bound[worst]:.2e} ({int((rows > bound).sum())} rows over)"
+    else:
+        assert err < CORRECTION_TOL[q.dtype] and rows.max() < 2 * CORRECTION_TOL[q.dtype], (err, rows.max().item())
     return err
+
+
+def _long_layer(b, hkv, length, group, inputs, norms, d=128, residual=127):
+    """Keys, values: unit randn ("diffuse": near-uniform attention, what many heads of a long context
+    do), or with 8 outlier channels at 5x and a sink token aligned with the queries ("peaked")."""
+    k = torch.randn(b, hkv, length, d, device=DEV)
+    v = torch.randn(b, hkv, length, d, device=DEV)
+    if inputs == "peaked":
+        k[..., :8] *= 5.0
+        k[:, :, 0] = 4.0 * torch.randn(b, hkv, d, device=DEV).sign()  # the sink: norm 4 sqrt(d)
+    kn = k.norm(dim=-1) if norms else None
+    if norms:
+        k = k / kn[..., None]
+    return pack(k, v, torch.randn(b, hkv, residual, d, device=DEV), torch.randn(b, hkv, residual, d, device=DEV),
+                group, min(group, d), kn)
+
+
+@pytest.mark.parametrize("b,length,group,gqa,norms", [
+    (1, 32768, 128, 4, False), (8, 32768, 128, 4, False), (1, 131072, 128, 4, False), (4, 131072, 32, 8, False),
+    (8, 131072, 128, 1, False), (8, 131072, 32, 4, True), (16, 32768, 256, 8, False), (16, 16384, 32, 4, True),
+])
+@pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_long_context_decode_is_as_exact_as_sdpa_in_every_row(b, length, group, gqa, norms, inputs, dtype):
+    torch.manual_seed(b * 131 + length + group)
+    hkv = 8 if b * length <= 8 * 131072 // 2 else 4  # 32 q / 8 kv heads where memory allows the float64 reference
+    layer = _long_layer(b, hkv, length, group, inputs, norms)
+    q = torch.randn(b, hkv * gqa, 128, device=DEV)
+    if inputs == "peaked":  # every query leans towards its sink: q.k_sink / sqrt(d) ~ 9, about the mass of the rest
+        k0, _ = layer.flushed_kv()
+        q = q + 0.05 * k0[:, :, 0].repeat_interleave(gqa, dim=1)
+        del k0
+    _check(q.to(dtype), layer)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -79,7 +141,7 @@ def test_kvlinc_correction_terms_enter_numerator_and_denominator():
     plain = fused_decode(q, layer, 128**-0.5, checked=True)
     corrected = fused_decode(q, layer, 128**-0.5, (num, den), checked=True)
     assert not torch.allclose(plain, corrected, atol=1e-2), "correction had no effect"
-    assert err < 2e-3
+    assert err < CORRECTION_TOL[q.dtype]
 
 
 def test_output_is_fully_rewritten_on_fresh_inputs_each_call():
