@@ -260,7 +260,9 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
             num, den = correction_terms(adapter.query_features(q), layer.state)
             num, den = num[:, :, 0], den[:, :, 0]  # the single new position
             correction = (rotate(num) if method.rotated_values else num, den)
-        out = fused_decode(q1.half() if q1.dtype == torch.float32 else q1, fused, opts.scaling, correction).float()
+        # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
+        q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
+        out = fused_decode(q1, fused, opts.scaling, correction).to(compute_dtype(q))
         return (rotate(out) if method.rotated_values else out).unsqueeze(2)
     k_held, v_held = layer.held(compute_dtype(q))
     return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
