@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from kvcalib.collect import Activations, collect, shard_name
 from kvcalib.data import token_windows
 from kvcalib.errors import ArtifactError, SettingsError
+from tolerances import U16
 
 
 @pytest.fixture
@@ -20,23 +21,44 @@ def run(tmp_path, tiny_lm, text_file):
     return go
 
 
-def test_collect_saves_exactly_the_cached_keys_values_per_layer(run, tiny_lm, text_file):
-    out = run()
-    acts = Activations(out)
+def _assert_collected_as_cached(acts: Activations, tiny_lm, text_file, sample: int, window: int) -> None:
+    """The collected keys and values of `sample` against the DynamicCache of a forward over `window`.
+
+    Both are float16 roundings of float32 keys and values; collect's pass attends through kvcalib's
+    attention, this one through eager attention, so from the second layer on the float32 values may
+    differ by round-off (~1e-6 relative, three orders below float16's spacing of 2^-10 relative). Their
+    float16 roundings are then equal or, for a value that close to a rounding midpoint, adjacent:
+    at most one float16 spacing apart, <= 2 u16 |x| (2^-24 below 2^-14, where float16 is subnormal).
+    """
     windows = token_windows(tiny_lm.tokenizer, str(text_file), "calibration", 5, 32)
     cache = DynamicCache(config=tiny_lm.model.config)
     with torch.no_grad():
-        tiny_lm.model(windows[3:4], past_key_values=cache, use_cache=True)
+        tiny_lm.model(windows[window : window + 1], past_key_values=cache, use_cache=True)
+    for layer in range(tiny_lm.config.num_hidden_layers):
+        data = acts.layer(layer)
+        for got, want in ((data["k"][sample], cache.layers[layer].keys[0]), (data["v"][sample], cache.layers[layer].values[0])):
+            torch.testing.assert_close(got.float(), want.half().float(), rtol=2 * U16, atol=2.0**-24)
+
+
+def test_collect_saves_exactly_the_cached_keys_values_per_layer(run, tiny_lm, text_file):
+    out = run()
+    acts = Activations(out)
     for layer in range(tiny_lm.config.num_hidden_layers):
         data = acts.layer(layer)
         assert data["q"].shape == (5, 4, 32, 16)
         assert data["k"].shape == data["v"].shape == (5, 2, 32, 16)
         assert data["k"].dtype == torch.float16
-        torch.testing.assert_close(data["k"][3].float(), cache.layers[layer].keys[0].half().float())
-        torch.testing.assert_close(data["v"][3].float(), cache.layers[layer].values[0].half().float())
+    _assert_collected_as_cached(acts, tiny_lm, text_file, sample=3, window=3)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tokens_per_layer"] == 160
     assert manifest["model_fingerprint"]["num_kv_heads"] == 2
+
+
+def test_the_comparison_catches_activations_of_the_neighbouring_sample(run, tiny_lm, text_file):
+    acts = Activations(run())  # as a chunk offset off by one would store them
+    for sample in (2, 4):
+        with pytest.raises(AssertionError):
+            _assert_collected_as_cached(acts, tiny_lm, text_file, sample=sample, window=3)
 
 
 def test_rerun_skips_finished_shards_and_rewrites_missing_ones(run):

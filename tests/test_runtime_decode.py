@@ -1,11 +1,14 @@
 """The packed INT2 layer of the runtime (CPU): tensor-core order of the codes and its reference."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvcalib.quant import dequantize, quantize
 from kvcalib.runtime.decode import (append_block, from_tensor_core_order, pack, reference_decode,
                                     to_tensor_core_order)
+from tolerances import U64, gamma
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -56,18 +59,54 @@ def test_appending_blocks_equals_packing_them_at_once():
     assert torch.equal(vd, dequantize(quantize(v, 2, 16, "channels")))
 
 
+def _decode_error_over_bound(got: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             scaling: float) -> float:
+    """max over outputs of |got − softmax attention over keys, values| / bound; both float64 evaluations
+    of the same float32 inputs, q (B, Hq, d), keys and values (B, Hq, T, d).
+
+    Each evaluation: a score sums d terms (γ_d scaling |q|·|k|), is scaled, shifted by the max and
+    exponentiated (u64 |s| each, and 2 u64 for exp), so every weight p_t is within a relative η of
+    exact; relative errors η in the weights move o = Σ p v / Σ p by <= 2η Σ w|v| (w = p / Σ p); the
+    sums over T keys add γ_T each, the division u64. Two evaluations: twice (2η + 2γ_T + u64) Σ w|v|.
+    """
+    d, t = q.shape[-1], keys.shape[-2]
+    scores = torch.einsum("bhd,bhtd->bht", q.double(), keys) * scaling
+    weights = torch.softmax(scores, -1)
+    want = torch.einsum("bht,bhtd->bhd", weights, values)
+    eta = (gamma(d, U64) * scaling * torch.einsum("bhd,bhtd->bht", q.double().abs(), keys.abs()).amax(-1, keepdim=True)
+           + U64 * (3 * scores.abs().amax(-1, keepdim=True) + 2))
+    bound = 2 * (2 * eta + 2 * gamma(t, U64) + U64) * torch.einsum("bht,bhtd->bhd", weights, values.abs())
+    return ((got - want).abs() / bound).max().item()
+
+
+def _held(layer, kr, vr) -> tuple[torch.Tensor, torch.Tensor]:
+    kd, vd = layer.flushed_kv()
+    return (torch.cat([kd, kr.float()], 2).double().repeat_interleave(2, 1),
+            torch.cat([vd, vr.float()], 2).double().repeat_interleave(2, 1))
+
+
 def test_reference_decode_is_softmax_attention_over_the_held_cache():
     d = 64
     k, v = torch.randn(1, 2, 32, d), torch.randn(1, 2, 32, d)
     kr, vr = torch.randn(1, 2, 3, d).half(), torch.randn(1, 2, 3, d).half()
     layer = pack(k, v, kr, vr, 16, 16)
     q = torch.randn(1, 4, d)
-    kd, vd = layer.flushed_kv()
-    keys = torch.cat([kd, kr.float()], 2).double().repeat_interleave(2, 1)
-    values = torch.cat([vd, vr.float()], 2).double().repeat_interleave(2, 1)
-    want = torch.softmax(torch.einsum("bhd,bhtd->bht", q.double(), keys) * d**-0.5, -1)
-    want = torch.einsum("bht,bhtd->bhd", want, values)
-    torch.testing.assert_close(reference_decode(q, layer, d**-0.5), want)
+    keys, values = _held(layer, kr, vr)
+    assert _decode_error_over_bound(reference_decode(q, layer, d**-0.5), q, keys, values, d**-0.5) <= 1
+
+
+@pytest.mark.parametrize("which", ["kcodes", "vcodes"])
+def test_reference_decode_with_one_code_flipped_breaks_the_bound(which):
+    d = 64
+    k, v = torch.randn(1, 2, 32, d), torch.randn(1, 2, 32, d)
+    kr, vr = torch.randn(1, 2, 3, d).half(), torch.randn(1, 2, 3, d).half()
+    layer = pack(k, v, kr, vr, 16, 16)
+    q = torch.randn(1, 4, d)
+    keys, values = _held(layer, kr, vr)
+    words = getattr(layer, which).clone()
+    words[0, 1, 0, 3] ^= 1  # the low bit of one 2-bit code: one key or value element a step off
+    planted = dataclasses.replace(layer, **{which: words})
+    assert _decode_error_over_bound(reference_decode(q, planted, d**-0.5), q, keys, values, d**-0.5) > 1e3
 
 
 @pytest.mark.parametrize("d", [64, 128])

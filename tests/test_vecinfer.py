@@ -10,15 +10,25 @@ from kvcalib.cli import main
 from kvcalib.collect import collect
 from kvcalib.errors import KvcalibError, SettingsError
 from kvcalib.evaluate import evaluate
-from kvcalib.methods import MethodSettings, build_method, hold
+from kvcalib.hadamard import hadamard as hadamard_matrix
+from kvcalib.methods import MethodSettings, build_method, hold, vecinfer
 from kvcalib.methods.vecinfer import (VecInfer, VecInferConfig, LayerCodebooks, fit_codebook, keys_from_codec,
                                       keys_to_codec, queries_to_codec, smoothing_factors)
 from kvcalib.models import AttentionShape
 from conftest import tiny_config
+from tolerances import U32, gamma
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+def _abs_rotation(d: int, rotated: bool) -> torch.Tensor:
+    """|H| in float64, or the identity without the rotation: what bounds a rotated vector elementwise."""
+    return hadamard_matrix(d, torch.float64).abs() if rotated else torch.eye(d, dtype=torch.float64)
+
+
+def _flipped_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ H with the sign of H's first entry flipped: no longer orthogonal."""
+    h = hadamard_matrix(x.shape[-1], x.dtype).clone()
+    h[0, 0] = -h[0, 0]
+    return x @ h
 
 
 @pytest.mark.parametrize("bits", [3, 4, 8, 12, 16])
@@ -39,6 +49,26 @@ def test_eight_and_sixteen_bit_codes_are_plain_bytes_and_little_endian_halfwords
     assert torch.equal(vq.pack_codes(small, 8).to(torch.int64), small)
 
 
+def _tie_gap_over_bound(x: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor) -> float:
+    """max over sub-vectors of (float64 distance of the chosen centroid − of the nearest) / bound.
+
+    `vq.nearest` compares |c|² − 2 x·c in float32: the norm and the dot product are sums of N terms
+    (γ_N of |c|² and of 2|x|·|c|), the difference one more rounding. A centroid can win over the float64
+    nearest only if their distances differ by less than the two candidates' errors together; the extra
+    u32 covers the float64 distances' own error and second-order products.
+    """
+    n = codebooks.shape[-1]
+    sub = x.unflatten(-1, (-1, n)).double()  # (B, H, T, c, N)
+    per_head = codebooks.double().repeat_interleave(x.shape[1] // codebooks.shape[0], 0)  # (H, 2^M, N)
+    dist = (sub.unsqueeze(-2) - per_head[None, :, None, None]).pow(2).sum(-1)
+    magnitude = per_head.pow(2).sum(-1)[None, :, None, None] + 2 * torch.einsum("bhtcn,hen->bhtce", sub.abs(), per_head.abs())
+    err = (gamma(n, U32) + 2 * U32) * magnitude
+    nearest = dist.argmin(-1, keepdim=True)
+    chosen = codes.unsqueeze(-1)
+    gap = dist.gather(-1, chosen) - dist.gather(-1, nearest)
+    return (gap / (err.gather(-1, chosen) + err.gather(-1, nearest))).max().item()
+
+
 @pytest.mark.parametrize("groups", [1, 3])
 @pytest.mark.parametrize("dim,bits", [(2, 4), (4, 8), (8, 6)])
 def test_encode_picks_the_float64_nearest_centroid_and_decode_returns_it(groups, dim, bits, monkeypatch):
@@ -46,29 +76,85 @@ def test_encode_picks_the_float64_nearest_centroid_and_decode_returns_it(groups,
     codebooks = torch.randn(groups, 1 << bits, dim)
     x = torch.randn(2, 3, 50, 16)
     codes = vq.encode(x, codebooks)
-    sub = x.unflatten(-1, (16 // dim, dim)).double()
     per_head = codebooks.double().repeat_interleave(3 // groups, 0)
-    dist = (sub.unsqueeze(-2) - per_head[None, :, None, None]).pow(2).sum(-1)
-    best = dist.argmin(-1)
-    assert (codes == best).float().mean() > 0.999  # float32 ties aside
+    assert _tie_gap_over_bound(x, codebooks, codes) <= 1  # the float64 nearest, or a float32 tie with it
     decoded = vq.decode(codes, codebooks)
     assert torch.equal(decoded.unflatten(-1, (-1, dim)), per_head.float()[torch.arange(3)[None, :, None, None], codes])
     assert torch.equal(vq.encode(decoded, codebooks), codes)
 
 
+def test_a_code_swapped_for_the_second_nearest_centroid_breaks_the_tie_bound():
+    codebooks, x = torch.randn(1, 64, 4), torch.randn(2, 3, 50, 16)
+    codes = vq.encode(x, codebooks)
+    dist = (x.unflatten(-1, (4, 4)).double().unsqueeze(-2) - codebooks.double()[0]).pow(2).sum(-1)
+    two = dist.topk(2, -1, largest=False)
+    at = (two.values[..., 1] - two.values[..., 0]).argmax()  # the clearest choice of all
+    codes.view(-1)[at] = two.indices[..., 1].reshape(-1)[at]
+    assert _tie_gap_over_bound(x, codebooks, codes) > 10
+
+
+def _codec_errors_over_bounds(q, k, lam, hadamard, q_lam=None) -> tuple[float, float]:
+    """(max over scores, max over key elements) of error / bound for q̃·k̃ against q·k and for the keys'
+    round trip, all in float32; `q_lam` smooths the queries with other factors (a planted error).
+
+    With a = |q λ||H| and b = |k / λ||H| (|H| the identity without the rotation), every rotated
+    element is bounded by a or b. Scores: the two rotations and the dot product sum d terms each
+    (γ_d), the roundings of q λ, k / λ and of H's entries (1/sqrt(32) for d = 96) one u32 each, the
+    float64 reference and second-order products one more: |error| <= (3γ_d + 7u32) a·b.
+    Round trip (k / λ) H H λ: two rotations (γ_d + u32 each) and the division are bounded by b|H|,
+    then · λ, whose own rounding is u32 |k|: |error| <= (2γ_d + 4u32) λ (b|H|) + u32 |k|.
+    """
+    d, g = q.shape[-1], q.shape[1] // k.shape[1]
+    habs = _abs_rotation(d, hadamard)
+    lam64 = lam.double()[:, None, :] if lam is not None else torch.ones(k.shape[1], 1, d, dtype=torch.float64)
+    kt = keys_to_codec(k, lam, hadamard)
+    got = queries_to_codec(q, lam if q_lam is None else q_lam, hadamard) @ kt.repeat_interleave(g, 1).transpose(-1, -2)
+    ref = q.double() @ k.double().repeat_interleave(g, 1).transpose(-1, -2)
+    a = (q.double() * lam64.repeat_interleave(g, 0)).abs() @ habs
+    b = (k.double() / lam64).abs() @ habs
+    scores_bound = (3 * gamma(d, U32) + 7 * U32) * (a @ b.repeat_interleave(g, 1).transpose(-1, -2))
+    back = keys_from_codec(kt, lam, hadamard)
+    keys_bound = (2 * gamma(d, U32) + 4 * U32) * lam64 * (b @ habs) + U32 * k.double().abs()
+    return (((got.double() - ref).abs() / scores_bound).max().item(),
+            ((back.double() - k.double()).abs() / keys_bound).max().item())
+
+
+def _queries_and_outlier_keys(head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = torch.randn(2, 6, 9, head_dim) * 3, torch.randn(2, 2, 11, head_dim)
+    k[..., 3] *= 40  # an outlier channel
+    return q, k
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 96])
 @pytest.mark.parametrize("smooth,hadamard", [(True, True), (True, False), (False, True)])
 def test_smoothing_and_rotation_leave_q_dot_k_unchanged(head_dim, smooth, hadamard):
-    q, k = torch.randn(2, 6, 9, head_dim) * 3, torch.randn(2, 2, 11, head_dim)
-    k[..., 3] *= 40  # an outlier channel
+    q, k = _queries_and_outlier_keys(head_dim)
     lam = smoothing_factors(k) if smooth else None
-    ref = q.double() @ k.double().repeat_interleave(3, 1).transpose(-1, -2)
-    kt = keys_to_codec(k, lam, hadamard)
-    got = queries_to_codec(q, lam, hadamard) @ kt.repeat_interleave(3, 1).transpose(-1, -2)
-    assert _rel(got, ref) < 1e-5
-    assert _rel(keys_from_codec(kt, lam, hadamard), k) < 1e-6
+    scores, keys = _codec_errors_over_bounds(q, k, lam, hadamard)
+    assert scores <= 1 and keys <= 1
     if smooth:
-        assert kt.abs().amax() < k.abs().amax() / 5  # the outlier channel is tamed
+        # Not round-off: λ = sqrt(max |k|) takes the 40x channel to about sqrt(40) times the others,
+        # and H spreads it over sqrt(d)-sized sums; measured 8x smaller or more. 5x leaves room.
+        assert keys_to_codec(k, lam, hadamard).abs().amax() < k.abs().amax() / 5  # the outlier channel is tamed
+
+
+@pytest.mark.parametrize("head_dim", [16, 96])
+@pytest.mark.parametrize("smooth", [True, False])
+def test_a_hadamard_with_one_flipped_sign_breaks_the_score_and_round_trip_bounds(head_dim, smooth, monkeypatch):
+    monkeypatch.setattr(vecinfer, "rotate", _flipped_rotate)
+    q, k = _queries_and_outlier_keys(head_dim)
+    scores, keys = _codec_errors_over_bounds(q, k, smoothing_factors(k) if smooth else None, True)
+    assert scores > 10 and keys > 10
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_queries_smoothed_with_one_factor_one_float16_ulp_off_break_the_score_bound(hadamard):
+    q, k = _queries_and_outlier_keys(16)
+    lam = smoothing_factors(k)
+    off = lam.clone()
+    off.view(torch.int16)[:, 3] += 1  # the outlier channel's λ, one float16 ulp up, for the queries only
+    scores, _ = _codec_errors_over_bounds(q, k, lam, hadamard, q_lam=off)
+    assert scores > 10
 
 
 def test_odd_head_dim_with_hadamard_is_refused_with_a_clear_line():
@@ -87,24 +173,54 @@ def _random_method(groups: int, k="d4b6", v="d2b5", smooth=True, hadamard=True) 
     return VecInfer(config, [books], shape, residual=8)
 
 
+def _lut_error_over_bound(method: VecInfer, q: torch.Tensor, packed, reference_packed) -> float:
+    """max over scores of |key_scores(packed) − q · decompress(reference_packed)| / bound.
+
+    Both sides compute ((q λ) H)·c = q·((c H) λ) for the centroids c that the codes name, in float32:
+    the lookup table rounds q λ (u32), rotates it (d terms: γ_d, plus u32 for H's entries) and sums
+    N-term sub-vector products over d/N sub-vectors (γ_N + γ_{d/N} <= γ_d); the reference rotates c
+    (γ_d + u32) and multiplies by λ (u32). All are bounded by (|q λ||H|)·|c|: (3γ_d + 4u32) of it.
+    """
+    books, config = method.layers[0], method.config
+    d, g = q.shape[-1], q.shape[1] // method.shape.num_kv_heads
+    k_hat, _ = method.decompress(0, reference_packed)
+    ref = q.double() @ k_hat.double().repeat_interleave(g, 1).transpose(-1, -2)
+    lam = books.smooth.double().repeat_interleave(g, 0)[:, None, :] if config.smooth else 1.0
+    a = (q.double() * lam).abs() @ _abs_rotation(d, config.hadamard)
+    c = vq.decode(method.codes(reference_packed.k, "k"), books.k).double().abs()  # centroids in the codec's space
+    bound = (3 * gamma(d, U32) + 4 * U32) * (a @ c.repeat_interleave(g, 1).transpose(-1, -2))
+    return ((method.key_scores(0, q, packed).double() - ref).abs() / bound).max().item()
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("smooth,hadamard", [(True, True), (False, False)])
 def test_lut_scores_equal_dequantize_then_dot(groups, smooth, hadamard):
     method = _random_method(groups, smooth=smooth, hadamard=hadamard)
     k, v, q = torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 4, 5, 16)
     packed = method.compress(0, k, v)
-    k_hat, _ = method.decompress(0, packed)
-    ref = q.double() @ k_hat.double().repeat_interleave(2, 1).transpose(-1, -2)
-    assert _rel(method.key_scores(0, q, packed), ref) < 1e-5
+    assert _lut_error_over_bound(method, q, packed, packed) <= 1
+
+
+@pytest.mark.parametrize("smooth,hadamard", [(True, True), (False, False)])
+def test_lut_scores_with_one_key_code_flipped_break_the_bound(smooth, hadamard):
+    method = _random_method(1, smooth=smooth, hadamard=hadamard)
+    k, v, q = torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16), torch.randn(1, 4, 5, 16)
+    packed = method.compress(0, k, v)
+    flipped = dataclasses.replace(packed, k=packed.k.clone())
+    flipped.k[0, 1, 7, 0] ^= 1  # the lowest bit of one key's first code: another centroid
+    assert _lut_error_over_bound(method, q, flipped, packed) > 10
 
 
 def test_compress_round_trips_centroid_vectors_and_counts_code_bytes_only():
     method = _random_method(2, k="d4b6", v="d2b5", smooth=True, hadamard=True)
     k, v = torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16)
     k_hat, v_hat = method.decompress(0, method.compress(0, k, v))
-    # Decoded vectors are centroids already: compressing them again changes nothing (up to float error).
+    # Decoded vectors are centroids already: compressing them again picks the same centroids, and the
+    # same codes decode to the same floats. Keys come back into the codec's space within float32
+    # round-off (~1e-6 relative), far nearer their centroid than any other one (random float16
+    # centroids in 4 dimensions: ~0.3 apart); values are the centroids themselves.
     k_again, v_again = method.decompress(0, method.compress(0, k_hat, v_hat))
-    assert _rel(k_again, k_hat) < 1e-5 and torch.equal(v_again, v_hat)
+    assert torch.equal(k_again, k_hat) and torch.equal(v_again, v_hat)
     held = hold(method, 0, torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16))
     # 16 flushed tokens: keys 4 codes x 6 bits = 3 bytes, values 8 codes x 5 bits = 5 bytes per head;
     # 5 residual tokens in float16.
@@ -137,13 +253,14 @@ def test_fit_leaves_sink_tokens_out_of_smoothing_and_codebooks_only_when_asked(a
     rest = layer["k"][:, :, 2:]
     path = _fit(acts, tmp_path / "sinks", sink_tokens=2, exclude_sinks=True)
     tensors = load_file(str(path / "tensors.safetensors"))
-    torch.testing.assert_close(tensors["layers.0.k_smooth"], smoothing_factors(rest))
+    # The same float16 activations, an exact max, a correctly rounded sqrt: equal to the bit.
+    assert torch.equal(tensors["layers.0.k_smooth"], smoothing_factors(rest))
     method = build_method("vecinfer", AttentionShape(2, 4, 2, 16), MethodSettings(residual=16), str(path), tiny_lm)
     assert method.sink == 2 and method.settings()["sink_tokens"] == 2
     # Without --exclude-sinks the fit sees every token; the cache still keeps the sinks in float16.
     assert not torch.equal(smoothing_factors(rest), smoothing_factors(layer["k"]))  # the sinks matter here
     seen = load_file(str(_fit(acts, tmp_path / "all", sink_tokens=2) / "tensors.safetensors"))
-    torch.testing.assert_close(seen["layers.0.k_smooth"], smoothing_factors(layer["k"]))
+    assert torch.equal(seen["layers.0.k_smooth"], smoothing_factors(layer["k"]))
     assert build_method("vecinfer", AttentionShape(2, 4, 2, 16), MethodSettings(residual=16),
                         str(tmp_path / "all"), tiny_lm).sink == 2
 
@@ -207,7 +324,7 @@ def test_eval_with_vecinfer_counts_codes_residual_and_codebooks_once(acts, tmp_p
     # Per head and window: 32 flushed tokens of 3 key bytes + 5 value bytes, 8 residual tokens float16.
     cache = 2 * 2 * 2 * (32 * 8 * (3 + 5) + 8 * 2 * 16 * 16)
     shared = 16 * 2 * (64 * 4 + 32 * 2 + 2 * 16)
-    assert result.effective_bits == pytest.approx((cache + shared) / elements)
+    assert result.effective_bits == (cache + shared) / elements  # the same integers divided: exact
     assert math.isfinite(result.perplexity)
 
 

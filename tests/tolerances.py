@@ -12,6 +12,8 @@ and the magnitude Σ|terms| it is applied to, and a planted error shows it can f
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 U16 = 2.0**-11  # float16: 10 stored mantissa bits
@@ -39,3 +41,20 @@ def worst_row_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max over rows (all but the last axis) of ‖got_row − ref_row‖ / ‖ref_row‖, in float64."""
     ref = ref.double()
     return ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+
+
+def perplexity_tolerance(vocab: int, tokens: int, ppl: float, max_logit: float) -> float:
+    """Relative tolerance between eval's perplexity and a float64 reference of it, for a float64 model.
+
+    Upstream of the logits both are float64; their different matmul shapes leave round-off of a few tens of
+    u64 (the float32 model shows ~50 u32), which 2^-30 = 2^23 u64 bounds. But evaluate() casts the logits to
+    float32 for its cross-entropy. Per token: rounding the logits (2u |logit|), the max subtracted inside the
+    exps (2u |logit|, relative on each term), exp and log (<= 1 ulp = 2u each, log S <= ln V), the exp-sum S
+    over V positive terms (gamma_V relative), and joining the target logit, the max and log S (two roundings
+    of at most 2 |logit| + ln V each). Then eval's float32 sum over the window's N token NLLs adds
+    gamma_{N+1} * mean NLL (= ln ppl). The perplexity moves by expm1 of the mean NLL's error.
+    """
+    u = U32
+    nll = (gamma(vocab, u) + 2 * u * (1 + 2 * math.log(vocab)) + 8 * u * max_logit
+           + gamma(tokens + 1, u) * math.log(ppl))
+    return math.expm1(nll + 2.0**-30)
