@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	touch $@
 
 demo: setup
-	$(PY) benchmarks/perplexity.py recipes/baselines.toml --no-record
+	$(PY) benchmarks/perplexity.py recipes/baselines/baselines.toml --no-record
 
 test: setup
 	$(PY) -m pytest -q

@@ -21,7 +21,8 @@ import sys
 import torch
 
 import kernels_cupy.loader as loader
-from kvcalib.runtime.decode import fused_decode, pack, reference_decode
+from kvcalib.int2_layout import pack, reference_decode
+from kvcalib.runtime.int2_kernel import fused_decode
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100

@@ -1,7 +1,7 @@
-"""Run a recipe with train-adapters and eval steps (recipes/kvlinc.toml); print the perplexity table,
+"""Run a recipe with train-adapters and eval steps (recipes/kvlinc/kvlinc.toml); print the perplexity table,
 the per-layer attention error of each eval and the training time, and append them to RESULTS.md.
 
-    OMP_NUM_THREADS=1 python benchmarks/kvlinc.py recipes/kvlinc.toml
+    OMP_NUM_THREADS=1 python benchmarks/kvlinc.py recipes/kvlinc/kvlinc.toml
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def layer_table(labels: list[str], results: list) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="recipes/kvlinc.toml")
+    parser.add_argument("recipe", nargs="?", default="recipes/kvlinc/kvlinc.toml")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
 

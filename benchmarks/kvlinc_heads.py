@@ -1,7 +1,7 @@
 """Does KVLinC's correction lower the attention output error of every layer and head? Train each
 layer's adapters as `train-adapters` does, on all but the last --held sequences of an activations
 directory, then score the held-out sequences with the method's own attention per query head
-(`train_adapters.gated`, what the gate compares): ‖o − o_ref‖/‖o_ref‖ over the queries that
+(`kvcalib.methods.kvlinc_fit.gated`, what the gate compares): ‖o − o_ref‖/‖o_ref‖ over the queries that
 see a flushed block, without and with the (ungated) correction, next to the held-out attention KL
 the training minimizes. Print the table and append it
 to RESULTS.md.
@@ -19,7 +19,7 @@ import torch
 
 from kvcalib.collect import Activations
 from kvcalib.models import AttentionShape
-from kvcalib.train_adapters import TrainConfig, _layer_data, gated, heldout_loss, parse_layers, train_layer
+from kvcalib.methods.kvlinc_fit import TrainConfig, _layer_data, gated, heldout_loss, parse_layers, train_layer
 from results import publish
 
 

@@ -2,7 +2,7 @@
 
 Collect and fit steps run first, in recipe order, producing what the evaluations read.
 
-    python benchmarks/perplexity.py recipes/baselines.toml [--seq-len 1024] [--num-samples 4]
+    python benchmarks/perplexity.py recipes/baselines/baselines.toml [--seq-len 1024] [--num-samples 4]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def bits_breakdown(results, labels) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("recipe", nargs="?", default="recipes/baselines.toml")
+    parser.add_argument("recipe", nargs="?", default="recipes/baselines/baselines.toml")
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--num-samples", type=int)
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")

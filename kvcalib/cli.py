@@ -98,7 +98,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, out) -> None:
     """Train KVLinC's linear-correction adapters on collected activations."""
-    from .train_adapters import train_adapters
+    from .methods.kvlinc_fit import train_adapters
 
     path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
                           residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate)
@@ -131,7 +131,7 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out) -> None:
     """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""
-    from .methods.oscar import save_oscar_artifact
+    from .methods.oscar_fit import save_oscar_artifact
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
                                scaling=scaling, rotation=rotation)
@@ -157,7 +157,7 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out
 def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
                      sink_tokens, exclude_sinks, seed, out) -> None:
     """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
-    from .methods.vecinfer import fit_codebook
+    from .methods.vecinfer_fit import fit_codebook
 
     path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
                         hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,

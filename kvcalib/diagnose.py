@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,70 +32,12 @@ from .atomic import atomic_path, ensure_writable_dir, write_json
 from .collect import Activations
 from .errors import SettingsError
 from .methods.oscar import decode_keys, encode_keys
+from .quant import round_trip
+from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers, norm_stats
 
 log = logging.getLogger(__name__)
 
-# name -> (rotation, scaling) of `kvcalib.methods.oscar.encode_keys`
-TRANSFORMS = {"none": (False, "none"), "scaling": (False, "l2"), "rotation": (True, "none"), "oscar": (True, "l2")}
-TENSORS = ("q", "k", "v")
 _LISTED = 256  # outlier tokens listed per head in report.json (the counts are always complete)
-
-
-@dataclass(frozen=True)
-class OutlierRule:
-    z: float = 3.5
-    ratio: float = 2.0
-
-
-def norm_stats(norms: torch.Tensor) -> dict:
-    """Distribution and imbalance figures of a flat tensor of token norms."""
-    n = norms.double().flatten()
-    qs = torch.quantile(n, torch.tensor([0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0], dtype=torch.float64)).tolist()
-    lo, med, hi = qs[0], qs[3], qs[6]
-    return {
-        "min": lo, "p01": qs[1], "p25": qs[2], "median": med, "p75": qs[4], "p99": qs[5], "max": hi,
-        "mean": n.mean().item(),
-        "max_over_min": hi / lo if lo > 0 else math.inf,
-        "max_over_median": hi / med if med > 0 else math.inf,
-        "cv": (n.std() / n.mean()).item() if n.mean() > 0 else math.inf,
-    }
-
-
-def find_outliers(norms: torch.Tensor, rule: OutlierRule = OutlierRule()) -> tuple[torch.Tensor, torch.Tensor]:
-    """Boolean masks (same shape as norms) of low-norm and high-norm outlier tokens."""
-    logn = norms.double().clamp_min(1e-30).log()
-    med = logn.median()
-    mad = (logn - med).abs().median() * 1.4826
-    z = (logn - med) / mad.clamp_min(1e-12)
-    far = math.log(rule.ratio)
-    return (z < -rule.z) & (logn < med - far), (z > rule.z) & (logn > med + far)
-
-
-def fake_quant(x: torch.Tensor, bits: int, group: int, axis: str, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Round-to-nearest asymmetric quantize-dequantize of x (..., T, C) in groups along `axis`, as
-    `kvcalib.quant.quantize` then `dequantize` compute it, without packing.
-
-    With `keep` (..., T) the range of each token group is taken over the kept tokens only (a group
-    with none kept uses all); the others are clamped into it.
-    """
-    levels = (1 << bits) - 1
-    t, c = x.shape[-2:]
-    if axis == "tokens":
-        g = x.reshape(*x.shape[:-2], t // group, group, c)
-        red = -2
-        mask = None if keep is None else keep.reshape(*keep.shape[:-1], t // group, group, 1)
-    else:
-        g = x.reshape(*x.shape[:-1], c // group, group)
-        red, mask = -1, None
-    lo, hi = g.amin(red, keepdim=True), g.amax(red, keepdim=True)
-    if mask is not None:
-        any_kept = mask.any(red, keepdim=True)
-        lo = torch.where(any_kept, torch.where(mask, g, math.inf).amin(red, keepdim=True), lo)
-        hi = torch.where(any_kept, torch.where(mask, g, -math.inf).amax(red, keepdim=True), hi)
-    # Scale and zero are rounded to float16 as `kvcalib.quant` stores them.
-    scale, lo = ((hi - lo) / levels).half().float(), lo.half().float()
-    q = torch.where(scale > 0, ((g - lo) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, levels), 0.0)
-    return (lo + scale * q).reshape(x.shape)
 
 
 def _outlier_tokens(mask: torch.Tensor, positions: torch.Tensor) -> list[list[int]]:
@@ -149,7 +90,7 @@ def _quant_report(x: torch.Tensor, outliers: torch.Tensor, bits: int, group: int
         xt, s = encode_keys(x, rotation, scaling)
 
         def token_err2(keep=None):
-            return (decode_keys(fake_quant(xt, bits, group, axis, keep), s, rotation) - x).pow(2).sum(-1)
+            return (decode_keys(round_trip(xt, bits, group, axis, keep), s, rotation) - x).pow(2).sum(-1)
 
         err2 = token_err2()
         tnorm = xt.norm(dim=-1)

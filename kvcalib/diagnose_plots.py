@@ -10,7 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from .diagnose import TENSORS, TRANSFORMS, fake_quant, find_outliers, OutlierRule  # noqa: E402
+from .quant import round_trip  # noqa: E402
+from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers  # noqa: E402
 from .methods.oscar import decode_keys, encode_keys  # noqa: E402
 
 _SHOWN = 128  # token positions drawn in the per-position panels
@@ -56,7 +57,7 @@ def _oscar_figure(layer: int, kept: dict, bits: int, group: int, rule: OutlierRu
     errors = {}
     for col, (name, (rotation, scaling)) in enumerate(TRANSFORMS.items()):
         xt, s = encode_keys(x, rotation, scaling)
-        xr = decode_keys(fake_quant(xt, bits, group, "tokens"), s, rotation)
+        xr = decode_keys(round_trip(xt, bits, group, "tokens"), s, rotation)
         errors[name] = ((xr - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))[0]
         ax = fig.add_subplot(grid[0, col])
         im = ax.imshow(xt[0, :shown].abs().numpy(), aspect="auto", cmap="magma", interpolation="nearest")

@@ -115,20 +115,23 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
     return _quantize_torch(x, bits, group_size, axis)
 
 
-def _quantize_torch(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
-    g = _grouped(x.float(), group_size, axis)
-    red = -2 if axis == "tokens" else -1
-    lo = g.amin(red, keepdim=True)
-    hi = g.amax(red, keepdim=True)
+def _codes(g: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor):
+    """Codes of the grouped g for each group's range [lo, hi], with the float16 scale and zero stored."""
     levels = (1 << bits) - 1
     scale = ((hi - lo) / levels).half()
     zero = lo.half()
     s = scale.float()
     # A constant group has scale 0: every code is 0 and zero alone reconstructs it.
     q = torch.where(s > 0, torch.round((g - zero.float()) / torch.where(s > 0, s, 1.0)), 0.0)
-    q = q.clamp_(0, levels).reshape(x.shape)
+    return q.clamp_(0, levels), scale, zero
+
+
+def _quantize_torch(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:
+    g = _grouped(x.float(), group_size, axis)
+    red = -2 if axis == "tokens" else -1
+    q, scale, zero = _codes(g, bits, g.amin(red, keepdim=True), g.amax(red, keepdim=True))
     return Quantized(
-        codes=pack_bits(q, bits, _dim(axis)),
+        codes=pack_bits(q.reshape(x.shape), bits, _dim(axis)),
         scale=scale.squeeze(red),
         zero=zero.squeeze(red),
         bits=bits,
@@ -136,6 +139,27 @@ def _quantize_torch(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> 
         axis=axis,
         length=x.shape[_dim(axis)],
     )
+
+
+def round_trip(x: torch.Tensor, bits: int, group_size: int, axis: Axis, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`dequantize(quantize(x))` without packing (float32): what the cache reads back of x (..., T, C).
+
+    With `keep` (..., T) and axis "tokens", each group's range is taken over its kept tokens only (a
+    group with none kept uses all) and the others are clamped into it: `kvcalib diagnose` measures
+    what outlier tokens cost their group this way.
+    """
+    g = _grouped(x.float(), group_size, axis)
+    red = -2 if axis == "tokens" else -1
+    lo, hi = g.amin(red, keepdim=True), g.amax(red, keepdim=True)
+    if keep is not None:
+        if axis != "tokens":
+            raise ValueError("keep selects tokens: it needs axis='tokens'")
+        mask = _grouped(keep.unsqueeze(-1), group_size, axis)
+        kept = mask.any(red, keepdim=True)
+        lo = torch.where(kept, torch.where(mask, g, math.inf).amin(red, keepdim=True), lo)
+        hi = torch.where(kept, torch.where(mask, g, -math.inf).amax(red, keepdim=True), hi)
+    q, scale, zero = _codes(g, bits, lo, hi)
+    return (zero.float() + scale.float() * q).reshape(x.shape)
 
 
 def _quantize_cuda(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantized:

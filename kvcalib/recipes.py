@@ -29,9 +29,9 @@ def _commands() -> dict[str, Callable]:
     from .collect import collect
     from .diagnose import diagnose
     from .evaluate import evaluate
-    from .methods.oscar import save_oscar_artifact
-    from .methods.vecinfer import fit_codebook
-    from .train_adapters import train_adapters
+    from .methods.kvlinc_fit import train_adapters
+    from .methods.oscar_fit import save_oscar_artifact
+    from .methods.vecinfer_fit import fit_codebook
 
     return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook, "train-adapters": train_adapters,
             "diagnose": diagnose, "oscar-artifact": save_oscar_artifact}

@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvcalib.collect import shard_name
-from kvcalib.diagnose import diagnose, fake_quant
+from kvcalib.diagnose import diagnose
+from kvcalib.quant import round_trip
 from kvcalib.errors import SettingsError
 from kvcalib.quant import dequantize, quantize
 
@@ -80,8 +81,8 @@ def test_a_high_norm_token_inflates_the_key_error_of_its_group_neighbours(tmp_pa
     assert fig["mse_others_with_outliers"] > 3 * fig["mse_others_without_outliers"]
 
 
-def _check_fake_quant(got, x, bits, group, axis):
-    """fake_quant reproduces the packed quantizer bit for bit: both take the group's min and max (exact),
+def _check_round_trip(got, x, bits, group, axis):
+    """round_trip reproduces the packed quantizer bit for bit: both take the group's min and max (exact),
     round scale and zero to float16, and apply the same elementwise float32 operations (subtract, divide,
     round, clamp, multiply, add) in the same order, each correctly rounded, with no sum whose order could
     differ: so no tolerance, on any CPU."""
@@ -89,25 +90,25 @@ def _check_fake_quant(got, x, bits, group, axis):
 
 
 @pytest.mark.parametrize("bits,group,axis", [(2, 8, "tokens"), (3, 16, "channels"), (4, 32, "tokens")])
-def test_fake_quant_matches_the_packed_quantizer(bits, group, axis):
+def test_round_trip_matches_the_packed_quantizer(bits, group, axis):
     x = torch.randn(2, 3, 64, 32) * 3
-    _check_fake_quant(fake_quant(x, bits, group, axis), x, bits, group, axis)
+    _check_round_trip(round_trip(x, bits, group, axis), x, bits, group, axis)
 
 
 @pytest.mark.parametrize("plant", ["one code one level off", "scale not rounded to float16"])
-def test_the_fake_quant_comparison_catches_one_code_off_or_an_unrounded_scale(plant):
+def test_the_round_trip_comparison_catches_one_code_off_or_an_unrounded_scale(plant):
     x = torch.randn(2, 3, 64, 32) * 3
     if plant == "one code one level off":
-        got = fake_quant(x, 2, 8, "tokens").clone()
+        got = round_trip(x, 2, 8, "tokens").clone()
         group = got[0, 0, :8, 0]  # the first key group of channel 0: levels zero + step * q, q in 0..3
         step = (group.max() - group.min()) / 3
         got[0, 0, 0, 0] += step if got[0, 0, 0, 0] < group.max() else -step
-    else:  # the scale kept in float32 (fake_quant without the float16 rounding the cache applies)
+    else:  # the scale kept in float32 (round_trip without the float16 rounding the cache applies)
         g = x.reshape(2, 3, 8, 8, 32)
         lo, step = g.amin(-2, keepdim=True).half().float(), (g.amax(-2, keepdim=True) - g.amin(-2, keepdim=True)) / 3
         got = (lo + step * ((g - lo) / step).round().clamp(0, 3)).reshape(x.shape)
     with pytest.raises(AssertionError):
-        _check_fake_quant(got, x, 2, 8, "tokens")
+        _check_round_trip(got, x, 2, 8, "tokens")
 
 
 def test_bad_diagnose_settings_are_refused_before_writing(tmp_path):

@@ -19,7 +19,7 @@ from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.methods.kivi import KiviConfig
 from kvcalib.methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, States, combine, decode_attention, features
 from kvcalib.models import AttentionShape, LoadedModel, attention_shape, fingerprint
-from kvcalib.train_adapters import head_errors, parse_layers, train_adapters
+from kvcalib.methods.kvlinc_fit import head_errors, parse_layers, train_adapters
 from conftest import tiny_config
 from tolerances import U32, UNIT_ROUNDOFF, gamma, perplexity_tolerance
 

@@ -9,7 +9,8 @@ from kvcalib.errors import SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.hadamard import hadamard, rotate
 from kvcalib.methods import MethodSettings, build_method, hold, oscar
-from kvcalib.methods.oscar import SCALINGS, OscarConfig, decode_keys, encode_keys, fold_value_rotation, save_oscar_artifact
+from kvcalib.methods.oscar import SCALINGS, OscarConfig, decode_keys, encode_keys, fold_value_rotation
+from kvcalib.methods.oscar_fit import save_oscar_artifact
 from kvcalib.models import AttentionShape, LoadedModel
 
 from conftest import tiny_model
@@ -231,7 +232,7 @@ def test_bad_oscar_and_diagnose_input_gives_one_line_and_exit_2(args, capsys, ti
 def test_the_oscar_recipe_runs_the_ablations_as_settings_of_one_method():
     from kvcalib.recipes import load_recipe
 
-    steps = {s.label: s.arguments for s in load_recipe("recipes/oscar.toml")}
+    steps = {s.label: s.arguments for s in load_recipe("recipes/oscar/oscar.toml")}
     assert steps["Hadamard only"]["method"] == steps["scaling only (l2)"]["method"] == "oscar"
     assert steps["Hadamard only"]["scaling"] == "none" and steps["scaling only (l2)"]["rotation"] is False
     assert {a.get("scaling") for a in steps.values() if a["method"] == "oscar"} == set(SCALINGS)

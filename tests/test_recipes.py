@@ -5,7 +5,7 @@ from kvcalib.recipes import load_recipe, run_recipe
 
 
 def test_shipped_recipes_parse_into_known_commands():
-    steps = load_recipe("recipes/baselines.toml")
+    steps = load_recipe("recipes/baselines/baselines.toml")
     assert [s.label for s in steps] == ["fp16", "KIVI-2 G=32", "KIVI-2 G=128"]
     assert steps[1].arguments == {"seq_len": 1024, "num_samples": 4, "method": "kivi", "bits": 2,
                                   "group_size": 32, "residual": 128}
@@ -48,4 +48,4 @@ def test_recipe_collects_fits_codebooks_and_evaluates_vecinfer(tmp_path, tiny_lm
 def test_shipped_vecinfer_recipes_parse():
     for name in ("vecinfer", "vecinfer-ablation", "vecinfer-transfer", "vecinfer-d8b16"):
         assert any(step.command == "eval" and step.arguments["method"] == "vecinfer"
-                   for step in load_recipe(f"recipes/{name}.toml"))
+                   for step in load_recipe(f"recipes/vecinfer/{name}.toml"))

@@ -12,8 +12,9 @@ from kvcalib.errors import KvcalibError, SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.hadamard import hadamard as hadamard_matrix
 from kvcalib.methods import MethodSettings, build_method, hold, vecinfer
-from kvcalib.methods.vecinfer import (VecInfer, VecInferConfig, LayerCodebooks, fit_codebook, keys_from_codec,
-                                      keys_to_codec, queries_to_codec, smoothing_factors)
+from kvcalib.methods.vecinfer import (LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, keys_to_codec,
+                                      queries_to_codec, smoothing_factors)
+from kvcalib.methods.vecinfer_fit import fit_codebook
 from kvcalib.models import AttentionShape
 from conftest import tiny_config
 from tolerances import U32, gamma

@@ -20,7 +20,9 @@ import torch
 
 from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..errors import SettingsError
+from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
+from ..quant import Quantized
 
 
 class Method:
@@ -45,6 +47,23 @@ class Method:
     def constant_bits(self) -> int:
         """Bits of the method's shared tensors (codebooks, adapters), stored once for all sequences."""
         return 0
+
+    # ---- what the runtime (kvcalib.runtime.cache) reads of a method: declarations, never its class ----
+    rotated_keys = False  # keys are stored in the Hadamard basis: queries (and residual keys) meet them there
+    rotated_values = False  # values are stored in the Hadamard basis: attention outputs are rotated back
+
+    def int2_spec(self) -> Int2Spec | None:
+        """The flushed blocks as the INT2 kernel would read them (`kvcalib.int2_layout`), or None."""
+        return None
+
+    def int2_parts(self, packed: Any) -> tuple[Quantized, Quantized, torch.Tensor | None]:
+        """(keys, values, per-token key norms or None) of a flushed block in the layout of kvcalib.quant."""
+        raise NotImplementedError(f"{self.name} has no INT2 layout")
+
+    def correction(self, layer: int, q: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Terms added to attention's unnormalised sums (numerator (B, Hq, T, d) in the basis values are
+        stored in, denominator (B, Hq, T), exp units), or None: KVLinC's φ_q(q)·S and φ_q(q)·P."""
+        return None
 
     # ---- decoding (kvcalib.runtime.cache): a state kept beside the compressed blocks, None at first ----
     def flush_state(self, layer: int, state: Any, k16: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor) -> Any:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SettingsError
+from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
 from . import Method, MethodSettings
 from ..quant import Quantized, dequantize, quantize
@@ -52,14 +53,11 @@ class Kivi(Method):
         if shape.head_dim % self.value_group:
             raise SettingsError(f"--group-size {config.group_size} must divide head_dim {shape.head_dim} for values")
 
-    # What the fused INT2 kernel (kernels_cupy/quant_decode.cu) reads of a flushed block, and in
-    # which basis: queries and residual keys are rotated to match rotated keys, and the output is
-    # rotated back when values are stored rotated.
-    rotated_keys = False
-    rotated_values = False
+    def int2_spec(self) -> Int2Spec:
+        c = self.config
+        return Int2Spec(c.bits, c.group_size, self.value_group, self.block, self.sink)
 
-    def kernel_parts(self, packed: KiviPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
-        """(keys, values, per-token key norms or None) in the layout of kvcalib.quant."""
+    def int2_parts(self, packed: KiviPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
         return packed.k, packed.v, None
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KiviPacked:

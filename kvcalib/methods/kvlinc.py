@@ -204,6 +204,10 @@ class Kvlinc(Kivi):
             state = States.empty(b, hkv, adapter.rank, d, device=k16.device)
         return state.flush(adapter, k16.float() - k_held.float(), v_held)
 
+    def correction(self, layer: int, q: torch.Tensor, state: States | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        adapter = self.adapters.get(layer)
+        return None if adapter is None or state is None else correction_terms(adapter.query_features(q), state)
+
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
                opts: AttentionOptions, state: States | None) -> torch.Tensor:
         return decode_attention(q, k_held, v_held, opts, self.adapters.get(layer), state)

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..artifacts import load_artifact, save_artifact
-from ..atomic import ensure_writable_dir
+from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
-from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, fingerprint, load_model
+from ..models import AttentionShape, LoadedModel, attention_shape
 from ..quant import Quantized
 from . import MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
@@ -106,7 +105,7 @@ class Oscar(Kivi):
     def rotated_values(self) -> bool:
         return self.config.rotation
 
-    def kernel_parts(self, packed: OscarPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
+    def int2_parts(self, packed: OscarPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
         norms = None if packed.k_scale is None else packed.k_scale[..., 0]
         return packed.kivi.k, packed.kivi.v, norms
 
@@ -152,18 +151,6 @@ def fold_value_rotation(model: torch.nn.Module) -> None:
             wo = o_proj.weight.double().reshape(o_proj.weight.shape[0], shape.num_heads, d)
             folded = [wo[:, j] @ rotations[j // group] for j in range(shape.num_heads)]
             o_proj.weight.copy_(torch.stack(folded, dim=1).reshape(o_proj.weight.shape))
-
-
-def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits: int = 2, group_size: int = 32,
-                        residual: int = 128, scaling: str = "l2", rotation: bool = True) -> str:
-    """Write the artifact a deployment reproduces OScaR from: settings, model fingerprint, rotation."""
-    config = OscarConfig(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
-    ensure_writable_dir(out, "--out")
-    lm = load_model(model)
-    shape = attention_shape(lm.config)
-    method = Oscar(config, shape)
-    tensors = {"rotation": hadamard(shape.head_dim)} if rotation else {}
-    return str(save_artifact(out, "oscar", method.settings(), fingerprint(lm.model), tensors))
 
 
 def _from_artifact(path: str, shape: AttentionShape, model: LoadedModel | None) -> OscarConfig:

@@ -28,16 +28,13 @@ smoothing is on, `layers.{i}.k_smooth` float16 (Hkv, head_dim).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .. import vq
-from ..artifacts import load_artifact, save_artifact
-from ..atomic import ensure_writable_dir
-from ..collect import Activations
+from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
@@ -208,69 +205,3 @@ def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None
     if artifacts is None:
         raise SettingsError("--method vecinfer needs --artifacts: fit one with `kvcalib fit-codebook`")
     return load(artifacts, shape, model.model if model is not None else None, settings.residual)
-
-
-def _without_sinks(data: dict[str, torch.Tensor], sink_tokens: int) -> dict[str, torch.Tensor]:
-    """Keys and values of a collected layer as (1, Hkv, N, d), the tokens at positions < sink_tokens left out."""
-    keep = data["positions"] >= sink_tokens  # (S, T)
-    return {name: data[name].transpose(1, 2)[keep].transpose(0, 1)[None] for name in ("k", "v")}
-
-
-def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
-    """Rows of `dim` elements of x (S, H, T, d): every sub-vector of every token of one head, or of all."""
-    x = x if head is None else x[:, head : head + 1]
-    return x.reshape(-1, dim)
-
-
-def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
-                 granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
-                 seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0,
-                 exclude_sinks: bool = False) -> Path:
-    """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact.
-
-    The cache keeps the first `sink_tokens` tokens of a sequence in float16; with `exclude_sinks`
-    those positions of every calibration sequence are also left out of λ and the codebooks."""
-    import faiss
-
-    config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
-    if iters < 1 or max_points_per_centroid < 1:
-        raise SettingsError("--iters and --max-points-per-centroid must be positive")
-    out = ensure_writable_dir(out)
-    acts = Activations(activations)
-    fp = acts.fingerprint
-    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
-    config.check(shape)
-    if exclude_sinks and sink_tokens >= acts.manifest["settings"]["seq_len"]:
-        raise SettingsError(f"--sink-tokens {sink_tokens} leaves no token of the {acts.manifest['settings']['seq_len']}-token "
-                            "calibration sequences to fit")
-    heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
-    vectors = acts.manifest["tokens_per_layer"] * shape.num_kv_heads // len(heads)
-    for vqc in (config.k, config.v):
-        vqc.check_points(vectors * (shape.head_dim // vqc.dim))
-
-    tensors: dict[str, torch.Tensor] = {}
-    seconds = {"k": 0.0, "v": 0.0}
-    training_points = {}
-    for i in tqdm(range(shape.num_layers), desc=f"fit-codebook K {config.k} V {config.v}", unit="layer"):
-        data = _without_sinks(acts.layer(i), sink_tokens if exclude_sinks else 0)
-        lam = smoothing_factors(data["k"]) if smooth else None
-        if lam is not None:
-            tensors[f"layers.{i}.k_smooth"] = lam
-        sources = {"k": (keys_to_codec(data["k"], lam, hadamard), config.k), "v": (data["v"].float(), config.v)}
-        for which, (x, vqc) in sources.items():
-            books = []
-            for head in heads:
-                fit = vq.kmeans(_subvectors(x, head, vqc.dim), vqc, iters, seed, max_points_per_centroid)
-                seconds[which] += fit.seconds
-                training_points[which] = fit.training_points
-                books.append(fit.codebook)
-            tensors[f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
-    settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid,
-                                 "exclude_sinks": exclude_sinks}
-    extra = {
-        "activations": str(activations),
-        "calibration": acts.manifest["settings"],
-        "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": faiss.get_num_gpus() > 0,
-                   "training_points_per_codebook": training_points, "fit_seconds": seconds},
-    }
-    return save_artifact(out, VecInfer.name, settings, fp, tensors, extra)

@@ -11,9 +11,11 @@ model's attention runs through the registered attention function `kvcalib_runtim
   lengths, padding is never attended, stored nor counted, and each sequence decodes exactly as it
   would alone (the mask reaches the cache through a forward pre-hook on the model);
 - a prompt into an empty cache attends in full precision, then is compressed;
-- later tokens attend over the cache as held. On CUDA, for the INT2 methods of `kvcalib.quant`
-  (kivi, kvlinc, oscar), the fused kernel of `kernels_cupy/` reads the packed blocks; elsewhere the torch
-  reference (`Method.decode` over the dequantized blocks and the float16 residual) runs.
+- later tokens attend over the cache as held. The runtime asks the method what it is, never which
+  class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`): on
+  CUDA, where `kvcalib.runtime.int2_kernel.supports` the method's blocks (kivi, kvlinc, oscar today),
+  the fused kernel of `kernels_cupy/` reads them; elsewhere the torch reference (`Method.decode` over
+  the dequantized blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
 
@@ -28,11 +30,12 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
-from ..hadamard import rotate
 from ..errors import SettingsError
+from ..hadamard import rotate
+from ..int2_layout import PackedLayer, append_block
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
-from .decode import PackedLayer, append_block, fused_decode
+from .int2_kernel import fused_decode, supports
 
 IMPLEMENTATION = "kvcalib_runtime"
 _CURRENT: contextvars.ContextVar[tuple["CompressedLayer", int] | None] = contextvars.ContextVar("kvcalib_layer", default=None)
@@ -108,8 +111,8 @@ class CompressedLayer(CacheLayerMixin):
             # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
-            if self.use_fused and _fused_capable(self.method, k16):
-                self.fused = append_block(self.fused, *self.method.kernel_parts(packed), self.k_res, self.v_res)
+            if self.use_fused and supports(self.method.int2_spec(), k16.shape[-1], k16.device):
+                self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
@@ -154,7 +157,7 @@ class KvcalibCache(Cache):
         """`fused=False` keeps the torch reference path on CUDA too (for comparisons)."""
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
-        self.method = method if isinstance(method, Method) else build_method(method, shape, settings, artifacts, lm)
+        self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
         self.padding = _Padding()
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         _register()
@@ -228,44 +231,30 @@ def _watch_padding(model: torch.nn.Module) -> None:
     base._kvcalib_padding_hook = True
 
 
-def _fused_capable(method: Method, k: torch.Tensor) -> bool:
-    """Whether the INT2 kernel reads this method's blocks (kivi, kvlinc, oscar: KIVI-layout 2-bit)."""
-    from ..methods.kivi import Kivi
-
-    if not (k.is_cuda and isinstance(method, Kivi) and method.config.bits == 2 and not method.sink):
-        return False
-    g, gv = method.config.group_size, method.value_group
-    return k.shape[-1] in (64, 128) and g >= 16 and g & (g - 1) == 0 and gv >= 16 and method.block % 16 == 0
-
-
 def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
     """Attention of the newest positions over the compressed cache: the fused kernel for one new
-    token on CUDA (values rotated back for KVLinC, its S and P entering at the merge), otherwise
-    the method's torch reference over the dequantized cache."""
-    from ..methods.kvlinc import Kvlinc, correction_terms
-
-    fused = layer.fused
+    token where it reads the method's blocks (queries and residual keys met in the basis the method
+    stores keys in, outputs rotated back from the values' basis, the method's correction terms
+    entering at the merge), otherwise the method's torch reference over the dequantized cache."""
+    method, fused = layer.method, layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
-    if fused is not None and q.shape[-2] == 1 and gqa <= 8 and not opts.softcap and not opts.sliding_window:
-        method = layer.method
+    if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
         q1 = q[:, :, 0]
         if method.rotated_keys:  # q·k is taken in the Hadamard basis the keys are stored in
             q1 = rotate(q1.float())
             fused = dataclasses.replace(fused, kres=rotate(fused.kres.float()).half())
         if method.rotated_values:  # flushed and residual values are summed in one basis
             fused = dataclasses.replace(fused, vres=rotate(fused.vres.float()).half())
-        correction = None
-        if isinstance(method, Kvlinc) and layer.state is not None:
-            adapter = method.adapters[layer.layer]
-            num, den = correction_terms(adapter.query_features(q), layer.state)
-            num, den = num[:, :, 0], den[:, :, 0]  # the single new position
-            correction = (rotate(num) if method.rotated_values else num, den)
+        terms = method.correction(layer.layer, q, layer.state)
+        if terms is not None:
+            num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
+            terms = (rotate(num) if method.rotated_values else num, den)
         # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
         q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-        out = fused_decode(q1, fused, opts.scaling, correction).to(compute_dtype(q))
+        out = fused_decode(q1, fused, opts.scaling, terms).to(compute_dtype(q))
         return (rotate(out) if method.rotated_values else out).unsqueeze(2)
     k_held, v_held = layer.held(compute_dtype(q))
-    return layer.method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
+    return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
 
 def _register() -> None:

@@ -10,7 +10,8 @@ worse than that peer anywhere, not only on average.
 import pytest
 import torch
 
-from kvcalib.runtime.decode import fused_decode, pack, reference_decode
+from kvcalib.int2_layout import pack, reference_decode
+from kvcalib.runtime.int2_kernel import fused_decode
 
 cupy = pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
@@ -167,7 +168,7 @@ def test_flushed_lengths_that_are_not_multiples_of_the_stage(length, group, d, l
 @pytest.mark.parametrize("shape", [(1, 1, 16), (3, 2, 48), (1, 8, 4096)])
 def test_reorder_kernel_equals_the_torch_tensor_core_order(d, which, shape):
     from kvcalib.quant import pack_bits
-    from kvcalib.runtime.decode import reorder_packed, to_tensor_core_order
+    from kvcalib.int2_layout import reorder_packed, to_tensor_core_order
 
     codes = torch.randint(0, 4, (*shape, d), device=DEV)
     words = pack_bits(codes, 2, -2 if which == "k" else -1)

@@ -1,4 +1,4 @@
-"""Decode attention over one layer's packed INT2 cache: the torch reference and the fused kernel.
+"""The INT2 cache layout the fused decode kernel reads (kernels_cupy/quant_decode.cu), and its torch reference.
 
 `PackedLayer` holds the INT2 cache of `kvcalib.quant` (keys axis="tokens", values axis="channels":
 the same scales, zero points and buffer shapes), with optional per-token key norms (OScaR) and the
@@ -20,25 +20,32 @@ fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n holds tokens 16n..16n+1
 scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
 lane reads the scales of its two tokens as one half2.
 
-`reference_decode` dequantizes and attends in float64; `fused_decode` runs
-`kernels_cupy/quant_decode.cu`; both take KVLinC's correction terms (numerator (B, Hq, D) and
-denominator (B, Hq), in exp units) when given.
+`reference_decode` dequantizes and attends in float64: the reference the kernel
+(`kvcalib.runtime.int2_kernel.fused_decode`) is tested against; both take KVLinC's correction terms
+(numerator (B, Hq, D) and denominator (B, Hq), in exp units) when given.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..quant import Quantized, dequantize_codes, quantize, unpack_bits
+from .quant import Quantized, dequantize_codes, quantize, unpack_bits
 
-TILE = 128  # split alignment in tokens
-RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
-MERGE_WARPS = 4  # MERGE_WARPS in quant_decode.cu: warps per block of `merge`
-BLOCKS_PER_SM = 4  # resident decode blocks per SM: the kernel's register budget and the size of one wave
+TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `pack` allocates
+
+
+@dataclass(frozen=True)
+class Int2Spec:
+    """What a method's flushed blocks are, as the kernel sees them (`Method.int2_spec`)."""
+
+    bits: int
+    group_size: int  # key group, tokens
+    value_group_size: int  # value group, channels
+    block: int  # tokens per flush
+    sink: int = 0  # leading tokens kept in float16 beside their codes
 
 
 @functools.lru_cache(maxsize=4)
@@ -238,82 +245,3 @@ def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
         num = num + scale[..., None] * correction[0].double()
         den = den + scale * correction[1].double()
     return num / den[..., None]
-
-
-def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reserved: int = 0) -> tuple[int, int]:
-    """Split the flushed tokens into at most one wave of blocks (BLOCKS_PER_SM resident per SM),
-    `reserved` of the wave's slots going to the residual blocks; splits align to
-    128 tokens and to key groups."""
-    unit = TILE * group // math.gcd(TILE, group)
-    units = max(1, -(-length // unit))
-    want = max(1, (BLOCKS_PER_SM * sms - reserved) // blocks_per_split_unit)
-    per = -(-units // min(units, want))
-    split_len = per * unit
-    return max(1, -(-length // split_len)) if length else 0, split_len
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
-                 correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False,
-                 loader: str = "auto") -> torch.Tensor:
-    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype.
-
-    `loader`: "auto" streams the packed cache with the bulk-copy engine on sm_90 and later, with
-    cp.async before; "cp.async" forces the latter (the tests run both on one GPU).
-    """
-    import cupy
-
-    from kernels_cupy.loader import kernel, launch, torch_stream
-
-    b, hq, d = q.shape
-    hkv = layer.kcodes.shape[1]
-    if q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq // hkv > 8:
-        raise ValueError("fused decode needs fp16/bf16 queries, head_dim 64 or 128, at most 8 query heads per KV head")
-    buffers = (layer.kcodes, layer.kscale, layer.kzero, layer.vcodes, layer.vscale, layer.vzero, layer.kres, layer.vres)
-    if not all(b.is_contiguous() for b in buffers) or (layer.knorm is not None and not layer.knorm.is_contiguous()):
-        raise ValueError("fused decode reads dense buffers: every PackedLayer tensor must be contiguous")
-    if any(t.data_ptr() % 16 for t in buffers) or (layer.knorm is not None and layer.knorm.data_ptr() % 16):
-        raise ValueError("fused decode copies 16-byte pieces: every PackedLayer tensor must start 16-byte aligned")
-    if loader not in ("auto", "cp.async"):
-        raise ValueError(f"loader must be 'auto' or 'cp.async', got {loader!r}")
-    if layer.length % max(16, layer.group_size) or layer.vcodes.shape[2] % 16 or layer.value_group_size < 16:
-        raise ValueError("fused decode needs whole key groups of >= 16 tokens, capacity in multiples of 16 tokens, "
-                         "value groups >= 16")
-    defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
-               "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
-               "CP_ASYNC_LOADER": int(loader == "cp.async"),
-               "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
-    residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
-    sms = _sm_count(q.device.index or 0)
-    # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
-    # run as packed blocks finish.
-    reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
-    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms, reserved)
-    parts = num_splits + residual_blocks  # the last partials are the residual window's
-    part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
-    part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
-    out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
-    q = q.contiguous()
-    num, den = (c.float().contiguous() for c in correction) if correction is not None else (None, None)
-    scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
-    i32 = cupy.int32
-    # Raw device pointers: cupy.asarray on each tensor would cost more than the kernel at short lengths.
-    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    with torch_stream(q.device):
-        # Block (part, kv head, batch): the first num_splits stream split_len packed tokens each for the
-        # GQ heads of their KV head; the others take 16 tokens of the fp16 residual window.
-        launch(kernel("quant_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
-               (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
-                ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
-                i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
-                i32(split_len), i32(num_splits), ptr(layer.kres), ptr(layer.vres), i32(layer.residual),
-                i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml)), checked)
-        # Warp per (batch, query head, 32 channels), MERGE_WARPS per block: merge partials (+ KVLinC terms), normalise.
-        warps = b * hq * d // 32
-        launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
-               (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
-    return out

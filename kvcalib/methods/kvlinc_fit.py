@@ -1,7 +1,7 @@
 """`train-adapters`: fit KVLinC's feature maps (`kvcalib.methods.kvlinc`) on collected activations.
 
 Each layer is trained on its own (layers are independent). For a query i that sees f_i flushed
-tokens (the eval's flush rule, `attention.flushed_counts`: f_i = floor((i+1)/R)·R), the loss is
+tokens (the one flush rule, `attention.flushed_length`: f_i = floor((i+1)/R)·R), the loss is
 the cross-entropy between the full-precision causal attention weights p_i = softmax(q_i Kᵀ/√d) and
 the corrected quantized weights the method applies,
 
@@ -36,16 +36,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .artifacts import save_artifact
-from .atomic import ensure_writable_dir
-from .attention import AttentionOptions, flushed_counts, mixed_attention
-from .collect import Activations
-from .errors import SettingsError
-from .methods import hold
-from .methods.kivi import KiviConfig
-from .methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, features
-from .models import AttentionShape
-from .quant import dequantize, quantize
+from ..artifacts import save_artifact
+from ..atomic import ensure_writable_dir
+from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_attention
+from ..collect import Activations
+from ..errors import SettingsError
+from ..models import AttentionShape
+from . import hold
+from .kivi import KiviConfig
+from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, features
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +92,20 @@ class _LayerData:
     q: torch.Tensor  # (S, Hq, T, d)
     k: torch.Tensor  # (S, Hkv, T, d)
     k_quant: torch.Tensor  # (S, Hkv, F, d): the F flushable tokens as the cache stores them
-    k_err: torch.Tensor  # k - k_quant over the same tokens
+    k_err: torch.Tensor  # float16 k - k_quant over the same tokens: what φ_k sees (Kvlinc.states)
 
     def take(self, seqs: torch.Tensor) -> "_LayerData":
         return _LayerData(*(getattr(self, n)[seqs] for n in ("q", "k", "k_quant", "k_err")))
 
 
 def _layer_data(acts: dict[str, torch.Tensor], config: TrainConfig) -> _LayerData:
-    q, k = acts["q"].float(), acts["k"].float()
-    flushable = k.shape[-2] // config.residual * config.residual
-    kq = dequantize(quantize(k[..., :flushable, :], config.bits, config.group_size, "tokens"))
-    return _LayerData(q, k, kq, k[..., :flushable, :] - kq)
+    """A collected layer, its flushable keys as the KVLinC cache holds them (`methods.hold`: float16,
+    then compressed by the method, the rule eval scores) and their error against the float16 keys."""
+    q, k, v = (acts[n].float() for n in "qkv")
+    shape = AttentionShape(1, q.shape[1], k.shape[1], k.shape[-1])
+    held = hold(Kvlinc(KiviConfig(config.bits, config.group_size, config.residual), shape), 0, k, v)
+    f = held.flushed
+    return _LayerData(q, k, held.k[..., :f, :], held.k16[..., :f, :] - held.k[..., :f, :])
 
 
 def attention_ce(data: _LayerData, pos: torch.Tensor, residual: int, scaling: float,
@@ -117,7 +119,7 @@ def attention_ce(data: _LayerData, pos: torch.Tensor, residual: int, scaling: fl
     flushable = data.k_quant.shape[-2]
     j = torch.arange(t)
     visible = j[None, :] <= pos[:, None]
-    held = (j[None, :flushable] < ((pos + 1) // residual * residual)[:, None])
+    held = j[None, :flushable] < flushed_length(pos + 1, residual)[:, None]
     held_scores = scaling * q @ data.k_quant.unsqueeze(2).transpose(-1, -2)
     if adapter is not None:
         fq = features(data.q[:, :, pos], adapter.q_w1, adapter.q_w2).reshape(s_, hkv, g, len(pos), -1)
