@@ -9,6 +9,7 @@ import sys
 import click
 
 from .errors import KvcalibError
+from .defaults import DEFAULTS
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -61,12 +62,16 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @cli.command("eval")
 @_common
 @click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer (see README).")
-@click.option("--bits", type=int, default=2, show_default=True)
-@click.option("--group-size", type=int, default=32, show_default=True)
-@click.option("--residual", type=int, default=128, show_default=True)
-@click.option("--scaling", default="l2", show_default=True, help="oscar: key coefficient l2|rsqrt|max|mean-abs|none.")
-@click.option("--rotation/--no-rotation", default=True, show_default=True, help="oscar: Hadamard rotation of K and V.")
-@click.option("--artifacts", type=click.Path(), default=None, help="Calibrated artifact directory.")
+@click.option("--bits", type=int, default=None, help=f"kivi, kvlinc, oscar [default: {DEFAULTS['bits']}, or the artifact's].")
+@click.option("--group-size", type=int, default=None,
+              help=f"kivi, kvlinc, oscar [default: {DEFAULTS['group_size']}, or the artifact's].")
+@click.option("--residual", type=int, default=None,
+              help=f"Flush block R, every method but fp16 [default: {DEFAULTS['residual']}, or the artifact's].")
+@click.option("--scaling", default=None,
+              help=f"oscar: key coefficient l2|rsqrt|max|mean-abs|none [default: {DEFAULTS['scaling']}, or the artifact's].")
+@click.option("--rotation/--no-rotation", default=None, help="oscar: Hadamard rotation of K and V [default: on, or the artifact's].")
+@click.option("--artifacts", type=click.Path(), default=None,
+              help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, scaling, rotation,
              artifacts, json_path) -> None:
@@ -86,9 +91,9 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
 @click.option("--rank", type=int, default=256, show_default=True, help="Feature dimension D of φ (two softmaxes of D/2).")
 @click.option("--steps", type=int, default=60, show_default=True, help="Adam steps per layer.")
 @click.option("--lr", type=float, default=1e-2, show_default=True)
-@click.option("--bits", type=int, default=2, show_default=True)
-@click.option("--group-size", type=int, default=128, show_default=True)
-@click.option("--residual", type=int, default=128, show_default=True)
+@click.option("--bits", type=int, default=DEFAULTS["bits"], show_default=True)
+@click.option("--group-size", type=int, default=DEFAULTS["group_size"], show_default=True)
+@click.option("--residual", type=int, default=DEFAULTS["residual"], show_default=True)
 @click.option("--tokens", type=int, default=128, show_default=True, help="Query positions per step.")
 @click.option("--layers", default="all", show_default=True, help="all, or layers such as 0-9 or 0,4,7-9.")
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -108,7 +113,7 @@ def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual,
 @cli.command("diagnose")
 @click.option("--activations", required=True, type=click.Path(), help="A finished `kvcalib collect` directory.")
 @click.option("--bits", default="2,3,4", show_default=True, help="Comma-separated bit widths.")
-@click.option("--group-size", type=int, default=32, show_default=True)
+@click.option("--group-size", type=int, default=DEFAULTS["group_size"], show_default=True)
 @click.option("--max-samples", type=int, default=None, help="Use only the first N samples of the collection.")
 @click.option("--plot-layers", default=None, help="Comma-separated layers to plot (default: first, most imbalanced, last).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (report.json, report.md, PNGs).")
@@ -123,11 +128,11 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -
 
 @cli.command("oscar-artifact")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The model the artifact is for.")
-@click.option("--bits", type=int, default=2, show_default=True)
-@click.option("--group-size", type=int, default=32, show_default=True)
-@click.option("--residual", type=int, default=128, show_default=True)
-@click.option("--scaling", default="l2", show_default=True, help="Key coefficient l2|rsqrt|max|mean-abs|none.")
-@click.option("--rotation/--no-rotation", default=True, show_default=True)
+@click.option("--bits", type=int, default=DEFAULTS["bits"], show_default=True)
+@click.option("--group-size", type=int, default=DEFAULTS["group_size"], show_default=True)
+@click.option("--residual", type=int, default=DEFAULTS["residual"], show_default=True)
+@click.option("--scaling", default=DEFAULTS["scaling"], show_default=True, help="Key coefficient l2|rsqrt|max|mean-abs|none.")
+@click.option("--rotation/--no-rotation", default=DEFAULTS["rotation"], show_default=True)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out) -> None:
     """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""

@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from .atomic import atomic_path, ensure_writable_dir, write_json
 from .collect import Activations
 from .errors import SettingsError
+from .methods import DEFAULTS
 from .methods.oscar import decode_keys, encode_keys
 from .quant import round_trip
 from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers, norm_stats
@@ -143,7 +144,7 @@ def _check(bits: list[int], group_size: int, acts: Activations, max_samples: int
 
 
 def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | list[int] = (2, 3, 4),
-             group_size: int = 32, max_samples: int | None = None, plot_layers: list[int] | None = None,
+             group_size: int = DEFAULTS["group_size"], max_samples: int | None = None, plot_layers: list[int] | None = None,
              outlier_z: float = 3.5, outlier_ratio: float = 2.0) -> Path:
     """Measure TNI in a collection and its cost to RTN quantization; write report.json, report.md, PNGs."""
     from .diagnose_plots import plot_report  # matplotlib is imported only here

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
-from .methods import MethodSettings, build_method, check_method_name, hold
+from .methods import MethodSettings, build_method, hold, settings_used
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
 
 log = logging.getLogger(__name__)
@@ -56,16 +56,20 @@ class EvalResult:
 
 
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
-             num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int = 2,
-             group_size: int = 32, residual: int = 128, scaling: str = "l2", rotation: bool = True,
+             num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
+             group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
+             rotation: bool | None = None,
              artifacts: str | None = None, json_path: str | None = None) -> EvalResult:
-    """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text."""
-    check_method_name(method)
+    """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
+
+    Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
+    method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
+    settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
     lm = load_model(model)
     shape = attention_shape(lm.config)
-    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)
     windows = token_windows(lm.tokenizer, dataset, "evaluation", num_samples, seq_len, text_field)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .defaults import DEFAULTS
 from .errors import SettingsError
 
 
@@ -44,6 +45,16 @@ class Step:
     arguments: dict
 
 
+def _default_applies(key: str, step: dict) -> bool:
+    """A recipe default of a method option fills an eval step only where its method reads the option
+    and no artifact fixes it: the option would be refused there (`MethodSettings.resolve`)."""
+    if key not in DEFAULTS or "method" not in step:
+        return True
+    from .methods import settings_used
+
+    return "artifacts" not in step and key in settings_used(step["method"])
+
+
 def load_recipe(path: str | Path) -> list[Step]:
     path = Path(path)
     try:
@@ -63,7 +74,7 @@ def load_recipe(path: str | Path) -> list[Step]:
         unknown = set(raw) - set(accepted)
         if unknown:
             raise SettingsError(f"recipe {path} step {i + 1}: {command} takes no {', '.join(sorted(unknown))}")
-        arguments = {k: v for k, v in defaults.items() if k in accepted} | raw
+        arguments = {k: v for k, v in defaults.items() if k in accepted and _default_applies(k, raw)} | raw
         steps.append(Step(command, label, arguments))
     if not steps:
         raise SettingsError(f"recipe {path} has no [[steps]]")

@@ -150,7 +150,8 @@ def test_compressed_cache_stores_fewer_bits_than_float16():
     prompt = torch.randint(0, 512, (1, 64))
     bits = {}
     for name in ("fp16", "kivi"):
-        cache = KvcalibCache(lm, name, MethodSettings(bits=2, group_size=16, residual=16))
+        given = MethodSettings(bits=2, group_size=16, residual=16) if name == "kivi" else MethodSettings()
+        cache = KvcalibCache(lm, name, given)
         with torch.no_grad():
             model(prompt, past_key_values=cache, use_cache=True)
         bits[name] = cache.stored_bits()

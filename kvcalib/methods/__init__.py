@@ -13,12 +13,13 @@ their compressed form (`keep_sinks`); they are counted at 16 bits on top of thei
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from ..attention import AttentionOptions, flushed_length, mixed_attention
+from ..defaults import DEFAULTS, OPTIONS
 from ..errors import SettingsError
 from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
@@ -137,13 +138,40 @@ METHOD_NAMES = tuple(_MODULES)
 
 @dataclass(frozen=True)
 class MethodSettings:
-    """The evaluation command's method options; a method reads those it uses and ignores the rest."""
+    """A method's options as the user gave them; None = not given.
 
-    bits: int = 2
-    group_size: int = 32
-    residual: int = 128
-    scaling: str = "l2"  # OScaR: per-token key coefficient, or "none"
-    rotation: bool = True  # OScaR: Hadamard rotation of keys and values
+    One rule for every method (`resolve`): an option the method does not use is refused; an
+    artifact fixes what it was fitted for, and a given option that contradicts it is refused with
+    both values named; anything else not given takes `DEFAULTS`.
+    """
+
+    bits: int | None = None
+    group_size: int | None = None
+    residual: int | None = None
+    scaling: str | None = None  # OScaR: per-token key coefficient, or "none"
+    rotation: bool | None = None  # OScaR: Hadamard rotation of keys and values
+
+    def given(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def resolve(self, method: str, uses: tuple[str, ...], fixed: dict | None = None,
+                source: str | None = None) -> dict:
+        """The values of the options `uses` lists: given, else fixed by the artifact at `source`, else default."""
+        given, fixed = self.given(), fixed or {}
+        unused = [k for k in given if k not in uses]
+        if unused:
+            raise SettingsError(f"{OPTIONS[unused[0]]} is not an option of --method {method}; drop it")
+        for key, value in given.items():
+            if key in fixed and fixed[key] != value:
+                raise SettingsError(f"{OPTIONS[key]} {value} contradicts the artifact {source}, made with "
+                                    f"{key}={fixed[key]}: drop {OPTIONS[key]} or pass {fixed[key]}")
+        return {k: given.get(k, fixed.get(k, DEFAULTS[k])) for k in uses}
+
+
+def settings_used(name: str) -> tuple[str, ...]:
+    """The options of `DEFAULTS` that method `name` reads."""
+    check_method_name(name)
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}").SETTINGS
 
 
 def check_method_name(name: str) -> None:
@@ -156,4 +184,5 @@ def build_method(name: str, shape: AttentionShape, settings: MethodSettings = Me
     """Build a method by name from the command's settings and, where it needs one, an artifact."""
     check_method_name(name)
     module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    settings.resolve(name, module.SETTINGS)  # an option the method does not use is refused, artifact or not
     return module.build(shape, settings, artifacts, model)

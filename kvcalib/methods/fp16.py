@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import Method, MethodSettings
+from ..errors import SettingsError
 from ..models import AttentionShape, LoadedModel
+from . import Method, MethodSettings
 
 
 class Fp16(Method):
@@ -25,5 +26,10 @@ class Fp16(Method):
         return {}
 
 
+SETTINGS: tuple[str, ...] = ()
+
+
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Fp16:
+    if artifacts is not None:
+        raise SettingsError("--method fp16 takes no --artifacts")
     return Fp16()

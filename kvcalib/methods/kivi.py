@@ -15,15 +15,15 @@ import torch
 from ..errors import SettingsError
 from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
-from . import Method, MethodSettings
+from . import DEFAULTS, Method, MethodSettings
 from ..quant import Quantized, dequantize, quantize
 
 
 @dataclass(frozen=True)
 class KiviConfig:
-    bits: int = 2
-    group_size: int = 32
-    residual: int = 128
+    bits: int = DEFAULTS["bits"]
+    group_size: int = DEFAULTS["group_size"]
+    residual: int = DEFAULTS["residual"]
 
     def __post_init__(self) -> None:
         if not 1 <= self.bits <= 8:
@@ -78,5 +78,10 @@ class Kivi(Method):
                 "value_group_size": self.value_group, "residual": self.config.residual}
 
 
+SETTINGS = ("bits", "group_size", "residual")
+
+
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Kivi:
-    return Kivi(KiviConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual), shape)
+    if artifacts is not None:
+        raise SettingsError("--method kivi takes no --artifacts (it fits nothing)")
+    return Kivi(KiviConfig(**settings.resolve("kivi", SETTINGS)), shape)

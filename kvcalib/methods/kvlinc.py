@@ -259,14 +259,15 @@ def load_adapters(path: str, shape: AttentionShape, model: LoadedModel | None = 
     return adapters, art.settings
 
 
+SETTINGS = ("bits", "group_size", "residual")
+
+
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Kvlinc:
-    requested = KiviConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual)
+    """Without an artifact, the uncorrected channel-K + Hadamard-V scheme; with one, the adapters and
+    the quantization settings they were trained for."""
     if artifacts is None:
-        return Kvlinc(requested, shape)
+        return Kvlinc(KiviConfig(**settings.resolve("kvlinc", SETTINGS)), shape)
     adapters, trained = load_adapters(artifacts, shape, model)
-    config = KiviConfig(bits=trained["bits"], group_size=trained["group_size"], residual=trained["residual"])
-    # The artifact's quantization settings rule; options other than the defaults must agree with them.
-    if settings != MethodSettings() and requested != config:
-        raise SettingsError(f"artifact {artifacts} was trained for bits={config.bits} group_size={config.group_size} "
-                            f"residual={config.residual}; drop --bits/--group-size/--residual or pass those")
-    return Kvlinc(config, shape, adapters, trained.get("scaling"))
+    fixed = {k: trained[k] for k in SETTINGS}
+    return Kvlinc(KiviConfig(**settings.resolve("kvlinc", SETTINGS, fixed, artifacts)), shape, adapters,
+                  trained.get("scaling"))

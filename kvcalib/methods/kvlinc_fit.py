@@ -42,7 +42,7 @@ from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_
 from ..collect import Activations
 from ..errors import SettingsError
 from ..models import AttentionShape
-from . import hold
+from . import DEFAULTS, hold
 from .kivi import KiviConfig
 from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, features
 
@@ -56,9 +56,9 @@ class TrainConfig:
     rank: int = 256
     steps: int = 60
     lr: float = 1e-2
-    bits: int = 2
-    group_size: int = 128
-    residual: int = 128
+    bits: int = DEFAULTS["bits"]
+    group_size: int = DEFAULTS["group_size"]
+    residual: int = DEFAULTS["residual"]
     tokens: int = 128  # query positions per Adam step
     batch: int = 1  # sequences per Adam step
     seed: int = 0
@@ -198,7 +198,8 @@ def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: in
 
 
 def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, steps: int = 60, lr: float = 1e-2,
-                   bits: int = 2, group_size: int = 128, residual: int = 128, tokens: int = 128,
+                   bits: int = DEFAULTS["bits"], group_size: int = DEFAULTS["group_size"],
+                   residual: int = DEFAULTS["residual"], tokens: int = 128,
                    layers: str = "all", seed: int = 0, gate: bool = True) -> Path:
     """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`."""
     config = TrainConfig(rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size, residual=residual,

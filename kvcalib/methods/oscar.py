@@ -34,7 +34,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel, attention_shape
 from ..quant import Quantized
-from . import MethodSettings
+from . import DEFAULTS, MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 
 SCALINGS = ("l2", "rsqrt", "max", "mean-abs", "none")
@@ -74,8 +74,8 @@ def decode_keys(k: torch.Tensor, s: torch.Tensor | None, rotation: bool) -> torc
 
 @dataclass(frozen=True)
 class OscarConfig(KiviConfig):
-    scaling: str = "l2"
-    rotation: bool = True
+    scaling: str = DEFAULTS["scaling"]
+    rotation: bool = DEFAULTS["rotation"]
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -153,19 +153,18 @@ def fold_value_rotation(model: torch.nn.Module) -> None:
             o_proj.weight.copy_(torch.stack(folded, dim=1).reshape(o_proj.weight.shape))
 
 
-def _from_artifact(path: str, shape: AttentionShape, model: LoadedModel | None) -> OscarConfig:
+SETTINGS = ("bits", "group_size", "residual", "scaling", "rotation")
+
+
+def _artifact_settings(path: str, shape: AttentionShape, model: LoadedModel | None) -> dict:
     art = load_artifact(path, method="oscar", model=model.model if model is not None else None)
-    fields = {k: art.settings[k] for k in ("bits", "group_size", "residual", "scaling", "rotation") if k in art.settings}
-    config = OscarConfig(**fields)
-    if config.rotation and not torch.equal(art.tensors.get("rotation", torch.empty(0)), hadamard(shape.head_dim)):
+    fixed = {k: art.settings[k] for k in SETTINGS if k in art.settings}
+    if fixed.get("rotation", True) and not torch.equal(art.tensors.get("rotation", torch.empty(0)), hadamard(shape.head_dim)):
         raise ArtifactError(f"artifact {path} holds another rotation than the normalized Hadamard of size {shape.head_dim}")
-    return config
+    return fixed
 
 
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Oscar:
-    """With an artifact, its settings are used (a deployment reproduces them); otherwise the command's."""
-    if artifacts is not None:
-        return Oscar(_from_artifact(artifacts, shape, model), shape)
-    config = OscarConfig(bits=settings.bits, group_size=settings.group_size, residual=settings.residual,
-                         scaling=settings.scaling, rotation=settings.rotation)
-    return Oscar(config, shape)
+    """With an artifact, its settings (a deployment reproduces them); options may only repeat them."""
+    fixed = _artifact_settings(artifacts, shape, model) if artifacts is not None else None
+    return Oscar(OscarConfig(**settings.resolve("oscar", SETTINGS, fixed, artifacts)), shape)

@@ -7,11 +7,13 @@ from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..hadamard import hadamard
 from ..models import DEFAULT_MODEL, LoadedModel, attention_shape, fingerprint, load_model
+from . import DEFAULTS
 from .oscar import Oscar, OscarConfig
 
 
-def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits: int = 2, group_size: int = 32,
-                        residual: int = 128, scaling: str = "l2", rotation: bool = True) -> str:
+def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits: int = DEFAULTS["bits"],
+                        group_size: int = DEFAULTS["group_size"], residual: int = DEFAULTS["residual"],
+                        scaling: str = DEFAULTS["scaling"], rotation: bool = DEFAULTS["rotation"]) -> str:
     """Write the artifact a deployment reproduces OScaR from: settings, model fingerprint, rotation."""
     config = OscarConfig(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
     ensure_writable_dir(out, "--out")

@@ -38,7 +38,7 @@ from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
-from . import Method, MethodSettings
+from . import DEFAULTS, Method, MethodSettings
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ class LayerCodebooks:
 class VecInfer(Method):
     name = "vecinfer"
 
-    def __init__(self, config: VecInferConfig, layers: list[LayerCodebooks], shape: AttentionShape, residual: int = 128):
+    def __init__(self, config: VecInferConfig, layers: list[LayerCodebooks], shape: AttentionShape,
+                 residual: int = DEFAULTS["residual"]):
         if residual < 1:
             raise SettingsError("--residual must be positive")
         self.config = config
@@ -177,7 +178,7 @@ class VecInfer(Method):
                 "hadamard": c.hadamard, "sink_tokens": c.sink_tokens, "residual": self.block}
 
 
-def load(path: str | Path, shape: AttentionShape, model=None, residual: int = 128) -> VecInfer:
+def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:
     """Load a fitted artifact and check it is complete and consistent with `shape`."""
     art = load_artifact(path, VecInfer.name, model)
     try:
@@ -201,7 +202,11 @@ def load(path: str | Path, shape: AttentionShape, model=None, residual: int = 12
     return VecInfer(config, layers, shape, residual)
 
 
+SETTINGS = ("residual",)  # the codebooks fix the codes; the flush block is the decoder's choice
+
+
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> VecInfer:
     if artifacts is None:
         raise SettingsError("--method vecinfer needs --artifacts: fit one with `kvcalib fit-codebook`")
-    return load(artifacts, shape, model.model if model is not None else None, settings.residual)
+    residual = settings.resolve("vecinfer", SETTINGS)["residual"]
+    return load(artifacts, shape, model.model if model is not None else None, residual)
