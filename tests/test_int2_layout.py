@@ -84,24 +84,24 @@ def _held(layer, kr, vr) -> tuple[torch.Tensor, torch.Tensor]:
             torch.cat([vd, vr.float()], 2).double().repeat_interleave(2, 1))
 
 
-def test_reference_decode_is_softmax_attention_over_the_held_cache():
-    d = 64
+def _small_layer(d: int = 64):
+    """A packed layer of 32 flushed tokens and 3 residual ones, a query, and the held cache in float64."""
     k, v = torch.randn(1, 2, 32, d), torch.randn(1, 2, 32, d)
     kr, vr = torch.randn(1, 2, 3, d).half(), torch.randn(1, 2, 3, d).half()
     layer = pack(k, v, kr, vr, 16, 16)
-    q = torch.randn(1, 4, d)
-    keys, values = _held(layer, kr, vr)
+    return layer, torch.randn(1, 4, d), *_held(layer, kr, vr)
+
+
+def test_reference_decode_is_softmax_attention_over_the_held_cache():
+    layer, q, keys, values = _small_layer()
+    d = q.shape[-1]
     assert _decode_error_over_bound(reference_decode(q, layer, d**-0.5), q, keys, values, d**-0.5) <= 1
 
 
 @pytest.mark.parametrize("which", ["kcodes", "vcodes"])
 def test_reference_decode_with_one_code_flipped_breaks_the_bound(which):
-    d = 64
-    k, v = torch.randn(1, 2, 32, d), torch.randn(1, 2, 32, d)
-    kr, vr = torch.randn(1, 2, 3, d).half(), torch.randn(1, 2, 3, d).half()
-    layer = pack(k, v, kr, vr, 16, 16)
-    q = torch.randn(1, 4, d)
-    keys, values = _held(layer, kr, vr)
+    layer, q, keys, values = _small_layer()
+    d = q.shape[-1]
     words = getattr(layer, which).clone()
     words[0, 1, 0, 3] ^= 1  # the low bit of one 2-bit code: one key or value element a step off
     planted = dataclasses.replace(layer, **{which: words})

@@ -17,7 +17,7 @@ This is our addition to the paper's method. The fit still sees them unless `--ex
 The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
 default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
-the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel uses, q̃ · codebookᵀ
+the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel would use (none yet), q̃ · codebookᵀ
 indexed by the codes, and is tested against dequantize-then-dot.
 
 Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
@@ -154,7 +154,8 @@ class VecInfer(Method):
 
     def key_scores(self, layer: int, q: torch.Tensor, packed: VecInferPacked) -> torch.Tensor:
         """q · k̂ᵀ (B, Hq, Tq, Tk), unscaled, by table lookup: LUT[j, e] = q̃_j · codebook[e] per sub-vector j,
-        score = Σ_j LUT[j, code_j]. The fused kernel computes exactly this."""
+        score = Σ_j LUT[j, code_j]: the form a fused VecInfer kernel would compute (none exists yet; the runtime
+        decodes VecInfer with the torch reference over the dequantized cache)."""
         books = self.layers[layer]
         n = self.config.k.dim
         hq, hkv = q.shape[1], self.shape.num_kv_heads
