@@ -131,6 +131,7 @@ _MODULES = {
     "kivi": "kivi",
     "kvlinc": "kvlinc",
     "oscar": "oscar",
+    "turboquant": "turboquant",
     "vecinfer": "vecinfer",
 }
 METHOD_NAMES = tuple(_MODULES)

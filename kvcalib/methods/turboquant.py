@@ -1,0 +1,220 @@
+"""TurboQuant, MSE variant (Zandieh et al., 2025, "TurboQuant: Online Vector Quantization with
+Near-optimal Distortion Rate", Algorithm 1). Data-oblivious: no calibration, no artifact.
+
+Every cached vector x (one token, one KV head, d = head_dim elements; keys and values alike) is
+stored as its norm ‖x‖ in float16 and b-bit codes of its direction: the unit vector u = x / ‖x‖
+is rotated, y = Π u, and each coordinate y_i is coded by the nearest of 2^b centroids. Reading back:
+x̂ = ‖x‖ Πᵀ c[codes]. The most recent tokens stay float16 in a residual window flushed in blocks of
+R (`--residual`), as for KIVI.
+
+Rotation Π: one d x d random orthogonal matrix for every layer, KV head, keys and values, drawn
+once from a fixed seed (`ROTATION_SEED`): Q of the QR factorization of a seeded float64 Gaussian
+matrix, columns signed so that R has a positive diagonal, which makes Q Haar-distributed (Mezzadri,
+"How to generate random matrices from the classical compact groups", 2007). The paper's guarantee
+holds for each vector over the draw of Π, whatever the other vectors, so nothing is gained by a
+draw per layer, and one matrix lets a decoder rotate a query once for all layers' keys.
+
+Codebook: for u uniform on the sphere, each coordinate of Π u has the density
+f(t) ∝ (1 − t²)^((d−3)/2) on [−1, 1] (the paper's Lemma 1; close to N(0, 1/d)). The codebook is
+the Lloyd-Max quantizer of that density: thresholds at the midpoints of neighbouring centroids,
+each centroid the mean of f over its cell. Lloyd's iteration runs on the exact density: with
+t = sin θ, the cell masses are ∫ cos^(d−2) θ dθ, which the reduction formula
+∫ cosⁿ = cosⁿ⁻¹ sin / n + (n−1)/n ∫ cosⁿ⁻² (Gradshteyn & Ryzhik 2.511.2) turns into a closed form,
+and the first moments ∫ t f dt = −(1 − t²)^((d−1)/2) / (d−1) are closed already. It is computed once
+per (d, b), in float64, and cached. Neither Π nor the codebook is stored: both are functions of
+(d, b, seed) that a decoder recomputes, so `constant_bits` is 0 (as OScaR's Hadamard matrix).
+
+Packed layout, per flushed block, for keys and for values alike (codes as `kvcalib.quant` packs
+them along channels: element j in word j // (32 // b) at bits [b (j mod (32 // b)), ...), least
+significant first, the last word zero-padded):
+
+| what    | dtype   | shape                                 | meaning                                 |
+|---------|---------|---------------------------------------|-----------------------------------------|
+| `codes` | int32   | `(B, Hkv, T, ceil(d / (32 // b)))`    | index of the centroid of each y_i       |
+| `norm`  | float16 | `(B, Hkv, T, 1)`                      | ‖x‖ of each token and KV head           |
+
+Stored bits per vector: 32 ceil(d / (32 // b)) + 16; for d = 64, b = 2 that is 128 + 16 bits,
+2.25 bits per element (b = 3 packs 10 codes per word: 224 + 16 bits, 3.75 per element).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SettingsError
+from ..models import AttentionShape, LoadedModel
+from ..quant import pack_bits, unpack_bits
+from . import DEFAULTS, Method, MethodSettings
+
+ROTATION_SEED = 0
+BITS = (1, 2, 3, 4)
+LLOYD_STOP = 1e-12  # the codebook's fixed-point residual max_i |T(c)_i − c_i|, in units of t (float64 floor ~1e-14)
+_LLOYD_MAX_ITERATIONS = 100_000  # 4 bits converge in ~700
+_FP16_MAX = 65504.0
+
+
+# ---- the density of one coordinate of a random rotation of a unit vector, and its Lloyd-Max codebook ----
+
+def cos_power_integral(t: torch.Tensor, n: int) -> torch.Tensor:
+    """∫_0^{asin t} cosⁿ θ dθ = ∫_0^t (1 − s²)^((n−1)/2) ds for t in [−1, 1] (float64), by the unrolled
+    reduction formula: Σ_k w_k / k · cos^(k−1) θ sin θ over k = n, n−2, ... > 1, plus w_{n mod 2} times
+    θ (n even) or sin θ (n odd), with w_n = 1 and w_{k−2} = w_k (k−1) / k. All terms of one sign."""
+    ks = range(n, 1, -2)
+    weights, w = [], 1.0
+    for k in ks:
+        weights.append(w / k)
+        w *= (k - 1) / k
+    out = w * (torch.asin(t) if n % 2 == 0 else t)
+    if weights:
+        exponents = torch.tensor([(k - 1) / 2 for k in ks], dtype=torch.float64)
+        cos_sq = (1 - t * t).clamp_min(0).unsqueeze(-1)
+        out = out + t * (cos_sq**exponents @ torch.tensor(weights, dtype=torch.float64))
+    return out
+
+
+def cell_moments(edges: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """∫ tᵐ (1 − t²)^((d−3)/2) dt over each cell [edges[i], edges[i+1]], m = 0, 1, 2 (unnormalized)."""
+    m0 = cos_power_integral(edges, d - 2).diff()
+    m1 = -((1 - edges * edges).clamp_min(0) ** ((d - 1) / 2)).diff() / (d - 1)
+    # sin² cosⁿ = cosⁿ − cosⁿ⁺²
+    m2 = m0 - cos_power_integral(edges, d).diff()
+    return m0, m1, m2
+
+
+def cell_edges(centroids: torch.Tensor) -> torch.Tensor:
+    """−1, the midpoints of neighbouring centroids (the nearest-centroid thresholds), 1."""
+    one = torch.ones(1, dtype=centroids.dtype)
+    return torch.cat([-one, (centroids[1:] + centroids[:-1]) / 2, one])
+
+
+def lloyd_step(centroids: torch.Tensor, d: int) -> torch.Tensor:
+    """One Lloyd-Max iteration: the conditional mean of every nearest-centroid cell."""
+    m0, m1, _ = cell_moments(cell_edges(centroids), d)
+    return m1 / m0
+
+
+@functools.lru_cache(maxsize=64)
+def codebook(d: int, bits: int) -> torch.Tensor:
+    """The 2^bits Lloyd-Max centroids (float64, ascending, symmetric) of one coordinate of a randomly
+    rotated unit vector in R^d; its fixed-point residual is at most `LLOYD_STOP`."""
+    if d < 2:
+        raise SettingsError(f"TurboQuant needs head_dim >= 2, got {d}")
+    levels = 1 << bits
+    # Start from the quantiles of N(0, 1/d), the density's large-d limit.
+    c = torch.special.ndtri((torch.arange(levels, dtype=torch.float64) + 0.5) / levels) / math.sqrt(d)
+    c = c.clamp(-1 + 1e-3, 1 - 1e-3)
+    for _ in range(_LLOYD_MAX_ITERATIONS):
+        new = lloyd_step(c, d)
+        new = (new - new.flip(0)) / 2  # the density is even: keep the codebook exactly symmetric
+        if (new - c).abs().max().item() <= LLOYD_STOP:
+            return c
+        c = new
+    raise RuntimeError(f"Lloyd-Max did not converge for d={d}, bits={bits}")
+
+
+def expected_distortion(d: int, centroids: torch.Tensor) -> float:
+    """E[(t − c[q(t)])²] for one coordinate t of the density, q the nearest-centroid quantizer."""
+    m0, m1, m2 = cell_moments(cell_edges(centroids), d)
+    z = m0.sum()
+    return ((m2 - 2 * centroids * m1 + centroids**2 * m0).sum() / z).item()
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation64(d: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))  # R with a positive diagonal: Q is Haar (Mezzadri 2007)
+
+
+def rotation(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """Π, d x d orthogonal, the same for every layer, head, keys and values (seed `ROTATION_SEED`)."""
+    return _on_device(d, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=32)
+def _on_device(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _rotation64(d, ROTATION_SEED).to(dtype=dtype, device=device)
+
+
+# ---- the method ----
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    bits: int = DEFAULTS["bits"]
+    residual: int = DEFAULTS["residual"]
+
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise SettingsError(f"--bits must be in 1..4 for --method turboquant, got {self.bits}")
+        if self.residual < 1:
+            raise SettingsError("--residual must be positive")
+
+
+@dataclass
+class Coded:
+    """Vectors of one block as stored (module docstring)."""
+
+    codes: torch.Tensor  # int32 (..., T, words)
+    norm: torch.Tensor  # float16 (..., T, 1)
+
+    def stored_bits(self) -> int:
+        return 32 * self.codes.numel() + 16 * self.norm.numel()
+
+
+@dataclass
+class TurboQuantPacked:
+    k: Coded
+    v: Coded
+
+
+class TurboQuant(Method):
+    name = "turboquant"
+
+    def __init__(self, config: TurboQuantConfig, shape: AttentionShape):
+        self.config = config
+        self.block = config.residual
+        self.head_dim = shape.head_dim
+        self.centroids = codebook(shape.head_dim, config.bits)  # float64; computed now, not mid-evaluation
+        self._centroids32 = self.centroids.float()
+        self._thresholds32 = cell_edges(self.centroids)[1:-1].float()
+
+    def encode_vectors(self, x: torch.Tensor) -> Coded:
+        b, d = self.config.bits, self.head_dim
+        x = x.float()
+        norm = x.norm(dim=-1, keepdim=True)
+        unit = x / torch.where(norm > 0, norm, 1.0)  # a zero vector stays zero: its norm reads back 0
+        y = unit @ rotation(d, torch.float32, x.device).T  # y = Π u, row-vector form
+        codes = torch.bucketize(y, self._thresholds32.to(x.device))  # the nearest centroid: cells split at the midpoints
+        return Coded(codes=pack_bits(codes, b, -1), norm=norm.clamp(max=_FP16_MAX).half())
+
+    def decode_vectors(self, coded: Coded) -> torch.Tensor:
+        d = self.head_dim
+        codes = unpack_bits(coded.codes, self.config.bits, -1, d)
+        y = self._centroids32.to(codes.device)[codes]
+        return (y @ rotation(d, torch.float32, codes.device)) * coded.norm.float()  # ‖x‖ Πᵀ ŷ
+
+    def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> TurboQuantPacked:
+        return TurboQuantPacked(k=self.encode_vectors(k), v=self.encode_vectors(v))
+
+    def decompress(self, layer: int, packed: TurboQuantPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_vectors(packed.k), self.decode_vectors(packed.v)
+
+    def stored_bits(self, packed: TurboQuantPacked) -> int:
+        return packed.k.stored_bits() + packed.v.stored_bits()
+
+    def settings(self) -> dict:
+        return {"bits": self.config.bits, "residual": self.config.residual, "rotation_seed": ROTATION_SEED}
+
+
+SETTINGS = ("bits", "residual")
+
+
+def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None,
+          model: LoadedModel | None) -> TurboQuant:
+    if artifacts is not None:
+        raise SettingsError("--method turboquant takes no --artifacts (it fits nothing)")
+    return TurboQuant(TurboQuantConfig(**settings.resolve("turboquant", SETTINGS)), shape)
