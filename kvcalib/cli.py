@@ -61,7 +61,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 
 @cli.command("eval")
 @_common
-@click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer (see README).")
+@click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant (see README).")
 @click.option("--bits", type=int, default=None, help=f"kivi, kvlinc, oscar [default: {DEFAULTS['bits']}, or the artifact's].")
 @click.option("--group-size", type=int, default=None,
               help=f"kivi, kvlinc, oscar [default: {DEFAULTS['group_size']}, or the artifact's].")

@@ -188,7 +188,7 @@ class TurboQuant(Method):
         norm = x.norm(dim=-1, keepdim=True)
         unit = x / torch.where(norm > 0, norm, 1.0)  # a zero vector stays zero: its norm reads back 0
         y = unit @ rotation(d, torch.float32, x.device).T  # y = Π u, row-vector form
-        codes = torch.bucketize(y, self._thresholds32.to(x.device))  # the nearest centroid: cells split at the midpoints
+        codes = torch.bucketize(y, self._thresholds32.to(x.device))  # nearest centroid: cells split at midpoints
         return Coded(codes=pack_bits(codes, b, -1), norm=norm.clamp(max=_FP16_MAX).half())
 
     def decode_vectors(self, coded: Coded) -> torch.Tensor:
