@@ -6,7 +6,7 @@ from kvcalib.recipes import load_recipe, run_recipe
 
 def test_shipped_recipes_parse_into_known_commands():
     steps = load_recipe("recipes/baselines/baselines.toml")
-    assert [s.label for s in steps] == ["fp16", "KIVI-2 G=32", "KIVI-2 G=128"]
+    assert [s.label for s in steps] == ["fp16", "KIVI-2 G=32", "KIVI-2 G=128", "TurboQuant-2", "TurboQuant-3"]
     assert steps[1].arguments == {"seq_len": 1024, "num_samples": 4, "method": "kivi", "bits": 2,
                                   "group_size": 32, "residual": 128}
 
