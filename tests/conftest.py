@@ -47,6 +47,29 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return model.eval().requires_grad_(False)
 
 
+def _rms_norm(module, x):  # Llama, Mistral, Qwen2/3: weight * x / rms(x)
+    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+
+
+def _gemma_rms_norm(module, x):  # Gemma 1-3: (1 + weight) * x / rms(x)
+    return (1.0 + module.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps))
+
+
+def float64(model):
+    """`model` in float64 end to end. transformers' RMSNorms compute in float32 whatever the model's
+    dtype (they cast), which would leave rare float32-sized differences between two float64 paths (a
+    value near a float32 rounding midpoint); their forward is replaced by the same formula in float64."""
+    import functools
+
+    model = model.double()
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            norm = _gemma_rms_norm if name.startswith("Gemma") else _rms_norm
+            module.forward = functools.partial(norm, module)
+    return model
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     tok = Tokenizer(models.BPE())

@@ -13,6 +13,7 @@ from kvcalib.data import token_windows
 from kvcalib.evaluate import evaluate
 from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.models import LoadedModel, attention_shape
+from conftest import float64
 from tolerances import U16, U32, gamma, perplexity_tolerance
 
 
@@ -23,7 +24,7 @@ def tiny_lm64(tiny_lm):
     rounding boundary can then reach the float16 cache as two different values, a difference far beyond
     round-off. In float64 both paths agree to ~1e-16, attention runs in float64 (`compute_dtype`), and
     quantizing identical float16 values is deterministic."""
-    return LoadedModel(model=copy.deepcopy(tiny_lm.model).double(), tokenizer=tiny_lm.tokenizer, spec="tiny-llama-f64")
+    return LoadedModel(model=float64(copy.deepcopy(tiny_lm.model)), tokenizer=tiny_lm.tokenizer, spec="tiny-llama-f64")
 
 
 def _plain_perplexity(lm, windows, float16_cache=False):

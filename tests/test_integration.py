@@ -11,6 +11,7 @@ from kvcalib.cli import main
 from kvcalib.collect import Activations
 from kvcalib.data import token_windows
 from kvcalib.models import LoadedModel, load_model
+from conftest import float64
 from tolerances import U32, U64, gamma
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def smollm():
 @pytest.fixture(scope="module")
 def smollm64(smollm):
     """A float64 copy: the cache and the reference attention follow it (kvcalib.attention.compute_dtype)."""
-    return LoadedModel(model=copy.deepcopy(smollm.model).double(), tokenizer=smollm.tokenizer, spec=smollm.spec)
+    return LoadedModel(model=float64(copy.deepcopy(smollm.model)), tokenizer=smollm.tokenizer, spec=smollm.spec)
 
 
 def test_default_calibration_text_holds_256_windows_of_512_tokens(smollm):

@@ -20,7 +20,7 @@ from kvcalib.methods.kivi import KiviConfig
 from kvcalib.methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, States, combine, decode_attention, features
 from kvcalib.models import AttentionShape, LoadedModel, attention_shape, fingerprint
 from kvcalib.methods.kvlinc_fit import head_errors, parse_layers, train_adapters
-from conftest import tiny_config
+from conftest import float64, tiny_config
 from tolerances import U32, UNIT_ROUNDOFF, gamma, perplexity_tolerance
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -280,7 +280,7 @@ def tiny_lm64(tiny_lm):
     and values that agree to float64 round-off, so both reach the float16 cache as the same values (in
     float32 one within an ulp of a float16 rounding boundary could round two ways), attention and φ_q run
     in float64 (`compute_dtype`), and the float32 states are computed from identical inputs in both."""
-    return LoadedModel(model=copy.deepcopy(tiny_lm.model).double(), tokenizer=tiny_lm.tokenizer, spec="tiny-llama-f64")
+    return LoadedModel(model=float64(copy.deepcopy(tiny_lm.model)), tokenizer=tiny_lm.tokenizer, spec="tiny-llama-f64")
 
 
 _DECODED: dict = {}

@@ -13,7 +13,7 @@ from kvcalib.methods.oscar import SCALINGS, OscarConfig, decode_keys, encode_key
 from kvcalib.methods.oscar_fit import save_oscar_artifact
 from kvcalib.models import AttentionShape, LoadedModel
 
-from conftest import tiny_model
+from conftest import float64, tiny_model
 from tolerances import U16, U32, U64, gamma, rel_error, worst_row_rel_error
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -105,7 +105,7 @@ def test_a_coefficient_one_float16_ulp_off_breaks_the_round_trip_and_unit_norm_b
 
 def _fold_errors_over_bounds(arch: str) -> tuple[float, float]:
     """Fold H into a float64 tiny model; (logits error / bound, max over layer-0 values of error / bound)."""
-    model = tiny_model(arch, seed=3).double()
+    model = float64(tiny_model(arch, seed=3))
     ids = torch.randint(0, 512, (2, 24))
     values, x = {}, {}
 

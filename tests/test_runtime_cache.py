@@ -1,7 +1,7 @@
 """`model.generate` with a KvcalibCache against an independent recomputation of the same cache.
 
-Both run the tiny model in float64 (the cache and the reference attention follow it:
-`kvcalib.attention.compute_dtype`), so they agree to float64 round-off. In float32 they would not be
+Both run the tiny model in float64 (`conftest.float64`, norms included; the cache and the reference
+attention follow it: `kvcalib.attention.compute_dtype`), so they agree to float64 round-off. In float32 they would not be
 comparable this way: the two paths compute keys in float32 with different matmul shapes, and a key
 within one float32 ulp of a float16 rounding boundary is stored as a different float16 value by each,
 which moves a logit by up to ~1e-4 relative (measured: 1.3e-4 for fp16); in float64 the chance of
@@ -18,7 +18,7 @@ from kvcalib.attention import flushed_counts, intercept
 from kvcalib.methods import MethodSettings, build_method, hold
 from kvcalib.models import LoadedModel, attention_shape
 from kvcalib.runtime.cache import KvcalibCache
-from conftest import tiny_model
+from conftest import float64, tiny_model
 from tolerances import U32
 
 
@@ -106,7 +106,7 @@ CASES = {
 
 def _generate_against_reference(name: str) -> None:
     """Greedy decoding of 30 tokens through KvcalibCache equals the reference recomputation."""
-    model = tiny_model("llama", seed=1).double()
+    model = float64(tiny_model("llama", seed=1))
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (1, 21))
@@ -201,7 +201,7 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone(name):
     # Prompts of 37, 21 and 5 tokens: with R = 16 the padded rows' blocks would straddle padding if the
     # cache flushed by padded position; each row must flush at its own length, attend to no padding
     # and store none (float64 model: see the module docstring; the bound is the one above).
-    model = tiny_model("llama", seed=5).double()
+    model = float64(tiny_model("llama", seed=5))
     method = _method(name, attention_shape(model.config))
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen) for n in (37, 21, 5)]
@@ -222,7 +222,7 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone(name):
 
 def test_a_padded_batch_attends_to_no_padding_even_where_pad_keys_are_huge():
     # The pad token's embedding scaled up: any attention to padding would swamp the output.
-    model = tiny_model("llama", seed=6).double()
+    model = float64(tiny_model("llama", seed=6))
     with torch.no_grad():
         model.get_input_embeddings().weight[0] *= 1e3
     method = _method("kivi", attention_shape(model.config))

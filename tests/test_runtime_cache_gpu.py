@@ -70,11 +70,11 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone_on_the_gpu(n
     very kernel launches it would run alone. The model is float64 (the fused path rounds its queries
     to fp16 either way), so batched and lone inputs agree to float64 round-off and their fp16
     roundings almost surely coincide: same tokens, logits within one float32 ulp."""
-    from conftest import tiny_model
+    from conftest import float64, tiny_model
     from tolerances import U32
 
-    model = tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4,
-                       num_key_value_heads=2).double().cuda()
+    model = float64(tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4,
+                       num_key_value_heads=2)).cuda()
     shape = attention_shape(model.config)
     fused = MethodSettings(bits=2, group_size=16, residual=32)  # the kernel reads groups of >= 16 tokens
     if name in ("kivi", "kvlinc", "oscar"):
