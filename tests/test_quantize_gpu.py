@@ -5,7 +5,7 @@ import torch
 
 from kvcalib.quant import _quantize_torch, dequantize, quantize
 
-cupy = pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[gpu])")
+cupy = pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
 
