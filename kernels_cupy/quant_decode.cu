@@ -149,23 +149,28 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 //   3: scheme 0, then off_p + 1.5 subtracted in fp16 (exact: 65.5 and 17.5 are fp16 numbers), so
 //      the A operand is the centred code x - 1.5 in {-1.5, -0.5, 0.5, 1.5}; the zero point term
 //      then uses z + 1.5 s, the middle of the group's range (`centred_zeros`).
+//   4 (keys): scheme 0, then off_p + 1 subtracted (exact), and the code x - 1 in {-1, 0, 1, 2}
+//      multiplied by the channel's scale s (exact: a power of two times s, or 0); B is q itself,
+//      and the zero point term uses z + s (`shifted_zeros`). The scores are then exact products
+//      summed in fp32: no fp16 rounding of q o s.
 // Schemes 0 and 1 subtract the offsets on the tensor cores (an mma with neg_offsets).
-// Keys use scheme 1: a score sums D = 64 or 128 channels, so the offsets cancel over a short sum
-// (scheme 2 measured the same error). A value output is sum_n p_n v_n over a whole split, and with
-// diffuse attention it is small: random values average out to ~|v| / sqrt(n). Split as
-// sum x p~ + sum z p (x >= 0, z the group minimum), both sums grow like sum p and cancel almost
-// completely, so the tensor cores' accumulation error (addends aligned to the largest exponent and
-// truncated, every mma) is amplified by ~sqrt(n), and by off / 1.5 more with the offsets in the
-// sums. H100, 131072 tokens, B = 8, G = 128, worst row against float64 (SDPA fp16: 4.6e-4):
-// scheme 0 3.2e-1, scheme 2 1.4e-2 (benchmarks/decode_precision.py). Values use scheme 2.
-// Scheme 3 centres both sums (random walks like the output, as in SDPA); a CPU emulation of the
-// accumulation that reproduces the two measurements (0.21 and 7.2e-3 against 0.24 and 1.0e-2)
-// predicts 2.6e-4 for it. It has not yet run on a GPU: NOTES-decode.md, "Precision".
+// Values: an output is sum_n p_n v_n over a whole split, and with diffuse attention it is small:
+// random values average out to ~|v| / sqrt(n). Split as sum x p~ + sum z p (x >= 0, z the group
+// minimum), both sums grow like sum p and cancel almost completely, so the tensor cores'
+// accumulation error (addends aligned to the largest exponent and truncated, every mma) is
+// amplified by ~sqrt(n), and by off / 1.5 more with the offsets in the sums. Scheme 3 centres both
+// sums (random walks like the output, as in SDPA).
+// Keys: with q~ = fp16(q o s) (schemes 0-3), the rounding of q~ multiplies the codes: the scores
+// err more than SDPA's over the dequantized keys (whose z + s x are sums of two fp16 numbers, often
+// exact), and rows with peaked attention broke the 2 x SDPA + 1e-4 rule. Scheme 4 removes it.
+// H100, B = 8, L = 131072, G = 128, diffuse, worst row against float64 (SDPA fp16: 4.6e-4):
+// K1/V0 (the kernel before) 3.2e-1, K1/V2 1.4e-2, K1/V3 9.1e-4, K3/V3 5.4e-4, K4/V3 4.2e-4
+// (benchmarks/decode_precision.py; NOTES-decode.md, "Precision", has every regime and the cost).
 #ifndef KEY_SCHEME
-#define KEY_SCHEME 1
+#define KEY_SCHEME 4
 #endif
 #ifndef VALUE_SCHEME
-#define VALUE_SCHEME 2
+#define VALUE_SCHEME 3
 #endif
 __device__ __forceinline__ unsigned hsub2u(unsigned a, unsigned b) {
   const __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
@@ -174,7 +179,7 @@ __device__ __forceinline__ unsigned hsub2u(unsigned a, unsigned b) {
 // e: the exponents 64, 16, 1024, 256 as half2 (masks are immediates).
 template <int SCHEME>
 __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* e) {
-  if (SCHEME == 0 || SCHEME == 3) {
+  if (SCHEME == 0 || SCHEME == 3 || SCHEME == 4) {
     const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
     o[0] = and_or(wl, 0x00300030u, e[0]);  // bits 0-1   -> 4-5: 64 + x
     o[1] = and_or(wl, 0x00C000C0u, e[1]);  // bits 2-3   -> 6-7: 16 + x
@@ -186,6 +191,8 @@ __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned*
     o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
     if (SCHEME == 3)  // 65.5, 17.5 as half2
       for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C604C60u : 0x54185418u);
+    if (SCHEME == 4)  // 65, 17 as half2: x - 1 in {-1, 0, 1, 2}, which any fp16 scale multiplies exactly
+      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C404C40u : 0x54105410u);
   } else {
     const unsigned w8 = w >> 8;
     o[0] = and_or(w, 0x00030003u, e[2]);   // bits 0-1: 1024 + x
@@ -218,6 +225,12 @@ __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpr
 __device__ __forceinline__ uint4 centred_zeros(const __half* z, const __half* s) {
   const __half2 c = __float2half2_rn(1.5f);
   const __half2 a = __hfma2(c, half2_at(s), half2_at(z)), b = __hfma2(c, half2_at(s + 8), half2_at(z + 8));
+  const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
+  return make_uint4(ua, ua, ub, ub);
+}
+// Key scheme 4's zero points z + s for the channel pairs at z, s and z + 8, s + 8 (one rounding).
+__device__ __forceinline__ uint4 shifted_zeros(const __half* z, const __half* s) {
+  const __half2 a = __hadd2(half2_at(s), half2_at(z)), b = __hadd2(half2_at(s + 8), half2_at(z + 8));
   const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
   return make_uint4(ua, ua, ub, ub);
 }
@@ -385,17 +398,26 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
     const int ks = first + i, c = 16 * ks + 2 * t;
     const uint2 q = qraw[ks * 32 + lane];
     const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
-    frag[ks * 32 + lane] = qt;
-    mma16816(k0, rows_of_pairs(z + c), q.x, q.y);              // every token row: sum_c z_c q_c
-    if (KEY_SCHEME < 2) mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);  // -sum_c off q~_c
+    // scheme 4 keeps q as it is and multiplies the codes by s: the fragments hold the scale pairs
+    frag[ks * 32 + lane] = KEY_SCHEME == 4 ? make_uint2(*reinterpret_cast<const unsigned*>(s + c),
+                                                        *reinterpret_cast<const unsigned*>(s + c + 8))
+                                           : qt;
+    if (KEY_SCHEME == 3)  // every token row: sum_c (z_c + 1.5 s_c) q_c
+      mma16816(k0, centred_zeros(z + c, s + c), q.x, q.y);
+    else if (KEY_SCHEME == 4)  // every token row: sum_c (z_c + s_c) q_c
+      mma16816(k0, shifted_zeros(z + c, s + c), q.x, q.y);
+    else  // every token row: sum_c z_c q_c
+      mma16816(k0, rows_of_pairs(z + c), q.x, q.y);
+    if (KEY_SCHEME < 2)  // -sum_c off q~_c
+      mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
 }
 
 // The scores sc (log2 units) of a warp's TILES tiles at stage rows row0, row0 + 1, ...: sc[j][0..1]
 // token g of tile j, heads 2t, 2t + 1; sc[j][2..3] token g + 8. Two mma chains per tile.
-__device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uint2* qf, const float* k0,
-                                            const unsigned* kexp, float scale_log2, float (*sc)[4]) {
+__device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uint2* qf, const uint2* qraw,
+                                            const float* k0, const unsigned* kexp, float scale_log2, float (*sc)[4]) {
   const int lane = threadIdx.x % 32;
   float sc2[TILES][4];
 #pragma unroll
@@ -406,11 +428,20 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
     }
 #pragma unroll
   for (int i = 0; i < WPL; ++i) {  // word i: k-slices 2i (registers 0-3) and 2i + 1 (4-7)
+#if KEY_SCHEME == 4  // B: q itself; the codes are scaled by the pairs in qf
+    const uint2 qa = qraw[(2 * i) * 32 + lane], qb = qraw[(2 * i + 1) * 32 + lane];
+    const uint2 sa = qf[(2 * i) * 32 + lane], sb = qf[(2 * i + 1) * 32 + lane];
+#else
     const uint2 qa = qf[(2 * i) * 32 + lane], qb = qf[(2 * i + 1) * 32 + lane];
+#endif
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       unsigned o[8];
       unpack8<KEY_SCHEME>((unsigned)st.kw[row0 + j][lane * WPL + i], o, kexp);
+#if KEY_SCHEME == 4  // registers 0, 1 | 2, 3 | 4, 5 | 6, 7: channel pairs of sa.x | sa.y | sb.x | sb.y
+      const unsigned sp[4] = {sa.x, sa.y, sb.x, sb.y};
+      for (int p = 0; p < 8; ++p) o[p] = hmul2u(o[p], *reinterpret_cast<const __half2*>(&sp[p / 2]));
+#endif
       mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
       mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
     }
@@ -429,12 +460,12 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
 // Accumulates the values of a warp's tiles weighted by pp (the probabilities as half2 pairs in the
 // scores' layout): O^T += codes_V^T . P~^T with P~ = P o (value scales), offsets and zero points in
 // voff and vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
-__device__ __forceinline__ void value_tiles(const Stage& st, int row0, const unsigned (*pp)[2], const unsigned* kexp,
+__device__ __forceinline__ void value_tiles(const Stage& st, int row0, const float (*p)[4], const unsigned* kexp,
                                             float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
-    const unsigned pb0 = transpose8x8(pp[j][0]), pb1 = transpose8x8(pp[j][1]);
+    const unsigned pb0 = transpose8x8(pack_half2(p[j][0], p[j][1])), pb1 = transpose8x8(pack_half2(p[j][2], p[j][3]));
     uint2 pt[VG];
     for (int gv = 0; gv < VG; ++gv) {
       const __half* vs = st.vs[row0 + j][gv];
@@ -458,7 +489,7 @@ __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const uns
 // Online softmax over a warp's tiles of scores: probabilities to pp (half2 pairs, the layout of
 // value_tiles), running max m (log2 units) and this lane's share l of the sum, per head column 2t + e;
 // the accumulators are rescaled when the running max moves.
-__device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, unsigned (*pp)[2],
+__device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, float (*p)[4],
                                               float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
   float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -466,7 +497,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, fl
     for (int i = 0; i < 4; ++i) mx[i & 1] = fmaxf(mx[i & 1], sc[j][i]);
   for (int e = 0; e < 2; ++e)
     for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
-  float alpha[2], p[TILES][4];
+  float alpha[2];
   for (int e = 0; e < 2; ++e) {
     const float m_new = fmaxf(m[e], mx[e]);
     alpha[e] = exp2f(m[e] - m_new);  // m = -inf gives 0
@@ -479,11 +510,6 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, fl
       sum += p[j][e] + p[j][2 + e];
     }
     l[e] = l[e] * alpha[e] + sum;
-  }
-#pragma unroll
-  for (int j = 0; j < TILES; ++j) {
-    pp[j][0] = pack_half2(p[j][0], p[j][1]);
-    pp[j][1] = pack_half2(p[j][2], p[j][3]);
   }
   if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the running max moved somewhere
     for (int u = 0; u < KS; ++u)
@@ -652,10 +678,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 #endif
     const int row0 = TILES * warp;
     float sc[TILES][4];
-    unsigned pp[TILES][2];
-    score_tiles(st, row0, qf, k0, kexp, scale_log2, sc);
-    softmax_tiles(sc, m, l, pp, acc, voff, vzp);
-    value_tiles(st, row0, pp, kexp, acc, voff, vzp);
+    float pr[TILES][4];
+    score_tiles(st, row0, qf, qraw, k0, kexp, scale_log2, sc);
+    softmax_tiles(sc, m, l, pr, acc, voff, vzp);
+    value_tiles(st, row0, pr, kexp, acc, voff, vzp);
   }
   finish_stages();
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
