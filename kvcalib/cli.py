@@ -170,6 +170,21 @@ def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadam
     click.echo(f"artifact written to {path}")
 
 
+@cli.command("fit-turboquant")
+@click.option("--activations", required=True, type=click.Path(), help="Directory written by `kvcalib collect`.")
+@click.option("--bits", type=int, default=DEFAULTS["bits"], show_default=True, help="Bits per rotated coordinate (1-4).")
+@click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
+              help="One codebook per rotated coordinate of a layer, or of each KV head.")
+@click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
+@click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
+    """Fit calibrated TurboQuant codebooks (per rotated coordinate, Lloyd) from collected activations."""
+    from .methods.turboquant_fit import fit_turboquant
+
+    path = fit_turboquant(activations, out, bits=bits, granularity=granularity, iters=iters)
+    click.echo(f"artifact written to {path}")
+
+
 @cli.command("run")
 @click.argument("recipe", type=click.Path())
 @click.option("--model", default=None, help="Override the recipe's model.")

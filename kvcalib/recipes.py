@@ -32,10 +32,11 @@ def _commands() -> dict[str, Callable]:
     from .evaluate import evaluate
     from .methods.kvlinc_fit import train_adapters
     from .methods.oscar_fit import save_oscar_artifact
+    from .methods.turboquant_fit import fit_turboquant
     from .methods.vecinfer_fit import fit_codebook
 
     return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook, "train-adapters": train_adapters,
-            "diagnose": diagnose, "oscar-artifact": save_oscar_artifact}
+            "diagnose": diagnose, "oscar-artifact": save_oscar_artifact, "fit-turboquant": fit_turboquant}
 
 
 @dataclass

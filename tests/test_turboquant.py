@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kvcalib.errors import SettingsError
+from kvcalib.errors import ArtifactError, SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.methods import MethodSettings, build_method, hold, turboquant
 from kvcalib.methods.turboquant import LLOYD_STOP, TurboQuantConfig, codebook, expected_distortion, rotation
@@ -212,8 +212,8 @@ def _one_code_off(method, monkeypatch):
     """Every vector's first code moved to a neighbouring level (its lowest bit flipped)."""
     encode = method.encode_vectors
 
-    def planted(x):
-        coded = encode(x)
+    def planted(x, centroids=None):
+        coded = encode(x, centroids)
         codes = unpack_bits(coded.codes, method.config.bits, -1, method.head_dim)
         codes[..., 0] ^= 1
         coded.codes = pack_bits(codes, method.config.bits, -1)
@@ -228,7 +228,7 @@ def _codebook_of_one_bit_less(method, monkeypatch):
 
 
 def _read_back_with_pi_not_its_transpose(method, monkeypatch):
-    def planted(coded):
+    def planted(coded, centroids=None):
         codes = unpack_bits(coded.codes, method.config.bits, -1, method.head_dim)
         return (method._centroids32[codes] @ rotation(method.head_dim).T) * coded.norm.float()
     monkeypatch.setattr(method, "decode_vectors", planted)
@@ -322,9 +322,9 @@ def test_options_turboquant_does_not_use_are_refused(option):
         build_method("turboquant", _shape(16), MethodSettings(**option))
 
 
-def test_turboquant_refuses_an_artifact():
-    with pytest.raises(SettingsError, match="takes no --artifacts"):
-        build_method("turboquant", _shape(16), MethodSettings(), "runs/some-artifact")
+def test_turboquant_with_a_path_that_is_no_artifact_is_refused(tmp_path):
+    with pytest.raises(ArtifactError, match="not a kvcalib artifact"):
+        build_method("turboquant", _shape(16), MethodSettings(), str(tmp_path / "nothing-here"))
 
 
 def test_eval_runs_turboquant_and_counts_its_bits(tiny_lm, text_file):

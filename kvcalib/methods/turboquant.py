@@ -35,6 +35,18 @@ significant first, the last word zero-padded):
 
 Stored bits per vector: 32 ceil(d / (32 // b)) + 16; for d = 64, b = 2 that is 128 + 16 bits,
 2.25 bits per element (b = 3 packs 10 codes per word: 224 + 16 bits, 3.75 per element).
+
+Calibrated (with `--artifacts` from `kvcalib fit-turboquant`, `methods/turboquant_fit.py`): the same
+format, rotation and norms, but each layer's keys and values have their own codebooks, one per
+rotated coordinate (and per KV head with `--granularity head`), fitted by Lloyd's algorithm to the
+collection's rotated unit vectors. Artifact tensors, per layer i, ascending along the last axis:
+
+| name                    | dtype   | shape                  |
+|-------------------------|---------|------------------------|
+| `layers.{i}.k_codebook` | float16 | `(G, d, 2^b)`, G = 1 or Hkv |
+| `layers.{i}.v_codebook` | float16 | `(G, d, 2^b)`          |
+
+They are counted once, 16 bits per centroid (`constant_bits`), as VecInfer's codebooks.
 """
 
 from __future__ import annotations
@@ -45,7 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import SettingsError
+from ..artifacts import load_artifact
+from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
 from ..quant import pack_bits, unpack_bits
 from . import DEFAULTS, Method, MethodSettings
@@ -171,43 +184,99 @@ class TurboQuantPacked:
     v: Coded
 
 
+def unit_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Π x / ‖x‖, ‖x‖) in float32, rows of the last axis; a zero vector stays zero."""
+    x = x.float()
+    norm = x.norm(dim=-1, keepdim=True)
+    unit = x / torch.where(norm > 0, norm, 1.0)
+    return unit @ rotation(x.shape[-1], torch.float32, x.device).T, norm  # y = Π u, row-vector form
+
+
+def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Codes of y (..., G or H, T, d) for per-coordinate codebooks (G, d, L) ascending: the number of
+    cell boundaries (midpoints of neighbouring centroids) below each y_i, as `torch.bucketize` counts."""
+    bounds = (centroids[..., 1:] + centroids[..., :-1]) / 2  # (G, d, L - 1)
+    return (y.unsqueeze(-1) > bounds[:, None].to(y.device)).sum(-1)
+
+
 class TurboQuant(Method):
     name = "turboquant"
 
-    def __init__(self, config: TurboQuantConfig, shape: AttentionShape):
+    def __init__(self, config: TurboQuantConfig, shape: AttentionShape,
+                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None):
+        """books: per layer, calibrated (keys, values) codebooks (G, d, 2^b), or None for the oblivious one."""
         self.config = config
         self.block = config.residual
         self.head_dim = shape.head_dim
         self.centroids = codebook(shape.head_dim, config.bits)  # float64; computed now, not mid-evaluation
         self._centroids32 = self.centroids.float()
         self._thresholds32 = cell_edges(self.centroids)[1:-1].float()
+        self.books = None if books is None else [(k.float(), v.float()) for k, v in books]
+        self.granularity = granularity
 
-    def encode_vectors(self, x: torch.Tensor) -> Coded:
-        b, d = self.config.bits, self.head_dim
-        x = x.float()
-        norm = x.norm(dim=-1, keepdim=True)
-        unit = x / torch.where(norm > 0, norm, 1.0)  # a zero vector stays zero: its norm reads back 0
-        y = unit @ rotation(d, torch.float32, x.device).T  # y = Π u, row-vector form
-        codes = torch.bucketize(y, self._thresholds32.to(x.device))  # nearest centroid: cells split at midpoints
-        return Coded(codes=pack_bits(codes, b, -1), norm=norm.clamp(max=_FP16_MAX).half())
+    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
+        y, norm = unit_rotated(x)
+        if centroids is None:
+            codes = torch.bucketize(y, self._thresholds32.to(x.device))  # nearest centroid: cells split at midpoints
+        else:
+            codes = nearest_per_coordinate(y, centroids)
+        return Coded(codes=pack_bits(codes, self.config.bits, -1), norm=norm.clamp(max=_FP16_MAX).half())
 
-    def decode_vectors(self, coded: Coded) -> torch.Tensor:
+    def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim
         codes = unpack_bits(coded.codes, self.config.bits, -1, d)
-        y = self._centroids32.to(codes.device)[codes]
+        if centroids is None:
+            y = self._centroids32.to(codes.device)[codes]
+        else:  # (G, d, L) -> the centroid of coordinate i in code codes[..., i]
+            table = centroids.to(codes.device)[:, None].expand(*codes.shape, centroids.shape[-1])
+            y = table.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
         return (y @ rotation(d, torch.float32, codes.device)) * coded.norm.float()  # ‖x‖ Πᵀ ŷ
 
+    def _layer_books(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None, None) if self.books is None else self.books[layer]
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> TurboQuantPacked:
-        return TurboQuantPacked(k=self.encode_vectors(k), v=self.encode_vectors(v))
+        kc, vc = self._layer_books(layer)
+        return TurboQuantPacked(k=self.encode_vectors(k, kc), v=self.encode_vectors(v, vc))
 
     def decompress(self, layer: int, packed: TurboQuantPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decode_vectors(packed.k), self.decode_vectors(packed.v)
+        kc, vc = self._layer_books(layer)
+        return self.decode_vectors(packed.k, kc), self.decode_vectors(packed.v, vc)
 
     def stored_bits(self, packed: TurboQuantPacked) -> int:
         return packed.k.stored_bits() + packed.v.stored_bits()
 
+    def constant_bits(self) -> int:
+        return 0 if self.books is None else 16 * sum(k.numel() + v.numel() for k, v in self.books)
+
     def settings(self) -> dict:
-        return {"bits": self.config.bits, "residual": self.config.residual, "rotation_seed": ROTATION_SEED}
+        out = {"bits": self.config.bits, "residual": self.config.residual, "rotation_seed": ROTATION_SEED}
+        if self.books is not None:
+            out |= {"calibrated": True, "granularity": self.granularity}
+        return out
+
+
+def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None) -> TurboQuant:
+    """A calibrated TurboQuant from a `fit-turboquant` artifact, checked complete and consistent."""
+    art = load_artifact(path, TurboQuant.name, model)
+    granularity = art.settings.get("granularity")
+    if art.settings.get("rotation_seed") != ROTATION_SEED or granularity not in ("layer", "head"):
+        raise ArtifactError(f"artifact {path} has invalid TurboQuant settings {art.settings}; fit it again")
+    config = TurboQuantConfig(**settings.resolve("turboquant", SETTINGS, {"bits": art.settings.get("bits")}, path))
+    groups = 1 if granularity == "layer" else shape.num_kv_heads
+    want = (groups, shape.head_dim, 1 << config.bits)
+    books = []
+    for i in range(shape.num_layers):
+        pair = []
+        for which in ("k", "v"):
+            name = f"layers.{i}.{which}_codebook"
+            t = art.tensors.get(name)
+            if t is None or tuple(t.shape) != want or not torch.isfinite(t).all() or (t.diff(dim=-1) < 0).any():
+                raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {want}, "
+                                    "not finite or not ascending; fit it again")
+            pair.append(t)
+        books.append((pair[0], pair[1]))
+    return TurboQuant(config, shape, books, granularity)
 
 
 SETTINGS = ("bits", "residual")
@@ -215,6 +284,6 @@ SETTINGS = ("bits", "residual")
 
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None,
           model: LoadedModel | None) -> TurboQuant:
-    if artifacts is not None:
-        raise SettingsError("--method turboquant takes no --artifacts (it fits nothing)")
+    if artifacts is not None:  # calibrated codebooks (`kvcalib fit-turboquant`)
+        return load(artifacts, shape, settings, model.model if model is not None else None)
     return TurboQuant(TurboQuantConfig(**settings.resolve("turboquant", SETTINGS)), shape)

@@ -1,0 +1,102 @@
+"""`fit-turboquant`: calibrated TurboQuant. From a `collect` collection, per layer, for keys and for
+values: the unit vectors x / ‖x‖ rotated by TurboQuant's Π, and for each rotated coordinate (of
+every KV head pooled, or of each KV head) the 2^b-level scalar quantizer that Lloyd's algorithm
+fits to them, started from the oblivious Lloyd-Max codebook of `kvcalib.methods.turboquant`. The
+format, rotation and norms are TurboQuant's: only the centroids differ. Saved as the artifact
+`--method turboquant --artifacts` reads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..artifacts import save_artifact
+from ..atomic import ensure_writable_dir
+from ..collect import Activations
+from ..errors import SettingsError
+from ..models import AttentionShape
+from .turboquant import BITS, ROTATION_SEED, TurboQuant, codebook, unit_rotated
+
+GRANULARITIES = ("layer", "head")
+LLOYD_TOL = 1e-7  # stop when no centroid moves by more than this (units of a unit vector's coordinate, ~1/sqrt(d) wide)
+
+
+def lloyd_per_coordinate(y: torch.Tensor, init: torch.Tensor, iters: int) -> tuple[torch.Tensor, list[float]]:
+    """Lloyd's algorithm for every coordinate at once. y (G, N, d) samples, init (G, d, L) ascending.
+    Returns the centroids (G, d, L) and the mean squared error before each iteration and at the end
+    (non-increasing: each step re-assigns to the nearest centroid, then moves it to its cell's mean).
+    A cell that holds no sample keeps its centroid.
+
+    On sorted samples a cell is a contiguous run: the sample y belongs to cell j when
+    bound_{j-1} < y <= bound_j (bounds: midpoints of neighbouring centroids, as
+    `nearest_per_coordinate` assigns), so its count, sum and sum of squares come from prefix sums
+    (float64) at `searchsorted` positions: O(L log N) per coordinate and iteration."""
+    ys = y.transpose(1, 2).double().sort(-1).values  # (G, d, N)
+    n = ys.shape[-1]
+    zero = torch.zeros(*ys.shape[:-1], 1, dtype=torch.float64)
+    s1 = torch.cat([zero, ys.cumsum(-1)], -1)
+    s2 = torch.cat([zero, (ys * ys).cumsum(-1)], -1)
+    c = init.double().clone()
+
+    def cells(c: torch.Tensor):
+        bounds = ((c[..., 1:] + c[..., :-1]) / 2).contiguous()
+        inner = torch.searchsorted(ys.contiguous(), bounds, right=True)  # samples <= each bound
+        idx = torch.cat([torch.zeros_like(inner[..., :1]), inner, torch.full_like(inner[..., :1], n)], -1)
+        count = (idx[..., 1:] - idx[..., :-1]).double()
+        total = s1.gather(-1, idx[..., 1:]) - s1.gather(-1, idx[..., :-1])
+        squares = s2.gather(-1, idx[..., 1:]) - s2.gather(-1, idx[..., :-1])
+        mse = ((squares - 2 * c * total + c * c * count).sum() / ys.numel()).item()
+        return count, total, mse
+
+    history = []
+    for _ in range(iters):
+        count, total, mse = cells(c)
+        history.append(mse)
+        new = torch.where(count > 0, total / count.clamp_min(1), c)
+        moved = (new - c).abs().max().item()
+        c = new
+        if moved <= LLOYD_TOL:
+            break
+    history.append(cells(c)[2])
+    return c, history
+
+
+def fit_turboquant(activations: str | Path, out: str | Path, bits: int = 2, granularity: str = "layer",
+                   iters: int = 50) -> Path:
+    """Fit per-coordinate codebooks for keys and values of every layer; save them as an artifact."""
+    if bits not in BITS:
+        raise SettingsError(f"--bits must be in 1..4 for TurboQuant, got {bits}")
+    if granularity not in GRANULARITIES:
+        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
+    if iters < 1:
+        raise SettingsError("--iters must be positive")
+    out = ensure_writable_dir(out)
+    acts = Activations(activations)
+    fp = acts.fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    levels = 1 << bits
+    init = codebook(shape.head_dim, bits).float()
+    tensors: dict[str, torch.Tensor] = {}
+    report: dict[str, list[float]] = {"k": [], "v": []}
+    for i in tqdm(range(shape.num_layers), desc=f"fit-turboquant {bits} bits", unit="layer"):
+        data = acts.layer(i)
+        for which in ("k", "v"):
+            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
+            y, _ = unit_rotated(x)
+            y = y.transpose(0, 1)  # (Hkv, N, d)
+            if granularity == "layer":
+                y = y.reshape(1, -1, shape.head_dim)
+            groups = y.shape[0]
+            if y.shape[1] < levels:
+                raise SettingsError(f"the collection holds {y.shape[1]} vectors per codebook, fewer than the "
+                                    f"{levels} centroids of {bits} bits: collect more")
+            start = init.expand(groups, shape.head_dim, levels)
+            centroids, history = lloyd_per_coordinate(y, start, iters)
+            tensors[f"layers.{i}.{which}_codebook"] = centroids.half()
+            report[which].append(history[-1] / history[0])
+    settings = {"bits": bits, "granularity": granularity, "rotation_seed": ROTATION_SEED, "iters": iters}
+    extra = {"activations": str(activations), "calibration": acts.manifest["settings"],
+             "mse_calibrated_over_oblivious_per_layer": report}
+    return save_artifact(out, TurboQuant.name, settings, fp, tensors, extra)
