@@ -185,6 +185,16 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
     click.echo(f"artifact written to {path}")
 
 
+@cli.command("report")
+@click.argument("results", nargs=-1, type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Directory for report.md and pareto.png.")
+def report_cmd(results, out) -> None:
+    """Tabulate several `kvcalib eval --json` results and draw their Pareto plot."""
+    from .pareto import write_report
+
+    click.echo(f"report written to {write_report(list(results), out)}")
+
+
 @cli.command("run")
 @click.argument("recipe", type=click.Path())
 @click.option("--model", default=None, help="Override the recipe's model.")

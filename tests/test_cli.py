@@ -35,12 +35,17 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
         "unwritable --json": ["eval", *model, "--dataset", str(text_file), "--method", "fp16", *small,
                               "--json", str(blocker / "r.json")],
         "collect with bad dataset": ["collect", *model, "--dataset", str(empty), *small, "--out", str(tmp_path / "acts")],
+        "report of a file that is no eval JSON": ["report", str(blocker), "--out", str(tmp_path / "report")],
+        "report of nothing": ["report", "--out", str(tmp_path / "report")],
+        "fit-turboquant without a collection": ["fit-turboquant", "--activations", str(tmp_path / "no-acts"),
+                                                "--out", str(tmp_path / "art")],
     }
 
 
 CASES = ["missing model path", "missing dataset", "empty dataset", "unsupported dataset", "seq-len beyond context",
          "too few tokens", "unknown method", "unknown option", "bad kivi settings", "unwritable --out",
-         "unwritable --json", "collect with bad dataset"]
+         "unwritable --json", "collect with bad dataset", "report of a file that is no eval JSON", "report of nothing",
+         "fit-turboquant without a collection"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -1,0 +1,65 @@
+"""`kvcalib report`: the Pareto frontier, the Markdown table and the plot of several eval JSONs."""
+
+import json
+
+import pytest
+
+from kvcalib.errors import SettingsError
+from kvcalib.evaluate import EvalResult
+from kvcalib.pareto import frontier, read_results, write_report
+
+
+def _result(method, bits, ppl, dataset="text.txt", shared=0.0):
+    return EvalResult(method=method, settings={}, perplexity=ppl, effective_bits=bits, tokens=100,
+                      per_layer_attention_rel_error=[0.1], model="m", dataset=dataset, num_samples=2, seq_len=64,
+                      seconds=1.0, bits_breakdown={"cache_bits_per_element": bits - shared,
+                                                   "shared_bits_per_element": shared})
+
+
+def _write(tmp_path, results: dict) -> list[str]:
+    paths = []
+    for name, r in results.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(r.to_json()))
+        paths.append(str(path))
+    return paths
+
+
+RESULTS = {
+    "fp16": _result("fp16", 16.0, 10.0),
+    "kivi-g128": _result("kivi", 2.375, 16.0),
+    "kivi-g32": _result("kivi", 3.0, 12.0),
+    "tq-2": _result("turboquant", 2.25, 11.5),  # beats kivi-g128 on both axes, and kivi-g32 on both too
+    "tq-3": _result("turboquant", 3.75, 10.4),
+    "vecinfer": _result("vecinfer", 2.02, 13.0, shared=0.02),
+}
+
+
+def test_the_frontier_holds_exactly_the_undominated_results(tmp_path):
+    rows = read_results(_write(tmp_path, RESULTS))
+    assert [r.label for r in frontier(rows)] == ["vecinfer", "tq-2", "tq-3", "fp16"]
+
+
+def test_report_writes_a_table_by_bits_and_a_png(tmp_path):
+    out = write_report(_write(tmp_path, RESULTS), tmp_path / "report")
+    md = (out / "report.md").read_text()
+    body = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| result")]
+    assert [line.split(" | ")[0][2:] for line in body] == ["vecinfer", "tq-2", "kivi-g128", "kivi-g32", "tq-3", "fp16"]
+    assert "| tq-2 | turboquant | 2.250 | 2.250 | 0.000 | 11.500 | +15.0% | yes |" in md
+    assert "| kivi-g128 | kivi | 2.375 | 2.375 | 0.000 | 16.000 | +60.0% |  |" in md
+    assert (out / "pareto.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in out.iterdir()) == ["pareto.png", "report.md"]  # no temporary left
+
+
+def test_results_of_different_texts_are_refused_and_nothing_is_written(tmp_path):
+    paths = _write(tmp_path, {"a": _result("kivi", 2.0, 12.0), "b": _result("kivi", 3.0, 11.0, dataset="other.txt")})
+    with pytest.raises(SettingsError, match="different models, texts or windows"):
+        write_report(paths, tmp_path / "report")
+    assert not (tmp_path / "report").exists()
+
+
+def test_a_json_that_is_not_an_eval_result_is_refused(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"method": "kivi", "perplexity": 1.0}))
+    with pytest.raises(SettingsError, match="not an eval JSON"):
+        read_results([str(path)])
