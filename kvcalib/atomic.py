@@ -39,6 +39,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def write_json(path: str | os.PathLike, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked writable by `ensure_writable_file` first
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
