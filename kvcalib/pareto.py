@@ -63,7 +63,7 @@ def markdown(rows: list[Row]) -> str:
     on_frontier = {id(r) for r in frontier(rows)}
     first = rows[0].result
     lines = [f"Model {first.model}, text {first.dataset}, {first.num_samples} x {first.seq_len} tokens.", "",
-             "| result | method | effective bits | of which codes + metadata | of which shared tensors | perplexity | over fp16 | Pareto |",
+             "| result | method | effective bits | of which the cache (codes, metadata, fp16 window) | of which shared tensors (once) | perplexity | over fp16 | Pareto |",
              "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in sorted(rows, key=lambda r: (r.result.effective_bits, r.result.perplexity)):
         x, b = r.result, r.result.bits_breakdown
@@ -102,6 +102,12 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_xlabel("effective bits per cached element (as `kvcalib eval` counts them)")
     ax.set_ylabel("perplexity")
     ax.set_yscale("log")
+    from matplotlib.ticker import ScalarFormatter
+
+    for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+        formatter = ScalarFormatter()
+        formatter.set_scientific(False)
+        axis(formatter)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     first = rows[0].result
