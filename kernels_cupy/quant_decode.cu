@@ -457,9 +457,9 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
     }
 }
 
-// Accumulates the values of a warp's tiles weighted by pp (the probabilities as half2 pairs in the
-// scores' layout): O^T += codes_V^T . P~^T with P~ = P o (value scales), offsets and zero points in
-// voff and vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
+// Accumulates the values of a warp's tiles weighted by p (the fp32 probabilities in the scores'
+// layout, rounded here to half2 pairs): O^T += codes_V^T . P~^T with P~ = P o (value scales),
+// offsets and zero points in voff and vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
 __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const float (*p)[4], const unsigned* kexp,
                                             float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
@@ -486,9 +486,9 @@ __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const flo
   }
 }
 
-// Online softmax over a warp's tiles of scores: probabilities to pp (half2 pairs, the layout of
-// value_tiles), running max m (log2 units) and this lane's share l of the sum, per head column 2t + e;
-// the accumulators are rescaled when the running max moves.
+// Online softmax over a warp's tiles of scores: probabilities to p (fp32, the scores' layout, as
+// value_tiles reads them), running max m (log2 units) and this lane's share l of the sum, per head
+// column 2t + e; the accumulators are rescaled when the running max moves.
 __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, float (*p)[4],
                                               float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
   float mx[2] = {NEG_INF, NEG_INF};

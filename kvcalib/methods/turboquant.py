@@ -1,5 +1,6 @@
 """TurboQuant, MSE variant (Zandieh et al., 2025, "TurboQuant: Online Vector Quantization with
-Near-optimal Distortion Rate", Algorithm 1). Data-oblivious: no calibration, no artifact.
+Near-optimal Distortion Rate", Algorithm 1). Data-oblivious by default: no calibration, no
+artifact; calibrated codebooks are an option (below).
 
 Every cached vector x (one token, one KV head, d = head_dim elements; keys and values alike) is
 stored as its norm ‖x‖ in float16 and b-bit codes of its direction: the unit vector u = x / ‖x‖
@@ -98,10 +99,15 @@ def cell_moments(edges: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tenso
     return m0, m1, m2
 
 
+def midpoints(centroids: torch.Tensor) -> torch.Tensor:
+    """The nearest-centroid thresholds of ascending centroids along the last axis: (c_j + c_{j+1}) / 2."""
+    return (centroids[..., 1:] + centroids[..., :-1]) / 2
+
+
 def cell_edges(centroids: torch.Tensor) -> torch.Tensor:
     """−1, the midpoints of neighbouring centroids (the nearest-centroid thresholds), 1."""
     one = torch.ones(1, dtype=centroids.dtype)
-    return torch.cat([-one, (centroids[1:] + centroids[:-1]) / 2, one])
+    return torch.cat([-one, midpoints(centroids), one])
 
 
 def lloyd_step(centroids: torch.Tensor, d: int) -> torch.Tensor:
@@ -195,7 +201,7 @@ def unit_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Codes of y (..., G or H, T, d) for per-coordinate codebooks (G, d, L) ascending: the number of
     cell boundaries (midpoints of neighbouring centroids) below each y_i, as `torch.bucketize` counts."""
-    bounds = (centroids[..., 1:] + centroids[..., :-1]) / 2  # (G, d, L - 1)
+    bounds = midpoints(centroids)  # (G, d, L - 1)
     return (y.unsqueeze(-1) > bounds[:, None].to(y.device)).sum(-1)
 
 

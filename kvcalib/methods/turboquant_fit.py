@@ -17,7 +17,7 @@ from ..atomic import ensure_writable_dir
 from ..collect import Activations
 from ..errors import SettingsError
 from ..models import AttentionShape
-from .turboquant import BITS, ROTATION_SEED, TurboQuant, codebook, unit_rotated
+from .turboquant import BITS, ROTATION_SEED, TurboQuant, codebook, midpoints, unit_rotated
 
 GRANULARITIES = ("layer", "head")
 LLOYD_TOL = 1e-7  # stop when no centroid moves by more than this (units of a unit vector's coordinate, ~1/sqrt(d) wide)
@@ -41,7 +41,7 @@ def lloyd_per_coordinate(y: torch.Tensor, init: torch.Tensor, iters: int) -> tup
     c = init.double().clone()
 
     def cells(c: torch.Tensor):
-        bounds = ((c[..., 1:] + c[..., :-1]) / 2).contiguous()
+        bounds = midpoints(c).contiguous()
         inner = torch.searchsorted(ys.contiguous(), bounds, right=True)  # samples <= each bound
         idx = torch.cat([torch.zeros_like(inner[..., :1]), inner, torch.full_like(inner[..., :1], n)], -1)
         count = (idx[..., 1:] - idx[..., :-1]).double()
