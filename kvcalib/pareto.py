@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from .atomic import atomic_path, ensure_writable_dir
@@ -28,6 +28,7 @@ def read_results(paths: list[str]) -> list[Row]:
     if not paths:
         raise SettingsError("give at least one eval JSON (kvcalib eval ... --json FILE)")
     names = {f.name for f in fields(EvalResult)}
+    required = {f.name for f in fields(EvalResult) if f.default is MISSING and f.default_factory is MISSING}
     rows = []
     for p in paths:
         path = Path(p)
@@ -35,7 +36,7 @@ def read_results(paths: list[str]) -> list[Row]:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise SettingsError(f"{path}: not a readable eval JSON ({str(err).splitlines()[0]})") from err
-        if not isinstance(data, dict) or not names >= set(data) or not {"method", "perplexity", "effective_bits"} <= set(data):
+        if not isinstance(data, dict) or not names >= set(data) or not required <= set(data):
             raise SettingsError(f"{path}: not an eval JSON (expected the fields of `kvcalib eval --json`)")
         result = EvalResult(**data)
         if not (isinstance(result.perplexity, (int, float)) and isinstance(result.effective_bits, (int, float))

@@ -17,6 +17,8 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
     empty.write_text("")
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
+    partial = tmp_path / "partial.json"
+    partial.write_text('{"method": "kivi", "perplexity": 12.0, "effective_bits": 2.0}')
     model = ["--model", str(tiny_model_dir)]
     small = ["--num-samples", "1", "--seq-len", "32"]
     return {
@@ -37,6 +39,7 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
         "collect with bad dataset": ["collect", *model, "--dataset", str(empty), *small, "--out", str(tmp_path / "acts")],
         "report of a file that is no eval JSON": ["report", str(blocker), "--out", str(tmp_path / "report")],
         "report of nothing": ["report", "--out", str(tmp_path / "report")],
+        "report of an eval JSON missing fields": ["report", str(partial), "--out", str(tmp_path / "report")],
         "fit-turboquant without a collection": ["fit-turboquant", "--activations", str(tmp_path / "no-acts"),
                                                 "--out", str(tmp_path / "art")],
     }
@@ -45,7 +48,7 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
 CASES = ["missing model path", "missing dataset", "empty dataset", "unsupported dataset", "seq-len beyond context",
          "too few tokens", "unknown method", "unknown option", "bad kivi settings", "unwritable --out",
          "unwritable --json", "collect with bad dataset", "report of a file that is no eval JSON", "report of nothing",
-         "fit-turboquant without a collection"]
+         "report of an eval JSON missing fields", "fit-turboquant without a collection"]
 
 
 @pytest.mark.parametrize("case", CASES)
