@@ -1,7 +1,7 @@
 """Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, and the fused
 INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
 
-    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--schemes K,V] [--results FILE]
+    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--schemes K,V] [--define NAME=V] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -15,7 +15,8 @@ reads the row's bytes (kernels_cupy/stream_read.cu), timed the same way. "worst 
 accuracy the speed was bought with: max over (batch, query head) of ‖o − o_ref‖/‖o_ref‖ against the
 float64 `reference_decode` of the same packed cache, on these diffuse (unit randn) inputs; for SDPA
 rows, SDPA fp16 over the KIVI-2 G=128 cache dequantized, against the same reference (the peer's
-error on the same cache). `--schemes K,V` compiles the kernel with other code-unpack schemes (A/B).
+error on the same cache). `--schemes K,V` compiles the kernel with other code-unpack schemes and
+`--define NAME=V` with another compile-time switch (A/B).
 """
 
 from __future__ import annotations
@@ -115,11 +116,11 @@ def main() -> None:
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--schemes", default=None, help="K,V: KEY_SCHEME, VALUE_SCHEME of quant_decode.cu (A/B)")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="another compile-time switch of quant_decode.cu (A/B), e.g. EXACT_KEY_ZEROS=0")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
-    if args.schemes:
-        key, value = map(int, args.schemes.split(","))
-        loader.experiment("quant_decode.cu", KEY_SCHEME=key, VALUE_SCHEME=value)
+    switches = loader.experiment_from("quant_decode.cu", args.define, args.schemes)
     bw = copy_bandwidth()
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -169,7 +170,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens" \
-        + (f", schemes K,V = {args.schemes}" if args.schemes else "")
+        + (f", {switches}" if switches else "")
     empty = timed(lambda i: None, 1)
     lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write); an empty graph measures {empty:.1f} µs. "
              "Read floor: one launch that only reads the row's bytes (kernels_cupy/stream_read.cu).", "",

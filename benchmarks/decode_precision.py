@@ -1,7 +1,7 @@
 """Accuracy of the fused INT2 decode kernel against float64, in the regimes users run, beside the
 error torch SDPA makes in the query dtype over the same dequantized cache.
 
-    python benchmarks/decode_precision.py [--schemes 2,2] [--dtype float16] [--results FILE]
+    python benchmarks/decode_precision.py [--schemes 2,2] [--define NAME=V] [--dtype float16] [--results FILE]
 
 For each (B, L, G, inputs): the relative error ‖o − o_ref‖/‖o_ref‖ over all rows and the worst row
 (a row = one batch entry and query head), where o_ref is `reference_decode` in float64 of the same
@@ -74,14 +74,14 @@ def measure(b: int, length: int, group: int, peaked: bool, dtype: torch.dtype, n
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schemes", default=None, help="K,V unpack schemes (default: the kernel's)")
+    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                        help="another compile-time switch of quant_decode.cu (A/B), e.g. EXACT_KEY_ZEROS=0")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--regimes", default=None, help="B:L:G[:peaked][:norms],... (default: the table's)")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
-    if args.schemes:
-        key, value = map(int, args.schemes.split(","))
-        loader.experiment("quant_decode.cu", KEY_SCHEME=key, VALUE_SCHEME=value)
+    switches = loader.experiment_from("quant_decode.cu", args.define, args.schemes)
     dtype = getattr(torch, args.dtype)
     if args.regimes:
         regimes = []
@@ -102,8 +102,7 @@ def main() -> None:
                      f"{(f / bound).max():.2f} | {int((f > bound).sum())} |")
         print(lines[-1], flush=True)
     title = (f"Decode precision, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL}, "
-             f"{args.dtype} queries" + (f", schemes K={args.schemes.split(',')[0]} V={args.schemes.split(',')[1]}"
-                                         if args.schemes else ""))
+             f"{args.dtype} queries" + (f", {switches}" if switches else ""))
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     if not args.no_record:

@@ -41,6 +41,22 @@ def experiment(filename: str, **defines: object) -> None:
     _EXPERIMENT[filename] = defines
 
 
+def experiment_from(filename: str, switches: list[str], schemes: str | None = None) -> str:
+    """`experiment` from NAME=VALUE strings (the benchmarks' --define) and "K,V" (their --schemes:
+    KEY_SCHEME, VALUE_SCHEME); returns the switches joined for a table's title ("" when none)."""
+    if schemes:
+        switches = [f"{n}={v}" for n, v in zip(("KEY_SCHEME", "VALUE_SCHEME"), schemes.split(","))] + switches
+    defines = {}
+    for item in switches:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise SystemExit(f"--define takes NAME=VALUE, got {item!r}")
+        defines[name] = value
+    if defines:
+        experiment(filename, **defines)
+    return ", ".join(f"{k}={v}" for k, v in defines.items())
+
+
 def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKernel:
     if filename in _EXPERIMENT:
         defines = {**defines, **_EXPERIMENT[filename]}

@@ -172,6 +172,9 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
 #ifndef VALUE_SCHEME
 #define VALUE_SCHEME 3
 #endif
+#ifndef EXACT_KEY_ZEROS  // 0: key scheme 4's zero point term from fp16(z + s) (`shifted_zeros`)
+#define EXACT_KEY_ZEROS 1
+#endif
 __device__ __forceinline__ unsigned hsub2u(unsigned a, unsigned b) {
   const __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<const unsigned*>(&v);
@@ -228,11 +231,26 @@ __device__ __forceinline__ uint4 centred_zeros(const __half* z, const __half* s)
   const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
   return make_uint4(ua, ua, ub, ub);
 }
-// Key scheme 4's zero points z + s for the channel pairs at z, s and z + 8, s + 8 (one rounding).
+// Key scheme 4's zero points z + s for the channel pairs at z, s and z + 8, s + 8 (one rounding;
+// with EXACT_KEY_ZEROS=0 only).
 __device__ __forceinline__ uint4 shifted_zeros(const __half* z, const __half* s) {
   const __half2 a = __hadd2(half2_at(s), half2_at(z)), b = __hadd2(half2_at(s + 8), half2_at(z + 8));
   const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
   return make_uint4(ua, ua, ub, ub);
+}
+// Key scheme 4's exact zero point term (EXACT_KEY_ZEROS): an A operand whose rows g hold the half2
+// pairs at z, z + 8 and rows g + 8 those at s, s + 8. The mma's C rows g then sum z q and rows g + 8
+// sum s q, every product exact in fp32, and `key_group` adds the two rows: sum_c (z_c + s_c) q_c
+// without the fp16 rounding of z + s, at the same mma count (the rows were copies of each other).
+// That rounding is the same for every token of a group: with a sink in the group it moved the
+// sink's score by up to ~5e-4 and broke the 2 x SDPA + 1e-4 rule in a peaked row (B = 4, 128k,
+// G = 32, GQA 8: 5.44e-4 against a bound of 5.37e-4; benchmarks/decode_precision_rows.py models it
+// to 5.21e-4 from this rounding alone). Values keep fp16(z + 1.5 s): the same trick there sums
+// z p and s p apart, two long uncentred sums that cancel (tried with both: the worst diffuse row at
+// B = 8, 128k, G = 128 went 4.2e-4 -> 1.1e-3), and that rounding costs the rows nothing measurable.
+__device__ __forceinline__ uint4 zero_and_scale_rows(const __half* z, const __half* s) {
+  return make_uint4(*reinterpret_cast<const unsigned*>(z), *reinterpret_cast<const unsigned*>(s),
+                    *reinterpret_cast<const unsigned*>(z + 8), *reinterpret_cast<const unsigned*>(s + 8));
 }
 // An A operand whose every row is the half2 pairs at p and p + 8 (zero points broadcast over rows).
 __device__ __forceinline__ uint4 rows_of_pairs(const __half* p) {
@@ -404,14 +422,16 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
                                            : qt;
     if (KEY_SCHEME == 3)  // every token row: sum_c (z_c + 1.5 s_c) q_c
       mma16816(k0, centred_zeros(z + c, s + c), q.x, q.y);
-    else if (KEY_SCHEME == 4)  // every token row: sum_c (z_c + s_c) q_c
-      mma16816(k0, shifted_zeros(z + c, s + c), q.x, q.y);
+    else if (KEY_SCHEME == 4)  // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q if exact)
+      mma16816(k0, EXACT_KEY_ZEROS ? zero_and_scale_rows(z + c, s + c) : shifted_zeros(z + c, s + c), q.x, q.y);
     else  // every token row: sum_c z_c q_c
       mma16816(k0, rows_of_pairs(z + c), q.x, q.y);
     if (KEY_SCHEME < 2)  // -sum_c off q~_c
       mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
+  if (KEY_SCHEME == 4 && EXACT_KEY_ZEROS)  // every token row: sum_c z_c q_c + sum_c s_c q_c
+    for (int e = 0; e < 2; ++e) k0[e] = k0[2 + e] = k0[e] + k0[2 + e];
 }
 
 // The scores sc (log2 units) of a warp's TILES tiles at stage rows row0, row0 + 1, ...: sc[j][0..1]
