@@ -71,6 +71,29 @@ def unpack_bits(words: torch.Tensor, bits: int, dim: int, length: int) -> torch.
     return codes.movedim(-1, dim)
 
 
+def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack unsigned codes (< 2^bits) along the last axis as one bit stream: code j at bits
+    [bits j, bits (j + 1)) of the stream, which fills int32 words least significant bit first and
+    runs across word boundaries (3-bit codes: 32 in three words). For bits dividing 32 this is
+    `pack_bits`' layout exactly; otherwise it wastes no bits (the last word zero-padded)."""
+    n = codes.shape[-1]
+    words = -(-n * bits // WORD_BITS)
+    place = torch.arange(bits, device=codes.device, dtype=torch.int64)
+    stream = ((codes.to(torch.int64).unsqueeze(-1) >> place) & 1).flatten(-2)  # (..., n * bits)
+    stream = torch.nn.functional.pad(stream, (0, words * WORD_BITS - n * bits))
+    shifts = torch.arange(WORD_BITS, device=codes.device, dtype=torch.int64)
+    packed = (stream.reshape(*stream.shape[:-1], words, WORD_BITS) << shifts).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_stream(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
+    """Inverse of `pack_stream`: int32 words along the last axis to `length` codes (int64)."""
+    shifts = torch.arange(WORD_BITS, device=words.device, dtype=torch.int64)
+    stream = ((words.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF) >> shifts & 1).flatten(-2)[..., : length * bits]
+    place = torch.arange(bits, device=words.device, dtype=torch.int64)
+    return (stream.reshape(*stream.shape[:-1], length, bits) << place).sum(-1)
+
+
 @dataclass
 class Quantized:
     """A tensor quantized and packed as the module docstring describes."""

@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from kvcalib.quant import Quantized, dequantize, pack_bits, per_word, quantize, unpack_bits
+from kvcalib.quant import Quantized, dequantize, pack_bits, pack_stream, per_word, quantize, unpack_bits, unpack_stream
 from tolerances import U16, U32, gamma
 
 FLOAT16_SUBNORMAL_ROUNDING = 2.0**-25  # below 2^-14 float16 rounds to multiples of 2^-24: absolute error <= 2^-25
@@ -29,6 +29,26 @@ def test_packed_layout_puts_element_j_at_bits_b_times_j_mod_per_word():
     assert words.shape == (2,)
     assert int(words[0]) & 0xFFFFFFFF == expected0
     assert int(words[1]) == 2  # element 16 in the low bits of the zero-padded second word
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("length", [1, 21, 64, 100])
+def test_bit_stream_round_trips_in_the_fewest_words(bits, length):
+    codes = torch.randint(0, 1 << bits, (3, 5, length))
+    words = pack_stream(codes, bits)
+    assert words.dtype == torch.int32 and words.shape == (3, 5, -(-length * bits // 32))
+    assert torch.equal(unpack_stream(words, bits, length), codes)
+    if 32 % bits == 0:  # a code never straddles two words: pack_bits' layout exactly
+        assert torch.equal(words, pack_bits(codes, bits, -1))
+
+
+def test_bit_stream_puts_code_j_at_bit_b_times_j_across_words():
+    codes = torch.tensor([5, 3, 7, 1, 6, 2, 4, 0, 7, 7, 1])  # 11 codes at 3 bits: 33 bits, code 10 straddles
+    words = pack_stream(codes, 3)
+    stream = sum(int(c) << (3 * j) for j, c in enumerate(codes.tolist()))
+    assert words.shape == (2,)
+    assert int(words[0]) & 0xFFFFFFFF == stream & 0xFFFFFFFF
+    assert int(words[1]) == stream >> 32  # the top bits of code 10 (7 at bits 30-32): 1
 
 
 def _error_over_bound(x: torch.Tensor, p: Quantized) -> float:

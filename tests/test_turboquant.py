@@ -212,8 +212,8 @@ def _one_code_off(method, monkeypatch):
     """Every vector's first code moved to a neighbouring level (its lowest bit flipped)."""
     encode = method.encode_vectors
 
-    def planted(x, centroids=None):
-        coded = encode(x, centroids)
+    def planted(x, centroids=None, bits=None):
+        coded = encode(x, centroids, bits)
         codes = unpack_bits(coded.codes, method.config.bits, -1, method.head_dim)
         codes[..., 0] ^= 1
         coded.codes = pack_bits(codes, method.config.bits, -1)
@@ -252,8 +252,8 @@ def test_planted_codec_errors_break_the_distortion_check(plant, bits, monkeypatc
 # ---- what the cache holds and what it costs ----
 
 def _bits_per_vector(d: int, bits: int) -> int:
-    """Codes in whole 32-bit words (`kvcalib.quant.pack_bits`: 32 // bits codes per word) and a float16 norm."""
-    return 32 * -(-d // (32 // bits)) + 16
+    """The codes as one bit stream in whole 32-bit words (`kvcalib.quant.pack_stream`) and a float16 norm."""
+    return 32 * -(-d * bits // 32) + 16
 
 
 @pytest.mark.parametrize("d", [16, 64, 96])

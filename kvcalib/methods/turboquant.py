@@ -25,17 +25,17 @@ and the first moments ∫ t f dt = −(1 − t²)^((d−1)/2) / (d−1) are clos
 per (d, b), in float64, and cached. Neither Π nor the codebook is stored: both are functions of
 (d, b, seed) that a decoder recomputes, so `constant_bits` is 0 (as OScaR's Hadamard matrix).
 
-Packed layout, per flushed block, for keys and for values alike (codes as `kvcalib.quant` packs
-them along channels: element j in word j // (32 // b) at bits [b (j mod (32 // b)), ...), least
-significant first, the last word zero-padded):
+Packed layout, per flushed block, for keys and for values alike (each vector's codes as one bit
+stream, `kvcalib.quant.pack_stream`: code j at bits [b j, b (j + 1)) of the vector's int32 words,
+least significant first, across word boundaries, the last word zero-padded):
 
 | what    | dtype   | shape                                 | meaning                                 |
 |---------|---------|---------------------------------------|-----------------------------------------|
-| `codes` | int32   | `(B, Hkv, T, ceil(d / (32 // b)))`    | index of the centroid of each y_i       |
+| `codes` | int32   | `(B, Hkv, T, ceil(d b / 32))`         | index of the centroid of each y_i       |
 | `norm`  | float16 | `(B, Hkv, T, 1)`                      | ‖x‖ of each token and KV head           |
 
-Stored bits per vector: 32 ceil(d / (32 // b)) + 16; for d = 64, b = 2 that is 128 + 16 bits,
-2.25 bits per element (b = 3 packs 10 codes per word: 224 + 16 bits, 3.75 per element).
+Stored bits per vector: 32 ceil(d b / 32) + 16; for d = 64 that is b + 0.25 bits per element
+(b = 2: 128 + 16 bits, 2.25; b = 3: 192 + 16 bits, 3.25).
 
 Calibrated (with `--artifacts` from `kvcalib fit-turboquant`, `methods/turboquant_fit.py`): the same
 format, rotation and norms, but each layer's keys and values have their own codebooks, one per
@@ -48,6 +48,10 @@ collection's rotated unit vectors. Artifact tensors, per layer i, ascending alon
 | `layers.{i}.v_codebook` | float16 | `(G, d, 2^b)`          |
 
 They are counted once, 16 bits per centroid (`constant_bits`), as VecInfer's codebooks.
+
+A bit plan (`kvcalib plan`, `kvcalib/plan.py`) is such an artifact whose layers differ in bits:
+layer i's keys take `k_bits[i]` bits and its values `v_bits[i]` (settings `bits: "plan"`), and each
+codebook has 2^bits centroids to match.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import torch
 from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
-from ..quant import pack_bits, unpack_bits
+from ..quant import pack_stream, unpack_stream
 from . import DEFAULTS, Method, MethodSettings
 
 ROTATION_SEED = 0
@@ -179,6 +183,7 @@ class Coded:
 
     codes: torch.Tensor  # int32 (..., T, words)
     norm: torch.Tensor  # float16 (..., T, 1)
+    bits: int
 
     def stored_bits(self) -> int:
         return 32 * self.codes.numel() + 16 * self.norm.numel()
@@ -209,30 +214,38 @@ class TurboQuant(Method):
     name = "turboquant"
 
     def __init__(self, config: TurboQuantConfig, shape: AttentionShape,
-                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None):
-        """books: per layer, calibrated (keys, values) codebooks (G, d, 2^b), or None for the oblivious one."""
+                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None,
+                 plan: dict | None = None):
+        """books: per layer, calibrated (keys, values) codebooks (G, d, 2^b), or None for the oblivious one;
+        plan: a bit plan's settings (`k_bits`, `v_bits` per layer, `budget`), or None: `config.bits` everywhere."""
         self.config = config
         self.block = config.residual
         self.head_dim = shape.head_dim
+        self.plan = plan
+        self.layer_bits = None if plan is None else list(zip(plan["k_bits"], plan["v_bits"]))
         self.centroids = codebook(shape.head_dim, config.bits)  # float64; computed now, not mid-evaluation
         self._centroids32 = self.centroids.float()
         self._thresholds32 = cell_edges(self.centroids)[1:-1].float()
         self.books = None if books is None else [(k.float(), v.float()) for k, v in books]
         self.granularity = granularity
 
-    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
+    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None, bits: int | None = None) -> Coded:
+        """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""
+        bits = self.config.bits if bits is None else bits
         y, norm = unit_rotated(x)
-        if centroids is None:
-            codes = torch.bucketize(y, self._thresholds32.to(x.device))  # nearest centroid: cells split at midpoints
+        if centroids is None:  # the oblivious codebook: cells split at the midpoints of its centroids
+            thresholds = self._thresholds32 if bits == self.config.bits else cell_edges(codebook(self.head_dim, bits))[1:-1].float()
+            codes = torch.bucketize(y, thresholds.to(x.device))
         else:
             codes = nearest_per_coordinate(y, centroids)
-        return Coded(codes=pack_bits(codes, self.config.bits, -1), norm=norm.clamp(max=_FP16_MAX).half())
+        return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=bits)
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim
-        codes = unpack_bits(coded.codes, self.config.bits, -1, d)
+        codes = unpack_stream(coded.codes, coded.bits, d)
         if centroids is None:
-            y = self._centroids32.to(codes.device)[codes]
+            table = self._centroids32 if coded.bits == self.config.bits else codebook(d, coded.bits).float()
+            y = table.to(codes.device)[codes]
         else:  # (G, d, L) -> the centroid of coordinate i in code codes[..., i]
             table = centroids.to(codes.device)[:, None].expand(*codes.shape, centroids.shape[-1])
             y = table.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
@@ -243,7 +256,8 @@ class TurboQuant(Method):
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> TurboQuantPacked:
         kc, vc = self._layer_books(layer)
-        return TurboQuantPacked(k=self.encode_vectors(k, kc), v=self.encode_vectors(v, vc))
+        kb, vb = (self.config.bits, self.config.bits) if self.layer_bits is None else self.layer_bits[layer]
+        return TurboQuantPacked(k=self.encode_vectors(k, kc, kb), v=self.encode_vectors(v, vc, vb))
 
     def decompress(self, layer: int, packed: TurboQuantPacked) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self._layer_books(layer)
@@ -259,30 +273,54 @@ class TurboQuant(Method):
         out = {"bits": self.config.bits, "residual": self.config.residual, "rotation_seed": ROTATION_SEED}
         if self.books is not None:
             out |= {"calibrated": True, "granularity": self.granularity}
+        if self.plan is not None:
+            out |= {"bits": "plan", **self.plan}
         return out
 
 
+def _plan_bits(art_settings: dict, num_layers: int, path: str) -> dict | None:
+    """A bit plan's per-layer bits from an artifact's settings (None for a single-bit artifact)."""
+    if art_settings.get("bits") != "plan":
+        return None
+    plan = {key: art_settings.get(key) for key in ("k_bits", "v_bits", "budget")}
+    for key in ("k_bits", "v_bits"):
+        bits = plan[key]
+        if not isinstance(bits, list) or len(bits) != num_layers or any(b not in BITS for b in bits):
+            raise ArtifactError(f"artifact {path}: its plan's {key} must list one of {BITS} per layer "
+                                f"({num_layers}); make the plan again")
+    return plan
+
+
 def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None) -> TurboQuant:
-    """A calibrated TurboQuant from a `fit-turboquant` artifact, checked complete and consistent."""
+    """A calibrated TurboQuant from a `fit-turboquant` or `plan` artifact, checked complete and consistent."""
     art = load_artifact(path, TurboQuant.name, model)
     granularity = art.settings.get("granularity")
     if art.settings.get("rotation_seed") != ROTATION_SEED or granularity not in ("layer", "head"):
         raise ArtifactError(f"artifact {path} has invalid TurboQuant settings {art.settings}; fit it again")
-    config = TurboQuantConfig(**settings.resolve("turboquant", SETTINGS, {"bits": art.settings.get("bits")}, path))
+    plan = _plan_bits(art.settings, shape.num_layers, path)
+    if plan is not None:
+        if settings.bits is not None:
+            raise SettingsError(f"--bits does not apply to the bit plan {path} (its layers take their own bits); drop it")
+        resolved = settings.resolve("turboquant", SETTINGS, {}, path)
+        config = TurboQuantConfig(bits=max(plan["k_bits"] + plan["v_bits"]), residual=resolved["residual"])
+        layer_bits = list(zip(plan["k_bits"], plan["v_bits"]))
+    else:
+        config = TurboQuantConfig(**settings.resolve("turboquant", SETTINGS, {"bits": art.settings.get("bits")}, path))
+        layer_bits = [(config.bits, config.bits)] * shape.num_layers
     groups = 1 if granularity == "layer" else shape.num_kv_heads
-    want = (groups, shape.head_dim, 1 << config.bits)
     books = []
     for i in range(shape.num_layers):
         pair = []
-        for which in ("k", "v"):
+        for which, bits in zip(("k", "v"), layer_bits[i]):
             name = f"layers.{i}.{which}_codebook"
+            want = (groups, shape.head_dim, 1 << bits)
             t = art.tensors.get(name)
             if t is None or tuple(t.shape) != want or not torch.isfinite(t).all() or (t.diff(dim=-1) < 0).any():
                 raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {want}, "
                                     "not finite or not ascending; fit it again")
             pair.append(t)
         books.append((pair[0], pair[1]))
-    return TurboQuant(config, shape, books, granularity)
+    return TurboQuant(config, shape, books, granularity, plan)
 
 
 SETTINGS = ("bits", "residual")
