@@ -185,6 +185,29 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
     click.echo(f"artifact written to {path}")
 
 
+@cli.command("plan")
+@click.option("--activations", required=True, type=click.Path(), help="Directory written by `kvcalib collect`.")
+@click.option("--budget", required=True, type=float,
+              help="Average bits per cached element, counted as `eval` counts them (codes, norms, codebooks).")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The model the collection came from.")
+@click.option("--bits", "bits_choices", default="1,2,3,4", show_default=True,
+              help="Candidate bits per rotated coordinate for each layer's keys and values.")
+@click.option("--windows", type=int, default=4, show_default=True,
+              help="Held-out calibration windows for the sensitivities (after the collection's tokens).")
+@click.option("--seq-len", type=int, default=512, show_default=True, help="Tokens per window.")
+@click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
+              help="One codebook per rotated coordinate of a layer, or of each KV head.")
+@click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
+@click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+def plan_cmd(activations, budget, model, bits_choices, windows, seq_len, granularity, iters, out) -> None:
+    """Choose each layer's key and value bits (calibrated TurboQuant) under an average bit budget."""
+    from .methods.turboquant_plan import make_plan
+
+    path = make_plan(activations, budget, out, model=model, bits=tuple(_int_list(bits_choices, "--bits")),
+                     windows=windows, seq_len=seq_len, granularity=granularity, iters=iters)
+    click.echo(f"plan written to {path}")
+
+
 @cli.command("report")
 @click.argument("results", nargs=-1, type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="Directory for report.md and pareto.png.")

@@ -42,13 +42,20 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
         "report of an eval JSON missing fields": ["report", str(partial), "--out", str(tmp_path / "report")],
         "fit-turboquant without a collection": ["fit-turboquant", "--activations", str(tmp_path / "no-acts"),
                                                 "--out", str(tmp_path / "art")],
+        "plan without a collection": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
+                                      *model, "--out", str(tmp_path / "plan")],
+        "plan with bits that are no list": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
+                                            "--bits", "two", "--out", str(tmp_path / "plan")],
+        "plan with a negative budget": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "-1",
+                                        "--out", str(tmp_path / "plan")],
     }
 
 
 CASES = ["missing model path", "missing dataset", "empty dataset", "unsupported dataset", "seq-len beyond context",
          "too few tokens", "unknown method", "unknown option", "bad kivi settings", "unwritable --out",
          "unwritable --json", "collect with bad dataset", "report of a file that is no eval JSON", "report of nothing",
-         "report of an eval JSON missing fields", "fit-turboquant without a collection"]
+         "report of an eval JSON missing fields", "fit-turboquant without a collection", "plan without a collection",
+         "plan with bits that are no list", "plan with a negative budget"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,6 +7,7 @@ format, rotation and norms are TurboQuant's: only the centroids differ. Saved as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,25 @@ GRANULARITIES = ("layer", "head")
 LLOYD_TOL = 1e-7  # stop when no centroid moves by more than this (units of a unit vector's coordinate, ~1/sqrt(d) wide)
 
 
-def lloyd_per_coordinate(y: torch.Tensor, init: torch.Tensor, iters: int) -> tuple[torch.Tensor, list[float]]:
+@dataclass
+class SortedSamples:
+    """Samples of every coordinate sorted, (G, d, N) float64, with prefix sums of them and of their
+    squares (G, d, N + 1): prepared once, fitted at several bit widths."""
+
+    ys: torch.Tensor
+    s1: torch.Tensor
+    s2: torch.Tensor
+
+    @classmethod
+    def of(cls, y: torch.Tensor) -> "SortedSamples":
+        """From samples y (G, N, d)."""
+        ys = y.transpose(1, 2).double().sort(-1).values.contiguous()  # searchsorted needs it contiguous
+        zero = torch.zeros(*ys.shape[:-1], 1, dtype=torch.float64)
+        return cls(ys, torch.cat([zero, ys.cumsum(-1)], -1), torch.cat([zero, (ys * ys).cumsum(-1)], -1))
+
+
+def lloyd_per_coordinate(y: torch.Tensor | SortedSamples, init: torch.Tensor,
+                         iters: int) -> tuple[torch.Tensor, list[float]]:
     """Lloyd's algorithm for every coordinate at once. y (G, N, d) samples, init (G, d, L) ascending.
     Returns the centroids (G, d, L) and the mean squared error before each iteration and at the end
     (non-increasing: each step re-assigns to the nearest centroid, then moves it to its cell's mean).
@@ -33,16 +52,14 @@ def lloyd_per_coordinate(y: torch.Tensor, init: torch.Tensor, iters: int) -> tup
     bound_{j-1} < y <= bound_j (bounds: midpoints of neighbouring centroids, as
     `nearest_per_coordinate` assigns), so its count, sum and sum of squares come from prefix sums
     (float64) at `searchsorted` positions: O(L log N) per coordinate and iteration."""
-    ys = y.transpose(1, 2).double().sort(-1).values  # (G, d, N)
+    samples = y if isinstance(y, SortedSamples) else SortedSamples.of(y)
+    ys, s1, s2 = samples.ys, samples.s1, samples.s2
     n = ys.shape[-1]
-    zero = torch.zeros(*ys.shape[:-1], 1, dtype=torch.float64)
-    s1 = torch.cat([zero, ys.cumsum(-1)], -1)
-    s2 = torch.cat([zero, (ys * ys).cumsum(-1)], -1)
     c = init.double().clone()
 
     def cells(c: torch.Tensor):
         bounds = midpoints(c).contiguous()
-        inner = torch.searchsorted(ys.contiguous(), bounds, right=True)  # samples <= each bound
+        inner = torch.searchsorted(ys, bounds, right=True)  # samples <= each bound
         idx = torch.cat([torch.zeros_like(inner[..., :1]), inner, torch.full_like(inner[..., :1], n)], -1)
         count = (idx[..., 1:] - idx[..., :-1]).double()
         total = s1.gather(-1, idx[..., 1:]) - s1.gather(-1, idx[..., :-1])
@@ -63,6 +80,43 @@ def lloyd_per_coordinate(y: torch.Tensor, init: torch.Tensor, iters: int) -> tup
     return c, history
 
 
+def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: str = "layer", iters: int = 50,
+                  desc: str = "fit-turboquant") -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
+    """Per bit width in `bits_list`: the artifact tensors `layers.{i}.{k,v}_codebook` (G, d, 2^b) float16
+    of every layer, fitted to the collection `acts`; and, per bit width, keys and values, each layer's
+    mean squared error after the fit over before it (from the oblivious codebook)."""
+    if any(b not in BITS for b in bits_list):
+        raise SettingsError(f"--bits must be in 1..4 for TurboQuant, got {list(bits_list)}")
+    if granularity not in GRANULARITIES:
+        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
+    if iters < 1:
+        raise SettingsError("--iters must be positive")
+    fp = acts.fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    tensors: dict[int, dict[str, torch.Tensor]] = {b: {} for b in bits_list}
+    report: dict[int, dict[str, list[float]]] = {b: {"k": [], "v": []} for b in bits_list}
+    for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, bits_list))} bits", unit="layer"):
+        data = acts.layer(i)
+        for which in ("k", "v"):
+            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
+            y, _ = unit_rotated(x)
+            y = y.transpose(0, 1)  # (Hkv, N, d)
+            if granularity == "layer":
+                y = y.reshape(1, -1, shape.head_dim)
+            groups = y.shape[0]
+            samples = SortedSamples.of(y)
+            for bits in bits_list:
+                levels = 1 << bits
+                if y.shape[1] < levels:
+                    raise SettingsError(f"the collection holds {y.shape[1]} vectors per codebook, fewer than the "
+                                        f"{levels} centroids of {bits} bits: collect more")
+                start = codebook(shape.head_dim, bits).float().expand(groups, shape.head_dim, levels)
+                centroids, history = lloyd_per_coordinate(samples, start, iters)
+                tensors[bits][f"layers.{i}.{which}_codebook"] = centroids.half()
+                report[bits][which].append(history[-1] / history[0])
+    return tensors, report
+
+
 def fit_turboquant(activations: str | Path, out: str | Path, bits: int = 2, granularity: str = "layer",
                    iters: int = 50) -> Path:
     """Fit per-coordinate codebooks for keys and values of every layer; save them as an artifact."""
@@ -74,29 +128,8 @@ def fit_turboquant(activations: str | Path, out: str | Path, bits: int = 2, gran
         raise SettingsError("--iters must be positive")
     out = ensure_writable_dir(out)
     acts = Activations(activations)
-    fp = acts.fingerprint
-    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
-    levels = 1 << bits
-    init = codebook(shape.head_dim, bits).float()
-    tensors: dict[str, torch.Tensor] = {}
-    report: dict[str, list[float]] = {"k": [], "v": []}
-    for i in tqdm(range(shape.num_layers), desc=f"fit-turboquant {bits} bits", unit="layer"):
-        data = acts.layer(i)
-        for which in ("k", "v"):
-            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
-            y, _ = unit_rotated(x)
-            y = y.transpose(0, 1)  # (Hkv, N, d)
-            if granularity == "layer":
-                y = y.reshape(1, -1, shape.head_dim)
-            groups = y.shape[0]
-            if y.shape[1] < levels:
-                raise SettingsError(f"the collection holds {y.shape[1]} vectors per codebook, fewer than the "
-                                    f"{levels} centroids of {bits} bits: collect more")
-            start = init.expand(groups, shape.head_dim, levels)
-            centroids, history = lloyd_per_coordinate(y, start, iters)
-            tensors[f"layers.{i}.{which}_codebook"] = centroids.half()
-            report[which].append(history[-1] / history[0])
+    tensors, report = fit_codebooks(acts, (bits,), granularity, iters)
     settings = {"bits": bits, "granularity": granularity, "rotation_seed": ROTATION_SEED, "iters": iters}
     extra = {"activations": str(activations), "calibration": acts.manifest["settings"],
-             "mse_calibrated_over_oblivious_per_layer": report}
-    return save_artifact(out, TurboQuant.name, settings, fp, tensors, extra)
+             "mse_calibrated_over_oblivious_per_layer": report[bits]}
+    return save_artifact(out, TurboQuant.name, settings, acts.fingerprint, tensors[bits], extra)
