@@ -187,8 +187,9 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 
 @cli.command("plan")
 @click.option("--activations", required=True, type=click.Path(), help="Directory written by `kvcalib collect`.")
-@click.option("--budget", required=True, type=float,
-              help="Average bits per cached element, counted as `eval` counts them (codes, norms, codebooks).")
+@click.option("--budget", "budgets", required=True,
+              help="Average bits per cached element, counted as `eval` counts them (codes, norms, codebooks); "
+                   "several, comma-separated, share one measurement and write --out/budget-{b} each.")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The model the collection came from.")
 @click.option("--bits", "bits_choices", default="1,2,3,4", show_default=True,
               help="Candidate bits per rotated coordinate for each layer's keys and values.")
@@ -199,13 +200,17 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="One codebook per rotated coordinate of a layer, or of each KV head.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budget, model, bits_choices, windows, seq_len, granularity, iters, out) -> None:
+def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, out) -> None:
     """Choose each layer's key and value bits (calibrated TurboQuant) under an average bit budget."""
     from .methods.turboquant_plan import make_plan
 
-    path = make_plan(activations, budget, out, model=model, bits=tuple(_int_list(bits_choices, "--bits")),
-                     windows=windows, seq_len=seq_len, granularity=granularity, iters=iters)
-    click.echo(f"plan written to {path}")
+    try:
+        budget = [float(part) for part in budgets.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers, got {budgets!r}", param_hint="--budget") from None
+    for path in make_plan(activations, budget, out, model=model, bits=tuple(_int_list(bits_choices, "--bits")),
+                          windows=windows, seq_len=seq_len, granularity=granularity, iters=iters):
+        click.echo(f"plan written to {path}")
 
 
 @cli.command("report")

@@ -33,10 +33,12 @@ def _commands() -> dict[str, Callable]:
     from .methods.kvlinc_fit import train_adapters
     from .methods.oscar_fit import save_oscar_artifact
     from .methods.turboquant_fit import fit_turboquant
+    from .methods.turboquant_plan import make_plan
     from .methods.vecinfer_fit import fit_codebook
 
     return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook, "train-adapters": train_adapters,
-            "diagnose": diagnose, "oscar-artifact": save_oscar_artifact, "fit-turboquant": fit_turboquant}
+            "diagnose": diagnose, "oscar-artifact": save_oscar_artifact, "fit-turboquant": fit_turboquant,
+            "plan": make_plan}
 
 
 @dataclass

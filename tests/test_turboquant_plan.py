@@ -100,7 +100,9 @@ def acts(tmp_path_factory, tiny_lm, text_file):
 @pytest.fixture(scope="module")
 def plan(acts, tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("plan") / "plan"
-    return make_plan(acts, 4.0, out, model=tiny_lm, bits=(1, 2, 3, 4), windows=2, seq_len=32, iters=5, residual=16)
+    [path] = make_plan(acts, 4.0, out, model=tiny_lm, bits=(1, 2, 3, 4), windows=2, seq_len=32, iters=5, residual=16)
+    assert path == out
+    return path
 
 
 def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_lm, text_file):
@@ -123,6 +125,21 @@ def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_l
     assert sorted(set(s["k_bits"] + s["v_bits"]))[0] <= 2 < sorted(set(s["k_bits"] + s["v_bits"]))[-1]
     sens = manifest["extra"]["sensitivity"]
     assert all(len(row) == 4 for which in ("k", "v") for row in sens[which])
+
+
+def test_several_budgets_share_one_measurement_and_spend_what_each_allows(acts, tmp_path, tiny_lm):
+    paths = make_plan(acts, [3.5, 5.0], tmp_path / "plans", model=tiny_lm, windows=1, seq_len=32, iters=3, residual=16)
+    assert paths == [tmp_path / "plans" / "budget-3.5", tmp_path / "plans" / "budget-5"]
+    extras = [json.loads((p / "manifest.json").read_text())["extra"] for p in paths]
+    assert extras[0]["sensitivity"] == extras[1]["sensitivity"]
+    assert extras[0]["predicted_bits_per_element"] <= 3.5 < extras[1]["predicted_bits_per_element"] <= 5.0
+
+    def planned(extra, path):
+        s = json.loads((path / "manifest.json").read_text())["settings"]
+        pick = {b: j for j, b in enumerate(extra["candidate_bits"])}
+        return sum(extra["sensitivity"][w][i][pick[b]] for w in ("k", "v") for i, b in enumerate(s[f"{w}_bits"]))
+
+    assert planned(extras[1], paths[1]) <= planned(extras[0], paths[0])  # more bits never cost accuracy
 
 
 def test_bits_cannot_be_given_with_a_plan(plan):

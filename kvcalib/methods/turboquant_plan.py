@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -161,27 +162,37 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows:
     return torch.where(at_anchor > 0, kl[..., None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
 
 
-def make_plan(activations: str | Path, budget: float, out: str | Path, model: str | LoadedModel = DEFAULT_MODEL,
-              bits: tuple[int, ...] = BITS, windows: int = 4, seq_len: int = 512, granularity: str = "layer",
-              iters: int = 50, residual: int | None = None) -> Path:
+def plan_path(out: str | Path, budget: float, several: bool) -> Path:
+    """Where the plan for `budget` goes: `out` itself, or `out/budget-{budget}` when several budgets share a run."""
+    return Path(out) / f"budget-{budget:g}" if several else Path(out)
+
+
+def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
+              model: str | LoadedModel = DEFAULT_MODEL, bits: tuple[int, ...] = BITS, windows: int = 4,
+              seq_len: int = 512, granularity: str = "layer", iters: int = 50,
+              residual: int | None = None) -> list[Path]:
     """Fit codebooks for every candidate bit width, measure every item's sensitivity, choose the bits
-    of every layer's keys and values under `budget`, and save the plan as a TurboQuant artifact."""
+    of every layer's keys and values under each budget, and save each plan as a TurboQuant artifact:
+    at `out` for one budget, at `out/budget-{b}` for several (the codebooks and sensitivities, the
+    slow part, are shared)."""
+    budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     bits = tuple(sorted(set(bits)))
     if not bits or any(b not in BITS for b in bits):
         raise SettingsError(f"--bits must list widths in 1..4, got {list(bits)}")
-    if not budget > 0 or not math.isfinite(budget):
-        raise SettingsError(f"--budget must be a positive number of bits per element, got {budget}")
+    if not budgets or any(not b > 0 or not math.isfinite(b) for b in budgets):
+        raise SettingsError(f"--budget must be positive numbers of bits per element, got {budgets}")
     if windows < 1 or seq_len < 2:
         raise SettingsError("--windows must be positive and --seq-len at least 2")
     residual = DEFAULTS["residual"] if residual is None else residual
-    out = ensure_writable_dir(out)
+    outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
     lm = load_model(model)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
     cost = torch.tensor([[item_cost(shape.head_dim, b, groups, shape.num_kv_heads) for b in bits]] * (2 * shape.num_layers))
-    solve(torch.zeros_like(cost), cost, budget)  # a budget below the cheapest plan is refused before any work
+    for b in budgets:  # a budget below the cheapest plan is refused before any work
+        solve(torch.zeros_like(cost), cost, b)
     tensors, _ = fit_codebooks(acts, bits, granularity, iters, desc="plan: codebooks")
     coders = {}
     for b in bits:
@@ -189,19 +200,22 @@ def make_plan(activations: str | Path, budget: float, out: str | Path, model: st
                  for i in range(shape.num_layers)]
         coders[b] = TurboQuant(TurboQuantConfig(bits=b, residual=residual), shape, books, granularity)
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len))
-    picks = solve(sens.reshape(2 * shape.num_layers, len(bits)), cost, budget)
-    chosen = [bits[j] for j in picks]  # items in order layer 0 keys, layer 0 values, layer 1 keys, ...
-    k_bits, v_bits = chosen[0::2], chosen[1::2]
-    plan_tensors = {}
-    for i in range(shape.num_layers):
-        plan_tensors[f"layers.{i}.k_codebook"] = tensors[k_bits[i]][f"layers.{i}.k_codebook"]
-        plan_tensors[f"layers.{i}.v_codebook"] = tensors[v_bits[i]][f"layers.{i}.v_codebook"]
-    predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
-    settings = {"bits": "plan", "k_bits": k_bits, "v_bits": v_bits, "budget": budget, "granularity": granularity,
-                "rotation_seed": ROTATION_SEED, "iters": iters}
-    extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidate_bits": list(bits),
-             "residual": residual, "windows": windows, "seq_len": seq_len,
-             "sensitivity": {"k": sens[:, 0].tolist(), "v": sens[:, 1].tolist()},
-             "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}
-    log.info("plan at %.4f bits per element (budget %s): keys %s, values %s", predicted, budget, k_bits, v_bits)
-    return save_artifact(out, TurboQuant.name, settings, acts.fingerprint, plan_tensors, extra)
+    written = []
+    for budget, path in zip(budgets, outs):
+        picks = solve(sens.reshape(2 * shape.num_layers, len(bits)), cost, budget)
+        chosen = [bits[j] for j in picks]  # items in order layer 0 keys, layer 0 values, layer 1 keys, ...
+        k_bits, v_bits = chosen[0::2], chosen[1::2]
+        plan_tensors = {}
+        for i in range(shape.num_layers):
+            plan_tensors[f"layers.{i}.k_codebook"] = tensors[k_bits[i]][f"layers.{i}.k_codebook"]
+            plan_tensors[f"layers.{i}.v_codebook"] = tensors[v_bits[i]][f"layers.{i}.v_codebook"]
+        predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
+        settings = {"bits": "plan", "k_bits": k_bits, "v_bits": v_bits, "budget": budget, "granularity": granularity,
+                    "rotation_seed": ROTATION_SEED, "iters": iters}
+        extra = {"activations": str(activations), "calibration": acts.manifest["settings"],
+                 "candidate_bits": list(bits), "residual": residual, "windows": windows, "seq_len": seq_len,
+                 "sensitivity": {"k": sens[:, 0].tolist(), "v": sens[:, 1].tolist()},
+                 "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}
+        log.info("plan at %.4f bits per element (budget %s): keys %s, values %s", predicted, budget, k_bits, v_bits)
+        written.append(save_artifact(path, TurboQuant.name, settings, acts.fingerprint, plan_tensors, extra))
+    return written
