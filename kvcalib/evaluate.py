@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .atomic import ensure_writable_file, write_json
-from .attention import AttentionOptions, flushed_counts, intercept, mixed_attention
+from .attention import AttentionOptions, flushed_counts, flushed_length, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .methods import MethodSettings, build_method, hold, settings_used
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
@@ -53,6 +53,24 @@ class EvalResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, shared: float) -> dict[str, float]:
+    """The two bit counts a reader compares across methods, per cached element:
+    `compressed_part_bits_per_element`: the flushed blocks alone (codes and metadata, float16 sinks),
+    from a window of `seq_len` tokens whose `stored_bits` (over `elements` cached elements) include a
+    float16 residual of seq_len mod block tokens; `decode_averaged_bits_per_element`: the cache's bits
+    per element averaged over every decode step t = 1 .. seq_len, its float16 window (t mod block
+    tokens, `flushed_length`) included, plus the shared tensors. None of the first when nothing was
+    flushed."""
+    flushed = flushed_length(seq_len, block)
+    per_token = elements / seq_len  # cached elements per token (layers, K and V, KV heads, head_dim, windows)
+    residual_bits = 16 * per_token * (seq_len - flushed)
+    compressed = (stored_bits - residual_bits) / (per_token * flushed) if flushed else None
+    t = torch.arange(1, seq_len + 1, dtype=torch.float64)
+    f = flushed_length(t, block)
+    held = ((compressed or 0.0) * f + 16 * (t - f)) / t
+    return {"compressed_part_bits_per_element": compressed, "decode_averaged_bits_per_element": held.mean().item() + shared}
 
 
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
@@ -112,7 +130,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         num_samples=num_samples,
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
-        bits_breakdown={"cache_bits_per_element": stored_bits / elements, "shared_bits_per_element": constant / elements},
+        bits_breakdown={"cache_bits_per_element": stored_bits / elements, "shared_bits_per_element": constant / elements,
+                        **decode_bits(stored_bits, elements, seq_len, cache.block, constant / elements)},
     )
     if json_path is not None:
         write_json(json_path, result.to_json())

@@ -64,14 +64,19 @@ def markdown(rows: list[Row]) -> str:
     on_frontier = {id(r) for r in frontier(rows)}
     first = rows[0].result
     lines = [f"Model {first.model}, text {first.dataset}, {first.num_samples} x {first.seq_len} tokens.", "",
-             "| result | method | effective bits | of which the cache (codes, metadata, fp16 window) | of which shared tensors (once) | perplexity | over fp16 | Pareto |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+             "| result | method | effective bits | of which the cache (codes, metadata, fp16 window) | of which shared tensors (once) "
+             "| compressed part alone | averaged over the decode (fp16 window included) | perplexity | over fp16 | Pareto |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def bits(b: dict, key: str) -> str:
+        return f"{b[key]:.3f}" if b.get(key) is not None else "-"
+
     for r in sorted(rows, key=lambda r: (r.result.effective_bits, r.result.perplexity)):
         x, b = r.result, r.result.bits_breakdown
         over = f"{100 * (x.perplexity / fp16[0] - 1):+.1f}%" if fp16 else "-"
-        cache = f"{b['cache_bits_per_element']:.3f}" if "cache_bits_per_element" in b else "-"
-        shared = f"{b['shared_bits_per_element']:.3f}" if "shared_bits_per_element" in b else "-"
-        lines.append(f"| {r.label} | {x.method} | {x.effective_bits:.3f} | {cache} | {shared} | {x.perplexity:.3f} | "
+        lines.append(f"| {r.label} | {x.method} | {x.effective_bits:.3f} | {bits(b, 'cache_bits_per_element')} | "
+                     f"{bits(b, 'shared_bits_per_element')} | {bits(b, 'compressed_part_bits_per_element')} | "
+                     f"{bits(b, 'decode_averaged_bits_per_element')} | {x.perplexity:.3f} | "
                      f"{over} | {'yes' if id(r) in on_frontier else ''} |")
     return "\n".join(lines) + "\n"
 

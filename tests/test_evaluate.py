@@ -173,3 +173,15 @@ def test_eval_json_holds_the_contract_fields(tiny_lm, text_file, tmp_path):
     assert data["tokens"] == 31
     assert len(data["per_layer_attention_rel_error"]) == tiny_lm.config.num_hidden_layers
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_decode_bits_separate_the_compressed_part_from_the_float16_window():
+    from kvcalib.evaluate import decode_bits
+
+    # 5 tokens of 10 elements each, blocks of 2: 4 tokens at 2 bits, the 5th in the float16 window
+    out = decode_bits(stored_bits=2 * 4 * 10 + 16 * 10, elements=50, seq_len=5, block=2, shared=0.25)
+    assert out["compressed_part_bits_per_element"] == 2.0
+    # decode steps t = 1..5 hold 0, 2, 2, 4, 4 tokens compressed: 16, 2, 20/3, 2, 24/5 bits per element
+    assert out["decode_averaged_bits_per_element"] == pytest.approx((16 + 2 + 20 / 3 + 2 + 24 / 5) / 5 + 0.25, rel=1e-12)
+    assert decode_bits(16 * 30, 30, 3, 4, 0.0) == {"compressed_part_bits_per_element": None,
+                                                   "decode_averaged_bits_per_element": 16.0}
