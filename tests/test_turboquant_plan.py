@@ -155,3 +155,19 @@ def test_bad_plan_settings_are_refused_before_anything_is_written(acts, tmp_path
     with pytest.raises(SettingsError, match=match):
         make_plan(acts, budget, tmp_path / "plan", model=tiny_lm, **args)
     assert not (tmp_path / "plan").exists()
+
+
+def test_replaying_the_layers_before_the_item_changes_no_sensitivity(tiny_lm, monkeypatch):
+    """The per-item forwards skip the decoder layers before the item (their reference outputs replayed):
+    bit for bit what whole forwards give."""
+    import kvcalib.methods.turboquant_plan as plan_module
+    from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig
+    from kvcalib.models import attention_shape
+
+    shape = attention_shape(tiny_lm.config)
+    coders = {b: TurboQuant(TurboQuantConfig(bits=b, residual=16), shape) for b in (1, 2, 3)}
+    windows = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(0))
+    replayed = measure_sensitivity(tiny_lm, coders, windows)
+    monkeypatch.setattr(plan_module, "_decoder_layers", lambda model: [])
+    assert torch.equal(replayed, measure_sensitivity(tiny_lm, coders, windows))
+    assert (replayed[:, :, 0] > replayed[:, :, 2]).all()  # 1 bit hurts more than 3 in every item

@@ -112,6 +112,14 @@ def heldout_windows(lm: LoadedModel, acts: Activations, windows: int, seq_len: i
     return flat[0, skip:].reshape(windows, seq_len)
 
 
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (`model.model.layers` and its kin), or []."""
+    try:
+        return list(model.get_decoder().layers)
+    except AttributeError:
+        return []
+
+
 def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows: torch.Tensor,
                         anchor: int | None = None) -> torch.Tensor:
     """s (layers, 2, len(coders)): the sensitivity of each layer's keys (0) and values (1) at each
@@ -131,9 +139,20 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows:
         flushed = flushed_counts(q.shape[-2], k.shape[-2], coders[bits[0]].block, device=q.device)
         return k16, v16, flushed, mixed_attention(q, k16, v16, opts, k16, v16, flushed)
 
-    def log_probs(ids, attend) -> torch.Tensor:
-        with torch.no_grad(), intercept(lm.model, attend):
-            return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
+    layers = _decoder_layers(lm.model)
+    outputs: dict[int, object] = {}  # each decoder layer's output in the reference forward
+
+    def log_probs(ids, attend, skip: int = 0) -> torch.Tensor:
+        """Next-token log-probabilities; the first `skip` decoder layers replay their reference outputs
+        (their inputs are the reference's: the item under test sits in a later layer)."""
+        for i in range(skip):
+            layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
+        try:
+            with torch.no_grad(), intercept(lm.model, attend):
+                return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
+        finally:
+            for i in range(skip):
+                del layers[i].forward  # the class's forward again
 
     for window in tqdm(windows, desc="plan: sensitivity", unit="window"):
         ids = window.unsqueeze(0).to(device)
@@ -146,7 +165,13 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows:
                 err[layer, 1, j] += (mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref).double().pow(2).sum().cpu()
             return ref
 
-        ref_logp = log_probs(ids, reference)
+        hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
+                 for i, layer in enumerate(layers)]
+        try:
+            ref_logp = log_probs(ids, reference)
+        finally:
+            for hook in hooks:
+                hook.remove()
         for target, which in itertools.product(range(shape.num_layers), (0, 1)):
             def one_item(layer: int, q, k, v, opts: AttentionOptions):
                 k16, v16, flushed, ref = cache_of(k, v, q, opts)
@@ -156,7 +181,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows:
                 kh, vh = (held.k, v16) if which == 0 else (k16, held.v)
                 return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
 
-            logp = log_probs(ids, one_item)
+            logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
             kl[target, which] += (ref_logp.exp() * (ref_logp - logp)).sum().cpu()
     at_anchor = err[..., a : a + 1]
     return torch.where(at_anchor > 0, kl[..., None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
