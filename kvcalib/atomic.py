@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import tempfile
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -54,6 +55,10 @@ def ensure_writable_dir(path: str | os.PathLike, what: str = "--out") -> Path:
         raise SettingsError(f"{what} {path}: {probe} is a file, not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise SettingsError(f"{what} {path}: directory {probe} is not writable")
+    try:  # os.access trusts permission bits; root, /proc and read-only mounts need a real attempt
+        os.rmdir(tempfile.mkdtemp(prefix=".kvcalib-probe-", dir=probe))
+    except OSError as err:
+        raise SettingsError(f"{what} {path}: cannot create anything in {probe} ({err.strerror})") from None
     return path
 
 

@@ -42,6 +42,10 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
         "report of an eval JSON missing fields": ["report", str(partial), "--out", str(tmp_path / "report")],
         "fit-turboquant without a collection": ["fit-turboquant", "--activations", str(tmp_path / "no-acts"),
                                                 "--out", str(tmp_path / "art")],
+        "--json where nothing can be created": ["eval", *model, "--dataset", str(text_file), "--method", "fp16", *small,
+                                                "--json", "/proc/nope/r.json"],
+        "collect --out where nothing can be created": ["collect", *model, "--dataset", str(text_file), *small,
+                                                       "--out", "/proc/nope"],
         "plan without a collection": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
                                       *model, "--out", str(tmp_path / "plan")],
         "plan with bits that are no list": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
@@ -55,6 +59,7 @@ CASES = ["missing model path", "missing dataset", "empty dataset", "unsupported 
          "too few tokens", "unknown method", "unknown option", "bad kivi settings", "unwritable --out",
          "unwritable --json", "collect with bad dataset", "report of a file that is no eval JSON", "report of nothing",
          "report of an eval JSON missing fields", "fit-turboquant without a collection", "plan without a collection",
+         "--json where nothing can be created", "collect --out where nothing can be created",
          "plan with bits that are no list", "plan with a negative budget"]
 
 
