@@ -94,6 +94,23 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
     return VecInfer(config, books, shape, residual)
 
 
+def _turboquant_plan(shape, residual: int = 16):
+    """A TurboQuant bit plan: every layer's keys and values at their own widths, per-coordinate codebooks
+    (the oblivious one, stretched per coordinate so that no two coordinates share centroids)."""
+    from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
+
+    k_bits = [1 + i % 4 for i in range(shape.num_layers)]
+    v_bits = [4 - i % 4 for i in range(shape.num_layers)]
+    stretch = torch.linspace(0.8, 1.2, shape.head_dim)[None, :, None]
+
+    def book(b):
+        return (codebook(shape.head_dim, b).float()[None, None] * stretch).half()
+
+    books = [(book(kb), book(vb)) for kb, vb in zip(k_bits, v_bits)]
+    plan = {"k_bits": k_bits, "v_bits": v_bits, "budget": None}
+    return TurboQuant(TurboQuantConfig(bits=4, residual=residual), shape, books, "layer", plan)
+
+
 CASES = {
     "fp16": MethodSettings(),
     "vecinfer+sinks": None,
@@ -101,6 +118,8 @@ CASES = {
     "kvlinc": MethodSettings(bits=2, group_size=8, residual=16),
     "kvlinc+adapters": None,
     "oscar": MethodSettings(bits=2, group_size=8, residual=16),
+    "turboquant": MethodSettings(bits=3, residual=16),
+    "turboquant-plan": None,
 }
 
 
@@ -111,9 +130,7 @@ def _generate_against_reference(name: str) -> None:
     torch.manual_seed(0)
     prompt = torch.randint(0, 512, (1, 21))
     shape = attention_shape(model.config)
-    builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks}
-    settings = CASES[name]
-    method = builders[name](shape) if settings is None else build_method(name, shape, settings)
+    method = _method(name, shape)
     cache = KvcalibCache(lm, copy.copy(method))
     with torch.no_grad():
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=30, do_sample=False,
@@ -182,7 +199,8 @@ def test_an_artifact_for_another_model_is_refused_before_anything_runs():
 
 
 def _method(name: str, shape):
-    builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks}
+    builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks,
+                "turboquant-plan": _turboquant_plan}
     return builders[name](shape) if CASES[name] is None else build_method(name, shape, CASES[name])
 
 
