@@ -7,12 +7,14 @@ the per-layer attention error of each eval and the training time, and append the
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from kvcalib.artifacts import load_artifact
+from kvcalib.artifacts import RUN, load_artifact
 from kvcalib.recipes import _commands, load_recipe
 from kvcalib.report import result_table
 from results import publish
@@ -40,9 +42,10 @@ def main() -> None:
             evals.append((step.label, out))
         elif step.command == "train-adapters":
             extra = load_artifact(out).extra
+            train_seconds = json.loads((Path(out) / RUN).read_text())["train_seconds"]
             before, after = extra["heldout_ce_uncorrected"], extra["heldout_ce_corrected"]
             heads = extra["heads_lowered"]
-            trainings.append(f"| {step.label} | {len(before)} | {extra['train_seconds']:.0f} | "
+            trainings.append(f"| {step.label} | {len(before)} | {train_seconds:.0f} | "
                              f"{time.perf_counter() - start:.0f} | {sum(before) / len(before):.4f} | "
                              f"{sum(after) / len(after):.4f} | {sum(a < b for a, b in zip(after, before))}/{len(before)} | "
                              f"{sum(heads)}/{len(heads) * len(extra['heldout_head_error_corrected'][0])} | "

@@ -4,6 +4,8 @@ Tensors are named `layers.{i}.{what}` (e.g. `layers.3.k_codebook`). The manifest
 version, the method, its settings, the model fingerprint (`models.fingerprint`), the tool version
 and the sha256 of every tensor's bytes. `load_artifact` checks all of it, and the fingerprint
 against the model when one is given. The directory is written under a temporary name and renamed.
+Figures of the run itself (wall-clock seconds) go to `run.json` beside them, outside the manifest,
+so that the same inputs and seed give byte-identical `manifest.json` and tensors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from .models import check_fingerprint
 FORMAT_VERSION = 1
 TENSORS = "tensors.safetensors"
 MANIFEST = "manifest.json"
+RUN = "run.json"  # wall-clock figures of the fit: not part of the artifact's identity
 
 
 @dataclass
@@ -44,7 +47,7 @@ def _checksum(t: torch.Tensor) -> str:
 
 
 def save_artifact(path: str | Path, method: str, settings: dict, fingerprint: dict,
-                  tensors: dict[str, torch.Tensor], extra: dict | None = None) -> Path:
+                  tensors: dict[str, torch.Tensor], extra: dict | None = None, run: dict | None = None) -> Path:
     path = ensure_writable_dir(path, "--out")
     tensors = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     manifest = {
@@ -63,6 +66,8 @@ def save_artifact(path: str | Path, method: str, settings: dict, fingerprint: di
         tmp.mkdir()
         save_file(tensors, str(tmp / TENSORS))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        if run:
+            (tmp / RUN).write_text(json.dumps(run, indent=2, sort_keys=True) + "\n")
     return path
 
 

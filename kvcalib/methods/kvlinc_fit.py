@@ -251,7 +251,8 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
         settings=asdict(config) | {"layers": kept, "trained_layers": chosen, "gate": gate, "scaling": scaling, "value_rotation": "hadamard",
                                    "state_dtype": "float32", "activations": settings},
         fingerprint=acts.fingerprint, tensors=tensors,
-        extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after, "train_seconds": seconds,
+        run={"train_seconds": seconds},
+        extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after,
                "heldout_sequences": n_held, "heldout_head_error_uncorrected": errors["uncorrected"],
                "heldout_head_error_corrected": errors["corrected"], "heads_lowered": errors["heads"]},
     )

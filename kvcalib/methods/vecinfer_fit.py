@@ -80,6 +80,6 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
         "activations": str(activations),
         "calibration": acts.manifest["settings"],
         "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": faiss.get_num_gpus() > 0,
-                   "training_points_per_codebook": training_points, "fit_seconds": seconds},
+                   "training_points_per_codebook": training_points},
     }
-    return save_artifact(out, VecInfer.name, settings, fp, tensors, extra)
+    return save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds})

@@ -1,0 +1,63 @@
+"""The same inputs and seed give byte-identical artifacts: every fitting command, run twice, writes
+the same `manifest.json` and `tensors.safetensors`; wall-clock figures go to `run.json` apart."""
+
+import json
+
+import pytest
+
+from kvcalib.artifacts import MANIFEST, RUN, TENSORS
+from kvcalib.collect import collect
+
+
+@pytest.fixture(scope="module")
+def acts(tmp_path_factory, tiny_lm, text_file):
+    return collect(tmp_path_factory.mktemp("acts") / "acts", tiny_lm, dataset=str(text_file), num_samples=4, seq_len=64)
+
+
+def _fit_codebook(acts, out, lm):
+    pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
+    from kvcalib.methods.vecinfer_fit import fit_codebook
+
+    return fit_codebook(acts, out, k_config="d4b6", v_config="d2b5", iters=5, max_points_per_centroid=64)
+
+
+def _train_adapters(acts, out, lm):
+    from kvcalib.methods.kvlinc_fit import train_adapters
+
+    return train_adapters(acts, out, rank=16, steps=10, group_size=8, residual=16, tokens=48)
+
+
+def _fit_turboquant(acts, out, lm):
+    from kvcalib.methods.turboquant_fit import fit_turboquant
+
+    return fit_turboquant(acts, out, bits=2, iters=5)
+
+
+def _plan(acts, out, lm):
+    from kvcalib.methods.turboquant_plan import make_plan
+
+    return make_plan(acts, 4.0, out, model=lm, windows=1, seq_len=32, iters=3, residual=16)[0]
+
+
+def _oscar_artifact(acts, out, lm):
+    from kvcalib.methods.oscar_fit import save_oscar_artifact
+
+    return save_oscar_artifact(str(out), model=lm, group_size=8, residual=16)
+
+
+FITS = {"fit-codebook": _fit_codebook, "train-adapters": _train_adapters, "fit-turboquant": _fit_turboquant,
+        "plan": _plan, "oscar-artifact": _oscar_artifact}
+
+
+@pytest.mark.parametrize("command", sorted(FITS))
+def test_fitting_twice_writes_byte_identical_artifacts(command, acts, tmp_path, tiny_lm):
+    first = FITS[command](acts, tmp_path / "first", tiny_lm)
+    second = FITS[command](acts, tmp_path / "second", tiny_lm)
+    for name in (MANIFEST, TENSORS):
+        assert (tmp_path / "first" / name).read_bytes() == (tmp_path / "second" / name).read_bytes(), name
+    assert str(first).endswith("first") and str(second).endswith("second")
+    manifest = (tmp_path / "first" / MANIFEST).read_text()
+    assert "seconds" not in manifest  # run-time figures live in run.json only
+    run = tmp_path / "first" / RUN
+    if run.exists():
+        assert all("seconds" in key for key in json.loads(run.read_text()))
