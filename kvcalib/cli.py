@@ -70,18 +70,21 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @click.option("--scaling", default=None,
               help=f"oscar: key coefficient l2|rsqrt|max|mean-abs|none [default: {DEFAULTS['scaling']}, or the artifact's].")
 @click.option("--rotation/--no-rotation", default=None, help="oscar: Hadamard rotation of K and V [default: on, or the artifact's].")
+@click.option("--sink-tokens", type=int, default=None,
+              help="Every method but fp16: keep the first N tokens of a sequence in float16 beside their codes, "
+                   "counted at 16 bits [default: 0, or the artifact's].")
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, scaling, rotation,
-             artifacts, json_path) -> None:
+             sink_tokens, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                      artifacts=artifacts, json_path=json_path,
+                      sink_tokens=sink_tokens, artifacts=artifacts, json_path=json_path,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
@@ -199,8 +202,10 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
               help="One codebook per rotated coordinate of a layer, or of each KV head.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
+@click.option("--sink-tokens", type=int, default=0, show_default=True,
+              help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, out) -> None:
+def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, sink_tokens, out) -> None:
     """Choose each layer's key and value bits (calibrated TurboQuant) under an average bit budget."""
     from .methods.turboquant_plan import make_plan
 
@@ -209,7 +214,8 @@ def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granul
     except ValueError:
         raise click.BadParameter(f"expected comma-separated numbers, got {budgets!r}", param_hint="--budget") from None
     for path in make_plan(activations, budget, out, model=model, bits=tuple(_int_list(bits_choices, "--bits")),
-                          windows=windows, seq_len=seq_len, granularity=granularity, iters=iters):
+                          windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
+                          sink_tokens=sink_tokens):
         click.echo(f"plan written to {path}")
 
 

@@ -76,13 +76,14 @@ def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, share
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
-             rotation: bool | None = None,
+             rotation: bool | None = None, sink_tokens: int | None = None,
              artifacts: str | None = None, json_path: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
     method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
-    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
+                              sink_tokens=sink_tokens)
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
@@ -120,7 +121,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     constant = cache.constant_bits()
     result = EvalResult(
         method=method,
-        settings=cache.settings(),
+        settings=cache.settings() | ({"sink_tokens": cache.sink} if cache.sink else {}),
         perplexity=math.exp(nll / count),
         effective_bits=(stored_bits + constant) / elements,
         tokens=count,

@@ -114,3 +114,41 @@ def test_defaults_are_the_same_in_every_command_and_library_function(option):
     if option == "group_size":
         assert _click_default("diagnose", option) == want
         assert inspect.signature(diagnose).parameters[option].default == want
+
+
+# ---- float16 sink tokens, an option of every method that compresses ----
+
+@pytest.mark.parametrize("name,settings", [("kivi", dict(group_size=8, residual=8)), ("oscar", dict(group_size=8, residual=8)),
+                                           ("kvlinc", dict(group_size=8, residual=8)), ("turboquant", dict(residual=8))])
+def test_sink_tokens_keep_the_first_tokens_in_float16_for_every_method(name, settings):
+    import torch
+
+    from kvcalib.methods import hold
+
+    k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16)
+    plain = hold(build_method(name, SHAPE, MethodSettings(**settings)), 0, k, v)
+    sunk = hold(build_method(name, SHAPE, MethodSettings(sink_tokens=3, **settings)), 0, k, v)
+    k16, v16 = k.half().float(), v.half().float()
+    assert torch.equal(sunk.k[..., :3, :], k16[..., :3, :]) and torch.equal(sunk.v[..., :3, :], v16[..., :3, :])
+    assert not torch.equal(plain.k[..., :3, :], k16[..., :3, :])  # without sinks they are coded like the rest
+    assert torch.equal(sunk.k[..., 3:, :], plain.k[..., 3:, :]) and torch.equal(sunk.v[..., 3:, :], plain.v[..., 3:, :])
+    assert sunk.stored_bits == plain.stored_bits + 16 * 2 * (1 * 2 * 3 * 16)  # K and V of 3 tokens, 2 heads, d=16
+
+
+@pytest.mark.parametrize("value,match", [(-1, "0 or more"), (2, "not an option of --method fp16")])
+def test_bad_sink_tokens_are_refused(value, match):
+    name = "kivi" if value < 0 else "fp16"
+    with pytest.raises(SettingsError, match=match):
+        build_method(name, SHAPE, MethodSettings(sink_tokens=value))
+
+
+def test_sink_tokens_that_contradict_a_vecinfer_artifact_are_refused(monkeypatch):
+    import kvcalib.methods.vecinfer as vecinfer
+
+    class Fitted:  # an artifact fitted with 4 float16 sinks
+        sink, block = 4, 128
+
+    monkeypatch.setattr(vecinfer, "load", lambda *a, **k: Fitted())
+    with pytest.raises(SettingsError, match="--sink-tokens 2 contradicts the artifact .* sink_tokens=4"):
+        build_method("vecinfer", SHAPE, MethodSettings(sink_tokens=2), "runs/some-vecinfer-artifact")
+    assert build_method("vecinfer", SHAPE, MethodSettings(sink_tokens=4), "runs/some-vecinfer-artifact").sink == 4

@@ -12,6 +12,7 @@ their compressed form (`keep_sinks`); they are counted at 16 bits on top of thei
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -151,6 +152,7 @@ class MethodSettings:
     residual: int | None = None
     scaling: str | None = None  # OScaR: per-token key coefficient, or "none"
     rotation: bool | None = None  # OScaR: Hadamard rotation of keys and values
+    sink_tokens: int | None = None  # every method that compresses: the first N tokens also kept in float16
 
     def given(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -170,9 +172,11 @@ class MethodSettings:
 
 
 def settings_used(name: str) -> tuple[str, ...]:
-    """The options of `DEFAULTS` that method `name` reads."""
+    """The options of `DEFAULTS` that method `name` reads: its own, and `sink_tokens` for every method
+    that compresses (`keep_sinks` applies it to any method, outside the method's own settings)."""
     check_method_name(name)
-    return importlib.import_module(f"{__name__}.{_MODULES[name]}").SETTINGS
+    own = importlib.import_module(f"{__name__}.{_MODULES[name]}").SETTINGS
+    return own + (("sink_tokens",) if name != "fp16" else ())
 
 
 def check_method_name(name: str) -> None:
@@ -185,5 +189,13 @@ def build_method(name: str, shape: AttentionShape, settings: MethodSettings = Me
     """Build a method by name from the command's settings and, where it needs one, an artifact."""
     check_method_name(name)
     module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
-    settings.resolve(name, module.SETTINGS)  # an option the method does not use is refused, artifact or not
-    return module.build(shape, settings, artifacts, model)
+    settings.resolve(name, settings_used(name))  # an option the method does not use is refused, artifact or not
+    method = module.build(shape, dataclasses.replace(settings, sink_tokens=None), artifacts, model)
+    if settings.sink_tokens is not None:
+        if settings.sink_tokens < 0:
+            raise SettingsError(f"--sink-tokens must be 0 or more, got {settings.sink_tokens}")
+        if method.sink and method.sink != settings.sink_tokens:  # an artifact fitted with its own sinks
+            raise SettingsError(f"--sink-tokens {settings.sink_tokens} contradicts the artifact {artifacts}, made with "
+                                f"sink_tokens={method.sink}: drop --sink-tokens or pass {method.sink}")
+        method.sink = settings.sink_tokens
+    return method

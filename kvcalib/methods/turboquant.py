@@ -320,7 +320,9 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
                                     "not finite or not ascending; fit it again")
             pair.append(t)
         books.append((pair[0], pair[1]))
-    return TurboQuant(config, shape, books, granularity, plan)
+    method = TurboQuant(config, shape, books, granularity, plan)
+    method.sink = int(art.settings.get("sink_tokens", 0))  # a plan made with float16 sinks keeps them
+    return method
 
 
 SETTINGS = ("bits", "residual")

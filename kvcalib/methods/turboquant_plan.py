@@ -23,7 +23,8 @@ items under a budget of average bits per cached element:
 
 Cost of an item at b bits, counted as `eval` counts it: the codes and fp16 norm of each vector,
 32 ceil(d b / 32) + 16 bits per d elements, plus its codebook (16 bits per centroid) spread over the
-item's elements in `eval`'s default run (4 windows of 1024 tokens: `SHARED_BITS_TOKENS`). Every
+item's elements in `eval`'s default run (4 windows of 1024 tokens: `SHARED_BITS_TOKENS`), and with
+`--sink-tokens S` the first S tokens of each 1024-token window in float16 as well. Every
 item has the same number of elements, so the average over items is the average per element.
 
 The plan is an artifact of method `turboquant` (settings `bits: "plan"`, `k_bits`, `v_bits`,
@@ -58,13 +59,16 @@ log = logging.getLogger(__name__)
 
 COST_UNITS = 256  # the knapsack's cost resolution: 1/256 bit per element
 SHARED_BITS_TOKENS = 4 * 1024  # eval's default run (--num-samples 4 --seq-len 1024): codebooks amortised over it
+SEQUENCE_TOKENS = 1024  # eval's default window: float16 sink tokens amortised over it
 
 
-def item_cost(head_dim: int, bits: int, groups: int, kv_heads: int, tokens: int = SHARED_BITS_TOKENS) -> float:
-    """Bits per element of one item (a layer's keys or values) at `bits`: codes and norm, plus its codebook."""
+def item_cost(head_dim: int, bits: int, groups: int, kv_heads: int, tokens: int = SHARED_BITS_TOKENS,
+              sink_tokens: int = 0) -> float:
+    """Bits per element of one item (a layer's keys or values) at `bits`: codes and norm, its codebook,
+    and its float16 sink tokens (16 bits more per element of each, over a window of `SEQUENCE_TOKENS`)."""
     per_vector = 32 * math.ceil(head_dim * bits / 32) + 16
     codebook = 16 * groups * head_dim * (1 << bits)
-    return per_vector / head_dim + codebook / (tokens * kv_heads * head_dim)
+    return per_vector / head_dim + codebook / (tokens * kv_heads * head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
 
 
 def solve(sensitivity: torch.Tensor, cost: torch.Tensor, budget: float) -> list[int]:
@@ -195,7 +199,7 @@ def plan_path(out: str | Path, budget: float, several: bool) -> Path:
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
               model: str | LoadedModel = DEFAULT_MODEL, bits: tuple[int, ...] = BITS, windows: int = 4,
               seq_len: int = 512, granularity: str = "layer", iters: int = 50,
-              residual: int | None = None) -> list[Path]:
+              residual: int | None = None, sink_tokens: int = 0) -> list[Path]:
     """Fit codebooks for every candidate bit width, measure every item's sensitivity, choose the bits
     of every layer's keys and values under each budget, and save each plan as a TurboQuant artifact:
     at `out` for one budget, at `out/budget-{b}` for several (the codebooks and sensitivities, the
@@ -208,6 +212,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         raise SettingsError(f"--budget must be positive numbers of bits per element, got {budgets}")
     if windows < 1 or seq_len < 2:
         raise SettingsError("--windows must be positive and --seq-len at least 2")
+    if sink_tokens < 0:
+        raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
@@ -215,7 +221,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
-    cost = torch.tensor([[item_cost(shape.head_dim, b, groups, shape.num_kv_heads) for b in bits]] * (2 * shape.num_layers))
+    cost = torch.tensor([[item_cost(shape.head_dim, b, groups, shape.num_kv_heads, sink_tokens=sink_tokens) for b in bits]]
+                        * (2 * shape.num_layers))
     for b in budgets:  # a budget below the cheapest plan is refused before any work
         solve(torch.zeros_like(cost), cost, b)
     tensors, _ = fit_codebooks(acts, bits, granularity, iters, desc="plan: codebooks")
@@ -224,6 +231,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         books = [(tensors[b][f"layers.{i}.k_codebook"], tensors[b][f"layers.{i}.v_codebook"])
                  for i in range(shape.num_layers)]
         coders[b] = TurboQuant(TurboQuantConfig(bits=b, residual=residual), shape, books, granularity)
+        coders[b].sink = sink_tokens
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len))
     written = []
     for budget, path in zip(budgets, outs):
@@ -236,7 +244,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
             plan_tensors[f"layers.{i}.v_codebook"] = tensors[v_bits[i]][f"layers.{i}.v_codebook"]
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
         settings = {"bits": "plan", "k_bits": k_bits, "v_bits": v_bits, "budget": budget, "granularity": granularity,
-                    "rotation_seed": ROTATION_SEED, "iters": iters}
+                    "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"],
                  "candidate_bits": list(bits), "residual": residual, "windows": windows, "seq_len": seq_len,
                  "sensitivity": {"k": sens[:, 0].tolist(), "v": sens[:, 1].tolist()},

@@ -176,7 +176,7 @@ class VecInfer(Method):
     def settings(self) -> dict:
         c = self.config
         return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
-                "hadamard": c.hadamard, "sink_tokens": c.sink_tokens, "residual": self.block}
+                "hadamard": c.hadamard, "sink_tokens": self.sink, "residual": self.block}
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:
