@@ -28,7 +28,7 @@ import torch
 
 import kernels_cupy.loader as loader
 from kvcalib.int2_layout import _block_untranspose, from_tensor_core_order, reference_decode
-from kvcalib.runtime.int2_kernel import _sm_count, _splits, RESIDUAL_CHUNK, BLOCKS_PER_SM, fused_decode
+from kvcalib.runtime.int2_kernel import fused_decode, partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_int2_kernel_gpu import _long_layer, _row_errors, _sdpa  # noqa: E402  (the tests' own inputs and peer)
@@ -147,10 +147,7 @@ def main() -> None:
     ref = reference_decode(q, layer, scaling)
     fused = _row_errors(fused_decode(q, layer, scaling, checked=True), ref)
     sdpa = _row_errors(_sdpa(q, layer, scaling), ref)
-    residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
-    sms = _sm_count(0)
-    reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
-    _, split_len = _splits(layer.length, b * hkv, group, sms, reserved)
+    _, _, split_len = partition(layer, 0)  # the kernel's own splits
     models = {n: _row_errors(o, ref) for n, o in emulate(q, layer, scaling, split_len, exact_zeros).items()}
     bound = 2 * sdpa + 1e-4
     order = (fused / bound).argsort(descending=True)[: args.rows]

@@ -26,11 +26,13 @@ def _common(fn):
     return fn
 
 
-def _int_list(text: str, option: str) -> list[int]:
+def _number_list(text: str, option: str, kind: type = int) -> list:
+    """Comma-separated numbers of `kind` (int, or float where the option says so)."""
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        return [kind(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+        noun = "integers" if kind is int else "numbers"
+        raise click.BadParameter(f"expected comma-separated {noun}, got {text!r}", param_hint=option) from None
 
 
 def _given(**kwargs) -> dict:
@@ -124,8 +126,8 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -
     """Token Norm Imbalance of collected Q/K/V and its cost to low-bit quantization."""
     from .diagnose import diagnose
 
-    path = diagnose(activations, out, bits=_int_list(bits, "--bits"), group_size=group_size, max_samples=max_samples,
-                    plot_layers=None if plot_layers is None else _int_list(plot_layers, "--plot-layers"))
+    path = diagnose(activations, out, bits=_number_list(bits, "--bits"), group_size=group_size, max_samples=max_samples,
+                    plot_layers=None if plot_layers is None else _number_list(plot_layers, "--plot-layers"))
     click.echo(f"report written to {path}/report.md")
 
 
@@ -209,11 +211,8 @@ def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granul
     """Choose each layer's key and value bits (calibrated TurboQuant) under an average bit budget."""
     from .methods.turboquant_plan import make_plan
 
-    try:
-        budget = [float(part) for part in budgets.split(",") if part.strip()]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers, got {budgets!r}", param_hint="--budget") from None
-    for path in make_plan(activations, budget, out, model=model, bits=tuple(_int_list(bits_choices, "--bits")),
+    for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
+                          bits=tuple(_number_list(bits_choices, "--bits")),
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens):
         click.echo(f"plan written to {path}")

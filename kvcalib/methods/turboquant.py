@@ -49,7 +49,7 @@ collection's rotated unit vectors. Artifact tensors, per layer i, ascending alon
 
 They are counted once, 16 bits per centroid (`constant_bits`), as VecInfer's codebooks.
 
-A bit plan (`kvcalib plan`, `kvcalib/plan.py`) is such an artifact whose layers differ in bits:
+A bit plan (`kvcalib plan`, `methods/turboquant_plan.py`) is such an artifact whose layers differ in bits:
 layer i's keys take `k_bits[i]` bits and its values `v_bits[i]` (settings `bits: "plan"`), and each
 codebook has 2^bits centroids to match.
 """

@@ -80,17 +80,23 @@ def lloyd_per_coordinate(y: torch.Tensor | SortedSamples, init: torch.Tensor,
     return c, history
 
 
+def check_fit_settings(bits_list: tuple[int, ...], granularity: str, iters: int) -> None:
+    """Refuse, before any work, the fit settings `fit_codebooks` cannot take."""
+    if any(b not in BITS for b in bits_list):
+        shown = bits_list[0] if len(bits_list) == 1 else list(bits_list)
+        raise SettingsError(f"--bits must be in 1..4 for TurboQuant, got {shown}")
+    if granularity not in GRANULARITIES:
+        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
+    if iters < 1:
+        raise SettingsError("--iters must be positive")
+
+
 def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: str = "layer", iters: int = 50,
                   desc: str = "fit-turboquant") -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
     """Per bit width in `bits_list`: the artifact tensors `layers.{i}.{k,v}_codebook` (G, d, 2^b) float16
     of every layer, fitted to the collection `acts`; and, per bit width, keys and values, each layer's
     mean squared error after the fit over before it (from the oblivious codebook)."""
-    if any(b not in BITS for b in bits_list):
-        raise SettingsError(f"--bits must be in 1..4 for TurboQuant, got {list(bits_list)}")
-    if granularity not in GRANULARITIES:
-        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
-    if iters < 1:
-        raise SettingsError("--iters must be positive")
+    check_fit_settings(bits_list, granularity, iters)
     fp = acts.fingerprint
     shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
     tensors: dict[int, dict[str, torch.Tensor]] = {b: {} for b in bits_list}
@@ -120,12 +126,7 @@ def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: st
 def fit_turboquant(activations: str | Path, out: str | Path, bits: int = 2, granularity: str = "layer",
                    iters: int = 50) -> Path:
     """Fit per-coordinate codebooks for keys and values of every layer; save them as an artifact."""
-    if bits not in BITS:
-        raise SettingsError(f"--bits must be in 1..4 for TurboQuant, got {bits}")
-    if granularity not in GRANULARITIES:
-        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
-    if iters < 1:
-        raise SettingsError("--iters must be positive")
+    check_fit_settings((bits,), granularity, iters)
     out = ensure_writable_dir(out)
     acts = Activations(activations)
     tensors, report = fit_codebooks(acts, (bits,), granularity, iters)

@@ -53,7 +53,7 @@ from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, LoadedModel, attention_shape, check_fingerprint, load_model
 from . import DEFAULTS, Held, hold
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig
-from .turboquant_fit import fit_codebooks
+from .turboquant_fit import check_fit_settings, fit_codebooks
 
 log = logging.getLogger(__name__)
 
@@ -206,14 +206,15 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     slow part, are shared)."""
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     bits = tuple(sorted(set(bits)))
-    if not bits or any(b not in BITS for b in bits):
-        raise SettingsError(f"--bits must list widths in 1..4, got {list(bits)}")
+    if not bits:
+        raise SettingsError("--bits must list widths in 1..4, got none")
     if not budgets or any(not b > 0 or not math.isfinite(b) for b in budgets):
         raise SettingsError(f"--budget must be positive numbers of bits per element, got {budgets}")
     if windows < 1 or seq_len < 2:
         raise SettingsError("--windows must be positive and --seq-len at least 2")
     if sink_tokens < 0:
         raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
+    check_fit_settings(bits, granularity, iters)  # before the model loads, not when the fit starts
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)

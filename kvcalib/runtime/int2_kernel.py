@@ -45,6 +45,17 @@ def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reser
     return max(1, -(-length // split_len)) if length else 0, split_len
 
 
+def partition(layer: PackedLayer, device: int) -> tuple[int, int, int]:
+    """How `fused_decode` splits `layer` on GPU `device`: (residual blocks, packed splits, tokens per split)."""
+    b, hkv = layer.kcodes.shape[:2]
+    residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
+    sms = _sm_count(device)
+    # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
+    # run as packed blocks finish.
+    reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
+    return residual_blocks, *_splits(layer.length, b * hkv, layer.group_size, sms, reserved)
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -81,12 +92,7 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
                "CP_ASYNC_LOADER": int(loader == "cp.async"),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
-    residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
-    sms = _sm_count(q.device.index or 0)
-    # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
-    # run as packed blocks finish.
-    reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
-    num_splits, split_len = _splits(layer.length, b * hkv, layer.group_size, sms, reserved)
+    residual_blocks, num_splits, split_len = partition(layer, q.device.index or 0)
     parts = num_splits + residual_blocks  # the last partials are the residual window's
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
