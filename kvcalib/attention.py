@@ -69,21 +69,24 @@ def intercept(model, handler: Callable) -> Iterator[None]:
         _HANDLER.reset(token)
 
 
-def flushed_length(n, block: int):
-    """Tokens in compressed storage when the cache holds n (an int or a tensor of counts): a block is
-    flushed as soon as it fills, so floor(n / block) * block are compressed and the rest (0..block-1)
-    wait in the float16 residual. The one flush rule: eval, the decoder's cache and `hold` call it."""
-    return n // block * block
+def flushed_length(n, block: int, window: int = 0):
+    """Tokens in compressed storage when the cache holds n (an int or a tensor of counts). The one flush
+    rule: eval, the decoder's cache and `hold` call it. Tokens are flushed in whole blocks, counted from
+    the first token, as soon as a block is complete and at least `window` newer tokens follow it:
+    floor(max(n - window, 0) / block) * block are compressed, the newest window..window+block-1 wait in
+    float16. Blockwise residual (window 0): a block is flushed as soon as it fills, 0..block-1 wait.
+    Sliding residual (`--residual-mode sliding`, window R): the newest R tokens are always float16."""
+    m = n - window
+    m = m.clamp(min=0) if isinstance(m, torch.Tensor) else max(m, 0)
+    return m // block * block
 
 
-def flushed_counts(num_queries: int, num_keys: int, block: int, device=None) -> torch.Tensor:
-    """How many tokens sit in compressed storage when each query attends.
+def flushed_counts(num_queries: int, num_keys: int, block: int, device=None, window: int = 0) -> torch.Tensor:
+    """How many tokens sit in compressed storage when each query attends (`flushed_length`).
 
-    The cache of n tokens holds floor(n / block) * block tokens compressed and the rest (0..block-1)
-    in the full-precision residual: a block is flushed as soon as it fills. Query i is token
-    num_keys - num_queries + i, so the cache holds n = that + 1 tokens when it attends.
+    Query i is token num_keys - num_queries + i, so the cache holds n = that + 1 tokens when it attends.
     """
-    return flushed_length(torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device), block)
+    return flushed_length(torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device), block, window)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

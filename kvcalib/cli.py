@@ -75,18 +75,21 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @click.option("--sink-tokens", type=int, default=None,
               help="Every method but fp16: keep the first N tokens of a sequence in float16 beside their codes, "
                    "counted at 16 bits [default: 0, or the artifact's].")
+@click.option("--residual-mode", type=click.Choice(["blockwise", "sliding"]), default=None,
+              help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
+                   "always float16 (sliding) [default: blockwise, or the plan's].")
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, scaling, rotation,
-             sink_tokens, artifacts, json_path) -> None:
+             sink_tokens, residual_mode, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                      sink_tokens=sink_tokens, artifacts=artifacts, json_path=json_path,
+                      sink_tokens=sink_tokens, residual_mode=residual_mode, artifacts=artifacts, json_path=json_path,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
@@ -206,15 +209,18 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
 @click.option("--sink-tokens", type=int, default=0, show_default=True,
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
+@click.option("--residual-mode", type=click.Choice(["blockwise", "sliding"]), default="blockwise", show_default=True,
+              help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, sink_tokens, out) -> None:
+def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, sink_tokens,
+             residual_mode, out) -> None:
     """Choose each layer's key and value bits (calibrated TurboQuant) under an average bit budget."""
     from .methods.turboquant_plan import make_plan
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
                           bits=tuple(_number_list(bits_choices, "--bits")),
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
-                          sink_tokens=sink_tokens):
+                          sink_tokens=sink_tokens, residual_mode=residual_mode):
         click.echo(f"plan written to {path}")
 
 

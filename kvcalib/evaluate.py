@@ -55,20 +55,21 @@ class EvalResult:
         return asdict(self)
 
 
-def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, shared: float) -> dict[str, float]:
+def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, shared: float,
+                window: int = 0) -> dict[str, float]:
     """The two bit counts a reader compares across methods, per cached element:
     `compressed_part_bits_per_element`: the flushed blocks alone (codes and metadata, float16 sinks),
     from a window of `seq_len` tokens whose `stored_bits` (over `elements` cached elements) include a
-    float16 residual of seq_len mod block tokens; `decode_averaged_bits_per_element`: the cache's bits
-    per element averaged over every decode step t = 1 .. seq_len, its float16 window (t mod block
-    tokens, `flushed_length`) included, plus the shared tensors. None of the first when nothing was
+    float16 residual of the seq_len - `flushed_length` newest tokens; `decode_averaged_bits_per_element`:
+    the cache's bits per element averaged over every decode step t = 1 .. seq_len, its float16 window
+    (t - `flushed_length(t)` tokens) included, plus the shared tensors. None of the first when nothing was
     flushed."""
-    flushed = flushed_length(seq_len, block)
+    flushed = flushed_length(seq_len, block, window)
     per_token = elements / seq_len  # cached elements per token (layers, K and V, KV heads, head_dim, windows)
     residual_bits = 16 * per_token * (seq_len - flushed)
     compressed = (stored_bits - residual_bits) / (per_token * flushed) if flushed else None
     t = torch.arange(1, seq_len + 1, dtype=torch.float64)
-    f = flushed_length(t, block)
+    f = flushed_length(t, block, window)
     held = ((compressed or 0.0) * f + 16 * (t - f)) / t
     return {"compressed_part_bits_per_element": compressed, "decode_averaged_bits_per_element": held.mean().item() + shared}
 
@@ -76,14 +77,14 @@ def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, share
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
-             rotation: bool | None = None, sink_tokens: int | None = None,
+             rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
              artifacts: str | None = None, json_path: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
     method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                              sink_tokens=sink_tokens)
+                              sink_tokens=sink_tokens, residual_mode=residual_mode)
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
@@ -101,7 +102,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         nonlocal stored_bits
         held = hold(cache, layer, k, v)
         stored_bits += held.stored_bits
-        flushed = flushed_counts(q.shape[-2], k.shape[-2], cache.block, device=q.device)
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], cache.block, device=q.device, window=cache.window)
         out = cache.attend(layer, q, k, v, held, flushed, opts)
         ref = mixed_attention(q, k, v, opts)
         err_sq[layer] += (out - ref).double().pow(2).sum().cpu()
@@ -121,7 +122,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     constant = cache.constant_bits()
     result = EvalResult(
         method=method,
-        settings=cache.settings() | ({"sink_tokens": cache.sink} if cache.sink else {}),
+        settings=cache.settings() | ({"sink_tokens": cache.sink} if cache.sink else {})
+        | ({"residual_mode": "sliding"} if cache.window else {}),
         perplexity=math.exp(nll / count),
         effective_bits=(stored_bits + constant) / elements,
         tokens=count,
@@ -132,7 +134,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
         bits_breakdown={"cache_bits_per_element": stored_bits / elements, "shared_bits_per_element": constant / elements,
-                        **decode_bits(stored_bits, elements, seq_len, cache.block, constant / elements)},
+                        **decode_bits(stored_bits, elements, seq_len, cache.block, constant / elements, cache.window)},
     )
     if json_path is not None:
         write_json(json_path, result.to_json())

@@ -129,8 +129,8 @@ def test_eval_is_exact_with_respect_to_token_by_token_decoding(tiny_lm64, text_f
 
 def test_the_decoding_comparison_catches_a_residual_window_off_by_one(tiny_lm64, text_file, monkeypatch):
     # eval's queries count the cache one token short, so each block is read compressed one query late.
-    monkeypatch.setattr(evaluate_module, "flushed_counts", lambda tq, tk, block, device=None:
-                        flushed_length(torch.arange(tk - tq, tk, device=device), block))
+    monkeypatch.setattr(evaluate_module, "flushed_counts", lambda tq, tk, block, device=None, window=0:
+                        flushed_length(torch.arange(tk - tq, tk, device=device), block, window))
     with pytest.raises(AssertionError):  # measured 2.7e-2 off: ~500 times the tolerance
         _check_kivi_matches_decoding(tiny_lm64, text_file, 1, 4, 4, 30)
 
@@ -185,3 +185,14 @@ def test_decode_bits_separate_the_compressed_part_from_the_float16_window():
     assert out["decode_averaged_bits_per_element"] == pytest.approx((16 + 2 + 20 / 3 + 2 + 24 / 5) / 5 + 0.25, rel=1e-12)
     assert decode_bits(16 * 30, 30, 3, 4, 0.0) == {"compressed_part_bits_per_element": None,
                                                    "decode_averaged_bits_per_element": 16.0}
+
+
+def test_decode_bits_under_a_sliding_window_count_the_window_as_float16():
+    from kvcalib.evaluate import decode_bits
+
+    # 6 tokens of 10 elements each, window 2, block 1: 4 tokens flushed at 2 bits, the newest 2 float16
+    out = decode_bits(stored_bits=2 * 10 * 4 + 16 * 10 * 2, elements=60, seq_len=6, block=1, shared=0.0, window=2)
+    assert out["compressed_part_bits_per_element"] == pytest.approx(2.0, rel=1e-12)
+    # step t holds max(t - 2, 0) tokens at 2 bits and the rest float16
+    want = sum((2 * max(t - 2, 0) + 16 * min(t, 2)) / t for t in range(1, 7)) / 6
+    assert out["decode_averaged_bits_per_element"] == pytest.approx(want, rel=1e-12)

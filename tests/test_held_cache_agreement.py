@@ -88,7 +88,8 @@ def kvlinc_artifact(tmp_path_factory, smollm64):
 # (method, options, artifact, window length). R=16 with G=8: two key groups per block, value groups of 8
 # channels; a window of 4R+1 tokens is decoded through 4 flushes, and eval's hold flushes the same 64
 # tokens (floor(65/16)*16), so the stored blocks compare one to one. The OScaR artifact fixes G=32
-# R=128: 161 tokens, one flush, 33 queries after it. fp16 flushes every token (block 1). Decoding costs
+# R=128: 161 tokens, one flush, 33 queries after it. fp16 flushes every token (block 1); the sliding
+# cases flush from token 24 (KIVI) or 17 (TurboQuant) on. Decoding costs
 # ~0.1 s a token in float64 on 2 CPU cores: the file runs in about a minute.
 CASES = {
     "fp16": ("fp16", {}, None, 33),
@@ -98,6 +99,9 @@ CASES = {
     "oscar": ("oscar", {"group_size": 8, "residual": 16}, None, 65),
     "oscar-artifact": ("oscar", {}, "artifacts/smollm2-135m/oscar", 161),
     "vecinfer": ("vecinfer", {"residual": 16}, "artifacts/smollm2-135m/vecinfer-d4b8", 65),
+    # sliding residual: the newest 16 tokens float16, flushes of one key group (KIVI) or one token (TurboQuant)
+    "kivi-sliding": ("kivi", {"group_size": 8, "residual": 16, "residual_mode": "sliding"}, None, 65),
+    "turboquant-sliding": ("turboquant", {"bits": 3, "residual": 16, "residual_mode": "sliding"}, None, 65),
 }
 
 
@@ -179,6 +183,6 @@ def test_eval_scores_exactly_the_cache_a_decoder_holds(smollm64, case, request, 
 def test_the_agreement_check_catches_a_block_flushed_one_token_late(smollm64, request, monkeypatch):
     # The decoder's residual window off by one: each block is compressed one token after it fills, so the
     # query of the token that fills it reads the block in float16 (eval reads it compressed).
-    monkeypatch.setattr(runtime_cache, "flushed_length", lambda n, block: max(n - 1, 0) // block * block)
+    monkeypatch.setattr(runtime_cache, "flushed_length", lambda n, block, window=0: max(n - window - 1, 0) // block * block)
     with pytest.raises(AssertionError, match="Tensor-likes are not close"):
         _check_agreement(smollm64, "kivi", request, monkeypatch)

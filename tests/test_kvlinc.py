@@ -318,8 +318,8 @@ def test_the_decoding_comparison_catches_a_residual_window_off_by_one_or_stale_s
                                                                                       tmp_path, monkeypatch):
     path = _save_adapters(tmp_path / "a", tiny_lm64, 2, 4, 8)
     if plant == "residual window off by one":  # eval's queries count the cache one token short
-        monkeypatch.setattr(evaluate_module, "flushed_counts", lambda tq, tk, block, device=None:
-                            flushed_length(torch.arange(tk - tq, tk, device=device), block))
+        monkeypatch.setattr(evaluate_module, "flushed_counts", lambda tq, tk, block, device=None, window=0:
+                            flushed_length(torch.arange(tk - tq, tk, device=device), block, window))
     else:  # eval's queries read the states of one block fewer than they see (the decoder's flush is untouched)
         states = Kvlinc.states
         monkeypatch.setattr(Kvlinc, "states", lambda *a: [states(*a)[0], *states(*a)[:-1]])

@@ -17,6 +17,40 @@ def test_flush_rule_keeps_zero_to_block_minus_one_tokens_in_the_residual():
     assert flushed_counts(num_queries=1, num_keys=17, block=8).tolist() == [16]
 
 
+def test_sliding_flush_rule_keeps_the_newest_window_in_float16():
+    """window R = 8, block 4: the newest 8 tokens always float16, the blocks before them flushed as
+    soon as 8 newer tokens follow them, so R..R+block-1 = 8..11 tokens wait."""
+    counts = flushed_counts(num_queries=20, num_keys=20, block=4, window=8)
+    assert counts.tolist() == [0] * 11 + [4] * 4 + [8] * 4 + [12]
+    waiting = torch.arange(1, 21) - counts
+    assert waiting[11:].min() == 8 and waiting.max() == 11
+    assert flushed_counts(num_queries=1, num_keys=100, block=1, window=8).tolist() == [92]  # per-vector step
+
+
+@pytest.mark.parametrize("name,settings,block", [
+    ("kivi", MethodSettings(group_size=4, residual=8), 4), ("oscar", MethodSettings(group_size=4, residual=8), 4),
+    ("kvlinc", MethodSettings(group_size=4, residual=8), 4), ("turboquant", MethodSettings(residual=8), 1)])
+def test_sliding_mode_flushes_one_step_of_the_method_behind_a_window_of_r(name, settings, block):
+    import dataclasses
+
+    blockwise = build_method(name, SHAPE, settings)
+    sliding = build_method(name, SHAPE, dataclasses.replace(settings, residual_mode="sliding"))
+    assert (blockwise.block, blockwise.window) == (8, 0)
+    assert (sliding.block, sliding.window) == (block, 8)
+    k, v = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 21, 16)
+    held = hold(sliding, 0, k, v)
+    assert held.flushed == (21 - 8) // block * block
+    assert not _moved_beyond_float16_rounding(held.k[..., held.flushed:, :], k[..., held.flushed:, :])
+    assert _moved_beyond_float16_rounding(held.k[..., :held.flushed, :], k[..., :held.flushed, :])
+
+
+def test_an_unknown_residual_mode_is_refused():
+    with pytest.raises(SettingsError, match="--residual-mode must be one of blockwise, sliding"):
+        build_method("kivi", SHAPE, MethodSettings(residual_mode="ring"))
+    with pytest.raises(SettingsError, match="--residual-mode is not an option of --method fp16"):
+        build_method("fp16", SHAPE, MethodSettings(residual_mode="sliding"))
+
+
 def _moved_beyond_float16_rounding(held: torch.Tensor, x: torch.Tensor) -> bool:
     """Whether some element of `held` is further from x than rounding x to float16 can take it:
     u16 |x|, or 2^-25 below 2^-14 where float16 is subnormal. Not a round-off bound but a floor: 2-bit

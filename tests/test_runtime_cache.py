@@ -15,7 +15,7 @@ import torch
 
 import kvcalib.runtime.cache as runtime_cache
 from kvcalib.attention import flushed_counts, intercept
-from kvcalib.methods import MethodSettings, build_method, hold
+from kvcalib.methods import MethodSettings, apply_residual_mode, build_method, hold
 from kvcalib.models import LoadedModel, attention_shape
 from kvcalib.runtime.cache import KvcalibCache
 from conftest import float64, tiny_model
@@ -31,7 +31,7 @@ def _reference_greedy(model, method, prompt: torch.Tensor, steps: int) -> tuple[
 
     def attend(layer, q, k, v, opts):
         held = hold(method, layer, k, v)
-        flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block)
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block, window=method.window)
         flushed[:p] = 0
         return method.attend(layer, q, k, v, held, flushed, opts)
 
@@ -49,17 +49,19 @@ def _reference_greedy(model, method, prompt: torch.Tensor, steps: int) -> tuple[
 # by the plant tests below or for every test with `pytest --plant NAME` (conftest.py).
 def _plant_residual_late(monkeypatch):
     """The residual window off by one token: a block is flushed one token after it fills."""
-    monkeypatch.setattr(runtime_cache, "flushed_length", lambda n, block: max(n - 1, 0) // block * block)
+    monkeypatch.setattr(runtime_cache, "flushed_length", lambda n, block, window=0: max(n - window - 1, 0) // block * block)
 
 
 def _plant_block_kept(monkeypatch):
-    """The second flushed block of every layer read back in float16 instead of as compressed."""
+    """The second flushed block of every layer (the first past the sink tokens, when those cover it)
+    read back in float16 instead of as compressed."""
     real = runtime_cache.keep_sinks
 
     def keep(method, start, k16, v16, kq, vq):
         kq, vq, bits = real(method, start, k16, v16, kq, vq)
-        if start <= method.block < start + kq.shape[-2]:
-            blk = slice(method.block - start, 2 * method.block - start)
+        first = -(-max(method.sink, method.block) // method.block) * method.block
+        if start <= first < start + kq.shape[-2]:
+            blk = slice(first - start, first + method.block - start)
             kq, vq = kq.clone(), vq.clone()
             kq[..., blk, :], vq[..., blk, :] = k16[..., blk, :].to(kq), v16[..., blk, :].to(vq)
         return kq, vq, bits
@@ -120,6 +122,12 @@ CASES = {
     "oscar": MethodSettings(bits=2, group_size=8, residual=16),
     "turboquant": MethodSettings(bits=3, residual=16),
     "turboquant-plan": None,
+    # --residual-mode sliding: the newest 16 tokens always float16, flushes of one key group (8) or one token
+    "kivi+sliding": MethodSettings(bits=2, group_size=8, residual=16, residual_mode="sliding"),
+    "oscar+sliding": MethodSettings(bits=2, group_size=8, residual=16, residual_mode="sliding"),
+    "turboquant+sliding": MethodSettings(bits=3, residual=16, residual_mode="sliding"),
+    "kvlinc+adapters+sliding": None,
+    "vecinfer+sinks+sliding": None,
 }
 
 
@@ -201,7 +209,12 @@ def test_an_artifact_for_another_model_is_refused_before_anything_runs():
 def _method(name: str, shape):
     builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks,
                 "turboquant-plan": _turboquant_plan}
-    return builders[name](shape) if CASES[name] is None else build_method(name, shape, CASES[name])
+    if CASES[name] is not None:
+        return build_method(name.split("+")[0], shape, CASES[name])
+    method = builders[name.removesuffix("+sliding")](shape)
+    if name.endswith("+sliding"):
+        apply_residual_mode(method, "sliding", None)
+    return method
 
 
 def _greedy(model, method, ids: torch.Tensor, mask: torch.Tensor | None, steps: int):

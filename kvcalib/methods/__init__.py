@@ -2,7 +2,14 @@
 
 A method compresses whole flushed blocks of the cache, `compress(layer, k, v) -> packed`, and
 reads them back, `decompress(layer, packed) -> (k, v)`; k and v are (B, Hkv, T, d) with T a
-multiple of `block`. Tokens that have not yet filled a block stay in the float16 residual window.
+multiple of `block`. Tokens not yet flushed stay in the float16 residual window; when a block is
+flushed is the one rule `kvcalib.attention.flushed_length(n, block, window)`:
+- blockwise (`--residual-mode blockwise`, the default): `block` = R (`--residual`), `window` = 0, so a
+  block of R tokens is flushed as soon as it fills and 0..R-1 tokens wait in float16;
+- sliding (`--residual-mode sliding`, the window of TurboQuant's and KIVI's reference code): `window`
+  = R and `block` = the method's `flush_step()` (1 for formats that code each vector alone, the key
+  group G for formats that quantize keys per channel over G tokens), so the newest R tokens are always
+  float16 and R..R+step-1 wait.
 `hold` applies that rule to a whole sequence: it returns the cache exactly as a decoder holding
 these tokens would hold it, and what it costs in stored bits.
 
@@ -31,7 +38,8 @@ class Method:
     """Base of every method; subclasses set `name` and `block` and implement the first four."""
 
     name: str
-    block: int  # tokens per flush; the residual window holds 0..block-1 tokens
+    block: int  # tokens per flush
+    window: int = 0  # tokens always kept float16 after the flushed blocks: R when sliding, 0 when blockwise
     sink: int = 0  # leading tokens of a sequence also kept in float16 (attention sinks)
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
@@ -45,6 +53,11 @@ class Method:
 
     def settings(self) -> dict:
         raise NotImplementedError
+
+    def flush_step(self) -> int:
+        """The fewest tokens one flush may compress (the block of a sliding residual): 1 for formats that
+        code each vector on its own; formats that group keys over tokens return their group."""
+        return 1
 
     def constant_bits(self) -> int:
         """Bits of the method's shared tensors (codebooks, adapters), stored once for all sequences."""
@@ -99,7 +112,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     The cache receives float16 keys and values; blocks are compressed from those.
     """
     t = k.shape[-2]
-    flushed = flushed_length(t, method.block)
+    flushed = flushed_length(t, method.block, method.window)
     k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
     bits = 16 * (k16[..., flushed:, :].numel() + v16[..., flushed:, :].numel())
     k_held, v_held = k16, v16
@@ -153,6 +166,7 @@ class MethodSettings:
     scaling: str | None = None  # OScaR: per-token key coefficient, or "none"
     rotation: bool | None = None  # OScaR: Hadamard rotation of keys and values
     sink_tokens: int | None = None  # every method that compresses: the first N tokens also kept in float16
+    residual_mode: str | None = None  # every method that compresses: "blockwise" or "sliding" (module docstring)
 
     def given(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -171,12 +185,16 @@ class MethodSettings:
         return {k: given.get(k, fixed.get(k, DEFAULTS[k])) for k in uses}
 
 
+GENERIC = ("sink_tokens", "residual_mode")  # options every compressing method takes, applied by `build_method`
+RESIDUAL_MODES = ("blockwise", "sliding")
+
+
 def settings_used(name: str) -> tuple[str, ...]:
-    """The options of `DEFAULTS` that method `name` reads: its own, and `sink_tokens` for every method
-    that compresses (`keep_sinks` applies it to any method, outside the method's own settings)."""
+    """The options of `DEFAULTS` that method `name` reads: its own, and `GENERIC` for every method that
+    compresses (`build_method` applies them to any method, outside the method's own settings)."""
     check_method_name(name)
     own = importlib.import_module(f"{__name__}.{_MODULES[name]}").SETTINGS
-    return own + (("sink_tokens",) if name != "fp16" else ())
+    return own + (GENERIC if name != "fp16" else ())
 
 
 def check_method_name(name: str) -> None:
@@ -190,7 +208,9 @@ def build_method(name: str, shape: AttentionShape, settings: MethodSettings = Me
     check_method_name(name)
     module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     settings.resolve(name, settings_used(name))  # an option the method does not use is refused, artifact or not
-    method = module.build(shape, dataclasses.replace(settings, sink_tokens=None), artifacts, model)
+    method = module.build(shape, dataclasses.replace(settings, sink_tokens=None, residual_mode=None), artifacts, model)
+    if name != "fp16":
+        apply_residual_mode(method, settings.residual_mode, artifacts)
     if settings.sink_tokens is not None:
         if settings.sink_tokens < 0:
             raise SettingsError(f"--sink-tokens must be 0 or more, got {settings.sink_tokens}")
@@ -199,3 +219,16 @@ def build_method(name: str, shape: AttentionShape, settings: MethodSettings = Me
                                 f"sink_tokens={method.sink}: drop --sink-tokens or pass {method.sink}")
         method.sink = settings.sink_tokens
     return method
+
+
+def apply_residual_mode(method: Method, given: str | None, artifacts: str | None) -> None:
+    """Set the flush rule (module docstring) from `--residual-mode`, else the mode an artifact was made
+    under (a plan's sensitivities were measured under one: `fitted_residual_mode`), else blockwise."""
+    fitted = getattr(method, "fitted_residual_mode", None)
+    if given is not None and given not in RESIDUAL_MODES:
+        raise SettingsError(f"--residual-mode must be one of {', '.join(RESIDUAL_MODES)}, got {given!r}")
+    if given is not None and fitted is not None and given != fitted:
+        raise SettingsError(f"--residual-mode {given} contradicts the artifact {artifacts}, made with "
+                            f"residual_mode={fitted}: drop --residual-mode or pass {fitted}")
+    if (given or fitted or DEFAULTS["residual_mode"]) == "sliding":
+        method.window, method.block = method.block, method.flush_step()

@@ -53,6 +53,9 @@ class Kivi(Method):
         if shape.head_dim % self.value_group:
             raise SettingsError(f"--group-size {config.group_size} must divide head_dim {shape.head_dim} for values")
 
+    def flush_step(self) -> int:
+        return self.config.group_size  # keys are quantized per channel over groups of G tokens
+
     def int2_spec(self) -> Int2Spec:
         c = self.config
         return Int2Spec(c.bits, c.group_size, self.value_group, self.block, self.sink)

@@ -195,12 +195,20 @@ class TurboQuantPacked:
     v: Coded
 
 
+def rotate_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x @ r in float32, the same for a row whatever the number of rows: the product is taken in float64
+    and rounded once. (A float32 matmul of one row and of many takes different kernels, whose sums
+    differ in the last bits: a decoder flushing one token at a time would then hold other values than
+    `eval`'s cache of the same tokens; in float64 they differ by ~1e-16 and round to the same float32.)"""
+    return (x.double() @ r.double()).float()
+
+
 def unit_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(Π x / ‖x‖, ‖x‖) in float32, rows of the last axis; a zero vector stays zero."""
     x = x.float()
     norm = x.norm(dim=-1, keepdim=True)
     unit = x / torch.where(norm > 0, norm, 1.0)
-    return unit @ rotation(x.shape[-1], torch.float32, x.device).T, norm  # y = Π u, row-vector form
+    return rotate_rows(unit, rotation(x.shape[-1], torch.float32, x.device).T), norm  # y = Π u, row-vector form
 
 
 def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -249,7 +257,7 @@ class TurboQuant(Method):
         else:  # (G, d, L) -> the centroid of coordinate i in code codes[..., i]
             table = centroids.to(codes.device)[:, None].expand(*codes.shape, centroids.shape[-1])
             y = table.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
-        return (y @ rotation(d, torch.float32, codes.device)) * coded.norm.float()  # ‖x‖ Πᵀ ŷ
+        return rotate_rows(y, rotation(d, torch.float32, codes.device)) * coded.norm.float()  # ‖x‖ Πᵀ ŷ
 
     def _layer_books(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return (None, None) if self.books is None else self.books[layer]
@@ -322,6 +330,7 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
         books.append((pair[0], pair[1]))
     method = TurboQuant(config, shape, books, granularity, plan)
     method.sink = int(art.settings.get("sink_tokens", 0))  # a plan made with float16 sinks keeps them
+    method.fitted_residual_mode = art.settings.get("residual_mode")  # and its flush rule (None: not recorded)
     return method
 
 

@@ -51,7 +51,7 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, LoadedModel, attention_shape, check_fingerprint, load_model
-from . import DEFAULTS, Held, hold
+from . import DEFAULTS, RESIDUAL_MODES, Held, apply_residual_mode, hold
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig
 from .turboquant_fit import check_fit_settings, fit_codebooks
 
@@ -140,7 +140,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[int, TurboQuant], windows:
     def cache_of(k, v, q, opts):
         """The float16 cache, and when each query's keys were flushed, in `eval`'s arithmetic."""
         k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
-        flushed = flushed_counts(q.shape[-2], k.shape[-2], coders[bits[0]].block, device=q.device)
+        c = coders[bits[0]]
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], c.block, device=q.device, window=c.window)
         return k16, v16, flushed, mixed_attention(q, k16, v16, opts, k16, v16, flushed)
 
     layers = _decoder_layers(lm.model)
@@ -199,7 +200,8 @@ def plan_path(out: str | Path, budget: float, several: bool) -> Path:
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
               model: str | LoadedModel = DEFAULT_MODEL, bits: tuple[int, ...] = BITS, windows: int = 4,
               seq_len: int = 512, granularity: str = "layer", iters: int = 50,
-              residual: int | None = None, sink_tokens: int = 0) -> list[Path]:
+              residual: int | None = None, sink_tokens: int = 0,
+              residual_mode: str = DEFAULTS["residual_mode"]) -> list[Path]:
     """Fit codebooks for every candidate bit width, measure every item's sensitivity, choose the bits
     of every layer's keys and values under each budget, and save each plan as a TurboQuant artifact:
     at `out` for one budget, at `out/budget-{b}` for several (the codebooks and sensitivities, the
@@ -214,6 +216,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         raise SettingsError("--windows must be positive and --seq-len at least 2")
     if sink_tokens < 0:
         raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
+    if residual_mode not in RESIDUAL_MODES:
+        raise SettingsError(f"--residual-mode must be one of {', '.join(RESIDUAL_MODES)}, got {residual_mode!r}")
     check_fit_settings(bits, granularity, iters)  # before the model loads, not when the fit starts
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
@@ -233,6 +237,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
                  for i in range(shape.num_layers)]
         coders[b] = TurboQuant(TurboQuantConfig(bits=b, residual=residual), shape, books, granularity)
         coders[b].sink = sink_tokens
+        apply_residual_mode(coders[b], residual_mode, None)
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len))
     written = []
     for budget, path in zip(budgets, outs):
@@ -245,7 +250,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
             plan_tensors[f"layers.{i}.v_codebook"] = tensors[v_bits[i]][f"layers.{i}.v_codebook"]
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
         settings = {"bits": "plan", "k_bits": k_bits, "v_bits": v_bits, "budget": budget, "granularity": granularity,
-                    "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens}
+                    "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens,
+                    "residual_mode": residual_mode}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"],
                  "candidate_bits": list(bits), "residual": residual, "windows": windows, "seq_len": seq_len,
                  "sensitivity": {"k": sens[:, 0].tolist(), "v": sens[:, 1].tolist()},

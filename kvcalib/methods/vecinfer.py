@@ -133,7 +133,7 @@ class VecInfer(Method):
         self.config = config
         self.layers = layers
         self.shape = shape
-        self.block = residual
+        self.block = self.residual = residual
         self.sink = config.sink_tokens
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
@@ -176,7 +176,7 @@ class VecInfer(Method):
     def settings(self) -> dict:
         c = self.config
         return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
-                "hadamard": c.hadamard, "sink_tokens": self.sink, "residual": self.block}
+                "hadamard": c.hadamard, "sink_tokens": self.sink, "residual": self.residual}
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:

@@ -3,8 +3,9 @@
     cache = KvcalibCache.from_artifacts("artifacts/smollm2-135m/oscar", model)   # or KvcalibCache(model, "kivi")
     model.generate(**inputs, past_key_values=cache)
 
-Per layer, tokens arrive in float16; as soon as R (the method's block) of them are waiting, they are
-compressed (`method.compress`) and kept packed, exactly the flush rule `kvcalib eval` scores. The
+Per layer, tokens arrive in float16; as soon as a block of them may be flushed (R of them waiting, or with
+`--residual-mode sliding` a key group older than the newest R), they are compressed (`method.compress`)
+and kept packed, exactly the flush rule `kvcalib eval` scores (`kvcalib.attention.flushed_length`). The
 model's attention runs through the registered attention function `kvcalib_runtime`:
 - a padded batch (an `attention_mask` with zeros, e.g. transformers' left-padded batch generation)
   keeps each sequence in a row of its own holding only its real tokens: its blocks flush at its own
@@ -100,7 +101,7 @@ class CompressedLayer(CacheLayerMixin):
         self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
         self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
         self.length += key_states.shape[-2]
-        flush = flushed_length(self.k_res.shape[-2], self.method.block)  # the residual starts on a block boundary
+        flush = flushed_length(self.k_res.shape[-2], self.method.block, self.method.window)  # it starts on a block boundary
         if flush:  # every full block at once: blocks are compressed independently of each other
             k16, v16 = self.k_res[..., :flush, :], self.v_res[..., :flush, :]
             packed = self.method.compress(self.layer, k16.float(), v16.float())
