@@ -1,26 +1,47 @@
-"""End-to-end greedy decoding on the GPU: a random-initialised Llama-3.1-8B-shaped model (built from a
-config, fp16) with a long prompt, fp16 DynamicCache (SDPA) against each compressed KvcalibCache.
+"""Decode latency end to end (issue 17): a random-initialised Llama-3.1-8B-shaped model (built from its
+config, fp16) with a long prompt at B=1, each decode step timed on its own, for transformers' fp16 paths
+and kvcalib's caches.
 
-    python benchmarks/generate.py [--context 32768] [--new-tokens 64] [--results FILE]
+    python benchmarks/generate.py [--contexts 4096,32768] [--steps 256] [--paths all] [--results FILE]
 
-Tokens/s counts the decode steps only (prefill excluded, timed separately); peak memory is
-torch.cuda.max_memory_allocated, over the prefill and over the decode steps separately.
+Paths:
+- `fp16-eager`: fp16 DynamicCache, SDPA, eager (transformers' default);
+- `fp16-static-compile`: fp16 StaticCache with the forward under `torch.compile(mode="reduce-overhead")`,
+  the fast path transformers documents (prefill eager, decode steps compiled and graph-replayed);
+- `kivi128-dynamic`, `kivi32-dynamic`: KvcalibCache (KIVI-2, G=128 / 32, R=128), eager;
+- `kivi128-static`, `kivi32-static`: StaticKvcalibCache, the same step eager;
+- `kivi128-captured`, `kivi32-captured`: StaticKvcalibCache, the step replayed from one CUDA graph.
+
+Each step is timed from the host (synchronised before and after), as a user calling the path sees it:
+the median and the 99th percentile over `--steps` steps, flush steps included (at R = 128, 256 steps
+hold two flushes per layer of the dynamic cache). The byte floor is what the step must read, the
+weights (all of them, as the issue counts) and the cache as held at the middle step, over the copy
+bandwidth measured at the start of the run (read + write of a 2 GiB buffer, median of 20).
+Tokens: greedy, compared with the fp16 eager path's (random weights give near-uniform logits, so a
+2-bit cache changes greedy tokens freely; the accuracy of these caches is measured on a real model:
+RESULTS.md, perplexity tables).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 
 from kvcalib.methods import MethodSettings
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.cache import KvcalibCache
+from kvcalib.runtime.captured import CapturedDecoder, EagerDecoder
+from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
+
+KIVI = {"kivi128": MethodSettings(2, 128, 128), "kivi32": MethodSettings(2, 32, 128)}
+PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in KIVI for how in ("dynamic", "static", "captured")]
 
 
 def llama8b_config(context: int) -> LlamaConfig:
@@ -29,66 +50,130 @@ def llama8b_config(context: int) -> LlamaConfig:
                        max_position_embeddings=max(131072, context + 1024), rope_theta=500000.0)
 
 
-def run(model, make_cache, prompt: torch.Tensor, new_tokens: int) -> tuple[float, float, float, float, list[int]]:
-    gc.collect()  # the previous run's cache must not count in this one's peak
+def int2_bytes(tokens: int, settings: MethodSettings, config: LlamaConfig) -> float:
+    """Bytes a KIVI-2 cache holds for `tokens`: flushed blocks (2-bit codes of keys and values, fp16 scale
+    and zero per key group of G tokens and channel, and per value group of min(G, d) channels and
+    token) and the float16 residual."""
+    d, g, r = config.head_dim, settings.group_size, settings.residual
+    flushed = tokens // r * r
+    per_token_bits = d * (2 + 32 / g) + d * 2 + (d // min(g, d)) * 32
+    rows = config.num_hidden_layers * config.num_key_value_heads
+    return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * 2 * d * 2)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a device-to-device copy (read + write), median of 20."""
+    src = torch.empty(2**30, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del src, dst
+    return 2 * 2**31 / statistics.median(times[3:])
+
+
+def timed_steps(step, first: int, steps: int) -> tuple[list[float], list[int]]:
+    """Run `step(token) -> next token` `steps` times from `first`, each synchronised: seconds, tokens."""
+    seconds, tokens = [], [first]
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens.append(step(tokens[-1]))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+    return seconds, tokens
+
+
+def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int) -> dict:
+    gc.collect()
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    cache = make_cache()
+    ctx = prompt.shape[1]
+    one = lambda t: torch.tensor([[t]], device="cuda")  # noqa: E731
     with torch.no_grad():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
-        torch.cuda.synchronize()
-        prefill = time.perf_counter() - t0
-        tokens = [int(logits.argmax())]
-        prefill_peak = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        for _ in range(new_tokens - 1):
-            nxt = torch.tensor([[tokens[-1]]], device="cuda")
-            tokens.append(int(model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax()))
-        torch.cuda.synchronize()
-        decode = time.perf_counter() - t0
-    decode_peak = torch.cuda.max_memory_allocated() / 2**30
-    if isinstance(cache, KvcalibCache):
-        cache_gib = cache.stored_bits() / 8 / 2**30
-    else:
-        cache_gib = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers) / 2**30
-    return prefill, (new_tokens - 1) / decode, prefill_peak, decode_peak, cache_gib, tokens
+        if path == "fp16-eager":
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache(config=model.config)
+            first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+            step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
+            cache_bytes = lambda: sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)  # noqa: E731
+        elif path == "fp16-static-compile":
+            model.set_attn_implementation("sdpa")
+            cache = StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
+            pos = torch.arange(ctx, device="cuda")
+            first = int(model(prompt, past_key_values=cache, cache_position=pos, use_cache=True,
+                              logits_to_keep=1).logits[0, -1].argmax())
+            forward = torch.compile(model.forward, mode="reduce-overhead")
+            at = [ctx]
+
+            def step(t):
+                p = torch.tensor([at[0]], device="cuda")
+                at[0] += 1
+                return int(forward(one(t), past_key_values=cache, cache_position=p, position_ids=p[None],
+                                   use_cache=True).logits[0, -1].argmax())
+
+            cache_bytes = lambda: 2 * 2 * model.config.num_hidden_layers * 8 * 128 * at[0]  # noqa: E731  (held, not allocated)
+        else:
+            name, how = path.split("-")
+            if how == "dynamic":
+                cache = KvcalibCache(lm, "kivi", KIVI[name])
+                first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+                step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
+                cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
+            else:
+                cache = StaticKvcalibCache(lm, "kivi", KIVI[name], max_batch=1, max_length=ctx + steps + 8)
+                captured = how == "captured"
+                decoder = CapturedDecoder(model, cache) if captured else EagerDecoder(model, cache)
+                first = int(cache.prefill(model, 0, prompt).argmax())
+                step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"), captured=captured)[0].argmax())  # noqa: E731
+                cache_bytes = lambda: int2_bytes(cache.lengths[0], KIVI[name], model.config)  # noqa: E731
+        warm = 3 if path != "fp16-static-compile" else 6  # compile and capture happen in the warm-up
+        _, warm_tokens = timed_steps(step, first, warm)
+        seconds, tokens = timed_steps(step, warm_tokens[-1], steps)
+        held = cache_bytes()
+    del cache
+    return {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
+    paths = PATHS if args.paths == "all" else args.paths.split(",")
+    bandwidth = copy_bandwidth()
     torch.manual_seed(0)
+    contexts = [int(c) for c in args.contexts.split(",")]
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
+        model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    weights = torch.cuda.memory_allocated() / 2**30
-    prompt = torch.randint(0, 128256, (1, args.context), device="cuda")
-    rows = []
-    for label, method, settings in [("KIVI-2 G=128 (fused)", "kivi", MethodSettings(2, 128, 128)),
-                                    ("KIVI-2 G=32 (fused)", "kivi", MethodSettings(2, 32, 128)),
-                                    ("CK+HV-2 G=128, KVLinC layout (fused)", "kvlinc", MethodSettings(2, 128, 128)),
-                                    ("OScaR-2 G=32 (fused)", "oscar", MethodSettings(2, 32, 128))]:
-        rows.append((label, *run(model, lambda: KvcalibCache(lm, method, settings), prompt, args.new_tokens)))
-    # fp16 runs last: something in transformers keeps a DynamicCache alive after its run (seen here:
-    # 4 GiB more in every later peak), which would inflate the compressed caches' figures.
-    model.set_attn_implementation("sdpa")
-    rows.insert(0, ("fp16 DynamicCache (SDPA)", *run(model, lambda: DynamicCache(config=model.config), prompt, args.new_tokens)))
-    base_tokens = rows[0][-1]
-    lines = [f"weights: {weights:.1f} GiB; prompt {args.context} tokens, {args.new_tokens} greedy tokens "
-             "(random weights: near-uniform logits, so a 2-bit cache changes greedy tokens freely)", "",
-             "| cache | prefill s | decode tokens/s | cache GiB | peak GiB, prefill | peak GiB, decode | tokens equal to fp16 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for label, prefill, tps, prefill_peak, decode_peak, cache_gib, tokens in rows:
-        same = sum(a == b for a, b in zip(tokens, base_tokens))
-        lines.append(f"| {label} | {prefill:.2f} | {tps:.1f} | {cache_gib:.2f} | {prefill_peak:.1f} | {decode_peak:.1f} | "
-                     f"{same}/{len(tokens)} |")
-    title = f"End-to-end greedy decode, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    lines = [f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; weights {weight_bytes / 1e9:.2f} GB; {args.steps} timed steps "
+             "after the warm-up; B=1", "",
+             "| context | path | ms/token median | p99 | p99/median | byte floor ms | median/floor | tokens = fp16 eager |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for ctx in contexts:
+        prompt = torch.randint(0, 128256, (1, ctx), device="cuda")
+        results = {}
+        for path in paths:
+            results[path] = run_path(path, model, lm, prompt, args.steps)
+            s = sorted(results[path]["seconds"])
+            print(f"{ctx} {path}: median {1e3 * statistics.median(s):.2f} ms", flush=True)
+        base = results.get("fp16-eager", {}).get("tokens")
+        for path, res in results.items():
+            s = sorted(res["seconds"])
+            med, p99 = statistics.median(s), s[min(len(s) - 1, int(0.99 * len(s)))]
+            floor = (weight_bytes + res["cache_bytes"]) / bandwidth
+            same = "-" if base is None else f"{sum(a == b for a, b in zip(res['tokens'], base))}/{len(base)}"
+            lines.append(f"| {ctx} | {path} | {1e3 * med:.2f} | {1e3 * p99:.2f} | {p99 / med:.2f} | {1e3 * floor:.2f} | "
+                         f"{med / floor:.2f} | {same} |")
+    title = f"Decode latency end to end, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

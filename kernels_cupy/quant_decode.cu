@@ -16,6 +16,7 @@
 //   vcodes   (B, HKV, CAPT, D/16) int32 tokens 16n..16n+15: D words, tensor-core order
 //   vscale,vzero (B, HKV, CAPT, D/GV) fp16  per 16-token block stored as (D/GV, 16)
 //   kres,vres (B, HKV, CAPR, D) fp16   residual window
+// lengths, residuals (B,) int32 or null: per-sequence T and r read on the device (a static cache)
 // Parallel split (flash-decoding): block (split, kv head, batch) handles SPLIT_LEN flushed tokens for
 // all GQ query heads sharing that KV head, so each packed byte is read once per block. Partial
 // results (unnormalised accumulator, running max in log2 units, running sum) go to `part_*`; the
@@ -609,8 +610,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
     const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
     int split_len, int num_splits, const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
-    int capr, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    int capr, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const int* __restrict__ lengths, const int* __restrict__ residuals) {
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
+  // A static cache (kvcalib/runtime/static_cache.py) keeps each sequence's flushed and residual counts in
+  // device memory, so that one captured launch serves every step: they replace T and r for row b, and
+  // splits past a row's T write empty partials (m = -inf), which `merge` skips.
+  if (lengths != nullptr) T = lengths[b];
+  if (residuals != nullptr) r = residuals[b];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
   __shared__ Stage ring[NSTAGE];

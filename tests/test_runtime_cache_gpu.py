@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcalib.methods import MethodSettings, build_method
+from kvcalib.methods import MethodSettings, apply_residual_mode, build_method
 from kvcalib.models import LoadedModel, attention_shape
 import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
@@ -77,15 +77,18 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone_on_the_gpu(n
                        num_key_value_heads=2)).cuda()
     shape = attention_shape(model.config)
     fused = MethodSettings(bits=2, group_size=16, residual=32)  # the kernel reads groups of >= 16 tokens
-    if name in ("kivi", "kvlinc", "oscar"):
-        method = build_method(name, shape, fused)
-    elif name == "kvlinc+adapters":
+    base = name.removesuffix("+sliding")  # a sliding case: its blockwise method, then the sliding rule
+    if base in ("kivi", "kvlinc", "oscar"):
+        method = build_method(base, shape, fused)
+    elif base == "kvlinc+adapters":
         method = _kvlinc_with_adapters(shape, 16, 32, device="cuda")
     else:
-        method = _method(name, shape)
-    if name == "vecinfer+sinks":
+        method = _method(base, shape)
+    if base == "vecinfer+sinks":
         for books in method.layers:
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
+    if name.endswith("+sliding"):
+        apply_residual_mode(method, "sliding", None)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen).cuda() for n in (70, 37, 5)]
     width = max(len(p) for p in prompts)

@@ -186,7 +186,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     else:
         layer, before = current
         _CURRENT.set(None)
-        if layer.rows is None:
+        if hasattr(layer, "attend"):  # a static cache's layer (kvcalib.runtime.static_cache) attends itself
+            out = layer.attend(query, key, value, opts, before)
+        elif layer.rows is None:
             out = _attend(layer, before, query, key, value, opts)
         else:  # a padded batch: each sequence over its own real tokens; padded positions output zeros
             out = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=compute_dtype(query))

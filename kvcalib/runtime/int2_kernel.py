@@ -63,11 +63,14 @@ def _sm_count(device: int) -> int:
 
 def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                  correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False,
-                 loader: str = "auto") -> torch.Tensor:
+                 loader: str = "auto", counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype.
 
     `loader`: "auto" streams the packed cache with the bulk-copy engine on sm_90 and later, with
     cp.async before; "cp.async" forces the latter (the tests run both on one GPU).
+    `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own counts, read by the
+    kernel (a static cache: the launch does not change from step to step and can be captured in a
+    CUDA graph); `layer.length` and `layer.residual` are then the capacities the launch is sized for.
     """
     import cupy
 
@@ -92,6 +95,9 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
                "CP_ASYNC_LOADER": int(loader == "cp.async"),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
+    if counts is not None and any(c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device
+                                  for c in counts):
+        raise ValueError(f"counts must be two contiguous int32 tensors of shape ({b},) on {q.device}")
     residual_blocks, num_splits, split_len = partition(layer, q.device.index or 0)
     parts = num_splits + residual_blocks  # the last partials are the residual window's
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
@@ -111,7 +117,8 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                 ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
                 i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
                 i32(split_len), i32(num_splits), ptr(layer.kres), ptr(layer.vres), i32(layer.residual),
-                i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml)), checked)
+                i32(layer.kres.shape[2]), scale_log2, ptr(part_acc), ptr(part_ml),
+                ptr(counts[0] if counts else None), ptr(counts[1] if counts else None)), checked)
         # Warp per (batch, query head, 32 channels), MERGE_WARPS per block: merge partials (+ KVLinC terms), normalise.
         warps = b * hq * d // 32
         launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),

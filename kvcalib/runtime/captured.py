@@ -1,0 +1,117 @@
+"""Decode steps over a `StaticKvcalibCache` replayed from one captured CUDA graph (issue 17).
+
+    decoder = CapturedDecoder(model, cache)   # warms up and captures one step for the cache's batch
+    logits = decoder.step(tokens)             # (B,) each slot's newest token -> (B, vocab) float
+
+The step is the model's forward on one token per slot, at each slot's own position (read from the
+cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
+it: nothing in it depends on a host value that changes between steps, so one capture serves every
+position. `step(..., captured=False)` runs the same forward eagerly (the tests compare the two).
+Capturing needs a warm-up run, which appends a token: the counts are restored after it, and what it
+wrote lies past them, where the next real step overwrites it.
+
+`generate` serves a list of prompts through the slots: each prompt prefilled alone into a free slot,
+greedy steps for the whole batch, a finished sequence's slot refilled with the next prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SettingsError
+from .static_cache import StaticKvcalibCache
+
+
+class CapturedDecoder:
+    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2):
+        self.model, self.cache = model, cache
+        device = cache.layers[0].flushed.device
+        self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+        saved = [(layer.flushed.clone(), layer.residual.clone()) for layer in cache.layers]
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                self._forward()
+                self._restore(saved)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits = self._forward()
+        self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
+
+    def _restore(self, saved) -> None:
+        for layer, (flushed, residual) in zip(self.cache.layers, saved):
+            layer.flushed.copy_(flushed)
+            layer.residual.copy_(residual)
+
+    def _forward(self) -> torch.Tensor:
+        self.positions.copy_(self.cache.positions())
+        out = self.model(self.ids, position_ids=self.positions, cache_position=self.positions[0],
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor, captured: bool = True) -> torch.Tensor:
+        """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab): the graph's
+        output buffer when captured (overwritten by the next step: clone to keep it)."""
+        self.cache.advance()
+        self.ids.copy_(tokens.view(-1, 1))
+        if captured:
+            self.graph.replay()
+            return self.logits
+        with torch.no_grad():
+            return self._forward()
+
+
+def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,
+             captured: bool = True) -> list[list[int]]:
+    """Greedy continuations of `prompts` ((T,) token ids each), `max_new_tokens` each, served through
+    the cache's slots: a finished sequence leaves its slot and the next prompt is prefilled into it."""
+    device = cache.layers[0].flushed.device
+    decoder = CapturedDecoder(model, cache) if captured else None
+    queue = list(enumerate(prompts))
+    out: list[list[int]] = [[] for _ in prompts]
+    live: dict[int, int] = {}  # slot -> prompt index
+    nxt = torch.zeros(cache.max_batch, dtype=torch.long, device=device)
+
+    if max_new_tokens < 1:
+        raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
+
+    def fill(slot: int) -> None:
+        """The next prompts into `slot` until one needs decode steps (or none is left)."""
+        while queue:
+            i, prompt = queue.pop(0)
+            logits = cache.prefill(model, slot, prompt.view(1, -1).to(device))
+            nxt[slot] = logits.argmax()
+            out[i].append(int(nxt[slot]))
+            if max_new_tokens > 1:
+                live[slot] = i
+                return
+            cache.release(slot)
+
+    for slot in range(cache.max_batch):
+        fill(slot)
+    decoder = decoder or EagerDecoder(model, cache)
+    while live:
+        nxt = decoder.step(nxt).argmax(-1)
+        for slot, i in list(live.items()):
+            out[i].append(int(nxt[slot]))
+            if len(out[i]) == max_new_tokens:
+                del live[slot]
+                cache.release(slot)
+                fill(slot)
+    return out
+
+
+class EagerDecoder(CapturedDecoder):
+    """The same step without a graph (`generate(..., captured=False)`, benchmarks)."""
+
+    def __init__(self, model, cache: StaticKvcalibCache):
+        self.model, self.cache = model, cache
+        device = cache.layers[0].flushed.device
+        self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+
+    def step(self, tokens: torch.Tensor, captured: bool = False) -> torch.Tensor:
+        return super().step(tokens, captured=False)

@@ -1,0 +1,256 @@
+"""A static-capacity compressed cache: one CUDA graph serves every decode step (issue 17).
+
+    cache = StaticKvcalibCache(model, "kivi", MethodSettings(group_size=128), max_batch=8, max_length=32768)
+    cache.prefill(model, slot, input_ids)        # one sequence into its slot, alone, compressed at once
+    decoder = CapturedDecoder(model, cache)      # kvcalib.runtime.captured: the step captured once
+    logits = decoder.step(tokens)                # (B,) each slot's newest token -> (B, vocab)
+
+Like transformers' StaticCache, every buffer is allocated once, for `max_batch` sequences of up to
+`max_length` tokens. Unlike it, what each sequence holds is counted in device memory: `flushed` (B,)
+tokens packed in INT2 blocks (the layout of `kvcalib.int2_layout`, which the fused kernel reads) and
+`residual` (B,) float16 tokens waiting, R at most. The kernel reads both counts itself
+(`fused_decode(..., counts=...)`), so its launch is the same at every step.
+
+A decode step appends each sequence's new token at its own residual position. A sequence whose
+residual is then full is flushed inside the same step, without a branch on the host: every step
+compresses every sequence's residual window with the method's own `compress` and writes the codes at
+its `flushed` offset under a mask that is true only where the window is full. That costs R tokens of
+float16 per sequence and layer each step (at R = 128 and 32k of context, under 1% of the bytes the
+attention reads). The flush rule is the blockwise one `kvcalib eval` scores
+(`kvcalib.attention.flushed_length`): the stored codes are those `KvcalibCache` stores, bit for bit.
+
+Sequences of different lengths share the batch; a slot is freed (`release`) and refilled (`prefill`)
+while the others keep their state. A prompt is prefilled into its slot on its own, attends in float16
+(as in `KvcalibCache`) and is compressed at once, so the float16 cache of one prompt exists at a time,
+never the whole batch's.
+
+Methods: those whose flushed blocks the fused kernel reads as they are stored and that keep no
+decoding state (`Method.int2_spec`, no rotated basis, no correction: KIVI at 2 bits with power-of-two
+key groups of >= 16 tokens); others are refused with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention import AttentionOptions, compute_dtype
+from ..errors import SettingsError
+from ..int2_layout import PackedLayer, _kernel_parts
+from ..methods import Method, MethodSettings, build_method
+from ..models import LoadedModel, attention_shape
+from .cache import IMPLEMENTATION, _CURRENT, _register
+from .int2_kernel import fused_decode, supports
+
+
+def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
+    """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync): rows not
+    taken are written back unchanged. buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool."""
+    n = new.shape[2]
+    idx = start.long().view(-1, 1) + torch.arange(n, device=buf.device)
+    idx = idx.view(idx.shape[0], 1, n, *([1] * (new.dim() - 3))).expand_as(new)
+    old = buf.gather(2, idx)
+    buf.scatter_(2, idx, torch.where(take.view(-1, *([1] * (new.dim() - 1))), new, old))
+
+
+class StaticLayer(CacheLayerMixin):
+    """One layer's buffers (`PackedLayer`, sized for the capacity plus one block of slack that a masked
+    flush may write where it is not taken) and its per-sequence counts."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
+                 device: torch.device):
+        super().__init__()
+        spec = method.int2_spec()
+        g, gv, r = spec.group_size, spec.value_group_size, method.block
+        room = capacity + r
+
+        def zeros(*shape, dtype=torch.float16):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.method, self.layer, self.capacity = method, layer, capacity
+        self.packed = PackedLayer(
+            kcodes=zeros(batch, kv_heads, room // 16, head_dim, dtype=torch.int32),
+            kscale=zeros(batch, kv_heads, room // g, head_dim), kzero=zeros(batch, kv_heads, room // g, head_dim),
+            vcodes=zeros(batch, kv_heads, room, head_dim // 16, dtype=torch.int32),
+            vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
+            kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
+            length=capacity, residual=r, group_size=g, value_group_size=gv)
+        self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.is_initialized = True
+        self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
+        pass
+
+    def _parts(self, k16: torch.Tensor, v16: torch.Tensor) -> list[torch.Tensor]:
+        """The kernel-layout buffers' contents for float16 blocks k16, v16 (B, H, T, D), T a multiple of R."""
+        kq, vq, _ = self.method.int2_parts(self.method.compress(self.layer, k16.float(), v16.float()))
+        kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
+        return [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero]
+
+    def _buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The packed buffers with the tokens each row along dim 2 stands for, in `_parts`' order."""
+        p, g = self.packed, self.packed.group_size
+        return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)]
+
+    def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
+        t, r = k.shape[2], self.packed.residual
+        n = t // r * r
+        k16, v16 = k.half(), v.half()
+        if n:
+            for (buf, unit), part in zip(self._buffers(), self._parts(k16[:, :, :n], v16[:, :, :n])):
+                buf[slot, :, : n // unit] = part[0]
+        self.packed.kres[slot, :, : t - n] = k16[0, :, n:]
+        self.packed.vres[slot, :, : t - n] = v16[0, :, n:]
+        self.flushed[slot], self.residual[slot] = n, t - n
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token per sequence (B, H, 1, D), then the masked flush of every full residual."""
+        b, h, _, d = k.shape
+        p, r = self.packed, self.packed.residual
+        at = self.residual.long().view(b, 1, 1, 1).expand(b, h, 1, d)
+        p.kres.scatter_(2, at, k.half())
+        p.vres.scatter_(2, at, v.half())
+        self.residual += 1
+        full = self.residual == r
+        for (buf, unit), part in zip(self._buffers(), self._parts(p.kres, p.vres)):
+            _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
+        # An idle slot (no sequence) keeps counting; at capacity it rewrites the slack block instead of
+        # running past the buffers. A live sequence never gets there: the cache refuses it first.
+        self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
+        self.residual.masked_fill_(full, 0)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefill_slot is not None:
+            self.prefill(self.prefill_slot, key_states, value_states)
+        elif key_states.shape[2] == 1 and key_states.shape[0] == self.flushed.shape[0]:
+            self.append(key_states, value_states)
+        else:
+            raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
+                                f"token for each of its {self.flushed.shape[0]} slots per step")
+        _CURRENT.set((self, self.prefill_slot is not None))
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
+               prefill: bool) -> torch.Tensor:
+        """A prompt attends in float16 over itself; a step through the fused kernel, counts on the device."""
+        if prefill:
+            k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
+        q1 = query[:, :, 0]
+        q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
+        out = fused_decode(q1, self.packed, opts.scaling, counts=(self.flushed, self.residual))
+        return out.to(compute_dtype(query)).unsqueeze(2)
+
+    def get_seq_length(self, *args) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        n = query_length if isinstance(query_length, int) else query_length.shape[0]
+        return n, 0  # the mask is not read: a prompt attends causally over itself, a step by its counts
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def get_max_cache_shape(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        self.flushed.zero_()
+        self.residual.zero_()
+
+
+class StaticKvcalibCache(Cache):
+    """The cache of the module docstring: `max_batch` slots of up to `max_length` tokens each."""
+
+    def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
+                 artifacts: str | None = None, max_batch: int = 1, max_length: int = 4096):
+        lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
+        shape = attention_shape(lm.config)
+        method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
+        device = next(lm.model.parameters()).device
+        check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
+        if max_batch < 1 or max_length < 1:
+            raise SettingsError(f"max_batch and max_length must be positive, got {max_batch} and {max_length}")
+        r = method.block
+        self.method, self.max_batch, self.max_length = method, max_batch, max_length
+        capacity = -(-max_length // r) * r
+        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim, device)
+                                 for i in range(shape.num_layers)])
+        self.lengths = [0] * max_batch  # tokens each slot holds, mirrored on the host for the limits
+        self.live = [False] * max_batch  # which slots hold a sequence
+        _register()
+        lm.model.set_attn_implementation(IMPLEMENTATION)
+
+    def positions(self) -> torch.Tensor:
+        """(B, 1) int64 on the device: the position of each slot's next token (tokens it holds)."""
+        layer = self.layers[0]
+        return (layer.flushed + layer.residual).long().view(-1, 1)
+
+    def release(self, slot: int) -> None:
+        """Free a slot: its counts go to zero (its buffers are overwritten by the next prompt)."""
+        self._check_slot(slot)
+        for layer in self.layers:
+            layer.flushed[slot] = 0
+            layer.residual[slot] = 0
+        self.lengths[slot], self.live[slot] = 0, False
+
+    def prefill(self, model, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run a prompt (1, T) into `slot` (freed first); returns the logits of its last position (vocab,)."""
+        self._check_slot(slot)
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or not 0 < input_ids.shape[1] <= self.max_length:
+            raise SettingsError(f"prefill takes one prompt (1, T) with 0 < T <= max_length {self.max_length}, "
+                                f"got shape {tuple(input_ids.shape)}")
+        self.release(slot)
+        t = input_ids.shape[1]
+        pos = torch.arange(t, device=input_ids.device)
+        for layer in self.layers:
+            layer.prefill_slot = slot
+        try:
+            with torch.no_grad():
+                out = model(input_ids, position_ids=pos[None], cache_position=pos, past_key_values=self,
+                            use_cache=True, logits_to_keep=1)
+        finally:
+            for layer in self.layers:
+                layer.prefill_slot = None
+        self.lengths[slot], self.live[slot] = t, True
+        return out.logits[0, -1]
+
+    def advance(self) -> None:
+        """Count one decode step on the host, refusing a live slot that would pass `max_length`."""
+        full = [i for i, n in enumerate(self.lengths) if self.live[i] and n >= self.max_length]
+        if full:
+            raise SettingsError(f"slot {full[0]} holds max_length {self.max_length} tokens: release it or make the "
+                                "cache with a larger max_length")
+        self.lengths = [n + live for n, live in zip(self.lengths, self.live)]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_batch:
+            raise SettingsError(f"slot must be in 0..{self.max_batch - 1}, got {slot}")
+
+
+def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
+    """Refuse, with the reason, a method or device the static cache cannot serve (module docstring)."""
+    spec = method.int2_spec()
+    why = None
+    if device.type != "cuda":
+        why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
+    elif spec is None or not supports(spec, head_dim, device, gqa):
+        why = f"--method {method.name} has no fused INT2 layout at these settings (`int2_kernel.supports`)"
+    elif method.rotated_keys or method.rotated_values or type(method).correction is not Method.correction:
+        why = f"--method {method.name} stores a rotated basis or keeps decoding state, not yet in the static cache"
+    elif method.window or method.sink:
+        why = "it flushes blockwise, without float16 sink tokens"
+    elif method.block % 16 or method.block % spec.group_size:
+        why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
+    if why:
+        raise SettingsError(f"a static cache cannot hold this: {why}")

@@ -1,0 +1,44 @@
+"""The static cache's host-side rules, on any machine (its GPU behaviour: tests/test_static_cache_gpu.py)."""
+
+import pytest
+import torch
+
+from kvcalib.errors import SettingsError
+from kvcalib.methods import MethodSettings, build_method
+from kvcalib.models import AttentionShape
+from kvcalib.runtime.static_cache import _masked_write, check_static
+
+SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
+CUDA = torch.device("cuda")  # `check_static` reads only the device's type: no GPU needed to ask it
+
+
+def test_masked_write_writes_each_taken_row_at_its_own_offset_and_leaves_the_others():
+    buf = torch.arange(3 * 2 * 10 * 4).reshape(3, 2, 10, 4)
+    before = buf.clone()
+    new = -torch.arange(3 * 2 * 3 * 4).reshape(3, 2, 3, 4) - 1
+    _masked_write(buf, new, start=torch.tensor([0, 5, 7], dtype=torch.int32), take=torch.tensor([True, False, True]))
+    want = before.clone()
+    want[0, :, 0:3] = new[0]
+    want[2, :, 7:10] = new[2]
+    assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("name,settings,reason", [
+    ("oscar", MethodSettings(group_size=32), "rotated basis or keeps decoding state"),
+    ("kvlinc", MethodSettings(group_size=32), "rotated basis or keeps decoding state"),
+    ("turboquant", MethodSettings(), "no fused INT2 layout"),
+    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2 layout"),
+    ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
+    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2 layout"),
+])
+def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settings, reason):
+    method = build_method(name, SHAPE, settings)
+    with pytest.raises(SettingsError, match=reason):
+        check_static(method, SHAPE.head_dim, CUDA, 2)
+
+
+def test_a_static_cache_takes_kivi_and_refuses_a_cpu():
+    method = build_method("kivi", SHAPE, MethodSettings(group_size=32))
+    check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
+    with pytest.raises(SettingsError, match="runs on CUDA only"):
+        check_static(method, SHAPE.head_dim, torch.device("cpu"), 2)

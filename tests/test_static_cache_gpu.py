@@ -1,0 +1,169 @@
+"""The static cache on the GPU (issue 17): what it stores, what it attends to, and its captured step.
+
+- Stored: fed the same float16 tokens, each slot holds bit for bit what `KvcalibCache` holds for that
+  sequence alone (packed codes, scales, zeros, residual), after every step, so the masked flush inside
+  the step happens at the right token, at every residual length, in every slot of a batch whose
+  sequences have different lengths.
+- Attended: each row's output against the float64 reference over its own counts, held to the fused
+  kernel's rule (tests/test_int2_kernel_gpu.py: at most twice SDPA's error + 1e-4).
+- A slot freed and refilled gives the new sequence exactly the outputs it gets in a fresh cache
+  (rows are independent: same capacity, same launch, same data; bitwise).
+- Captured: the graph-replayed step gives the eager step's logits bit for bit (the same kernels on the
+  same inputs), on a small model, through a serving loop with slots refilled. (Against `KvcalibCache`
+  driven by `model.generate` the logits differ by float16 round-off: other matmul shapes, launches
+  split by capacity rather than length; the layer tests above pin the stored cache and the kernel.)
+"""
+
+import pytest
+import torch
+
+from kvcalib.int2_layout import PackedLayer, reference_decode
+from kvcalib.methods import MethodSettings, build_method
+from kvcalib.models import AttentionShape
+from kvcalib.runtime.cache import CompressedLayer
+from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.runtime.static_cache import StaticKvcalibCache, StaticLayer
+
+pytest.importorskip("cupy", reason="the fused kernel needs cupy (pip install kvcalib[cuda13] or [cuda12])")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the static cache runs only on a GPU", allow_module_level=True)
+
+from test_int2_kernel_gpu import FLOOR, _row_errors, _sdpa  # noqa: E402  (after the skip: it needs cupy)
+
+DEV = "cuda"
+
+
+def _row_view(layer: StaticLayer, b: int) -> PackedLayer:
+    """Row b of a static layer as a plain PackedLayer with host counts (what the reference reads)."""
+    p = layer.packed
+    one = lambda t: t[b : b + 1].contiguous()  # noqa: E731
+    return PackedLayer(one(p.kcodes), one(p.kscale), one(p.kzero), one(p.vcodes), one(p.vscale), one(p.vzero),
+                       one(p.kres), one(p.vres), int(layer.flushed[b]), int(layer.residual[b]), p.group_size,
+                       p.value_group_size)
+
+
+def _tokens(b, h, t, d, seed):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    scale = 1 + 4 * torch.rand(1, h, 1, d, device=DEV, generator=g)
+    return (torch.randn(b, h, t, d, device=DEV, generator=g) * scale).half(), torch.randn(b, h, t, d, device=DEV, generator=g).half()
+
+
+@pytest.mark.parametrize("group,residual,d", [(16, 32, 64), (32, 64, 128), (128, 128, 128)])
+def test_each_slot_stores_what_the_dynamic_cache_stores_and_attends_within_the_kernel_bound(group, residual, d):
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)
+    method = build_method("kivi", shape, MethodSettings(bits=2, group_size=group, residual=residual))
+    prompts = [1, residual - 1, residual, 2 * residual + 5]  # flushes at the first step, at once, later
+    b, h, steps = len(prompts), 2, 2 * residual + 3
+    static = StaticLayer(method, 0, b, capacity=4 * residual, kv_heads=h, head_dim=d, device=torch.device(DEV))
+    dynamic = [CompressedLayer(method, 0) for _ in range(b)]
+    for i, t in enumerate(prompts):
+        k, v = _tokens(1, h, t, d, seed=i)
+        static.prefill(i, k, v)
+        dynamic[i].append(k, v)
+    k_new, v_new = _tokens(b, h, steps, d, seed=99)
+    q = torch.randn(b, steps, 8, d, device=DEV).half()
+    worst = 0.0
+    for s in range(steps):
+        static.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
+        out = fused_decode(q[:, s], static.packed, d**-0.5, counts=(static.flushed, static.residual), checked=True)
+        assert torch.isfinite(out).all()
+        for i in range(b):
+            dyn = dynamic[i]
+            dyn.append(k_new[i : i + 1, :, s : s + 1], v_new[i : i + 1, :, s : s + 1])
+            n, r = int(static.flushed[i]), int(static.residual[i])
+            assert (n, r) == (dyn.length - dyn.k_res.shape[2], dyn.k_res.shape[2]), (s, i)
+            row = _row_view(static, i)
+            assert torch.equal(row.kres[:, :, :r], dyn.k_res) and torch.equal(row.vres[:, :, :r], dyn.v_res)
+            if n:
+                f = dyn.fused
+                for got, want, unit in ((row.kcodes, f.kcodes, 16), (row.kscale, f.kscale, group),
+                                        (row.kzero, f.kzero, group), (row.vcodes, f.vcodes, 1),
+                                        (row.vscale, f.vscale, 1), (row.vzero, f.vzero, 1)):
+                    assert torch.equal(got[:, :, : n // unit], want[:, :, : n // unit]), (s, i)
+            ref = reference_decode(q[i : i + 1, s], row, d**-0.5)
+            err = _row_errors(out[i : i + 1], ref)
+            bound = 2 * _row_errors(_sdpa(q[i : i + 1, s], row, d**-0.5), ref) + FLOOR
+            assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
+            worst = max(worst, (err / bound).max().item())
+    assert worst > 0  # the comparison ran on real outputs
+
+
+def test_a_refilled_slot_gives_the_new_sequence_exactly_what_a_fresh_cache_gives():
+    d, h, group, residual = 128, 2, 32, 64
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=h, head_dim=d)
+    method = build_method("kivi", shape, MethodSettings(bits=2, group_size=group, residual=residual))
+    make = lambda: StaticLayer(method, 0, 3, capacity=8 * residual, kv_heads=h, head_dim=d,  # noqa: E731
+                               device=torch.device(DEV))
+    used, fresh = make(), make()
+    for i, t in enumerate([40, 150, 7]):  # slot 1 first holds another, longer sequence
+        used.prefill(i, *_tokens(1, h, t, d, seed=10 + i))
+    k_old, v_old = _tokens(3, h, 70, d, seed=20)
+    for s in range(70):
+        used.append(k_old[:, :, s : s + 1], v_old[:, :, s : s + 1])
+    k_p, v_p = _tokens(1, h, 90, d, seed=30)
+    used.prefill(1, k_p, v_p)  # the slot refilled: nothing of the old sequence may remain in view
+    fresh.prefill(1, k_p, v_p)
+    k_new, v_new = _tokens(3, h, 140, d, seed=40)
+    q = torch.randn(3, 140, 8, d, device=DEV).half()
+    for s in range(140):
+        for layer in (used, fresh):
+            layer.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
+        a = fused_decode(q[:, s], used.packed, d**-0.5, counts=(used.flushed, used.residual))
+        b = fused_decode(q[:, s], fresh.packed, d**-0.5, counts=(fresh.flushed, fresh.residual))
+        assert torch.equal(a[1], b[1]), s
+
+
+def _model(layers: int = 2, head_dim: int = 64):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=8 * head_dim, intermediate_size=1024, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=4096)
+    model = AutoModelForCausalLM.from_config(config).to(DEV).half().eval()
+    with torch.no_grad():  # sharper attention than the init's, so the cache's errors matter
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(4.0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
+
+
+def test_captured_steps_equal_eager_steps_bit_for_bit_through_a_serving_loop():
+    from kvcalib.runtime.captured import CapturedDecoder
+
+    model = _model()
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 32, 70)]
+    logits = {}
+    for captured in (False, True):
+        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=3, max_length=512)
+        decoder = CapturedDecoder(model, cache)
+        rows = []
+        nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
+        for s in range(100):  # every residual length of R = 32, three flushes and more per slot
+            if s == 40:  # slot 1 leaves; the fourth prompt joins in its place
+                cache.release(1)
+                nxt[1] = cache.prefill(model, 1, prompts[3][None]).argmax()
+            out = decoder.step(nxt, captured=captured).clone()
+            rows.append(out)
+            nxt = out.argmax(-1)
+        logits[captured] = torch.stack(rows)
+    assert torch.isfinite(logits[True]).all()
+    assert torch.equal(logits[True], logits[False])
+
+
+def test_the_serving_loop_gives_the_same_tokens_captured_and_eager():
+    from kvcalib.runtime.captured import generate
+
+    model = _model()
+    torch.manual_seed(2)
+    prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (9, 40, 64, 17, 33)]
+    served = {}
+    for captured in (False, True):
+        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=2, max_length=256)
+        served[captured] = generate(model, cache, prompts, max_new_tokens=60, captured=captured)
+    assert [len(t) for t in served[True]] == [60] * len(prompts)
+    assert served[True] == served[False]
