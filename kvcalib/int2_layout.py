@@ -123,7 +123,7 @@ def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
     return out
 
 
-def _kernel_parts(kq: Quantized, vq: Quantized) -> tuple[torch.Tensor, ...]:
+def kernel_parts(kq: Quantized, vq: Quantized) -> tuple[torch.Tensor, ...]:
     """Key codes, value codes, value scales and zeros of kvcalib.quant in tensor-core order."""
     kw = reorder_packed(kq.codes, "k")
     vw = reorder_packed(vq.codes, "v")
@@ -169,7 +169,7 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm:
     """`layer` with more flushed tokens (2-bit `Quantized` keys and values of kvcalib.quant, optional
     per-token key norms), growing its buffers by doubling; the residual window is replaced."""
     t = kq.length
-    kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
+    kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
     if layer is None:
         empty = lambda x: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
         layer = PackedLayer(empty(kcodes), empty(kq.scale), empty(kq.zero), empty(vcodes), empty(vscale),
@@ -207,7 +207,7 @@ def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Ten
     cap = capacity or max(t, TILE)
     kq = quantize(k, 2, group_size, "tokens")
     vq = quantize(v, 2, value_group_size, "channels")
-    kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
+    kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
 
     def buffer(src: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         shape = list(src.shape)

@@ -91,7 +91,7 @@ class CompressedLayer(CacheLayerMixin):
             self.length += t
         else:
             self.append(key_states, value_states)
-        _CURRENT.set((self, before))
+        hand_to_attention(self, before)
         return key_states, value_states
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ class KvcalibCache(Cache):
         self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
         self.padding = _Padding()
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
-        _register()
+        register_attention()
         _watch_padding(lm.model)
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
@@ -175,6 +175,12 @@ class KvcalibCache(Cache):
 
     def stored_bits(self) -> int:
         return sum(layer.stored_bits() for layer in self.layers)
+
+
+def hand_to_attention(layer, arg) -> None:
+    """Tell the attention call that follows a cache update which layer object it attends over, and
+    its argument (`before` for a CompressedLayer, `prefill` for a static layer)."""
+    _CURRENT.set((layer, arg))
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -260,5 +266,6 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
 
-def _register() -> None:
+def register_attention() -> None:
+    """Make `kvcalib_runtime` an attention implementation transformers can switch a model to."""
     AttentionInterface.register(IMPLEMENTATION, _attention)

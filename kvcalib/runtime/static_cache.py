@@ -36,10 +36,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype
 from ..errors import SettingsError
-from ..int2_layout import PackedLayer, _kernel_parts
+from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
-from .cache import IMPLEMENTATION, _CURRENT, _register
+from .cache import IMPLEMENTATION, hand_to_attention, register_attention
 from .int2_kernel import fused_decode, supports
 
 
@@ -89,7 +89,7 @@ class StaticLayer(CacheLayerMixin):
     def _parts(self, k16: torch.Tensor, v16: torch.Tensor) -> list[torch.Tensor]:
         """The kernel-layout buffers' contents for float16 blocks k16, v16 (B, H, T, D), T a multiple of R."""
         kq, vq, _ = self.method.int2_parts(self.method.compress(self.layer, k16.float(), v16.float()))
-        kcodes, vcodes, vscale, vzero = _kernel_parts(kq, vq)
+        kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
         return [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero]
 
     def _buffers(self) -> list[tuple[torch.Tensor, int]]:
@@ -133,7 +133,7 @@ class StaticLayer(CacheLayerMixin):
         else:
             raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
                                 f"token for each of its {self.flushed.shape[0]} slots per step")
-        _CURRENT.set((self, self.prefill_slot is not None))
+        hand_to_attention(self, self.prefill_slot is not None)
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
@@ -185,7 +185,7 @@ class StaticKvcalibCache(Cache):
                                  for i in range(shape.num_layers)])
         self.lengths = [0] * max_batch  # tokens each slot holds, mirrored on the host for the limits
         self.live = [False] * max_batch  # which slots hold a sequence
-        _register()
+        register_attention()
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
     def positions(self) -> torch.Tensor:
