@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Static
 from kvcalib.methods import MethodSettings
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.cache import KvcalibCache
-from kvcalib.runtime.captured import CapturedDecoder, EagerDecoder
+from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
@@ -116,7 +116,8 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
                 return int(forward(one(t), past_key_values=cache, cache_position=p, position_ids=p[None],
                                    use_cache=True).logits[0, -1].argmax())
 
-            cache_bytes = lambda: 2 * 2 * model.config.num_hidden_layers * 8 * 128 * at[0]  # noqa: E731  (held, not allocated)
+            c = model.config
+            cache_bytes = lambda: 2 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * at[0]  # noqa: E731  (held, not allocated)
         else:
             name, how = path.split("-")
             if how == "dynamic":
@@ -126,10 +127,9 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
                 cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
             else:
                 cache = StaticKvcalibCache(lm, "kivi", KIVI[name], max_batch=1, max_length=ctx + steps + 8)
-                captured = how == "captured"
-                decoder = CapturedDecoder(model, cache) if captured else EagerDecoder(model, cache)
+                decoder = CapturedDecoder(model, cache) if how == "captured" else Decoder(model, cache)
                 first = int(cache.prefill(model, 0, prompt).argmax())
-                step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"), captured=captured)[0].argmax())  # noqa: E731
+                step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"))[0].argmax())  # noqa: E731
                 cache_bytes = lambda: int2_bytes(cache.lengths[0], KIVI[name], model.config)  # noqa: E731
         warm = 3 if path != "fp16-static-compile" else 6  # compile and capture happen in the warm-up
         _, warm_tokens = timed_steps(step, first, warm)

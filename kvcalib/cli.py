@@ -9,7 +9,7 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import DEFAULTS
+from .defaults import DEFAULTS, RESIDUAL_MODES
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -75,7 +75,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @click.option("--sink-tokens", type=int, default=None,
               help="Every method but fp16: keep the first N tokens of a sequence in float16 beside their codes, "
                    "counted at 16 bits [default: 0, or the artifact's].")
-@click.option("--residual-mode", type=click.Choice(["blockwise", "sliding"]), default=None,
+@click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default=None,
               help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
                    "always float16 (sliding) [default: blockwise, or the plan's].")
 @click.option("--artifacts", type=click.Path(), default=None,
@@ -209,7 +209,7 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
 @click.option("--sink-tokens", type=int, default=0, show_default=True,
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
-@click.option("--residual-mode", type=click.Choice(["blockwise", "sliding"]), default="blockwise", show_default=True,
+@click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, bits_choices, windows, seq_len, granularity, iters, sink_tokens,

@@ -7,3 +7,4 @@ DEFAULTS = {"bits": 2, "group_size": 32, "residual": 128, "scaling": "l2", "rota
 OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residual", "scaling": "--scaling",
            "rotation": "--rotation/--no-rotation", "sink_tokens": "--sink-tokens",
            "residual_mode": "--residual-mode"}
+RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods` says what each does

@@ -213,7 +213,7 @@ def _method(name: str, shape):
         return build_method(name.split("+")[0], shape, CASES[name])
     method = builders[name.removesuffix("+sliding")](shape)
     if name.endswith("+sliding"):
-        apply_residual_mode(method, "sliding", None)
+        apply_residual_mode(method, "sliding")
     return method
 
 

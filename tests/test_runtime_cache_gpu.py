@@ -88,7 +88,7 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone_on_the_gpu(n
         for books in method.layers:
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
     if name.endswith("+sliding"):
-        apply_residual_mode(method, "sliding", None)
+        apply_residual_mode(method, "sliding")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 512, (n,), generator=gen).cuda() for n in (70, 37, 5)]
     width = max(len(p) for p in prompts)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..attention import AttentionOptions, flushed_length, mixed_attention
-from ..defaults import DEFAULTS, OPTIONS
+from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
 from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
@@ -41,6 +41,7 @@ class Method:
     block: int  # tokens per flush
     window: int = 0  # tokens always kept float16 after the flushed blocks: R when sliding, 0 when blockwise
     sink: int = 0  # leading tokens of a sequence also kept in float16 (attention sinks)
+    fitted_residual_mode: str | None = None  # the flush rule an artifact was made under (a plan's), None: any
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
         raise NotImplementedError
@@ -186,7 +187,6 @@ class MethodSettings:
 
 
 GENERIC = ("sink_tokens", "residual_mode")  # options every compressing method takes, applied by `build_method`
-RESIDUAL_MODES = ("blockwise", "sliding")
 
 
 def settings_used(name: str) -> tuple[str, ...]:
@@ -209,26 +209,28 @@ def build_method(name: str, shape: AttentionShape, settings: MethodSettings = Me
     module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     settings.resolve(name, settings_used(name))  # an option the method does not use is refused, artifact or not
     method = module.build(shape, dataclasses.replace(settings, sink_tokens=None, residual_mode=None), artifacts, model)
-    if name != "fp16":
-        apply_residual_mode(method, settings.residual_mode, artifacts)
-    if settings.sink_tokens is not None:
-        if settings.sink_tokens < 0:
-            raise SettingsError(f"--sink-tokens must be 0 or more, got {settings.sink_tokens}")
-        if method.sink and method.sink != settings.sink_tokens:  # an artifact fitted with its own sinks
-            raise SettingsError(f"--sink-tokens {settings.sink_tokens} contradicts the artifact {artifacts}, made with "
-                                f"sink_tokens={method.sink}: drop --sink-tokens or pass {method.sink}")
-        method.sink = settings.sink_tokens
+    if name == "fp16":
+        return method
+    # The generic options by the same rule as the method's own: an artifact fitted with float16 sinks or
+    # under one flush rule fixes them, a given value that contradicts it is refused.
+    fixed = {"sink_tokens": method.sink or None, "residual_mode": method.fitted_residual_mode}
+    generic = MethodSettings(sink_tokens=settings.sink_tokens, residual_mode=settings.residual_mode).resolve(
+        name, GENERIC, {k: v for k, v in fixed.items() if v is not None}, artifacts)
+    if generic["sink_tokens"] < 0:
+        raise SettingsError(f"--sink-tokens must be 0 or more, got {generic['sink_tokens']}")
+    method.sink = generic["sink_tokens"]
+    apply_residual_mode(method, generic["residual_mode"])
     return method
 
 
-def apply_residual_mode(method: Method, given: str | None, artifacts: str | None) -> None:
-    """Set the flush rule (module docstring) from `--residual-mode`, else the mode an artifact was made
-    under (a plan's sensitivities were measured under one: `fitted_residual_mode`), else blockwise."""
-    fitted = getattr(method, "fitted_residual_mode", None)
-    if given is not None and given not in RESIDUAL_MODES:
-        raise SettingsError(f"--residual-mode must be one of {', '.join(RESIDUAL_MODES)}, got {given!r}")
-    if given is not None and fitted is not None and given != fitted:
-        raise SettingsError(f"--residual-mode {given} contradicts the artifact {artifacts}, made with "
-                            f"residual_mode={fitted}: drop --residual-mode or pass {fitted}")
-    if (given or fitted or DEFAULTS["residual_mode"]) == "sliding":
+def check_residual_mode(mode: str) -> None:
+    if mode not in RESIDUAL_MODES:
+        raise SettingsError(f"--residual-mode must be one of {', '.join(RESIDUAL_MODES)}, got {mode!r}")
+
+
+def apply_residual_mode(method: Method, mode: str) -> None:
+    """Set `method`'s flush rule (module docstring): sliding keeps R (its block until now) as the window
+    and flushes `flush_step()` tokens at a time; blockwise leaves it as built."""
+    check_residual_mode(mode)
+    if mode == "sliding":
         method.window, method.block = method.block, method.flush_step()

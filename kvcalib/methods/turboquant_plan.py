@@ -51,7 +51,7 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, LoadedModel, attention_shape, check_fingerprint, load_model
-from . import DEFAULTS, RESIDUAL_MODES, Held, apply_residual_mode, hold
+from . import DEFAULTS, Held, apply_residual_mode, check_residual_mode, hold
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig
 from .turboquant_fit import check_fit_settings, fit_codebooks
 
@@ -216,8 +216,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         raise SettingsError("--windows must be positive and --seq-len at least 2")
     if sink_tokens < 0:
         raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
-    if residual_mode not in RESIDUAL_MODES:
-        raise SettingsError(f"--residual-mode must be one of {', '.join(RESIDUAL_MODES)}, got {residual_mode!r}")
+    check_residual_mode(residual_mode)
     check_fit_settings(bits, granularity, iters)  # before the model loads, not when the fit starts
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
@@ -237,7 +236,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
                  for i in range(shape.num_layers)]
         coders[b] = TurboQuant(TurboQuantConfig(bits=b, residual=residual), shape, books, granularity)
         coders[b].sink = sink_tokens
-        apply_residual_mode(coders[b], residual_mode, None)
+        apply_residual_mode(coders[b], residual_mode)
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len))
     written = []
     for budget, path in zip(budgets, outs):

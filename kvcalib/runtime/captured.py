@@ -6,7 +6,7 @@
 The step is the model's forward on one token per slot, at each slot's own position (read from the
 cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
 it: nothing in it depends on a host value that changes between steps, so one capture serves every
-position. `step(..., captured=False)` runs the same forward eagerly (the tests compare the two).
+position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
 Capturing needs a warm-up run, which appends a token: the counts are restored after it, and what it
 wrote lies past them, where the next real step overwrites it.
 
@@ -22,12 +22,36 @@ from ..errors import SettingsError
 from .static_cache import StaticKvcalibCache
 
 
-class CapturedDecoder:
-    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2):
+class Decoder:
+    """One decode step over a `StaticKvcalibCache`, run eagerly; `CapturedDecoder` replays it from a graph."""
+
+    def __init__(self, model, cache: StaticKvcalibCache):
         self.model, self.cache = model, cache
         device = cache.layers[0].flushed.device
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+
+    def _forward(self) -> torch.Tensor:
+        self.positions.copy_(self.cache.positions())
+        out = self.model(self.ids, position_ids=self.positions, cache_position=self.positions[0],
+                         past_key_values=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.cache.advance()
+        self.ids.copy_(tokens.view(-1, 1))
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab)."""
+        self._take(tokens)
+        with torch.no_grad():
+            return self._forward()
+
+
+class CapturedDecoder(Decoder):
+    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2):
+        super().__init__(model, cache)
+        device = self.ids.device
         saved = [(layer.flushed.clone(), layer.residual.clone()) for layer in cache.layers]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -46,45 +70,36 @@ class CapturedDecoder:
             layer.flushed.copy_(flushed)
             layer.residual.copy_(residual)
 
-    def _forward(self) -> torch.Tensor:
-        self.positions.copy_(self.cache.positions())
-        out = self.model(self.ids, position_ids=self.positions, cache_position=self.positions[0],
-                         past_key_values=self.cache, use_cache=True)
-        return out.logits[:, -1]
-
     def step(self, tokens: torch.Tensor, captured: bool = True) -> torch.Tensor:
-        """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab): the graph's
-        output buffer when captured (overwritten by the next step: clone to keep it)."""
-        self.cache.advance()
-        self.ids.copy_(tokens.view(-1, 1))
-        if captured:
-            self.graph.replay()
-            return self.logits
-        with torch.no_grad():
-            return self._forward()
+        """As `Decoder.step`, replayed from the graph: the logits are the graph's output buffer
+        (overwritten by the next step: clone to keep them). `captured=False` runs the step eagerly."""
+        if not captured:
+            return super().step(tokens)
+        self._take(tokens)
+        self.graph.replay()
+        return self.logits
 
 
 def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,
              captured: bool = True) -> list[list[int]]:
     """Greedy continuations of `prompts` ((T,) token ids each), `max_new_tokens` each, served through
     the cache's slots: a finished sequence leaves its slot and the next prompt is prefilled into it."""
+    if max_new_tokens < 1:
+        raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
     device = cache.layers[0].flushed.device
-    decoder = CapturedDecoder(model, cache) if captured else None
+    decoder = CapturedDecoder(model, cache) if captured else Decoder(model, cache)
     queue = list(enumerate(prompts))
     out: list[list[int]] = [[] for _ in prompts]
     live: dict[int, int] = {}  # slot -> prompt index
     nxt = torch.zeros(cache.max_batch, dtype=torch.long, device=device)
 
-    if max_new_tokens < 1:
-        raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
-
     def fill(slot: int) -> None:
         """The next prompts into `slot` until one needs decode steps (or none is left)."""
         while queue:
             i, prompt = queue.pop(0)
-            logits = cache.prefill(model, slot, prompt.view(1, -1).to(device))
-            nxt[slot] = logits.argmax()
-            out[i].append(int(nxt[slot]))
+            first = int(cache.prefill(model, slot, prompt.view(1, -1).to(device)).argmax())
+            nxt[slot] = first
+            out[i].append(first)
             if max_new_tokens > 1:
                 live[slot] = i
                 return
@@ -92,26 +107,13 @@ def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_
 
     for slot in range(cache.max_batch):
         fill(slot)
-    decoder = decoder or EagerDecoder(model, cache)
     while live:
         nxt = decoder.step(nxt).argmax(-1)
+        tokens = nxt.tolist()  # one transfer a step, not one a slot
         for slot, i in list(live.items()):
-            out[i].append(int(nxt[slot]))
+            out[i].append(tokens[slot])
             if len(out[i]) == max_new_tokens:
                 del live[slot]
                 cache.release(slot)
                 fill(slot)
     return out
-
-
-class EagerDecoder(CapturedDecoder):
-    """The same step without a graph (`generate(..., captured=False)`, benchmarks)."""
-
-    def __init__(self, model, cache: StaticKvcalibCache):
-        self.model, self.cache = model, cache
-        device = cache.layers[0].flushed.device
-        self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
-
-    def step(self, tokens: torch.Tensor, captured: bool = False) -> torch.Tensor:
-        return super().step(tokens, captured=False)

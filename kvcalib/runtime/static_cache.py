@@ -183,8 +183,7 @@ class StaticKvcalibCache(Cache):
         capacity = -(-max_length // r) * r
         super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim, device)
                                  for i in range(shape.num_layers)])
-        self.lengths = [0] * max_batch  # tokens each slot holds, mirrored on the host for the limits
-        self.live = [False] * max_batch  # which slots hold a sequence
+        self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         register_attention()
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
@@ -199,7 +198,7 @@ class StaticKvcalibCache(Cache):
         for layer in self.layers:
             layer.flushed[slot] = 0
             layer.residual[slot] = 0
-        self.lengths[slot], self.live[slot] = 0, False
+        self.lengths[slot] = 0
 
     def prefill(self, model, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Run a prompt (1, T) into `slot` (freed first); returns the logits of its last position (vocab,)."""
@@ -219,16 +218,17 @@ class StaticKvcalibCache(Cache):
         finally:
             for layer in self.layers:
                 layer.prefill_slot = None
-        self.lengths[slot], self.live[slot] = t, True
+        self.lengths[slot] = t
         return out.logits[0, -1]
 
     def advance(self) -> None:
-        """Count one decode step on the host, refusing a live slot that would pass `max_length`."""
-        full = [i for i, n in enumerate(self.lengths) if self.live[i] and n >= self.max_length]
+        """Count one decode step on the host for every slot holding a sequence, refusing one that would
+        pass `max_length` (a free slot's step is computed and thrown away: it counts nothing)."""
+        full = [i for i, n in enumerate(self.lengths) if n >= self.max_length]
         if full:
             raise SettingsError(f"slot {full[0]} holds max_length {self.max_length} tokens: release it or make the "
                                 "cache with a larger max_length")
-        self.lengths = [n + live for n, live in zip(self.lengths, self.live)]
+        self.lengths = [n + 1 if n else 0 for n in self.lengths]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
