@@ -33,7 +33,7 @@ def _commands() -> dict[str, Callable]:
     from .methods.kvlinc_fit import train_adapters
     from .methods.oscar_fit import save_oscar_artifact
     from .methods.turboquant_fit import fit_turboquant
-    from .methods.turboquant_plan import make_plan
+    from .methods.plan_fit import make_plan
     from .methods.vecinfer_fit import fit_codebook
 
     return {"collect": collect, "eval": evaluate, "fit-codebook": fit_codebook, "train-adapters": train_adapters,

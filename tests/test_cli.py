@@ -48,8 +48,8 @@ def bad_cases(tmp_path, tiny_model_dir, text_file):
                                                        "--out", "/proc/nope"],
         "plan without a collection": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
                                       *model, "--out", str(tmp_path / "plan")],
-        "plan with bits that are no list": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
-                                            "--bits", "two", "--out", str(tmp_path / "plan")],
+        "plan with an unknown scheme": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "2.25",
+                                        "--candidates", "turboquant-2,kivi-two", "--out", str(tmp_path / "plan")],
         "plan with a negative budget": ["plan", "--activations", str(tmp_path / "no-acts"), "--budget", "-1",
                                         "--out", str(tmp_path / "plan")],
     }
@@ -60,7 +60,7 @@ CASES = ["missing model path", "missing dataset", "empty dataset", "unsupported 
          "unwritable --json", "collect with bad dataset", "report of a file that is no eval JSON", "report of nothing",
          "report of an eval JSON missing fields", "fit-turboquant without a collection", "plan without a collection",
          "--json where nothing can be created", "collect --out where nothing can be created",
-         "plan with bits that are no list", "plan with a negative budget"]
+         "plan with an unknown scheme", "plan with a negative budget"]
 
 
 @pytest.mark.parametrize("case", CASES)

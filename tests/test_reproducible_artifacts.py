@@ -34,9 +34,11 @@ def _fit_turboquant(acts, out, lm):
 
 
 def _plan(acts, out, lm):
-    from kvcalib.methods.turboquant_plan import make_plan
+    from kvcalib.methods.plan_fit import make_plan
 
-    return make_plan(acts, 4.0, out, model=lm, windows=1, seq_len=32, iters=3, residual=16)[0]
+    return make_plan(acts, 5.0, out, model=lm, candidates=("turboquant-1", "turboquant-2", "turboquant-3", "kivi-4-g16",
+                                                             "oscar-2-g8"),
+                     windows=1, seq_len=32, iters=3, residual=16)[0]
 
 
 def _oscar_artifact(acts, out, lm):

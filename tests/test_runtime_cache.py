@@ -96,21 +96,20 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
     return VecInfer(config, books, shape, residual)
 
 
-def _turboquant_plan(shape, residual: int = 16):
-    """A TurboQuant bit plan: every layer's keys and values at their own widths, per-coordinate codebooks
-    (the oblivious one, stretched per coordinate so that no two coordinates share centroids)."""
-    from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
+def _plan(shape, residual: int = 16):
+    """A plan whose layers' keys and values take schemes of every family: TurboQuant at its own widths with
+    per-coordinate codebooks (the oblivious one, stretched per coordinate so that no two coordinates
+    share centroids), KIVI and OScaR with key groups of 8."""
+    from kvcalib.methods.plan import Plan, parse_scheme
+    from kvcalib.methods.turboquant import codebook
 
-    k_bits = [1 + i % 4 for i in range(shape.num_layers)]
-    v_bits = [4 - i % 4 for i in range(shape.num_layers)]
+    pool = ["turboquant-1", "oscar-2-g8", "turboquant-3", "kivi-2-g8", "turboquant-4", "kivi-3-g8"]
+    schemes = {"k": [parse_scheme(pool[i % len(pool)]) for i in range(shape.num_layers)],
+               "v": [parse_scheme(pool[(i + 3) % len(pool)]) for i in range(shape.num_layers)]}
     stretch = torch.linspace(0.8, 1.2, shape.head_dim)[None, :, None]
-
-    def book(b):
-        return (codebook(shape.head_dim, b).float()[None, None] * stretch).half()
-
-    books = [(book(kb), book(vb)) for kb, vb in zip(k_bits, v_bits)]
-    plan = {"k_bits": k_bits, "v_bits": v_bits, "budget": None}
-    return TurboQuant(TurboQuantConfig(bits=4, residual=residual), shape, books, "layer", plan)
+    books = {f"layers.{i}.{p}_codebook": (codebook(shape.head_dim, s.bits).float()[None, None] * stretch).half().float()
+             for p in ("k", "v") for i, s in enumerate(schemes[p]) if s.family == "turboquant"}
+    return Plan(shape, schemes, residual, 8, books, "layer")
 
 
 CASES = {
@@ -121,13 +120,14 @@ CASES = {
     "kvlinc+adapters": None,
     "oscar": MethodSettings(bits=2, group_size=8, residual=16),
     "turboquant": MethodSettings(bits=3, residual=16),
-    "turboquant-plan": None,
+    "plan": None,
     # --residual-mode sliding: the newest 16 tokens always float16, flushes of one key group (8) or one token
     "kivi+sliding": MethodSettings(bits=2, group_size=8, residual=16, residual_mode="sliding"),
     "oscar+sliding": MethodSettings(bits=2, group_size=8, residual=16, residual_mode="sliding"),
     "turboquant+sliding": MethodSettings(bits=3, residual=16, residual_mode="sliding"),
     "kvlinc+adapters+sliding": None,
     "vecinfer+sinks+sliding": None,
+    "plan+sliding": None,  # flushes of the plan's step, 8 tokens (its KIVI and OScaR key groups)
 }
 
 
@@ -208,7 +208,7 @@ def test_an_artifact_for_another_model_is_refused_before_anything_runs():
 
 def _method(name: str, shape):
     builders = {"kvlinc+adapters": _kvlinc_with_adapters, "vecinfer+sinks": _vecinfer_with_sinks,
-                "turboquant-plan": _turboquant_plan}
+                "plan": _plan}
     if CASES[name] is not None:
         return build_method(name.split("+")[0], shape, CASES[name])
     method = builders[name.removesuffix("+sliding")](shape)

@@ -212,8 +212,8 @@ def _one_code_off(method, monkeypatch):
     """Every vector's first code moved to a neighbouring level (its lowest bit flipped)."""
     encode = method.encode_vectors
 
-    def planted(x, centroids=None, bits=None):
-        coded = encode(x, centroids, bits)
+    def planted(x, centroids=None):
+        coded = encode(x, centroids)
         codes = unpack_bits(coded.codes, method.config.bits, -1, method.head_dim)
         codes[..., 0] ^= 1
         coded.codes = pack_bits(codes, method.config.bits, -1)

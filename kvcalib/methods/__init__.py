@@ -35,7 +35,8 @@ from ..quant import Quantized
 
 
 class Method:
-    """Base of every method; subclasses set `name` and `block` and implement the first four."""
+    """Base of every method; subclasses set `name` and `block` and implement `compress`, `decompress`,
+    `settings`, and `part_bits` or `stored_bits`."""
 
     name: str
     block: int  # tokens per flush
@@ -50,7 +51,12 @@ class Method:
         raise NotImplementedError
 
     def stored_bits(self, packed: Any) -> int:
-        raise NotImplementedError
+        return sum(self.part_bits(packed))
+
+    def part_bits(self, packed: Any) -> tuple[int, int]:
+        """Stored bits of a flushed block's keys and of its values, apart (a plan codes them by different
+        methods); methods whose keys and values share storage override `stored_bits` instead."""
+        raise NotImplementedError(f"{self.name} does not count its keys and values apart")
 
     def settings(self) -> dict:
         raise NotImplementedError
@@ -146,6 +152,7 @@ _MODULES = {
     "kivi": "kivi",
     "kvlinc": "kvlinc",
     "oscar": "oscar",
+    "plan": "plan",
     "turboquant": "turboquant",
     "vecinfer": "vecinfer",
 }

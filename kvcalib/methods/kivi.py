@@ -73,8 +73,8 @@ class Kivi(Method):
     def decompress(self, layer: int, packed: KiviPacked) -> tuple[torch.Tensor, torch.Tensor]:
         return dequantize(packed.k), dequantize(packed.v)
 
-    def stored_bits(self, packed: KiviPacked) -> int:
-        return packed.k.stored_bits() + packed.v.stored_bits()
+    def part_bits(self, packed: KiviPacked) -> tuple[int, int]:
+        return packed.k.stored_bits(), packed.v.stored_bits()
 
     def settings(self) -> dict:
         return {"bits": self.config.bits, "group_size": self.config.group_size,

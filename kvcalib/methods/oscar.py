@@ -119,9 +119,10 @@ class Oscar(Kivi):
         k, v = super().decompress(layer, packed.kivi)
         return decode_keys(k, packed.k_scale, self.config.rotation), (rotate(v) if self.config.rotation else v)
 
-    def stored_bits(self, packed: OscarPacked) -> int:
+    def part_bits(self, packed: OscarPacked) -> tuple[int, int]:
         norms = 0 if packed.k_scale is None else 16 * packed.k_scale.numel()
-        return super().stored_bits(packed.kivi) + norms
+        k, v = super().part_bits(packed.kivi)
+        return k + norms, v
 
     def settings(self) -> dict:
         return super().settings() | {"scaling": self.config.scaling, "rotation": self.config.rotation}

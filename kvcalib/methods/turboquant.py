@@ -49,9 +49,8 @@ collection's rotated unit vectors. Artifact tensors, per layer i, ascending alon
 
 They are counted once, 16 bits per centroid (`constant_bits`), as VecInfer's codebooks.
 
-A bit plan (`kvcalib plan`, `methods/turboquant_plan.py`) is such an artifact whose layers differ in bits:
-layer i's keys take `k_bits[i]` bits and its values `v_bits[i]` (settings `bits: "plan"`), and each
-codebook has 2^bits centroids to match.
+A plan (`kvcalib plan`, `methods/plan.py`) may code each layer's keys or values with such a codebook
+of its own width.
 """
 
 from __future__ import annotations
@@ -222,28 +221,23 @@ class TurboQuant(Method):
     name = "turboquant"
 
     def __init__(self, config: TurboQuantConfig, shape: AttentionShape,
-                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None,
-                 plan: dict | None = None):
-        """books: per layer, calibrated (keys, values) codebooks (G, d, 2^b), or None for the oblivious one;
-        plan: a bit plan's settings (`k_bits`, `v_bits` per layer, `budget`), or None: `config.bits` everywhere."""
+                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None):
+        """books: per layer, calibrated (keys, values) codebooks (G, d, 2^b), or None for the oblivious one."""
         self.config = config
         self.block = config.residual
         self.head_dim = shape.head_dim
-        self.plan = plan
-        self.layer_bits = None if plan is None else list(zip(plan["k_bits"], plan["v_bits"]))
         self.centroids = codebook(shape.head_dim, config.bits)  # float64; computed now, not mid-evaluation
         self._centroids32 = self.centroids.float()
         self._thresholds32 = cell_edges(self.centroids)[1:-1].float()
         self.books = None if books is None else [(k.float(), v.float()) for k, v in books]
         self.granularity = granularity
 
-    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None, bits: int | None = None) -> Coded:
+    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""
-        bits = self.config.bits if bits is None else bits
+        bits = self.config.bits
         y, norm = unit_rotated(x)
         if centroids is None:  # the oblivious codebook: cells split at the midpoints of its centroids
-            thresholds = self._thresholds32 if bits == self.config.bits else cell_edges(codebook(self.head_dim, bits))[1:-1].float()
-            codes = torch.bucketize(y, thresholds.to(x.device))
+            codes = torch.bucketize(y, self._thresholds32.to(x.device))
         else:
             codes = nearest_per_coordinate(y, centroids)
         return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=bits)
@@ -252,8 +246,7 @@ class TurboQuant(Method):
         d = self.head_dim
         codes = unpack_stream(coded.codes, coded.bits, d)
         if centroids is None:
-            table = self._centroids32 if coded.bits == self.config.bits else codebook(d, coded.bits).float()
-            y = table.to(codes.device)[codes]
+            y = self._centroids32.to(codes.device)[codes]
         else:  # (G, d, L) -> the centroid of coordinate i in code codes[..., i]
             table = centroids.to(codes.device)[:, None].expand(*codes.shape, centroids.shape[-1])
             y = table.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
@@ -264,15 +257,14 @@ class TurboQuant(Method):
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> TurboQuantPacked:
         kc, vc = self._layer_books(layer)
-        kb, vb = (self.config.bits, self.config.bits) if self.layer_bits is None else self.layer_bits[layer]
-        return TurboQuantPacked(k=self.encode_vectors(k, kc, kb), v=self.encode_vectors(v, vc, vb))
+        return TurboQuantPacked(k=self.encode_vectors(k, kc), v=self.encode_vectors(v, vc))
 
     def decompress(self, layer: int, packed: TurboQuantPacked) -> tuple[torch.Tensor, torch.Tensor]:
         kc, vc = self._layer_books(layer)
         return self.decode_vectors(packed.k, kc), self.decode_vectors(packed.v, vc)
 
-    def stored_bits(self, packed: TurboQuantPacked) -> int:
-        return packed.k.stored_bits() + packed.v.stored_bits()
+    def part_bits(self, packed: TurboQuantPacked) -> tuple[int, int]:
+        return packed.k.stored_bits(), packed.v.stored_bits()
 
     def constant_bits(self) -> int:
         return 0 if self.books is None else 16 * sum(k.numel() + v.numel() for k, v in self.books)
@@ -281,57 +273,29 @@ class TurboQuant(Method):
         out = {"bits": self.config.bits, "residual": self.config.residual, "rotation_seed": ROTATION_SEED}
         if self.books is not None:
             out |= {"calibrated": True, "granularity": self.granularity}
-        if self.plan is not None:
-            out |= {"bits": "plan", **self.plan}
         return out
 
 
-def _plan_bits(art_settings: dict, num_layers: int, path: str) -> dict | None:
-    """A bit plan's per-layer bits from an artifact's settings (None for a single-bit artifact)."""
-    if art_settings.get("bits") != "plan":
-        return None
-    plan = {key: art_settings.get(key) for key in ("k_bits", "v_bits", "budget")}
-    for key in ("k_bits", "v_bits"):
-        bits = plan[key]
-        if not isinstance(bits, list) or len(bits) != num_layers or any(b not in BITS for b in bits):
-            raise ArtifactError(f"artifact {path}: its plan's {key} must list one of {BITS} per layer "
-                                f"({num_layers}); make the plan again")
-    return plan
-
-
 def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None) -> TurboQuant:
-    """A calibrated TurboQuant from a `fit-turboquant` or `plan` artifact, checked complete and consistent."""
+    """A calibrated TurboQuant from a `fit-turboquant` artifact, checked complete and consistent."""
     art = load_artifact(path, TurboQuant.name, model)
     granularity = art.settings.get("granularity")
     if art.settings.get("rotation_seed") != ROTATION_SEED or granularity not in ("layer", "head"):
         raise ArtifactError(f"artifact {path} has invalid TurboQuant settings {art.settings}; fit it again")
-    plan = _plan_bits(art.settings, shape.num_layers, path)
-    if plan is not None:
-        if settings.bits is not None:
-            raise SettingsError(f"--bits does not apply to the bit plan {path} (its layers take their own bits); drop it")
-        resolved = settings.resolve("turboquant", SETTINGS, {}, path)
-        config = TurboQuantConfig(bits=max(plan["k_bits"] + plan["v_bits"]), residual=resolved["residual"])
-        layer_bits = list(zip(plan["k_bits"], plan["v_bits"]))
-    else:
-        config = TurboQuantConfig(**settings.resolve("turboquant", SETTINGS, {"bits": art.settings.get("bits")}, path))
-        layer_bits = [(config.bits, config.bits)] * shape.num_layers
+    config = TurboQuantConfig(**settings.resolve("turboquant", SETTINGS, {"bits": art.settings.get("bits")}, path))
     groups = 1 if granularity == "layer" else shape.num_kv_heads
-    books = []
-    for i in range(shape.num_layers):
-        pair = []
-        for which, bits in zip(("k", "v"), layer_bits[i]):
-            name = f"layers.{i}.{which}_codebook"
-            want = (groups, shape.head_dim, 1 << bits)
-            t = art.tensors.get(name)
-            if t is None or tuple(t.shape) != want or not torch.isfinite(t).all() or (t.diff(dim=-1) < 0).any():
-                raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {want}, "
-                                    "not finite or not ascending; fit it again")
-            pair.append(t)
-        books.append((pair[0], pair[1]))
-    method = TurboQuant(config, shape, books, granularity, plan)
-    method.sink = int(art.settings.get("sink_tokens", 0))  # a plan made with float16 sinks keeps them
-    method.fitted_residual_mode = art.settings.get("residual_mode")  # and its flush rule (None: not recorded)
-    return method
+    books = [tuple(checked_codebook(art.tensors, f"layers.{i}.{which}_codebook", (groups, shape.head_dim, 1 << config.bits), path)
+                   for which in ("k", "v")) for i in range(shape.num_layers)]
+    return TurboQuant(config, shape, books, granularity)
+
+
+def checked_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:
+    """Artifact tensor `name`, refused unless of `shape`, finite and ascending along its last axis."""
+    t = tensors.get(name)
+    if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all() or (t.diff(dim=-1) < 0).any():
+        raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape}, "
+                            "not finite or not ascending; fit it again")
+    return t
 
 
 SETTINGS = ("bits", "residual")

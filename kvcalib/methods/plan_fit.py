@@ -1,0 +1,304 @@
+"""`plan`: every layer's keys and values coded by the scheme, of several method families, that a bit
+budget allows best (the format: `methods/plan.py`).
+
+Layers differ widely in how much a low-bit cache hurts them, and families differ in what they keep:
+TurboQuant codes each vector's direction against a calibrated per-coordinate codebook, KIVI and OScaR
+quantize keys per channel over groups of tokens. The plan chooses, for every layer and separately for
+its keys and its values (an "item"), a scheme from `--candidates` (`plan.parse_scheme`), to minimise the
+summed sensitivity of the items under a budget of average bits per cached element:
+
+1. Codebooks: the calibrated per-coordinate codebooks of `fit-turboquant`
+   (`turboquant_fit.fit_codebooks`) for every TurboQuant candidate's width, fitted on the collection.
+2. Sensitivity, on held-out calibration windows (the calibration text after the collection's
+   tokens, never the evaluation text), under `eval`'s decode-exact flush rule (a query reads the
+   coded tokens older than its last flush, float16 after), every candidate under the plan's one rule
+   (`plan.common_flush_step`). For each item, the KL divergence of the model's next-token
+   distributions, float16 cache against the item alone coded by the `anchor` scheme (default
+   TurboQuant at 2 bits), summed over every position: one forward per item and window. The other
+   schemes scale it by the item's squared attention-output error,
+   s(item, c) = KL(item, anchor) · ‖Δo(item, c)‖² / ‖Δo(item, anchor)‖², since a small error in one
+   layer's output moves the loss to second order (KL ≈ ½ Δoᵀ F Δo); across families this takes F as
+   weighing the errors' directions alike, which one anchor cannot check (a KL per family would).
+   Measured first: a diagonal Fisher estimate, ½ Σ (g ⊙ Δo)² with g the gradient of each window's
+   summed loss (as KVQuant weighs its error), ranked items so badly that its plan at 2.25 bits lost to
+   uniform 2 bits (perplexity 19.01 against 17.93): one summed gradient per window is a poor Fisher.
+3. Choice: a multiple-choice knapsack, solved exactly by dynamic programming over costs in units of
+   1/`COST_UNITS` bit per element, each rounded up (so the plan never exceeds the budget).
+
+Cost of an item under a scheme, counted as `eval` counts it: the scheme's stored bits for that part of a
+flushed block (`Method.part_bits`: codes, scales and zero points, norms), per element; a TurboQuant
+item's codebook (16 bits per centroid) spread over the item's elements in `eval`'s default run (4
+windows of 1024 tokens: `SHARED_BITS_TOKENS`); and with `--sink-tokens S` the first S tokens of each
+1024-token window in float16 as well. Every item has the same number of elements, so the average over
+items is the average per element.
+
+The plan is an artifact of method `plan`, which `eval --method plan --artifacts` and the runtime load
+like any other; the manifest's extra holds every sensitivity, every cost and the predicted bits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..artifacts import save_artifact
+from ..atomic import ensure_writable_dir
+from ..attention import AttentionOptions, flushed_counts, intercept, mixed_attention
+from ..collect import Activations
+from ..data import token_windows
+from ..errors import SettingsError
+from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
+from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES
+from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
+from .plan import PARTS, Plan, Scheme, common_flush_step, parse_scheme, scheme_coder
+from .turboquant import ROTATION_SEED
+from .turboquant_fit import check_fit_settings, fit_codebooks
+
+log = logging.getLogger(__name__)
+
+COST_UNITS = 256  # the knapsack's cost resolution: 1/256 bit per element
+SHARED_BITS_TOKENS = 4 * 1024  # eval's default run (--num-samples 4 --seq-len 1024): codebooks amortised over it
+SEQUENCE_TOKENS = 1024  # eval's default window: float16 sink tokens amortised over it
+
+
+def part_costs(coder: Method, shape: AttentionShape, tokens: int) -> tuple[float, float]:
+    """Stored bits per element of the keys and of the values of one flushed block of `tokens` tokens, as
+    `coder` stores them (`part_bits`; the bits depend on the shapes only, not on the values)."""
+    x = torch.randn(1, shape.num_kv_heads, tokens, shape.head_dim, generator=torch.Generator().manual_seed(0))
+    k_bits, v_bits = coder.part_bits(coder.compress(0, x, x))
+    return k_bits / x.numel(), v_bits / x.numel()
+
+
+def item_costs(coders: dict[str, Method], shape: AttentionShape, residual: int, groups: int,
+               sink_tokens: int = 0, tokens: int = SHARED_BITS_TOKENS) -> torch.Tensor:
+    """(2, candidates) bits per element of keys (0) and values (1) under each candidate: stored bits of a
+    flushed block, a TurboQuant codebook of `groups` x d x 2^b float16 centroids spread over `tokens`
+    tokens of every KV head, and 16 more bits per element of the float16 sinks in each
+    `SEQUENCE_TOKENS`-token window."""
+    cost = torch.zeros(2, len(coders), dtype=torch.float64)
+    for j, (name, coder) in enumerate(coders.items()):
+        scheme = parse_scheme(name)
+        book = 16 * groups * shape.head_dim * (1 << scheme.bits) if scheme.family == "turboquant" else 0
+        shared = book / (tokens * shape.num_kv_heads * shape.head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
+        cost[:, j] = torch.tensor(part_costs(coder, shape, residual), dtype=torch.float64) + shared
+    return cost
+
+
+def solve(sensitivity: torch.Tensor, cost: torch.Tensor, budget: float) -> list[int]:
+    """The multiple-choice knapsack: for each item i (rows) one option j (columns), minimising
+    Σ sensitivity[i, j] under Σ cost[i, j] <= budget · items. Exact over costs rounded up to
+    1/COST_UNITS; returns the option of every item. Raises SettingsError when even the cheapest
+    options exceed the budget."""
+    items, options = sensitivity.shape
+    units = torch.ceil(cost.double() * COST_UNITS - 1e-9).long()
+    capacity = math.floor(budget * items * COST_UNITS + 1e-9)
+    cheapest = int(units.min(1).values.sum())
+    if cheapest > capacity:
+        least = cheapest / (items * COST_UNITS)
+        raise SettingsError(f"--budget {budget} is below the cheapest plan ({least:.4f} bits per element); raise it")
+    inf = float("inf")
+    best = torch.full((capacity + 1,), inf, dtype=torch.float64)  # best[c]: least sensitivity at total cost c
+    best[0] = 0.0
+    choice = torch.empty(items, capacity + 1, dtype=torch.long)
+    for i in range(items):
+        nxt = torch.full_like(best, inf)
+        arg = torch.zeros(capacity + 1, dtype=torch.long)
+        for j in range(options):
+            u = int(units[i, j])
+            if u > capacity:
+                continue
+            cand = torch.full_like(best, inf)
+            cand[u:] = best[: capacity + 1 - u] + float(sensitivity[i, j])
+            better = cand < nxt
+            nxt = torch.where(better, cand, nxt)
+            arg = torch.where(better, torch.full_like(arg, j), arg)
+        best, choice[i] = nxt, arg
+    c = int(best.argmin())
+    picks = [0] * items
+    for i in reversed(range(items)):
+        picks[i] = int(choice[i, c])
+        c -= int(units[i, picks[i]])
+    return picks
+
+
+def heldout_windows(lm: LoadedModel, acts: Activations, windows: int, seq_len: int) -> torch.Tensor:
+    """`windows` x `seq_len` tokens of the calibration text after the tokens the collection used."""
+    cal = acts.manifest["settings"]
+    skip = cal["num_samples"] * cal["seq_len"]
+    flat = token_windows(lm.tokenizer, cal["dataset"], "calibration", 1, skip + windows * seq_len, cal["text_field"])
+    return flat[0, skip:].reshape(windows, seq_len)
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers causal LM (`model.model.layers` and its kin), or []."""
+    try:
+        return list(model.get_decoder().layers)
+    except AttributeError:
+        return []
+
+
+def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str) -> torch.Tensor:
+    """s (layers, 2, len(coders)): the sensitivity of each layer's keys (0) and values (1) under each
+    coder, in the dict's order, over `windows` (module docstring): the KL divergence of the next-token
+    distributions when only that item is coded by `anchor`, scaled to the other coders by the item's
+    squared attention-output error. Every coder must flush under the same rule."""
+    shape = attention_shape(lm.config)
+    names = list(coders)
+    a = names.index(anchor)
+    rule = {(c.block, c.window) for c in coders.values()}
+    if len(rule) != 1:
+        raise ValueError(f"the coders flush under different rules {rule}: a plan measures them under one")
+    err = torch.zeros(shape.num_layers, 2, len(names), dtype=torch.float64)
+    kl = torch.zeros(shape.num_layers, 2, dtype=torch.float64)
+    device = next(lm.model.parameters()).device
+    block, window = rule.pop()
+
+    def cache_of(k, v, q, opts):
+        """The float16 cache, and when each query's keys were flushed, in `eval`'s arithmetic."""
+        k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], block, device=q.device, window=window)
+        return k16, v16, flushed, mixed_attention(q, k16, v16, opts, k16, v16, flushed)
+
+    layers = _decoder_layers(lm.model)
+    outputs: dict[int, object] = {}  # each decoder layer's output in the reference forward
+
+    def log_probs(ids, attend, skip: int = 0) -> torch.Tensor:
+        """Next-token log-probabilities; the first `skip` decoder layers replay their reference outputs
+        (their inputs are the reference's: the item under test sits in a later layer)."""
+        for i in range(skip):
+            layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
+        try:
+            with torch.no_grad(), intercept(lm.model, attend):
+                return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
+        finally:
+            for i in range(skip):
+                del layers[i].forward  # the class's forward again
+
+    for window_ids in tqdm(windows, desc="plan: sensitivity", unit="window"):
+        ids = window_ids.unsqueeze(0).to(device)
+
+        def reference(layer: int, q, k, v, opts: AttentionOptions):
+            k16, v16, flushed, ref = cache_of(k, v, q, opts)
+            for j, name in enumerate(names):
+                held: Held = hold(coders[name], layer, k, v)
+                err[layer, 0, j] += (mixed_attention(q, k16, v16, opts, held.k, v16, flushed) - ref).double().pow(2).sum().cpu()
+                err[layer, 1, j] += (mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref).double().pow(2).sum().cpu()
+            return ref
+
+        hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
+                 for i, layer in enumerate(layers)]
+        try:
+            ref_logp = log_probs(ids, reference)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for target, which in itertools.product(range(shape.num_layers), (0, 1)):
+            def one_item(layer: int, q, k, v, opts: AttentionOptions):
+                k16, v16, flushed, ref = cache_of(k, v, q, opts)
+                if layer != target:
+                    return ref
+                held: Held = hold(coders[anchor], layer, k, v)
+                kh, vh = (held.k, v16) if which == 0 else (k16, held.v)
+                return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
+
+            logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
+            kl[target, which] += (ref_logp.exp() * (ref_logp - logp)).sum().cpu()
+    at_anchor = err[..., a : a + 1]
+    return torch.where(at_anchor > 0, kl[..., None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
+
+
+def plan_path(out: str | Path, budget: float, several: bool) -> Path:
+    """Where the plan for `budget` goes: `out` itself, or `out/budget-{budget}` when several budgets share a run."""
+    return Path(out) / f"budget-{budget:g}" if several else Path(out)
+
+
+def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int, residual_mode: str, sink_tokens: int,
+                     tensors: dict[int, dict[str, torch.Tensor]], granularity: str) -> dict[str, Method]:
+    """A coder per candidate scheme, all under the plan's one flush rule, with the float16 sinks."""
+    coders = {}
+    for scheme in schemes:
+        books = None
+        if scheme.family == "turboquant":
+            t = tensors[scheme.bits]
+            books = [(t[f"layers.{i}.k_codebook"], t[f"layers.{i}.v_codebook"]) for i in range(shape.num_layers)]
+        coders[str(scheme)] = scheme_coder(scheme, shape, residual, books, granularity)
+    step = common_flush_step(list(coders.values()))  # divides R: each KIVI-like coder refused an R not a multiple of its G
+    for coder in coders.values():
+        coder.sink = sink_tokens
+        apply_residual_mode(coder, residual_mode)
+        if residual_mode == "sliding":
+            coder.block = step
+    return coders
+
+
+def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
+              model: str | LoadedModel = DEFAULT_MODEL, candidates: Sequence[str] = PLAN_CANDIDATES,
+              windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
+              residual: int | None = None, sink_tokens: int = 0,
+              residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR) -> list[Path]:
+    """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
+    choose each layer's key and value scheme under each budget, and save each plan as a `plan`
+    artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
+    sensitivities, the slow part, are shared)."""
+    budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
+    schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
+    if not schemes:
+        raise SettingsError("--candidates must name at least one scheme")
+    anchor = str(parse_scheme(anchor))
+    if anchor not in map(str, schemes):
+        raise SettingsError(f"--anchor {anchor} must be one of the candidates ({', '.join(map(str, schemes))})")
+    if not budgets or any(not b > 0 or not math.isfinite(b) for b in budgets):
+        raise SettingsError(f"--budget must be positive numbers of bits per element, got {budgets}")
+    if windows < 1 or seq_len < 2:
+        raise SettingsError("--windows must be positive and --seq-len at least 2")
+    if sink_tokens < 0:
+        raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
+    check_residual_mode(residual_mode)
+    tq_bits = tuple(sorted({s.bits for s in schemes if s.family == "turboquant"}))
+    check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
+    residual = DEFAULTS["residual"] if residual is None else residual
+    outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
+    acts = Activations(activations)
+    lm = load_model(model)
+    check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
+    shape = attention_shape(lm.config)
+    groups = 1 if granularity == "layer" else shape.num_kv_heads
+    # Costs depend on shapes only: measured on stand-in codebooks, so that a budget below the cheapest
+    # plan is refused before any fit.
+    standin = {b: {f"layers.{i}.{p}_codebook": torch.zeros(groups, shape.head_dim, 1 << b)
+                   for i in range(shape.num_layers) for p in PARTS} for b in tq_bits}
+    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity)
+    cost = item_costs(coders, shape, residual, groups, sink_tokens).repeat(shape.num_layers, 1)  # items k0, v0, k1, ...
+    for b in budgets:
+        solve(torch.zeros_like(cost), cost, b)
+    tensors, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
+    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity)
+    step = common_flush_step(list(coders.values()))
+    sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor)
+    names = list(coders)
+    written = []
+    for budget, path in zip(budgets, outs):
+        picks = solve(sens.reshape(2 * shape.num_layers, len(names)), cost, budget)
+        chosen = [schemes[j] for j in picks]  # items in order layer 0 keys, layer 0 values, layer 1 keys, ...
+        plan = {"k": chosen[0::2], "v": chosen[1::2]}
+        plan_tensors = {f"layers.{i}.{p}_codebook": tensors[plan[p][i].bits][f"layers.{i}.{p}_codebook"]
+                        for i in range(shape.num_layers) for p in PARTS if plan[p][i].family == "turboquant"}
+        predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
+        settings = {"k": [str(c) for c in plan["k"]], "v": [str(c) for c in plan["v"]], "budget": budget,
+                    "residual": residual, "flush_step": step, "granularity": granularity, "rotation_seed": ROTATION_SEED,
+                    "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
+        extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
+                 "anchor": anchor, "windows": windows, "seq_len": seq_len,
+                 "sensitivity": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
+                 "cost_bits_per_element": {p: cost[w].tolist() for w, p in enumerate(PARTS)},
+                 "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}
+        log.info("plan at %.4f bits per element (budget %s): keys %s, values %s", predicted, budget,
+                 settings["k"], settings["v"])
+        written.append(save_artifact(path, Plan.name, settings, acts.fingerprint, plan_tensors, extra))
+    return written

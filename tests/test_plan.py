@@ -1,0 +1,280 @@
+"""`kvcalib plan`: the schemes (`methods/plan.py`), the multiple-choice knapsack, the KL-anchored
+sensitivity, and the plan artifact that `--method plan --artifacts` loads with a scheme per layer's keys
+and values."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from kvcalib.collect import collect
+from kvcalib.errors import ArtifactError, SettingsError
+from kvcalib.evaluate import evaluate
+from kvcalib.methods import Method, MethodSettings, build_method
+from kvcalib.methods.kivi import Kivi, KiviConfig
+from kvcalib.methods.oscar import Oscar, OscarConfig
+from kvcalib.methods.plan import Plan, parse_scheme
+from kvcalib.methods.plan_fit import COST_UNITS, item_costs, make_plan, measure_sensitivity, solve
+from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
+from kvcalib.models import AttentionShape
+
+SHAPE = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+# ---- the knapsack ----
+
+def _brute_force(sens: torch.Tensor, cost: torch.Tensor, budget: float) -> float:
+    items, options = sens.shape
+    best = float("inf")
+    for picks in itertools.product(range(options), repeat=items):
+        total = sum(float(cost[i, j]) for i, j in enumerate(picks))
+        if total <= budget * items + 1e-12:
+            best = min(best, sum(float(sens[i, j]) for i, j in enumerate(picks)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_knapsack_finds_the_brute_force_optimum_within_the_budget(seed):
+    gen = torch.Generator().manual_seed(seed)
+    items, options = 6, 3
+    # costs on the knapsack's own grid (multiples of 1/COST_UNITS), so rounding up changes nothing
+    cost = torch.randint(COST_UNITS, 5 * COST_UNITS, (items, options), generator=gen).double() / COST_UNITS
+    sens = torch.rand(items, options, generator=gen, dtype=torch.float64)
+    budget = float(cost.min(1).values.mean() + torch.rand(1, generator=gen) * (cost.max(1).values - cost.min(1).values).mean())
+    picks = solve(sens, cost, budget)
+    total_cost = sum(float(cost[i, j]) for i, j in enumerate(picks))
+    assert total_cost <= budget * items + 1e-12
+    assert sum(float(sens[i, j]) for i, j in enumerate(picks)) == pytest.approx(_brute_force(sens, cost, budget), abs=1e-12)
+
+
+def test_a_budget_below_the_cheapest_choice_is_refused():
+    cost = torch.tensor([[1.25, 2.25], [1.25, 2.25]], dtype=torch.float64)
+    with pytest.raises(SettingsError, match="below the cheapest plan"):
+        solve(torch.zeros_like(cost), cost, 1.2)
+    assert solve(torch.tensor([[1.0, 0.0], [1.0, 0.0]]), cost, 1.25) == [0, 0]  # exactly the cheapest: allowed
+
+
+def test_item_costs_count_codes_metadata_and_codebooks_as_eval_does():
+    shape = AttentionShape(num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64)
+    book = torch.zeros(1, 64, 8)
+    coders = {"turboquant-3": TurboQuant(TurboQuantConfig(bits=3, residual=128), shape, [(book, book)], "layer"),
+              "kivi-2-g128": Kivi(KiviConfig(bits=2, group_size=128, residual=128), shape),
+              "oscar-2-g32": Oscar(OscarConfig(bits=2, group_size=32, residual=128), shape)}
+    cost = item_costs(coders, shape, residual=128, groups=1, sink_tokens=1)
+    sink = 16 / 1024  # one float16 token in each 1024-token window
+    # TurboQuant, d = 64, 3 bits: 192 code bits + 16 norm bits per 64 elements; a (1, 64, 8) codebook of
+    # float16 spread over eval's default 4 x 1024 tokens of 3 KV heads
+    book_bits = 16 * 64 * 8 / (4096 * 3 * 64)
+    assert cost[:, 0].tolist() == [(192 + 16) / 64 + book_bits + sink] * 2
+    # KIVI-2 G=128: keys carry a float16 scale and zero per channel and 128 tokens, values per token and
+    # min(G, d) = 64 channels
+    assert cost[:, 1].tolist() == [2 + 32 / 128 + sink, 2 + 32 / 64 + sink]
+    # OScaR-2 G=32: KIVI's, plus one float16 coefficient per key vector
+    assert cost[:, 2].tolist() == [2 + 32 / 32 + 16 / 64 + sink, 2 + 32 / 32 + sink]
+
+
+# ---- the schemes ----
+
+@pytest.mark.parametrize("text,want", [("turboquant-3", "turboquant-3"), (" kivi-2-g128", "kivi-2-g128"),
+                                       ("oscar-4-g32", "oscar-4-g32")])
+def test_a_scheme_reads_back_as_written(text, want):
+    assert str(parse_scheme(text)) == want
+
+
+@pytest.mark.parametrize("text", ["turboquant-5", "turboquant-2-g32", "kivi-2", "kivi-0-g32", "oscar-2-g0", "vecinfer-2", ""])
+def test_an_unknown_or_impossible_scheme_is_refused(text):
+    with pytest.raises(SettingsError):
+        parse_scheme(text)
+
+
+def test_each_part_of_a_plan_is_stored_and_read_back_by_its_own_scheme():
+    """Layer 0: TurboQuant-3 keys, KIVI-2 values; layer 1: OScaR-2 both: what each scheme alone stores."""
+    shape = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(0)
+    book = codebook(16, 3).float().expand(1, 16, 8).contiguous()
+    schemes = {"k": [parse_scheme("turboquant-3"), parse_scheme("oscar-2-g8")],
+               "v": [parse_scheme("kivi-2-g8"), parse_scheme("oscar-2-g8")]}
+    plan = Plan(shape, schemes, 16, 8, {"layers.0.k_codebook": book}, "layer")
+    k, v = (torch.randn(2, 2, 16, 16, generator=gen) for _ in range(2))
+    alone = {"turboquant-3": TurboQuant(TurboQuantConfig(bits=3, residual=16), shape, [(book, book)] * 2, "layer"),
+             "kivi-2-g8": Kivi(KiviConfig(bits=2, group_size=8, residual=16), shape),
+             "oscar-2-g8": Oscar(OscarConfig(bits=2, group_size=8, residual=16), shape)}
+    for layer in range(2):
+        packed = plan.compress(layer, k, v)
+        kq, vq = plan.decompress(layer, packed)
+        ck, cv = alone[str(schemes["k"][layer])], alone[str(schemes["v"][layer])]
+        assert torch.equal(kq, ck.decompress(layer, ck.compress(layer, k, v))[0])
+        assert torch.equal(vq, cv.decompress(layer, cv.compress(layer, k, v))[1])
+        assert plan.part_bits(packed) == (ck.part_bits(ck.compress(layer, k, v))[0], cv.part_bits(cv.compress(layer, k, v))[1])
+    assert plan.constant_bits() == 16 * book.numel()
+
+
+# ---- sensitivity ----
+
+class _Noisy(Method):
+    """Keys or values read back with a fixed perturbation of size `scale` (a stand-in coder)."""
+
+    name, block = "noisy", 16
+
+    def __init__(self, scale_k: float, scale_v: float):
+        self.scale_k, self.scale_v = scale_k, scale_v
+
+    def compress(self, layer, k, v):
+        return k, v
+
+    def decompress(self, layer, packed):
+        k, v = packed
+        noise = torch.sin(torch.arange(k.numel(), dtype=k.dtype).reshape(k.shape) * 0.7)  # fixed, input-independent
+        return k + self.scale_k * noise, v + self.scale_v * noise
+
+    def part_bits(self, packed):
+        return 0, 0
+
+
+def test_value_sensitivity_grows_as_the_square_of_the_error_and_vanishes_without_one(tiny_lm, tokenizer):
+    windows = tokenizer("\n".join(["def f(x):\n    return x + 1"] * 20), return_tensors="pt")["input_ids"][:, :48]
+    # attention is linear in the values: twice the value error, four times ½ Σ (g ⊙ Δo)², to float32 rounding
+    sens = measure_sensitivity(tiny_lm, {"a": _Noisy(0.0, 1e-2), "b": _Noisy(0.0, 2e-2), "c": _Noisy(0.0, 0.0)}, windows,
+                               anchor="b")
+    values = sens[:, 1]
+    assert (values[:, 0] > 0).all() and (sens[:, 0] == 0).all()  # keys untouched: Δo is exactly zero
+    assert torch.allclose(values[:, 1] / values[:, 0], torch.full_like(values[:, 0], 4.0), rtol=1e-3)
+    assert (values[:, 2] == 0).all()
+
+
+# ---- the plan artifact ----
+
+@pytest.fixture(scope="module")
+def acts(tmp_path_factory, tiny_lm, text_file):
+    out = tmp_path_factory.mktemp("acts") / "acts"
+    return collect(out, model=tiny_lm, dataset=str(text_file), num_samples=4, seq_len=64)
+
+
+MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "kivi-2-g8", "kivi-4-g8", "oscar-2-g16")
+
+
+@pytest.fixture(scope="module")
+def plan(acts, tmp_path_factory, tiny_lm):
+    out = tmp_path_factory.mktemp("plan") / "plan"
+    [path] = make_plan(acts, 4.0, out, model=tiny_lm, candidates=MIXED, windows=2, seq_len=32, iters=5, residual=16)
+    assert path == out
+    return path
+
+
+def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_lm, text_file):
+    manifest = json.loads((plan / "manifest.json").read_text())
+    s, extra = manifest["settings"], manifest["extra"]
+    assert len(s["k"]) == len(s["v"]) == 2 and s["flush_step"] == 16  # lcm of key groups 8 and 16
+    method = build_method("plan", SHAPE, MethodSettings(), str(plan), tiny_lm)
+    assert [str(c) for c in method.schemes["k"]] == s["k"]
+    # The knapsack's costs (d = 16, 2 KV heads) in eval's accounting: one window of 32 tokens with R = 16
+    # flushes all 32, so the cache is the items' per-element costs less the codebook and sink shares
+    # (which the costs spread over 4 x 1024 tokens), and the codebooks are counted once, apart.
+    result = evaluate(tiny_lm, dataset=str(text_file), num_samples=1, seq_len=32, method="plan", artifacts=str(plan))
+    per_item = 2 * 32 * 16  # KV heads x tokens x head_dim
+    names = extra["candidates"]
+    books, cache = 0, 0.0
+    for part in ("k", "v"):
+        for i, name in enumerate(s[part]):
+            cost = extra["cost_bits_per_element"][part][names.index(name)]
+            scheme = parse_scheme(name)
+            book = 16 * 16 * (1 << scheme.bits) if scheme.family == "turboquant" else 0
+            books += book
+            cache += (cost - book / (4096 * 2 * 16)) * per_item
+    assert result.bits_breakdown["shared_bits_per_element"] * (4 * per_item) == books
+    assert result.bits_breakdown["cache_bits_per_element"] * (4 * per_item) == pytest.approx(cache, rel=1e-12)
+    assert extra["predicted_bits_per_element"] <= 4.0
+    assert all(len(row) == len(MIXED) for part in ("k", "v") for row in extra["sensitivity"][part])
+
+
+def test_several_budgets_share_one_measurement_and_spend_what_each_allows(acts, tmp_path, tiny_lm):
+    paths = make_plan(acts, [3.5, 5.0], tmp_path / "plans", model=tiny_lm, candidates=MIXED, windows=1, seq_len=32,
+                      iters=3, residual=16)
+    assert paths == [tmp_path / "plans" / "budget-3.5", tmp_path / "plans" / "budget-5"]
+    manifests = [json.loads((p / "manifest.json").read_text()) for p in paths]
+    extras = [m["extra"] for m in manifests]
+    assert extras[0]["sensitivity"] == extras[1]["sensitivity"]
+    assert extras[0]["predicted_bits_per_element"] <= 3.5 < extras[1]["predicted_bits_per_element"] <= 5.0
+
+    def planned(manifest):
+        s, extra = manifest["settings"], manifest["extra"]
+        return sum(extra["sensitivity"][p][i][extra["candidates"].index(name)] for p in ("k", "v") for i, name in enumerate(s[p]))
+
+    assert planned(manifests[1]) <= planned(manifests[0])  # more bits never cost accuracy
+
+
+def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm):
+    """Without TurboQuant candidates nothing is fitted and the plan holds no tensors; eval loads it."""
+    # d = 16: KIVI-2 G=8 costs 2 + 32/8 = 6 bits per key element, 4 per value element
+    [path] = make_plan(acts, 6.5, tmp_path / "plan", model=tiny_lm, candidates=("kivi-2-g8", "kivi-4-g8", "oscar-2-g8"),
+                       anchor="kivi-2-g8", windows=1, seq_len=32, residual=16)
+    s = json.loads((path / "manifest.json").read_text())["settings"]
+    assert set(s["k"] + s["v"]) <= {"kivi-2-g8", "kivi-4-g8", "oscar-2-g8"} and s["flush_step"] == 8
+    method = build_method("plan", SHAPE, MethodSettings(), str(path), tiny_lm)
+    assert method.constant_bits() == 0 and method.block == 16
+
+
+def test_a_residual_other_than_the_plans_is_refused(plan):
+    with pytest.raises(SettingsError, match="contradicts the artifact"):
+        build_method("plan", SHAPE, MethodSettings(residual=32), str(plan))
+
+
+@pytest.mark.parametrize("damage,match", [
+    (lambda s, t: s.update(k=s["k"][:1]), "one scheme per layer"),
+    (lambda s, t: s.update(v=["vecinfer-2"] * 2), "unknown scheme"),
+    (lambda s, t: s.update(flush_step=0), "invalid plan settings"),
+    (lambda s, t: t.update({"layers.9.k_codebook": torch.zeros(1)}), "does not use"),
+])
+def test_a_damaged_plan_is_refused_at_load(plan, tmp_path, tiny_lm, damage, match):
+    from kvcalib.artifacts import load_artifact, save_artifact
+
+    art = load_artifact(plan)
+    settings, tensors = dict(art.settings), dict(art.tensors)
+    damage(settings, tensors)
+    save_artifact(tmp_path / "bad", "plan", settings, art.fingerprint, tensors, {})
+    with pytest.raises(ArtifactError, match=match):
+        build_method("plan", SHAPE, MethodSettings(), str(tmp_path / "bad"), tiny_lm)
+
+
+def test_a_plan_needs_its_artifact():
+    with pytest.raises(SettingsError, match="needs --artifacts"):
+        build_method("plan", SHAPE, MethodSettings())
+
+
+@pytest.mark.parametrize("kwargs,match", [({"budget": 2.0, "candidates": MIXED}, "below the cheapest plan"),
+                                          ({"candidates": ("turboquant-5",)}, "1..4"),
+                                          ({"candidates": ("kivi-2-g8",)}, "--anchor"),
+                                          ({"candidates": ("turboquant-2", "kivi-2-g32")}, "multiple of --group-size 32"),
+                                          ({"budget": float("nan")}, "--budget"), ({"windows": 0}, "--windows")])
+def test_bad_plan_settings_are_refused_before_anything_is_written(acts, tmp_path, tiny_lm, kwargs, match):
+    args = {"budget": 2.25, "residual": 16, **kwargs}
+    budget = args.pop("budget")
+    with pytest.raises(SettingsError, match=match):
+        make_plan(acts, budget, tmp_path / "plan", model=tiny_lm, **args)
+    assert not (tmp_path / "plan").exists()
+
+
+def test_replaying_the_layers_before_the_item_changes_no_sensitivity(tiny_lm, monkeypatch):
+    """The per-item forwards skip the decoder layers before the item (their reference outputs replayed):
+    bit for bit what whole forwards give."""
+    import kvcalib.methods.plan_fit as plan_module
+    from kvcalib.models import attention_shape
+
+    shape = attention_shape(tiny_lm.config)
+    coders = {f"tq-{b}": TurboQuant(TurboQuantConfig(bits=b, residual=16), shape) for b in (1, 2, 3)}
+    windows = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(0))
+    replayed = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2")
+    monkeypatch.setattr(plan_module, "_decoder_layers", lambda model: [])
+    assert torch.equal(replayed, measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2"))
+    assert (replayed[:, :, 0] > replayed[:, :, 2]).all()  # 1 bit hurts more than 3 in every item
+
+
+def test_coders_under_different_flush_rules_are_not_measured_together(tiny_lm):
+    from kvcalib.models import attention_shape
+
+    shape = attention_shape(tiny_lm.config)
+    coders = {"a": TurboQuant(TurboQuantConfig(bits=2, residual=16), shape),
+              "b": TurboQuant(TurboQuantConfig(bits=2, residual=32), shape)}
+    with pytest.raises(ValueError, match="different rules"):
+        measure_sensitivity(tiny_lm, coders, torch.zeros(1, 8, dtype=torch.long), anchor="a")
