@@ -9,7 +9,7 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, RESIDUAL_MODES
+from .defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS, RESIDUAL_MODES
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -202,6 +202,8 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--candidates", default=",".join(PLAN_CANDIDATES), show_default=True,
               help="Schemes each layer's keys and values may take, comma-separated: turboquant-B (calibrated "
                    "codebooks, B in 1..4), kivi-B-gG, oscar-B-gG.")
+@click.option("--items", type=click.Choice(PLAN_ITEMS), default="layer", show_default=True,
+              help="Choose a scheme for each layer's keys and values, or for each KV head's.")
 @click.option("--anchor", default=PLAN_ANCHOR, show_default=True,
               help="The candidate whose KL divergence is measured per item; the others are scaled from it.")
 @click.option("--windows", type=int, default=4, show_default=True,
@@ -215,13 +217,13 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budgets, model, candidates, anchor, windows, seq_len, granularity, iters, sink_tokens,
+def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
              residual_mode, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
-                          candidates=[c for c in candidates.split(",") if c.strip()], anchor=anchor,
+                          candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode):
         click.echo(f"plan written to {path}")

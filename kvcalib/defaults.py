@@ -13,3 +13,4 @@ RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods` 
 PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "kivi-2-g128", "kivi-3-g128",
                    "kivi-4-g128", "oscar-2-g32", "oscar-2-g128", "oscar-3-g128", "oscar-4-g128")
 PLAN_ANCHOR = "turboquant-2"
+PLAN_ITEMS = ("layer", "head")  # what the plan chooses a scheme for: each layer's keys and values, or each KV head's

@@ -14,7 +14,7 @@ from kvcalib.evaluate import evaluate
 from kvcalib.methods import Method, MethodSettings, build_method
 from kvcalib.methods.kivi import Kivi, KiviConfig
 from kvcalib.methods.oscar import Oscar, OscarConfig
-from kvcalib.methods.plan import Plan, parse_scheme
+from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
 from kvcalib.methods.plan_fit import COST_UNITS, item_costs, make_plan, measure_sensitivity, solve
 from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
 from kvcalib.models import AttentionShape
@@ -88,25 +88,30 @@ def test_an_unknown_or_impossible_scheme_is_refused(text):
         parse_scheme(text)
 
 
-def test_each_part_of_a_plan_is_stored_and_read_back_by_its_own_scheme():
-    """Layer 0: TurboQuant-3 keys, KIVI-2 values; layer 1: OScaR-2 both: what each scheme alone stores."""
+def test_each_part_and_head_of_a_plan_is_stored_and_read_back_by_its_own_scheme():
+    """Layer 0: keys TurboQuant-3 on head 0 and OScaR-2 on head 1, values KIVI-2 on both; layer 1: OScaR-2
+    everywhere. Each head holds what its scheme alone stores of it."""
     shape = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     gen = torch.Generator().manual_seed(0)
     book = codebook(16, 3).float().expand(1, 16, 8).contiguous()
-    schemes = {"k": [parse_scheme("turboquant-3"), parse_scheme("oscar-2-g8")],
-               "v": [parse_scheme("kivi-2-g8"), parse_scheme("oscar-2-g8")]}
-    plan = Plan(shape, schemes, 16, 8, {"layers.0.k_codebook": book}, "layer")
+    tq, kivi, oscar = parse_scheme("turboquant-3"), parse_scheme("kivi-2-g8"), parse_scheme("oscar-2-g8")
+    schemes = {"k": [[tq, oscar], [oscar, oscar]], "v": [[kivi, kivi], [oscar, oscar]]}
+    plan = Plan(shape, schemes, 16, 8, {codebook_name(0, "k", 3): book}, "layer")
     k, v = (torch.randn(2, 2, 16, 16, generator=gen) for _ in range(2))
-    alone = {"turboquant-3": TurboQuant(TurboQuantConfig(bits=3, residual=16), shape, [(book, book)] * 2, "layer"),
-             "kivi-2-g8": Kivi(KiviConfig(bits=2, group_size=8, residual=16), shape),
-             "oscar-2-g8": Oscar(OscarConfig(bits=2, group_size=8, residual=16), shape)}
+    alone = {tq: TurboQuant(TurboQuantConfig(bits=3, residual=16), shape, [(book, book)] * 2, "layer"),
+             kivi: Kivi(KiviConfig(bits=2, group_size=8, residual=16), shape),
+             oscar: Oscar(OscarConfig(bits=2, group_size=8, residual=16), shape)}
     for layer in range(2):
         packed = plan.compress(layer, k, v)
         kq, vq = plan.decompress(layer, packed)
-        ck, cv = alone[str(schemes["k"][layer])], alone[str(schemes["v"][layer])]
-        assert torch.equal(kq, ck.decompress(layer, ck.compress(layer, k, v))[0])
-        assert torch.equal(vq, cv.decompress(layer, cv.compress(layer, k, v))[1])
-        assert plan.part_bits(packed) == (ck.part_bits(ck.compress(layer, k, v))[0], cv.part_bits(cv.compress(layer, k, v))[1])
+        bits = [0, 0]
+        for w, (part, x) in enumerate((("k", kq), ("v", vq))):
+            for h, scheme in enumerate(schemes[part][layer]):
+                coder = alone[scheme]
+                one = coder.compress(layer, k[:, [h]], v[:, [h]])
+                assert torch.equal(x[:, [h]], coder.decompress(layer, one)[w])
+                bits[w] += coder.part_bits(one)[w]
+        assert plan.part_bits(packed) == tuple(bits)
     assert plan.constant_bits() == 16 * book.numel()
 
 
@@ -137,10 +142,10 @@ def test_value_sensitivity_grows_as_the_square_of_the_error_and_vanishes_without
     # attention is linear in the values: twice the value error, four times ½ Σ (g ⊙ Δo)², to float32 rounding
     sens = measure_sensitivity(tiny_lm, {"a": _Noisy(0.0, 1e-2), "b": _Noisy(0.0, 2e-2), "c": _Noisy(0.0, 0.0)}, windows,
                                anchor="b")
-    values = sens[:, 1]
-    assert (values[:, 0] > 0).all() and (sens[:, 0] == 0).all()  # keys untouched: Δo is exactly zero
-    assert torch.allclose(values[:, 1] / values[:, 0], torch.full_like(values[:, 0], 4.0), rtol=1e-3)
-    assert (values[:, 2] == 0).all()
+    values = sens[:, 1]  # (layers, KV heads, coders)
+    assert (values[..., 0] > 0).all() and (sens[:, 0] == 0).all()  # keys untouched: Δo is exactly zero
+    assert torch.allclose(values[..., 1] / values[..., 0], torch.full_like(values[..., 0], 4.0), rtol=1e-3)
+    assert (values[..., 2] == 0).all()
 
 
 # ---- the plan artifact ----
@@ -154,10 +159,11 @@ def acts(tmp_path_factory, tiny_lm, text_file):
 MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "kivi-2-g8", "kivi-4-g8", "oscar-2-g16")
 
 
-@pytest.fixture(scope="module")
-def plan(acts, tmp_path_factory, tiny_lm):
+@pytest.fixture(scope="module", params=["layer", "head"])
+def plan(request, acts, tmp_path_factory, tiny_lm):
     out = tmp_path_factory.mktemp("plan") / "plan"
-    [path] = make_plan(acts, 4.0, out, model=tiny_lm, candidates=MIXED, windows=2, seq_len=32, iters=5, residual=16)
+    [path] = make_plan(acts, 4.0, out, model=tiny_lm, candidates=MIXED, windows=2, seq_len=32, iters=5, residual=16,
+                       items=request.param)
     assert path == out
     return path
 
@@ -165,43 +171,66 @@ def plan(acts, tmp_path_factory, tiny_lm):
 def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_lm, text_file):
     manifest = json.loads((plan / "manifest.json").read_text())
     s, extra = manifest["settings"], manifest["extra"]
-    assert len(s["k"]) == len(s["v"]) == 2 and s["flush_step"] == 16  # lcm of key groups 8 and 16
+    assert len(s["k"]) == len(s["v"]) == 2 and all(len(heads) == 2 for p in ("k", "v") for heads in s[p])
+    assert s["flush_step"] == 16  # lcm of key groups 8 and 16
+    if s["items"] == "layer":
+        assert all(len(set(heads)) == 1 for p in ("k", "v") for heads in s[p])
     method = build_method("plan", SHAPE, MethodSettings(), str(plan), tiny_lm)
-    assert [str(c) for c in method.schemes["k"]] == s["k"]
+    assert [[str(c) for c in heads] for heads in method.schemes["k"]] == s["k"]
     # The knapsack's costs (d = 16, 2 KV heads) in eval's accounting: one window of 32 tokens with R = 16
     # flushes all 32, so the cache is the items' per-element costs less the codebook and sink shares
-    # (which the costs spread over 4 x 1024 tokens), and the codebooks are counted once, apart.
+    # (which the costs spread over 4 x 1024 tokens of the item's heads), and the codebooks are counted
+    # once per layer, part and width, apart.
     result = evaluate(tiny_lm, dataset=str(text_file), num_samples=1, seq_len=32, method="plan", artifacts=str(plan))
-    per_item = 2 * 32 * 16  # KV heads x tokens x head_dim
+    per_head = 32 * 16  # tokens x head_dim of one KV head
+    item_heads = 2 if s["items"] == "layer" else 1
     names = extra["candidates"]
-    books, cache = 0, 0.0
+    books, cache = set(), 0.0
     for part in ("k", "v"):
-        for i, name in enumerate(s[part]):
-            cost = extra["cost_bits_per_element"][part][names.index(name)]
-            scheme = parse_scheme(name)
-            book = 16 * 16 * (1 << scheme.bits) if scheme.family == "turboquant" else 0
-            books += book
-            cache += (cost - book / (4096 * 2 * 16)) * per_item
-    assert result.bits_breakdown["shared_bits_per_element"] * (4 * per_item) == books
-    assert result.bits_breakdown["cache_bits_per_element"] * (4 * per_item) == pytest.approx(cache, rel=1e-12)
+        for i, heads in enumerate(s[part]):
+            for name in heads:
+                scheme = parse_scheme(name)
+                book = 16 * 16 * (1 << scheme.bits) if scheme.family == "turboquant" else 0
+                if book:
+                    books.add((i, part, scheme.bits, book))
+                cost = extra["cost_bits_per_element"][part][names.index(name)]
+                cache += (cost - book / (4096 * item_heads * 16)) * per_head
+    elements = 2 * 2 * 2 * per_head  # layers x parts x KV heads
+    assert result.bits_breakdown["shared_bits_per_element"] * elements == sum(b[-1] for b in books)
+    assert result.bits_breakdown["cache_bits_per_element"] * elements == pytest.approx(cache, rel=1e-12)
     assert extra["predicted_bits_per_element"] <= 4.0
-    assert all(len(row) == len(MIXED) for part in ("k", "v") for row in extra["sensitivity"][part])
+    sens = extra["sensitivity_per_kv_head"]
+    assert all(len(row) == len(MIXED) for part in ("k", "v") for layer in sens[part] for row in layer)
 
 
-def test_several_budgets_share_one_measurement_and_spend_what_each_allows(acts, tmp_path, tiny_lm):
+def _planned(manifest) -> float:
+    """The summed sensitivity of a plan's choices."""
+    s, extra = manifest["settings"], manifest["extra"]
+    sens, names = extra["sensitivity_per_kv_head"], extra["candidates"]
+    return sum(sens[p][i][h][names.index(name)] for p in ("k", "v") for i, heads in enumerate(s[p])
+               for h, name in enumerate(heads))
+
+
+@pytest.mark.parametrize("items", ["layer", "head"])
+def test_several_budgets_share_one_measurement_and_spend_what_each_allows(acts, tmp_path, tiny_lm, items):
     paths = make_plan(acts, [3.5, 5.0], tmp_path / "plans", model=tiny_lm, candidates=MIXED, windows=1, seq_len=32,
-                      iters=3, residual=16)
+                      iters=3, residual=16, items=items)
     assert paths == [tmp_path / "plans" / "budget-3.5", tmp_path / "plans" / "budget-5"]
     manifests = [json.loads((p / "manifest.json").read_text()) for p in paths]
     extras = [m["extra"] for m in manifests]
-    assert extras[0]["sensitivity"] == extras[1]["sensitivity"]
+    assert extras[0]["sensitivity_per_kv_head"] == extras[1]["sensitivity_per_kv_head"]
     assert extras[0]["predicted_bits_per_element"] <= 3.5 < extras[1]["predicted_bits_per_element"] <= 5.0
+    assert _planned(manifests[1]) <= _planned(manifests[0])  # more bits never cost accuracy
 
-    def planned(manifest):
-        s, extra = manifest["settings"], manifest["extra"]
-        return sum(extra["sensitivity"][p][i][extra["candidates"].index(name)] for p in ("k", "v") for i, name in enumerate(s[p]))
 
-    assert planned(manifests[1]) <= planned(manifests[0])  # more bits never cost accuracy
+def test_choosing_per_kv_head_is_never_worse_than_per_layer_at_the_same_budget(acts, tmp_path, tiny_lm):
+    """Per-layer plans are among the per-head plans, and both are measured alike: the per-head optimum
+    of the summed sensitivity is at most the per-layer one (each within the knapsack's 1/256-bit grid)."""
+    plans = {items: make_plan(acts, 3.5, tmp_path / items, model=tiny_lm, candidates=MIXED, windows=1, seq_len=32,
+                              iters=3, residual=16, items=items)[0] for items in ("layer", "head")}
+    manifests = {items: json.loads((path / "manifest.json").read_text()) for items, path in plans.items()}
+    assert manifests["layer"]["extra"]["sensitivity_per_kv_head"] == manifests["head"]["extra"]["sensitivity_per_kv_head"]
+    assert _planned(manifests["head"]) <= _planned(manifests["layer"]) * (1 + 1e-12)
 
 
 def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm):
@@ -210,7 +239,8 @@ def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm):
     [path] = make_plan(acts, 6.5, tmp_path / "plan", model=tiny_lm, candidates=("kivi-2-g8", "kivi-4-g8", "oscar-2-g8"),
                        anchor="kivi-2-g8", windows=1, seq_len=32, residual=16)
     s = json.loads((path / "manifest.json").read_text())["settings"]
-    assert set(s["k"] + s["v"]) <= {"kivi-2-g8", "kivi-4-g8", "oscar-2-g8"} and s["flush_step"] == 8
+    assert {n for p in ("k", "v") for heads in s[p] for n in heads} <= {"kivi-2-g8", "kivi-4-g8", "oscar-2-g8"}
+    assert s["flush_step"] == 8
     method = build_method("plan", SHAPE, MethodSettings(), str(path), tiny_lm)
     assert method.constant_bits() == 0 and method.block == 16
 
@@ -222,7 +252,8 @@ def test_a_residual_other_than_the_plans_is_refused(plan):
 
 @pytest.mark.parametrize("damage,match", [
     (lambda s, t: s.update(k=s["k"][:1]), "one scheme per layer"),
-    (lambda s, t: s.update(v=["vecinfer-2"] * 2), "unknown scheme"),
+    (lambda s, t: s.update(k=[heads[:1] for heads in s["k"]]), "one scheme per layer"),
+    (lambda s, t: s.update(v=[["vecinfer-2"] * 2] * 2), "unknown scheme"),
     (lambda s, t: s.update(flush_step=0), "invalid plan settings"),
     (lambda s, t: t.update({"layers.9.k_codebook": torch.zeros(1)}), "does not use"),
 ])
@@ -246,7 +277,8 @@ def test_a_plan_needs_its_artifact():
                                           ({"candidates": ("turboquant-5",)}, "1..4"),
                                           ({"candidates": ("kivi-2-g8",)}, "--anchor"),
                                           ({"candidates": ("turboquant-2", "kivi-2-g32")}, "multiple of --group-size 32"),
-                                          ({"budget": float("nan")}, "--budget"), ({"windows": 0}, "--windows")])
+                                          ({"budget": float("nan")}, "--budget"), ({"windows": 0}, "--windows"),
+                                          ({"items": "token"}, "--items")])
 def test_bad_plan_settings_are_refused_before_anything_is_written(acts, tmp_path, tiny_lm, kwargs, match):
     args = {"budget": 2.25, "residual": 16, **kwargs}
     budget = args.pop("budget")
@@ -267,7 +299,7 @@ def test_replaying_the_layers_before_the_item_changes_no_sensitivity(tiny_lm, mo
     replayed = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2")
     monkeypatch.setattr(plan_module, "_decoder_layers", lambda model: [])
     assert torch.equal(replayed, measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2"))
-    assert (replayed[:, :, 0] > replayed[:, :, 2]).all()  # 1 bit hurts more than 3 in every item
+    assert (replayed[..., 0] > replayed[..., 2]).all()  # 1 bit hurts more than 3 in every item and head
 
 
 def test_coders_under_different_flush_rules_are_not_measured_together(tiny_lm):

@@ -97,18 +97,24 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
 
 
 def _plan(shape, residual: int = 16):
-    """A plan whose layers' keys and values take schemes of every family: TurboQuant at its own widths with
+    """A plan whose layers' KV heads take schemes of every family: TurboQuant at its own widths with
     per-coordinate codebooks (the oblivious one, stretched per coordinate so that no two coordinates
-    share centroids), KIVI and OScaR with key groups of 8."""
-    from kvcalib.methods.plan import Plan, parse_scheme
+    share centroids), KIVI and OScaR with key groups of 8; some layers one scheme for all heads."""
+    from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
     from kvcalib.methods.turboquant import codebook
 
     pool = ["turboquant-1", "oscar-2-g8", "turboquant-3", "kivi-2-g8", "turboquant-4", "kivi-3-g8"]
-    schemes = {"k": [parse_scheme(pool[i % len(pool)]) for i in range(shape.num_layers)],
-               "v": [parse_scheme(pool[(i + 3) % len(pool)]) for i in range(shape.num_layers)]}
+    h = shape.num_kv_heads
+
+    def layer(i, shift):
+        if i % 3 == 2:  # every head alike
+            return [parse_scheme(pool[(i + shift) % len(pool)])] * h
+        return [parse_scheme(pool[(i + shift + j) % len(pool)]) for j in range(h)]
+
+    schemes = {"k": [layer(i, 0) for i in range(shape.num_layers)], "v": [layer(i, 3) for i in range(shape.num_layers)]}
     stretch = torch.linspace(0.8, 1.2, shape.head_dim)[None, :, None]
-    books = {f"layers.{i}.{p}_codebook": (codebook(shape.head_dim, s.bits).float()[None, None] * stretch).half().float()
-             for p in ("k", "v") for i, s in enumerate(schemes[p]) if s.family == "turboquant"}
+    books = {codebook_name(i, p, s.bits): (codebook(shape.head_dim, s.bits).float()[None, None] * stretch).half().float()
+             for p in ("k", "v") for i, heads in enumerate(schemes[p]) for s in heads if s.family == "turboquant"}
     return Plan(shape, schemes, residual, 8, books, "layer")
 
 

@@ -9,9 +9,11 @@ Schemes (`parse_scheme`; one string each, as the plan's settings and `--candidat
 | `kivi-{b}-g{G}`    | KIVI, b bits, key groups of G tokens, value groups of min(G, d) channels  |
 | `oscar-{b}-g{G}`   | OScaR (Hadamard rotation, l2 per-token key scaling), b bits, groups of G  |
 
-Format: a flushed block is the pair (packed by the keys' scheme, packed by the values' scheme), each in
-that method's own layout (`kivi.py`, `oscar.py`, `turboquant.py`); its stored bits are the keys' part of
-the first and the values' part of the second (`Method.part_bits`). The reference reads each back with
+A plan chooses per layer and KV head (`kvcalib plan --items head`) or per layer (`--items layer`: every
+head of a layer takes the same scheme). Format: a flushed block of a layer is, for its keys and for its
+values, one block per group of KV heads that share a scheme, packed by that scheme in its own layout
+(`kivi.py`, `oscar.py`, `turboquant.py`; KV heads are independent in all three); its stored bits are the
+keys' parts of the key groups and the values' parts of the value groups (`Method.part_bits`). The reference reads each back with
 its scheme, in the original basis (OScaR's `decompress` rotates back), so the plan declares no rotated
 basis and no INT2 layout: the runtime runs the torch reference over it.
 
@@ -19,10 +21,10 @@ All schemes of a plan flush under one rule (`kvcalib.methods`): blockwise, block
 of `flush_step`, the least common multiple of every candidate's step when the plan was measured, so
 that a KIVI key group is always whole.
 
-Artifact (method `plan`): settings `k` and `v` (a scheme per layer), `budget`, `granularity` of the
-TurboQuant codebooks, `rotation_seed`, `flush_step`, `sink_tokens`, `residual_mode`; tensors
-`layers.{i}.k_codebook` / `layers.{i}.v_codebook` (G, d, 2^b) float16 for the items coded by
-TurboQuant only, counted once, 16 bits per centroid (`constant_bits`).
+Artifact (method `plan`): settings `k` and `v` (per layer, a scheme per KV head), `budget`, `items`,
+`granularity` of the TurboQuant codebooks, `rotation_seed`, `flush_step`, `sink_tokens`,
+`residual_mode`, `residual`; tensors `layers.{i}.{k,v}_codebook_b{b}` (G, d, 2^b) float16, one per
+layer, part and width that TurboQuant codes, counted once, 16 bits per centroid (`constant_bits`).
 """
 
 from __future__ import annotations
@@ -89,58 +91,84 @@ def common_flush_step(coders: list[Method]) -> int:
     return math.lcm(*(c.flush_step() for c in coders))
 
 
+def codebook_name(layer: int, part: str, bits: int) -> str:
+    """The artifact tensor of a layer's key or value codebook of `bits` bits (`part` k or v)."""
+    return f"layers.{layer}.{part}_codebook_b{bits}"
+
+
 @dataclass
 class PlanPacked:
     layer: int
-    k: Any  # the block as the keys' scheme packs it
-    v: Any  # the block as the values' scheme packs it (the same object when both parts share a scheme)
+    k: list[Any]  # per group of KV heads sharing a scheme (`Plan.groups`), the block as that scheme packs it
+    v: list[Any]
 
 
 class Plan(Method):
     name = "plan"
 
-    def __init__(self, shape: AttentionShape, schemes: dict[str, list[Scheme]], residual: int, flush_step: int,
+    def __init__(self, shape: AttentionShape, schemes: dict[str, list[list[Scheme]]], residual: int, flush_step: int,
                  books: dict[str, torch.Tensor], granularity: str):
-        """schemes: `k` and `v`, one scheme per layer; books: `layers.{i}.{k,v}_codebook` of every item
-        coded by TurboQuant."""
+        """schemes: `k` and `v`, per layer a scheme per KV head; books: `codebook_name(i, part, b)` (G, d, 2^b)
+        for every layer, part and width that TurboQuant codes (G = 1, or one per KV head with granularity head)."""
         self.shape, self.schemes, self.books, self.granularity = shape, schemes, books, granularity
         self.block, self.residual, self._flush_step = residual, residual, flush_step
-        self.coders: dict[str, list[Method]] = {part: [] for part in PARTS}
+        # groups[part][layer]: (heads, coder) for each scheme the layer's heads take, heads in ascending order
+        self.groups: dict[str, list[list[tuple[list[int], Method]]]] = {part: [] for part in PARTS}
         shared: dict[Scheme, Method] = {}  # KIVI and OScaR coders carry no per-layer data: one per scheme
         for i in range(shape.num_layers):
             for part in PARTS:
-                scheme = schemes[part][i]
-                if scheme.family == "turboquant":  # this item's codebook serves both slots; the other is never read
-                    book = books[f"layers.{i}.{part}_codebook"]
-                    self.coders[part].append(scheme_coder(scheme, shape, residual, [(book, book)] * shape.num_layers,
-                                                          granularity))
-                else:
-                    self.coders[part].append(shared.setdefault(scheme, scheme_coder(scheme, shape, residual)))
+                layer_groups = []
+                for scheme in dict.fromkeys(schemes[part][i]):
+                    heads = [h for h, s in enumerate(schemes[part][i]) if s == scheme]
+                    if scheme.family == "turboquant":  # one codebook serves both slots; the other is never read
+                        book = books[codebook_name(i, part, scheme.bits)]
+                        book = book[heads] if granularity == "head" else book
+                        coder = scheme_coder(scheme, shape, residual, [(book, book)] * shape.num_layers, granularity)
+                    else:
+                        coder = shared.setdefault(scheme, scheme_coder(scheme, shape, residual))
+                    layer_groups.append((heads, coder))
+                self.groups[part].append(layer_groups)
 
     def flush_step(self) -> int:
         return self._flush_step
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PlanPacked:
-        ck, cv = self.coders["k"][layer], self.coders["v"][layer]
-        pk = ck.compress(layer, k, v)
-        return PlanPacked(layer=layer, k=pk, v=pk if cv is ck else cv.compress(layer, k, v))
+        done: dict[tuple, Any] = {}  # a group whose keys and values share heads and coder is packed once
+        packed = {}
+        for part in PARTS:
+            packed[part] = []
+            for heads, coder in self.groups[part][layer]:
+                key = (id(coder), tuple(heads))
+                if key not in done:
+                    done[key] = coder.compress(layer, k[:, heads], v[:, heads])
+                packed[part].append(done[key])
+        return PlanPacked(layer=layer, k=packed["k"], v=packed["v"])
 
     def decompress(self, layer: int, packed: PlanPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        ck, cv = self.coders["k"][layer], self.coders["v"][layer]
-        if cv is ck:
-            return ck.decompress(layer, packed.k)
-        return ck.decompress(layer, packed.k)[0], cv.decompress(layer, packed.v)[1]
+        out = []
+        for w, part in enumerate(PARTS):
+            pieces = [(heads, coder.decompress(layer, p)[w])
+                      for (heads, coder), p in zip(self.groups[part][layer], getattr(packed, part))]
+            if len(pieces) == 1:
+                out.append(pieces[0][1])
+                continue
+            b, _, t, d = pieces[0][1].shape
+            x = pieces[0][1].new_empty(b, self.shape.num_kv_heads, t, d)
+            for heads, piece in pieces:
+                x[:, heads] = piece
+            out.append(x)
+        return out[0], out[1]
 
     def part_bits(self, packed: PlanPacked) -> tuple[int, int]:
-        ck, cv = self.coders["k"][packed.layer], self.coders["v"][packed.layer]
-        return ck.part_bits(packed.k)[0], cv.part_bits(packed.v)[1]
+        return tuple(sum(coder.part_bits(p)[w] for (_, coder), p in zip(self.groups[part][packed.layer], getattr(packed, part)))
+                     for w, part in enumerate(PARTS))
 
     def constant_bits(self) -> int:
         return 16 * sum(t.numel() for t in self.books.values())
 
     def settings(self) -> dict:
-        return {"k": [str(s) for s in self.schemes["k"]], "v": [str(s) for s in self.schemes["v"]],
-                "residual": self.residual, "flush_step": self._flush_step, "granularity": self.granularity}
+        return {part: [[str(s) for s in heads] for heads in self.schemes[part]] for part in PARTS} | {
+            "residual": self.residual, "flush_step": self._flush_step, "granularity": self.granularity}
 
 
 SETTINGS = ("residual",)
@@ -153,11 +181,12 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     schemes = {}
     for part in PARTS:
         names = s.get(part)
-        if not isinstance(names, list) or len(names) != shape.num_layers:
-            raise ArtifactError(f"artifact {path}: its plan must name one scheme per layer ({shape.num_layers}) "
-                                f"for {part}; make the plan again")
+        if (not isinstance(names, list) or len(names) != shape.num_layers
+                or any(not isinstance(n, list) or len(n) != shape.num_kv_heads for n in names)):
+            raise ArtifactError(f"artifact {path}: its plan must name one scheme per layer ({shape.num_layers}) and "
+                                f"KV head ({shape.num_kv_heads}) for {part}; make the plan again")
         try:
-            schemes[part] = [parse_scheme(str(n)) for n in names]
+            schemes[part] = [[parse_scheme(str(n)) for n in heads] for heads in names]
         except SettingsError as e:
             raise ArtifactError(f"artifact {path}: {e}") from None
     granularity, step = s.get("granularity"), s.get("flush_step")
@@ -167,10 +196,10 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     books = {}
     for i in range(shape.num_layers):
         for part in PARTS:
-            scheme = schemes[part][i]
-            if scheme.family == "turboquant":
-                name = f"layers.{i}.{part}_codebook"
-                books[name] = checked_codebook(art.tensors, name, (groups, shape.head_dim, 1 << scheme.bits), path).float()
+            for scheme in schemes[part][i]:
+                if scheme.family == "turboquant":
+                    name = codebook_name(i, part, scheme.bits)
+                    books[name] = checked_codebook(art.tensors, name, (groups, shape.head_dim, 1 << scheme.bits), path).float()
     extra = sorted(set(art.tensors) - set(books))
     if extra:
         raise ArtifactError(f"artifact {path} holds tensors its plan does not use ({extra[0]}, ...); make the plan again")

@@ -54,9 +54,9 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
-from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES
+from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS
 from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
-from .plan import PARTS, Plan, Scheme, common_flush_step, parse_scheme, scheme_coder
+from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks
 
@@ -76,16 +76,18 @@ def part_costs(coder: Method, shape: AttentionShape, tokens: int) -> tuple[float
 
 
 def item_costs(coders: dict[str, Method], shape: AttentionShape, residual: int, groups: int,
-               sink_tokens: int = 0, tokens: int = SHARED_BITS_TOKENS) -> torch.Tensor:
+               sink_tokens: int = 0, tokens: int = SHARED_BITS_TOKENS, items: str = "layer") -> torch.Tensor:
     """(2, candidates) bits per element of keys (0) and values (1) under each candidate: stored bits of a
-    flushed block, a TurboQuant codebook of `groups` x d x 2^b float16 centroids spread over `tokens`
-    tokens of every KV head, and 16 more bits per element of the float16 sinks in each
-    `SEQUENCE_TOKENS`-token window."""
+    flushed block; a TurboQuant codebook of `groups` x d x 2^b float16 centroids spread over `tokens`
+    tokens of the item's KV heads (every head for layer items; one for head items, so a codebook that
+    several heads of a layer share is counted once per head: the plan may spend less than it counts,
+    never more); and 16 more bits per element of the float16 sinks in each `SEQUENCE_TOKENS`-token window."""
+    item_heads = shape.num_kv_heads if items == "layer" else 1
     cost = torch.zeros(2, len(coders), dtype=torch.float64)
     for j, (name, coder) in enumerate(coders.items()):
         scheme = parse_scheme(name)
         book = 16 * groups * shape.head_dim * (1 << scheme.bits) if scheme.family == "turboquant" else 0
-        shared = book / (tokens * shape.num_kv_heads * shape.head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
+        shared = book / (tokens * item_heads * shape.head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
         cost[:, j] = torch.tensor(part_costs(coder, shape, residual), dtype=torch.float64) + shared
     return cost
 
@@ -144,17 +146,20 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str) -> torch.Tensor:
-    """s (layers, 2, len(coders)): the sensitivity of each layer's keys (0) and values (1) under each
-    coder, in the dict's order, over `windows` (module docstring): the KL divergence of the next-token
-    distributions when only that item is coded by `anchor`, scaled to the other coders by the item's
-    squared attention-output error. Every coder must flush under the same rule."""
+    """s (layers, 2, KV heads, len(coders)): the sensitivity of each layer's keys (0) and values (1), per
+    KV head, under each coder, in the dict's order, over `windows` (module docstring): the KL divergence
+    of the next-token distributions when only that layer's keys or values are coded by `anchor`, times
+    the squared attention-output error of the query heads that read the KV head under the coder, over
+    that of all query heads under `anchor`. (A query head reads one KV head, so coding all heads at once
+    gives each head's error exactly.) Summed over heads, the anchor's is the layer's KL. Every coder
+    must flush under the same rule."""
     shape = attention_shape(lm.config)
     names = list(coders)
     a = names.index(anchor)
     rule = {(c.block, c.window) for c in coders.values()}
     if len(rule) != 1:
         raise ValueError(f"the coders flush under different rules {rule}: a plan measures them under one")
-    err = torch.zeros(shape.num_layers, 2, len(names), dtype=torch.float64)
+    err = torch.zeros(shape.num_layers, 2, shape.num_kv_heads, len(names), dtype=torch.float64)
     kl = torch.zeros(shape.num_layers, 2, dtype=torch.float64)
     device = next(lm.model.parameters()).device
     block, window = rule.pop()
@@ -183,12 +188,17 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
     for window_ids in tqdm(windows, desc="plan: sensitivity", unit="window"):
         ids = window_ids.unsqueeze(0).to(device)
 
+        def per_kv_head(diff: torch.Tensor) -> torch.Tensor:
+            """Σ diff² over (B, Hq, T, d) per KV head: query heads j * g .. (j + 1) * g - 1 read KV head j."""
+            b, hq, t, d = diff.shape
+            return diff.double().pow(2).reshape(b, shape.num_kv_heads, -1).sum((0, 2)).cpu()
+
         def reference(layer: int, q, k, v, opts: AttentionOptions):
             k16, v16, flushed, ref = cache_of(k, v, q, opts)
             for j, name in enumerate(names):
                 held: Held = hold(coders[name], layer, k, v)
-                err[layer, 0, j] += (mixed_attention(q, k16, v16, opts, held.k, v16, flushed) - ref).double().pow(2).sum().cpu()
-                err[layer, 1, j] += (mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref).double().pow(2).sum().cpu()
+                err[layer, 0, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, held.k, v16, flushed) - ref)
+                err[layer, 1, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref)
             return ref
 
         hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
@@ -209,8 +219,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
 
             logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
             kl[target, which] += (ref_logp.exp() * (ref_logp - logp)).sum().cpu()
-    at_anchor = err[..., a : a + 1]
-    return torch.where(at_anchor > 0, kl[..., None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
+    at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
+    return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
 
 
 def plan_path(out: str | Path, budget: float, several: bool) -> Path:
@@ -241,7 +251,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               model: str | LoadedModel = DEFAULT_MODEL, candidates: Sequence[str] = PLAN_CANDIDATES,
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
               residual: int | None = None, sink_tokens: int = 0,
-              residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR) -> list[Path]:
+              residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
+              items: str = "layer") -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
@@ -260,6 +271,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     if sink_tokens < 0:
         raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
     check_residual_mode(residual_mode)
+    if items not in PLAN_ITEMS:
+        raise SettingsError(f"--items must be one of {', '.join(PLAN_ITEMS)}, got {items!r}")
     tq_bits = tuple(sorted({s.bits for s in schemes if s.family == "turboquant"}))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
     residual = DEFAULTS["residual"] if residual is None else residual
@@ -269,34 +282,39 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
+    heads = shape.num_kv_heads if items == "head" else 1  # items per layer and part
     # Costs depend on shapes only: measured on stand-in codebooks, so that a budget below the cheapest
     # plan is refused before any fit.
     standin = {b: {f"layers.{i}.{p}_codebook": torch.zeros(groups, shape.head_dim, 1 << b)
                    for i in range(shape.num_layers) for p in PARTS} for b in tq_bits}
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity)
-    cost = item_costs(coders, shape, residual, groups, sink_tokens).repeat(shape.num_layers, 1)  # items k0, v0, k1, ...
+    part_cost = item_costs(coders, shape, residual, groups, sink_tokens, items=items)
+    cost = part_cost.repeat_interleave(heads, 0).repeat(shape.num_layers, 1)  # items (layer, part, head) in order
     for b in budgets:
         solve(torch.zeros_like(cost), cost, b)
     tensors, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity)
     step = common_flush_step(list(coders.values()))
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor)
+    item_sens = sens if items == "head" else sens.sum(2, keepdim=True)  # (layers, 2, heads, candidates)
     names = list(coders)
     written = []
     for budget, path in zip(budgets, outs):
-        picks = solve(sens.reshape(2 * shape.num_layers, len(names)), cost, budget)
-        chosen = [schemes[j] for j in picks]  # items in order layer 0 keys, layer 0 values, layer 1 keys, ...
-        plan = {"k": chosen[0::2], "v": chosen[1::2]}
-        plan_tensors = {f"layers.{i}.{p}_codebook": tensors[plan[p][i].bits][f"layers.{i}.{p}_codebook"]
-                        for i in range(shape.num_layers) for p in PARTS if plan[p][i].family == "turboquant"}
+        picks = solve(item_sens.reshape(-1, len(names)), cost, budget)
+        chosen = [schemes[j] for j in picks]
+        # per part and layer, a scheme per KV head (layer items: the layer's one scheme for every head)
+        plan = {p: [[chosen[(i * 2 + w) * heads + (h if items == "head" else 0)] for h in range(shape.num_kv_heads)]
+                    for i in range(shape.num_layers)] for w, p in enumerate(PARTS)}
+        plan_tensors = {codebook_name(i, p, c.bits): tensors[c.bits][f"layers.{i}.{p}_codebook"]
+                        for i in range(shape.num_layers) for p in PARTS for c in plan[p][i] if c.family == "turboquant"}
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
-        settings = {"k": [str(c) for c in plan["k"]], "v": [str(c) for c in plan["v"]], "budget": budget,
-                    "residual": residual, "flush_step": step, "granularity": granularity, "rotation_seed": ROTATION_SEED,
-                    "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
+        settings = {p: [[str(c) for c in layer] for layer in plan[p]] for p in PARTS} | {
+            "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,
+            "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
                  "anchor": anchor, "windows": windows, "seq_len": seq_len,
-                 "sensitivity": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
-                 "cost_bits_per_element": {p: cost[w].tolist() for w, p in enumerate(PARTS)},
+                 "sensitivity_per_kv_head": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
+                 "cost_bits_per_element": {p: part_cost[w].tolist() for w, p in enumerate(PARTS)},
                  "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}
         log.info("plan at %.4f bits per element (budget %s): keys %s, values %s", predicted, budget,
                  settings["k"], settings["v"])
