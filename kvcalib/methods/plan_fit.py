@@ -5,7 +5,8 @@ Layers differ widely in how much a low-bit cache hurts them, and families differ
 TurboQuant codes each vector's direction against a calibrated per-coordinate codebook, KIVI and OScaR
 quantize keys per channel over groups of tokens. The plan chooses, for every layer and separately for
 its keys and its values (an "item"), a scheme from `--candidates` (`plan.parse_scheme`), to minimise the
-summed sensitivity of the items under a budget of average bits per cached element:
+summed sensitivity of the items under a budget of average bits per cached element. With `--items head`
+an item is one KV head's keys or values of a layer: heads of a layer may take different schemes.
 
 1. Codebooks: the calibrated per-coordinate codebooks of `fit-turboquant`
    (`turboquant_fit.fit_codebooks`) for every TurboQuant candidate's width, fitted on the collection.
@@ -19,6 +20,9 @@ summed sensitivity of the items under a budget of average bits per cached elemen
    s(item, c) = KL(item, anchor) · ‖Δo(item, c)‖² / ‖Δo(item, anchor)‖², since a small error in one
    layer's output moves the loss to second order (KL ≈ ½ Δoᵀ F Δo); across families this takes F as
    weighing the errors' directions alike, which one anchor cannot check (a KL per family would).
+   Per KV head: the error of the query heads that read that KV head (one coded forward gives every
+   head's, since a query head reads one KV head), over the item's whole error under the anchor, so
+   the heads' shares of the anchor sum to the layer's KL.
    Measured first: a diagonal Fisher estimate, ½ Σ (g ⊙ Δo)² with g the gradient of each window's
    summed loss (as KVQuant weighs its error), ranked items so badly that its plan at 2.25 bits lost to
    uniform 2 bits (perplexity 19.01 against 17.93): one summed gradient per window is a poor Fisher.
