@@ -17,7 +17,7 @@ flush (traced as torch ops, `kvcalib.quant.quantize`), and the fused attention s
 custom op (`torch.ops.kvcalib.int2_decode`). The compiled step is then captured like the eager one,
 in the decoder's own graph rather than by `mode="reduce-overhead"`: one graph for the whole step,
 with the warm-up and restore above, and no copies of the cache buffers into a graph pool. Inductor
-emulates the eager step's float16 roundings (`emulate_precision_casts`), so the flushed codes equal
+rounds as the eager step does (`compile_options`), so the flushed codes equal
 the eager step's bit for bit for the same float16 tokens; its reductions (RMSNorm's mean, the logits'
 matmul epilogue) are ordered differently, so the model's float16 activations, and through them the
 logits, differ from the eager step's by float16 round-off (tests/test_static_cache_gpu.py).
@@ -34,9 +34,19 @@ from ..errors import SettingsError
 from .static_cache import StaticKvcalibCache
 
 
-# Inductor rounds to float16 wherever the eager ops do (by default it may skip a round trip such as
-# `lo.half().float()`, which moves a quantization code across a rounding boundary).
-COMPILE_OPTIONS = {"emulate_precision_casts": True}
+def compile_options() -> dict[str, bool]:
+    """Inductor options under which the compiled step rounds as the eager one does: to float16 wherever
+    the eager ops do (by default Inductor may skip a round trip such as `lo.half().float()`), and float32
+    divisions correctly rounded (Triton's `/` is approximate); either moves a quantization code across
+    a rounding boundary now and then. The division switch is named by torch's version."""
+    from torch._inductor import config
+
+    options = {"emulate_precision_casts": True}
+    if hasattr(config, "eager_numerics"):
+        options["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):  # torch 2.10's spelling
+        options["emulate_divison_rounding"] = True
+    return options
 
 
 class Decoder:
@@ -48,7 +58,7 @@ class Decoder:
         device = cache.layers[0].flushed.device
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
-        self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS)
+        self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
                      if compile else self._forward)
 
     def _forward(self) -> torch.Tensor:
