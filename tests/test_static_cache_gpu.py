@@ -233,7 +233,8 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
     diff = (comp - eager).abs().amax(-1)  # (steps, B)
     print(f"compiled vs eager logits: max |diff| {diff.max().item():.4g} (|logits| up to {eager.abs().max().item():.3g}), "
           f"mean {diff.mean().item():.3g}, steps with equal logits {int((diff == 0).all(-1).sum())}/50")
-    assert diff.max() <= 0.02 * eager.abs().max()
+    # A few float16 ulps of the largest logit (seen on an H100: 1.5 ulps, 0.0015 at |logits| <= 1.92).
+    assert diff.max() <= 4 * 2**-10 * eager.abs().max()
     top2 = eager.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert torch.equal(comp.argmax(-1)[clear], eager.argmax(-1)[clear])
