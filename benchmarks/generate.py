@@ -10,7 +10,9 @@ Paths:
   the fast path transformers documents (prefill eager, decode steps compiled and graph-replayed);
 - `kivi128-dynamic`, `kivi32-dynamic`: KvcalibCache (KIVI-2, G=128 / 32, R=128), eager;
 - `kivi128-static`, `kivi32-static`: StaticKvcalibCache, the same step eager;
-- `kivi128-captured`, `kivi32-captured`: StaticKvcalibCache, the step replayed from one CUDA graph.
+- `kivi128-captured`, `kivi32-captured`: StaticKvcalibCache, the step replayed from one CUDA graph;
+- `kivi128-static-compiled`, `kivi32-static-compiled`: the same, the step compiled by `torch.compile`
+  (Inductor fusing the model's non-attention ops and the cache's flush) before it is captured.
 
 Each step is timed from the host (synchronised before and after), as a user calling the path sees it:
 the median and the 99th percentile over `--steps` steps, flush steps included (at R = 128, 256 steps
@@ -41,7 +43,8 @@ from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
 KIVI = {"kivi128": MethodSettings(2, 128, 128), "kivi32": MethodSettings(2, 32, 128)}
-PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in KIVI for how in ("dynamic", "static", "captured")]
+PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in KIVI
+                                                  for how in ("dynamic", "static", "captured", "static-compiled")]
 
 
 def llama8b_config(context: int) -> LlamaConfig:
@@ -119,7 +122,7 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
             c = model.config
             cache_bytes = lambda: 2 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * at[0]  # noqa: E731  (held, not allocated)
         else:
-            name, how = path.split("-")
+            name, how = path.split("-", 1)
             if how == "dynamic":
                 cache = KvcalibCache(lm, "kivi", KIVI[name])
                 first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
@@ -127,7 +130,8 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
                 cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
             else:
                 cache = StaticKvcalibCache(lm, "kivi", KIVI[name], max_batch=1, max_length=ctx + steps + 8)
-                decoder = CapturedDecoder(model, cache) if how == "captured" else Decoder(model, cache)
+                decoder = (Decoder(model, cache) if how == "static"
+                           else CapturedDecoder(model, cache, compile=how == "static-compiled"))
                 first = int(cache.prefill(model, 0, prompt).argmax())
                 step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"))[0].argmax())  # noqa: E731
                 cache_bytes = lambda: int2_bytes(cache.lengths[0], KIVI[name], model.config)  # noqa: E731

@@ -99,13 +99,13 @@ def _block_untranspose(x: torch.Tensor) -> torch.Tensor:
 def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
     """2-bit words of kvcalib.quant (keys (..., T/16, D) packed along tokens, values (..., T, D/16)
     along channels) to the tensor-core order, as (..., T/16, D): `kernels_cupy/reorder.cu` on CUDA,
-    `to_tensor_core_order` elsewhere (the two are tested equal bit for bit)."""
+    `to_tensor_core_order` elsewhere and under `torch.compile` (the two are tested equal bit for bit)."""
     if which == "k":
         *lead, nb, d = words.shape
     else:
         *lead, t, w = words.shape
         nb, d = t // 16, 16 * w
-    if not words.is_cuda:
+    if not words.is_cuda or torch.compiler.is_compiling():
         codes = unpack_bits(words, 2, -2, 16 * nb) if which == "k" else unpack_bits(words, 2, -1, d)
         return to_tensor_core_order(codes, which)
     import cupy

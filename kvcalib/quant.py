@@ -129,11 +129,12 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
     """Asymmetric round-to-nearest quantization of x (..., T, C) in groups along `axis`.
 
     On CUDA with cupy installed, `kernels_cupy/quantize.cu` computes it (bit for bit the same: the GPU
-    tests compare the two); elsewhere these torch ops.
+    tests compare the two); elsewhere these torch ops, and under `torch.compile` too, which fuses them
+    into the code around them.
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
-    if x.is_cuda and importlib.util.find_spec("cupy") is not None:
+    if not torch.compiler.is_compiling() and x.is_cuda and importlib.util.find_spec("cupy") is not None:
         return _quantize_cuda(x, bits, group_size, axis)
     return _quantize_torch(x, bits, group_size, axis)
 

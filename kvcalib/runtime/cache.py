@@ -22,8 +22,8 @@ model's attention runs through the registered attention function `kvcalib_runtim
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
+import threading
 from typing import Any
 
 import torch
@@ -39,7 +39,9 @@ from ..models import LoadedModel, attention_shape
 from .int2_kernel import fused_decode, supports
 
 IMPLEMENTATION = "kvcalib_runtime"
-_CURRENT: contextvars.ContextVar[tuple["CompressedLayer", int] | None] = contextvars.ContextVar("kvcalib_layer", default=None)
+# The layer a cache update hands to the attention call that follows it, per thread. A threading.local
+# rather than a ContextVar: torch.compile traces its attributes (a ContextVar's set breaks the graph).
+_CURRENT = threading.local()
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -180,18 +182,18 @@ class KvcalibCache(Cache):
 def hand_to_attention(layer, arg) -> None:
     """Tell the attention call that follows a cache update which layer object it attends over, and
     its argument (`before` for a CompressedLayer, `prefill` for a static layer)."""
-    _CURRENT.set((layer, arg))
+    _CURRENT.layer = (layer, arg)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The model's attention while a KvcalibCache is in use; plain exact attention otherwise."""
     opts = AttentionOptions.of_call(query, scaling, kwargs)
-    current = _CURRENT.get()
+    current = getattr(_CURRENT, "layer", None)
     if current is None or current[0].layer != module.layer_idx:
         out = mixed_attention(query, key, value, opts)  # no compressed cache: exact attention
     else:
         layer, before = current
-        _CURRENT.set(None)
+        _CURRENT.layer = None
         if hasattr(layer, "attend"):  # a static cache's layer (kvcalib.runtime.static_cache) attends itself
             out = layer.attend(query, key, value, opts, before)
         elif layer.rows is None:

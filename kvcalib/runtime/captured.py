@@ -2,6 +2,7 @@
 
     decoder = CapturedDecoder(model, cache)   # warms up and captures one step for the cache's batch
     logits = decoder.step(tokens)             # (B,) each slot's newest token -> (B, vocab) float
+    CapturedDecoder(model, cache, compile=True)  # the step compiled by torch.compile, then captured
 
 The step is the model's forward on one token per slot, at each slot's own position (read from the
 cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
@@ -9,6 +10,18 @@ it: nothing in it depends on a host value that changes between steps, so one cap
 position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
 Capturing needs a warm-up run, which appends a token: the counts are restored after it, and what it
 wrote lies past them, where the next real step overwrites it.
+
+`compile=True` runs the step through `torch.compile(fullgraph=True)` first: Inductor fuses the model's
+non-attention ops (norms, rotary, MLP activations, residual adds) and the cache's append and masked
+flush (traced as torch ops, `kvcalib.quant.quantize`), and the fused attention stays one opaque
+custom op (`torch.ops.kvcalib.int2_decode`). The compiled step is then captured like the eager one,
+in the decoder's own graph rather than by `mode="reduce-overhead"`: one graph for the whole step,
+with the warm-up and restore above, and no copies of the cache buffers into a graph pool. Inductor
+rounds as the eager step does (`compile_options`), so the flushed codes equal
+the eager step's bit for bit for the same float16 tokens; its fused kernels (RMSNorm's reduction among
+them) order their float32 sums differently from eager's, so the model's float16 activations, and through
+them the logits, differ from the eager step's by float16 round-off: on an H100, 1.5 float16 ulps of
+the largest logit at most over 50 steps with flushes (tests/test_static_cache_gpu.py holds it to 4).
 
 `generate` serves a list of prompts through the slots: each prompt prefilled alone into a free slot,
 greedy steps for the whole batch, a finished sequence's slot refilled with the next prompt.
@@ -22,14 +35,32 @@ from ..errors import SettingsError
 from .static_cache import StaticKvcalibCache
 
 
-class Decoder:
-    """One decode step over a `StaticKvcalibCache`, run eagerly; `CapturedDecoder` replays it from a graph."""
+def compile_options() -> dict[str, bool]:
+    """Inductor options under which the compiled step rounds as the eager one does: to float16 wherever
+    the eager ops do (by default Inductor may skip a round trip such as `lo.half().float()`), and float32
+    divisions correctly rounded (Triton's `/` is approximate); either moves a quantization code across
+    a rounding boundary now and then. The division switch is named by torch's version."""
+    from torch._inductor import config
 
-    def __init__(self, model, cache: StaticKvcalibCache):
+    options = {"emulate_precision_casts": True}
+    if hasattr(config, "eager_numerics"):
+        options["eager_numerics.division_rounding"] = True
+    elif hasattr(config, "emulate_divison_rounding"):  # torch 2.10's spelling
+        options["emulate_divison_rounding"] = True
+    return options
+
+
+class Decoder:
+    """One decode step over a `StaticKvcalibCache`, run eagerly (or compiled, `compile=True`);
+    `CapturedDecoder` replays it from a graph."""
+
+    def __init__(self, model, cache: StaticKvcalibCache, compile: bool = False):
         self.model, self.cache = model, cache
         device = cache.layers[0].flushed.device
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
+        self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
+                     if compile else self._forward)
 
     def _forward(self) -> torch.Tensor:
         self.positions.copy_(self.cache.positions())
@@ -45,24 +76,27 @@ class Decoder:
         """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab)."""
         self._take(tokens)
         with torch.no_grad():
-            return self._forward()
+            return self._run()
 
 
 class CapturedDecoder(Decoder):
-    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2):
-        super().__init__(model, cache)
+    """`Decoder`'s step captured in one CUDA graph (compiled first with `compile=True`; the warm-up runs
+    compile it) and replayed at every step."""
+
+    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
+        super().__init__(model, cache, compile)
         device = self.ids.device
         saved = [(layer.flushed.clone(), layer.residual.clone()) for layer in cache.layers]
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):
-                self._forward()
+                self._run()
                 self._restore(saved)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = self._forward()
+            self.logits = self._run()
         self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
 
     def _restore(self, saved) -> None:
@@ -81,13 +115,14 @@ class CapturedDecoder(Decoder):
 
 
 def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,
-             captured: bool = True) -> list[list[int]]:
+             captured: bool = True, compile: bool = False) -> list[list[int]]:
     """Greedy continuations of `prompts` ((T,) token ids each), `max_new_tokens` each, served through
-    the cache's slots: a finished sequence leaves its slot and the next prompt is prefilled into it."""
+    the cache's slots: a finished sequence leaves its slot and the next prompt is prefilled into it.
+    `captured`, `compile`: the decode step replayed from a CUDA graph, compiled (`Decoder`)."""
     if max_new_tokens < 1:
         raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
     device = cache.layers[0].flushed.device
-    decoder = CapturedDecoder(model, cache) if captured else Decoder(model, cache)
+    decoder = CapturedDecoder(model, cache, compile=compile) if captured else Decoder(model, cache, compile)
     queue = list(enumerate(prompts))
     out: list[list[int]] = [[] for _ in prompts]
     live: dict[int, int] = {}  # slot -> prompt index

@@ -71,10 +71,33 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own counts, read by the
     kernel (a static cache: the launch does not change from step to step and can be captured in a
     CUDA graph); `layer.length` and `layer.residual` are then the capacities the launch is sized for.
+
+    The launch is the custom op `torch.ops.kvcalib.int2_decode`, so `torch.compile` traces a step
+    through it (it reads its inputs and writes only its fresh output) without a graph break.
     """
+    num, den = (c.float().contiguous() for c in correction) if correction is not None else (None, None)
+    flushed, residual = counts if counts is not None else (None, None)
+    return torch.ops.kvcalib.int2_decode(
+        q, layer.kcodes, layer.kscale, layer.kzero, layer.knorm, layer.vcodes, layer.vscale, layer.vzero,
+        layer.kres, layer.vres, num, den, flushed, residual, layer.length, layer.residual, layer.group_size,
+        layer.value_group_size, scaling, loader, checked)
+
+
+@torch.library.custom_op("kvcalib::int2_decode", mutates_args=())
+def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kzero: torch.Tensor,
+                 knorm: torch.Tensor | None, vcodes: torch.Tensor, vscale: torch.Tensor, vzero: torch.Tensor,
+                 kres: torch.Tensor, vres: torch.Tensor, num: torch.Tensor | None, den: torch.Tensor | None,
+                 flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
+                 group_size: int, value_group_size: int, scaling: float, loader: str, checked: bool) -> torch.Tensor:
+    """`fused_decode` with the PackedLayer spelled out as the op's arguments (a custom op takes tensors
+    and scalars only); it checks the inputs and launches on torch's current stream."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
+
+    layer = PackedLayer(kcodes, kscale, kzero, vcodes, vscale, vzero, kres, vres, length, residual_len, group_size,
+                        value_group_size, knorm)
+    counts = (flushed, residual) if flushed is not None else None
 
     b, hq, d = q.shape
     hkv = layer.kcodes.shape[1]
@@ -104,7 +127,6 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     q = q.contiguous()
-    num, den = (c.float().contiguous() for c in correction) if correction is not None else (None, None)
     scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
     i32 = cupy.int32
     # Raw device pointers: cupy.asarray on each tensor would cost more than the kernel at short lengths.
@@ -124,3 +146,9 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
         launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
     return out
+
+
+@_int2_decode.register_fake
+def _(q: torch.Tensor, *args) -> torch.Tensor:
+    b, hq, d = q.shape
+    return q.new_empty(b, hq, d)
