@@ -4,6 +4,7 @@ same name; errors a user can cause come out as one line on stderr and exit code 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
@@ -281,7 +282,19 @@ def _out_of_memory(args: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the command line `argv` (the program's own arguments when None, as the `kvcalib` program)."""
     args = sys.argv[1:] if argv is None else argv
+    try:
+        _run(args)
+    finally:
+        if argv is None:
+            # The work is done and its outputs complete: a Ctrl-C while the interpreter shuts down
+            # (torch's teardown takes a while) ends the process at once instead of printing a traceback
+            # from whichever exit handler it interrupts.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _run(args: list[str]) -> None:
     try:
         cli.main(args=args, prog_name="kvcalib", standalone_mode=False)
     except click.exceptions.Abort:
