@@ -3,7 +3,7 @@
 A reader therefore sees either the previous file or the complete new one, never a half-written one.
 A run interrupted by an exception or Ctrl-C removes its temporary; a killed one leaves a `.tmp-{pid}-*`
 name, which loaders ignore and the next write of the same path removes once that process is gone.
-A full disk (or quota) while writing is a `OutputError` naming the path, with nothing left behind.
+A full disk (or quota) while writing is an `OutputError` naming the path, with nothing left behind.
 `exclusive` holds a lock file so that two processes never write into one directory at once.
 """
 
@@ -36,8 +36,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's live process
-        return True
+    except PermissionError:  # another user's process, alive
+        pass
     return True
 
 
@@ -48,7 +48,7 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_stale(path: Path) -> None:
+def _remove_stale(path: Path) -> None:
     """Remove the temporaries that killed writers of `path` left beside it (their pid is gone)."""
     for tmp in path.parent.glob(f".tmp-*-*-{glob.escape(path.name)}"):
         pid = tmp.name.split("-")[1]
@@ -60,7 +60,7 @@ def remove_stale(path: Path) -> None:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path (file or directory) that replaces `path` when the block succeeds."""
     path = Path(path)
-    remove_stale(path)
+    _remove_stale(path)
     tmp = tmp_name(path)
     try:
         yield tmp

@@ -144,7 +144,7 @@ def _resolve(spec: str) -> tuple[str, dict]:
     looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or os.sep * 2 in spec or spec.count("/") > 1
     if looks_like_path:
         raise ModelLoadError(f"model path {spec} does not exist")
-    return spec, {}
+    return spec, {"use_safetensors": True}
 
 
 def _hub_message(spec: str, err: Exception) -> str:
