@@ -16,13 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from . import __version__
 from .atomic import atomic_path, ensure_writable_dir
 from .errors import ArtifactError
 from .models import check_fingerprint
+from .tensorfile import check_finite, read_tensors, tensor_bytes
 
 FORMAT_VERSION = 1
 TENSORS = "tensors.safetensors"
@@ -64,11 +63,23 @@ def save_artifact(path: str | Path, method: str, settings: dict, fingerprint: di
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_path(path) as tmp:
         tmp.mkdir()
-        save_file(tensors, str(tmp / TENSORS))
+        (tmp / TENSORS).write_bytes(tensor_bytes(tensors))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if run:
             (tmp / RUN).write_text(json.dumps(run, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def check_format(manifest, kind: str, version: int, what: str) -> None:
+    """Refuse a manifest of another kind or format version; a newer one asks for a newer kvcalib."""
+    found = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("kind") != kind or not isinstance(found, int):
+        raise ArtifactError(f"{what} has no valid {kind} manifest; make it again with kvcalib")
+    if found > version:
+        raise ArtifactError(f"{what} has format version {found}, written by a newer kvcalib (this is {__version__}, "
+                            f"which reads version {version}); upgrade kvcalib")
+    if found != version:
+        raise ArtifactError(f"{what} has format version {found}, which this kvcalib no longer reads; make it again")
 
 
 def load_artifact(path: str | Path, method: str | None = None, model=None) -> Artifact:
@@ -78,11 +89,14 @@ def load_artifact(path: str | Path, method: str | None = None, model=None) -> Ar
         raise ArtifactError(f"{path} is not a kvcalib artifact (expected {MANIFEST} and {TENSORS} in a directory)")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
-        tensors = load_file(str(path / TENSORS))
-    except (json.JSONDecodeError, UnicodeDecodeError, SafetensorError, OSError) as err:
+        raw = (path / TENSORS).read_bytes()
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as err:
         raise ArtifactError(f"artifact {path} is corrupted: {str(err).splitlines()[0]}") from err
-    if manifest.get("kind") != "artifact" or manifest.get("format_version") != FORMAT_VERSION:
-        raise ArtifactError(f"artifact {path} has an unknown format (need format_version {FORMAT_VERSION})")
+    check_format(manifest, "artifact", FORMAT_VERSION, f"artifact {path}")
+    missing = {"method", "settings", "model_fingerprint", "tensors", "extra"} - set(manifest)
+    if missing:
+        raise ArtifactError(f"artifact {path} is corrupted: its manifest lacks {', '.join(sorted(missing))}")
+    tensors = read_tensors(raw, f"artifact {path}")
     if method is not None and manifest["method"] != method:
         raise ArtifactError(f"artifact {path} is for method {manifest['method']!r}, not {method!r}")
     expected = manifest["tensors"]
@@ -91,6 +105,7 @@ def load_artifact(path: str | Path, method: str | None = None, model=None) -> Ar
     for name, t in tensors.items():
         if _checksum(t) != expected[name]["sha256"]:
             raise ArtifactError(f"artifact {path} is corrupted: checksum mismatch in tensor {name}")
+    check_finite(tensors, f"artifact {path}")
     if model is not None:
         check_fingerprint(manifest["model_fingerprint"], model, f"artifact {path}")
     return Artifact(method=manifest["method"], settings=manifest["settings"],

@@ -4,6 +4,7 @@ same name; errors a user can cause come out as one line on stderr and exit code 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import click
@@ -14,8 +15,27 @@ from .defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS, RESIDU
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
 
+# What each command's GPU memory grows with: the option an out-of-memory error tells the user to lower.
+_MEMORY_OPTIONS = {
+    "collect": "--seq-len (one sample runs at a time)",
+    "eval": "--seq-len (one window runs at a time)",
+    "plan": "--seq-len or --windows",
+    "train-adapters": "--tokens or --rank",
+    "fit-codebook": "--max-points-per-centroid",
+    "fit-turboquant": "the collection's size (--num-samples or --max-tokens when collecting)",
+    "diagnose": "--max-samples",
+    "run": "the recipe's seq_len or num_samples",
+}
+
+
+def _trust_remote_code(fn):
+    return click.option("--trust-remote-code", is_flag=True,
+                        help="Let transformers run the model's own Python code, if its config asks for it "
+                             "(off: such a model is refused).")(fn)
+
 
 def _common(fn):
+    fn = _trust_remote_code(fn)
     fn = click.option("--seq-len", type=int, default=None, help="Tokens per window.")(fn)
     fn = click.option("--num-samples", type=int, default=None, help="Number of windows.")(fn)
     fn = click.option("--text-field", default="text", show_default=True, help="Field holding the text (json/parquet/hub).")(fn)
@@ -52,12 +72,12 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sub-sampling.")
 @click.option("--max-tokens", type=int, default=None, help="Cap on stored tokens per layer (seeded sub-sampling).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (resumes if it holds a partial run).")
-def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_tokens, out) -> None:
+def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, seed, max_tokens, out) -> None:
     """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
     from .collect import collect
 
     path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
-                   **_given(num_samples=num_samples, seq_len=seq_len))
+                   trust_remote_code=trust_remote_code, **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(f"activations written to {path}")
 
 
@@ -81,8 +101,8 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, seed, max_toke
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
-def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, group_size, residual, scaling, rotation,
-             sink_tokens, residual_mode, artifacts, json_path) -> None:
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, method, bits, group_size, residual,
+             scaling, rotation, sink_tokens, residual_mode, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .report import result_table
@@ -90,7 +110,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, method, bits, gro
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, artifacts=artifacts, json_path=json_path,
-                      **_given(num_samples=num_samples, seq_len=seq_len))
+                      trust_remote_code=trust_remote_code, **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
 
@@ -141,13 +161,14 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -
 @click.option("--residual", type=int, default=DEFAULTS["residual"], show_default=True)
 @click.option("--scaling", default=DEFAULTS["scaling"], show_default=True, help="Key coefficient l2|rsqrt|max|mean-abs|none.")
 @click.option("--rotation/--no-rotation", default=DEFAULTS["rotation"], show_default=True)
+@_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, out) -> None:
+def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, trust_remote_code, out) -> None:
     """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""
     from .methods.oscar_fit import save_oscar_artifact
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
-                               scaling=scaling, rotation=rotation)
+                               scaling=scaling, rotation=rotation, trust_remote_code=trust_remote_code)
     click.echo(f"artifact written to {path}")
 
 
@@ -216,16 +237,17 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
+@_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
-             residual_mode, out) -> None:
+             residual_mode, trust_remote_code, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
                           candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
-                          sink_tokens=sink_tokens, residual_mode=residual_mode):
+                          sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code):
         click.echo(f"plan written to {path}")
 
 
@@ -242,21 +264,41 @@ def report_cmd(results, out) -> None:
 @cli.command("run")
 @click.argument("recipe", type=click.Path())
 @click.option("--model", default=None, help="Override the recipe's model.")
-def run_cmd(recipe, model) -> None:
+@_trust_remote_code
+def run_cmd(recipe, model, trust_remote_code) -> None:
     """Run the steps of a recipe (a TOML pipeline under recipes/) in order."""
     from .evaluate import EvalResult
     from .recipes import run_recipe
     from .report import result_table
 
-    done = run_recipe(recipe, model=model)
+    done = run_recipe(recipe, model=model, trust_remote_code=trust_remote_code)
     evals = [(step.label, out) for step, out in done if isinstance(out, EvalResult)]
     if evals:
         click.echo(result_table([r for _, r in evals], [label for label, _ in evals]))
 
 
+def _out_of_memory(args: list[str]) -> str:
+    command = next((a for a in args if a in cli.commands), None)
+    lower = _MEMORY_OPTIONS.get(command, "the model or data size")
+    return f"out of GPU memory in {command or 'kvcalib'}; lower {lower}, or free the GPU of other processes"
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run the command line `argv` (the program's own arguments when None, as the `kvcalib` program)."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        cli.main(args=argv, prog_name="kvcalib", standalone_mode=False)
+        _run(args)
+    finally:
+        if argv is None:
+            # The work is done and its outputs complete: a Ctrl-C while the interpreter shuts down
+            # (torch's teardown takes a while) ends the process at once instead of printing a traceback
+            # from whichever exit handler it interrupts.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _run(args: list[str]) -> None:
+    try:
+        cli.main(args=args, prog_name="kvcalib", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("kvcalib: interrupted", err=True)
         sys.exit(130)
@@ -265,6 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except KvcalibError as err:
         click.echo(f"kvcalib: error: {err}", err=True)
+        sys.exit(2)
+    except Exception as err:
+        torch = sys.modules.get("torch")  # loaded by any command that can run out of GPU memory
+        if torch is None or not isinstance(err, torch.OutOfMemoryError):
+            raise
+        click.echo(f"kvcalib: error: {_out_of_memory(args)}", err=True)
         sys.exit(2)
 
 

@@ -13,11 +13,14 @@ S is the number of samples in the chunk and m the number of token positions kept
 same seeded random subset of positions in every layer, in order). Samples run one at a time and a
 chunk is written as soon as it is done, so memory stays bounded by one chunk. Every shard is
 written under a temporary name and renamed, so a file with a shard name is always complete;
-re-running into the same directory with the same settings skips the chunks already written.
+re-running into the same directory with the same settings skips the chunks already written (after
+checking each against the manifest of the earlier run, if it finished, so a damaged shard is
+recorded again). `OUT/.lock` keeps a second `collect` out of a directory that one is writing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -26,16 +29,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from . import __version__
-from .atomic import atomic_path, ensure_writable_dir, write_json
+from .artifacts import check_format
+from .atomic import atomic_path, ensure_writable_dir, exclusive, write_json
 from .attention import AttentionOptions, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .errors import ArtifactError, SettingsError
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
+from .tensorfile import check_finite, read_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +79,63 @@ def _sha256(path: Path) -> str:
 
 def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
             text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
-            max_tokens: int | None = None, chunk_size: int = 8) -> Path:
-    """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`."""
+            max_tokens: int | None = None, chunk_size: int = 8, trust_remote_code: bool = False) -> Path:
+    """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
+
+    One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
+    before its first shard removes the directory it created, a later one leaves its shards to resume."""
     config = CollectConfig(dataset, text_field, num_samples, seq_len, seed, max_tokens, chunk_size)
     if num_samples < 1 or chunk_size < 1 or (max_tokens is not None and max_tokens < 1):
         raise SettingsError("--num-samples, --max-tokens and the chunk size must be positive")
     out = ensure_writable_dir(out)
-    lm = load_model(model)
-    check_seq_len(lm.config, seq_len)
-    windows = token_windows(lm.tokenizer, dataset, "calibration", num_samples, seq_len, text_field)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    unstarted = False
+    try:
+        with exclusive(out, "a collection into"):
+            try:
+                return _record(out, config, model, trust_remote_code)
+            except BaseException:
+                unstarted = created and not any(out.glob("layer*.safetensors"))
+                if unstarted:
+                    (out / "plan.json").unlink(missing_ok=True)
+                raise
+    finally:
+        if unstarted:
+            with contextlib.suppress(OSError):  # not empty: another process has started in it since
+                out.rmdir()
+
+
+def _intact(path: Path, sha256: str | None) -> bool:
+    """Whether a shard left by an earlier run is whole: its checksum in that run's manifest when there
+    is one, else a valid safetensors file (a shard is renamed into place only once written)."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return False
+    if sha256 is not None:
+        return hashlib.sha256(raw).hexdigest() == sha256
+    try:
+        read_tensors(raw, str(path))
+    except ArtifactError:
+        return False
+    return True
+
+
+def _earlier_checksums(out: Path) -> dict[str, str]:
+    try:
+        return json.loads((out / "manifest.json").read_text())["shards"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool) -> Path:
+    lm = load_model(model, trust_remote_code=trust_remote_code)
+    check_seq_len(lm.config, config.seq_len)
+    windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
+                            config.text_field)
     shape = attention_shape(lm.config)
+    num_samples, chunk_size = config.num_samples, config.chunk_size
     plan = {
         "format_version": FORMAT_VERSION,
         "kind": "activations",
@@ -96,7 +146,6 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
         "settings": asdict(config),
         "tokens_per_layer": num_samples * config.kept_per_sample(),
     }
-    out.mkdir(parents=True, exist_ok=True)
     plan_path = out / "plan.json"
     if plan_path.exists():
         if json.loads(plan_path.read_text()) != plan:
@@ -107,6 +156,13 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
         stale.unlink()
 
     num_chunks = math.ceil(num_samples / chunk_size)
+    earlier = _earlier_checksums(out)
+    for i in range(shape.num_layers):
+        for c in range(num_chunks):
+            path = out / shard_name(i, c)
+            if path.exists() and not _intact(path, earlier.get(path.name)):
+                log.warning("%s is damaged; recording it again", path)
+                path.unlink()
     todo = [c for c in range(num_chunks)
             if not all((out / shard_name(i, c)).exists() for i in range(shape.num_layers))]
     device = next(lm.model.parameters()).device
@@ -128,10 +184,10 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
         for layer, tensors in store.items():
             if (out / shard_name(layer, chunk)).exists():
                 continue
-            data = {name: torch.stack(xs).contiguous() for name, xs in tensors.items()}
+            data = {name: torch.stack(xs) for name, xs in tensors.items()}
             data["positions"] = pos_tensor
             with atomic_path(out / shard_name(layer, chunk)) as tmp:
-                save_file(data, str(tmp))
+                tmp.write_bytes(tensor_bytes(data))
     bar.close()
 
     manifest = dict(plan)
@@ -158,9 +214,9 @@ class Activations:
         try:
             self.manifest = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ArtifactError(f"{path} is corrupted: {err}") from err
-        if self.manifest.get("kind") != "activations" or self.manifest.get("format_version") != FORMAT_VERSION:
-            raise ArtifactError(f"{path} is not an activation manifest of format {FORMAT_VERSION}")
+            raise ArtifactError(f"{path} is corrupted ({err}); run `kvcalib collect` into {self.directory} again "
+                                "with the same settings (it checks and keeps the intact shards)") from err
+        check_format(self.manifest, "activations", FORMAT_VERSION, f"collection {self.directory}")
 
     @property
     def num_layers(self) -> int:
@@ -187,6 +243,8 @@ class Activations:
             except OSError as err:
                 raise ArtifactError(f"activation shard {path} is missing: {err.strerror}") from err
             if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][name]:
-                raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); collect again")
-            parts.append(load_safetensors(raw))
+                raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); run `kvcalib collect` "
+                                    f"into {self.directory} again with the same settings: it records that shard anew")
+            parts.append(read_tensors(raw, f"activation shard {path}"))
+            check_finite(parts[-1], f"activation shard {path}")
         return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}

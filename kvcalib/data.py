@@ -73,6 +73,17 @@ def _pydoc(part: Part) -> Iterator[str]:
         yield from _stdlib_docstrings()
 
 
+def _check_utf8(path: Path, spec: str) -> None:
+    """datasets reports a file that is not text as "an error occurred while generating the dataset"."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            while f.read(1 << 20):
+                pass
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"dataset {spec} is not UTF-8 text (byte {err.start} cannot be decoded); give a text "
+                           "file, or .jsonl/.parquet with --text-field") from None
+
+
 def _datasets_rows(spec: str, text_field: str, part: Part) -> Iterator[str]:
     import datasets
 
@@ -85,6 +96,10 @@ def _datasets_rows(spec: str, text_field: str, part: Part) -> Iterator[str]:
         builder = _LOCAL_BUILDERS.get(path.suffix)
         if builder is None:
             raise DatasetError(f"dataset file {spec}: unsupported type; use .txt, .json, .jsonl or .parquet")
+        if path.stat().st_size == 0:
+            raise DatasetError(f"dataset {spec} ({part} part) holds no text")
+        if builder == "text":
+            _check_utf8(path, spec)
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:  # datasets wraps parse errors in many types

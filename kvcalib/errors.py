@@ -19,3 +19,7 @@ class ArtifactError(KvcalibError):
 
 class SettingsError(KvcalibError):
     """Options that contradict each other or the model."""
+
+
+class OutputError(KvcalibError):
+    """An output cannot be written: no room on the device, or another process writes it."""

@@ -78,7 +78,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
              rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
-             artifacts: str | None = None, json_path: str | None = None) -> EvalResult:
+             artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
@@ -88,7 +88,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
-    lm = load_model(model)
+    lm = load_model(model, trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)

@@ -24,7 +24,8 @@ def block_size(n: int) -> int:
 def _matrix(n: int) -> torch.Tensor:
     b = block_size(n)
     if b < 2:
-        raise SettingsError(f"head_dim {n} is odd: no Hadamard rotation exists; disable the rotation for this model")
+        raise SettingsError(f"head_dim {n} is odd: no Hadamard rotation exists; use a method that does not rotate "
+                            "(kivi, turboquant, oscar --no-rotation, fit-codebook --no-hadamard)")
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < b:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)

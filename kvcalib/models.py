@@ -5,6 +5,12 @@ A model spec is one of:
 - a local Hugging Face directory (config.json + weights, or a single .gguf inside);
 - a path to a .gguf file;
 - a hub id such as `HuggingFaceTB/SmolLM2-135M-Instruct` (needs network access).
+
+Loading runs no code from the model: weights are read from safetensors or GGUF only (never a
+pickle-based .bin), and a model whose config asks for its own Python code (`auto_map`) is refused
+unless `trust_remote_code` is given. kvcalib works on decoders whose attention runs through
+transformers' attention interface; other architectures (Mamba, Falcon, ...) are refused when loaded,
+a GGUF file's before its weights are read.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import logging
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -48,6 +55,63 @@ class LoadedModel:
         return self.model.config
 
 
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING = 8
+
+
+def gguf_architecture(path: Path) -> str | None:
+    """`general.architecture` of a GGUF file, read from its first key-value pairs (gguf's own reader
+    parses every tensor first, seconds for a large file); None if it is not among them."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"model file {path} is not a GGUF file (no GGUF magic number)")
+        _version, _tensors, pairs = struct.unpack("<IQQ", f.read(20))
+        for _ in range(min(pairs, 64)):
+            (length,) = struct.unpack("<Q", f.read(8))
+            key = f.read(min(length, 1024)).decode("utf-8", "replace")
+            (kind,) = struct.unpack("<I", f.read(4))
+            if kind == _GGUF_STRING:
+                (length,) = struct.unpack("<Q", f.read(8))
+                value = f.read(min(length, 1024))
+                if key == "general.architecture":
+                    return value.decode("utf-8", "replace")
+            elif kind in _GGUF_SCALAR_BYTES:
+                f.read(_GGUF_SCALAR_BYTES[kind])
+            else:  # an array: the architecture comes before any in files written by llama.cpp and gguf
+                return None
+    return None
+
+
+def _check_attention(model_class, model_type: str, spec: str) -> None:
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise ModelLoadError(
+            f"model {spec!r} is a {model_type!r} model, whose attention does not run through transformers' attention "
+            "interface, so kvcalib cannot see its KV cache; use a Llama, Mistral, Qwen2/3, Gemma or Phi-3 style model"
+        )
+
+
+def _check_gguf(path: Path, spec: str) -> None:
+    """Refuse a GGUF file of an architecture transformers cannot load, or kvcalib cannot intercept."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        arch = gguf_architecture(path)
+    except (OSError, struct.error) as err:
+        raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
+    if arch is None:
+        return  # no architecture up front: transformers' loader says what it makes of the file
+    model_type = arch.replace("-", "_").replace("moe", "_moe").replace("__", "_")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and model_type not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"model file {path} holds a {arch!r} model, which transformers cannot load from GGUF "
+                             "(it loads llama, mistral, qwen2, qwen3, gemma2/3, phi3, ...); give a Hugging Face "
+                             "directory of the model instead")
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is not None:
+        _check_attention(getattr(transformers, name), arch, spec)
+
+
 def _resolve(spec: str) -> tuple[str, dict]:
     """Return (what to pass to from_pretrained, extra kwargs)."""
     if spec in _EMBEDDED:
@@ -64,30 +128,42 @@ def _resolve(spec: str) -> tuple[str, dict]:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {spec}: only .gguf files can be loaded directly; give a directory otherwise")
+        _check_gguf(path, spec)
         return str(path.parent), {"gguf_file": path.name}
     if path.is_dir():
         if not (path / "config.json").exists():
             ggufs = sorted(path.glob("*.gguf"))
             if len(ggufs) == 1:
+                _check_gguf(ggufs[0], spec)
                 return str(path), {"gguf_file": ggufs[0].name}
             raise ModelLoadError(f"model directory {spec} has no config.json (and not exactly one .gguf file)")
-        return str(path), {}
+        if not any(path.glob("*.safetensors")):
+            raise ModelLoadError(f"model directory {spec} has no .safetensors weights; kvcalib never loads pickle-based "
+                                 ".bin or .pt files (loading them can run code): convert the weights to safetensors")
+        return str(path), {"use_safetensors": True}
     looks_like_path = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or os.sep * 2 in spec or spec.count("/") > 1
     if looks_like_path:
         raise ModelLoadError(f"model path {spec} does not exist")
-    return spec, {}
+    return spec, {"use_safetensors": True}
 
 
 def _hub_message(spec: str, err: Exception) -> str:
+    if _offline():
+        return (f"model {spec!r} is not a local path, and HF_HUB_OFFLINE is set, so only the local hub cache was "
+                "searched and it is not there; unset HF_HUB_OFFLINE to download it, or pass a local directory or .gguf file")
     return (
         f"could not load model {spec!r}: it is not a local path, and fetching it from the Hugging Face "
         f"hub failed ({type(err).__name__}); check the name, your network, or pass a local directory"
     )
 
 
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+
+
 def _check_hub_reachable(spec: str) -> None:
     """Fail fast with one line when the hub cannot be reached (the hub client would retry for a minute)."""
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+    if _offline():
         return  # offline mode: only the local hub cache is consulted, which from_pretrained does itself
     from huggingface_hub import constants
 
@@ -101,8 +177,13 @@ def _check_hub_reachable(spec: str) -> None:
         ) from err
 
 
+def _remote_code_message(spec: str) -> str:
+    return (f"model {spec!r} needs its own Python code (config.json names it in auto_map), which kvcalib does not "
+            "run unless asked: pass --trust-remote-code if you trust where the model comes from")
+
+
 @functools.lru_cache(maxsize=1)
-def _load_cached(spec: str, device: str, dtype: torch.dtype) -> LoadedModel:
+def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -111,10 +192,14 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype) -> LoadedModel:
     is_local = Path(target).exists()
     if not is_local:
         _check_hub_reachable(spec)
+    # Given explicitly: left None, transformers would stop and ask on a terminal.
+    kwargs["trust_remote_code"] = trust_remote_code
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(target, **{k: v for k, v in kwargs.items() if k != "use_safetensors"})
         model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)
     except (OSError, ValueError, ImportError) as err:
+        if "trust_remote_code" in str(err):
+            raise ModelLoadError(_remote_code_message(spec)) from err
         if is_local:
             raise ModelLoadError(f"could not load model {spec!r}: {str(err).splitlines()[0]}") from err
         raise ModelLoadError(_hub_message(spec, err)) from err
@@ -122,6 +207,7 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype) -> LoadedModel:
         if is_local:
             raise
         raise ModelLoadError(_hub_message(spec, err)) from err
+    _check_attention(type(model), model.config.model_type, spec)
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec)
@@ -132,8 +218,9 @@ def default_device() -> str:
 
 
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
-               dtype: torch.dtype | None = None) -> LoadedModel:
+               dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
+    `trust_remote_code` lets transformers run the model's own code, if its config asks for it.
 
     The last model loaded stays cached in the process, so a Python session that collects and then
     evaluates loads it once.
@@ -142,7 +229,7 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
         return spec
     device = device or default_device()
     dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-    return _load_cached(spec, device, dtype)
+    return _load_cached(spec, device, dtype, trust_remote_code)
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ def run_step(step: Step, **overrides) -> object:
     return command(**(step.arguments | {k: v for k, v in overrides.items() if k in accepted and v is not None}))
 
 
-def run_recipe(path: str | Path, model=None) -> list[tuple[Step, object]]:
-    """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's."""
-    return [(step, run_step(step, model=model)) for step in load_recipe(path)]
+def run_recipe(path: str | Path, model=None, trust_remote_code: bool = False) -> list[tuple[Step, object]]:
+    """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's;
+    `trust_remote_code` turns it on for every step that loads a model (a recipe may also set it per step)."""
+    return [(step, run_step(step, model=model, trust_remote_code=trust_remote_code or None))
+            for step in load_recipe(path)]

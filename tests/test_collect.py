@@ -107,3 +107,21 @@ def test_corrupted_or_unfinished_collections_are_refused(run, tmp_path):
     with pytest.raises(ArtifactError, match="not a finished"):
         Activations(tmp_path)
     assert load_file(str(out / shard_name(1, 0)))["k"].shape[0] == 2
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated", "truncated before the manifest"])
+def test_rerun_records_a_damaged_shard_anew(run, damage):
+    """A shard damaged after it was written (the message of `Activations` says to re-run collect):
+    checked against the finished run's manifest, or parsed when the run never finished."""
+    out = run()
+    path = out / shard_name(1, 1)
+    good = path.read_bytes()
+    if damage == "flipped byte":
+        path.write_bytes(good[:-5] + bytes([good[-5] ^ 0xFF]) + good[-4:])
+    else:
+        path.write_bytes(good[: len(good) // 2])
+    if damage == "truncated before the manifest":
+        (out / "manifest.json").unlink()
+    run()
+    assert path.read_bytes() == good
+    Activations(out).layer(1)

@@ -41,7 +41,7 @@ import torch
 from ..artifacts import load_artifact
 from ..attention import AttentionOptions, compute_dtype, mixed_attention
 from ..errors import ArtifactError, SettingsError
-from ..hadamard import rotate
+from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from ..quant import dequantize, quantize
 from . import Held, MethodSettings
@@ -153,6 +153,7 @@ class Kvlinc(Kivi):
     def __init__(self, config: KiviConfig, shape: AttentionShape, adapters: dict[int, Adapter] | None = None,
                  scaling: float | None = None):
         super().__init__(config, shape)
+        hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
         self.shape = shape
         self.adapters = adapters or {}
         self.scaling = scaling  # the attention scaling the adapters were trained for

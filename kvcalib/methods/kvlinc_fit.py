@@ -217,6 +217,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     chosen = parse_layers(layers, acts.num_layers)
     fp = acts.fingerprint
     shape = AttentionShape(acts.num_layers, fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    Kvlinc(KiviConfig(bits, group_size, residual), shape)  # refuses settings the cache cannot hold before training
     scaling = shape.head_dim**-0.5
     n_held = max(1, settings["num_samples"] // 8)
 
