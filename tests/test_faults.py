@@ -129,6 +129,11 @@ def _check_nothing_half_written(name: str, out: Path, reference: Path, compared:
         assert (out / file).read_bytes() == (reference / file).read_bytes(), file
 
 
+# Known unreliable (issue 20, open): in a full `make test` on a clean clone every signal, even one sent
+# right after the progress bar appears, came after the command's result (diagnose's two layers take
+# 40 ms); run alone, each case passes. Kept running, not counted as a pass, until the work is made
+# long enough to interrupt on every machine.
+@pytest.mark.xfail(reason="signals can land after the work on a fast or busy machine (issue 20, open)", strict=False)
 @pytest.mark.parametrize("name", ["collect", "fit-codebook", "train-adapters", "diagnose"])
 def test_interrupted_command_leaves_nothing_partial_and_reruns_to_the_same_bytes(name, acts, tiny_model_dir,
                                                                                  text_file, tmp_path):
