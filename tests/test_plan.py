@@ -4,11 +4,12 @@ and values."""
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
 
-from kvcalib.collect import collect
+from kvcalib.collect import Activations, collect
 from kvcalib.errors import ArtifactError, SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.methods import Method, MethodSettings, build_method
@@ -16,7 +17,9 @@ from kvcalib.methods.kivi import Kivi, KiviConfig
 from kvcalib.methods.oscar import Oscar, OscarConfig
 from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
 from kvcalib.methods.plan_fit import COST_UNITS, item_costs, make_plan, measure_sensitivity, solve
-from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
+from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, TurboQuantVQ, codebook, rotation, unit_rotated
+from kvcalib.methods.turboquant_fit import fit_vector_codebooks
+from kvcalib.vq import VQConfig
 from kvcalib.models import AttentionShape
 
 SHAPE = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -77,12 +80,13 @@ def test_item_costs_count_codes_metadata_and_codebooks_as_eval_does():
 # ---- the schemes ----
 
 @pytest.mark.parametrize("text,want", [("turboquant-3", "turboquant-3"), (" kivi-2-g128", "kivi-2-g128"),
-                                       ("oscar-4-g32", "oscar-4-g32")])
+                                       ("oscar-4-g32", "oscar-4-g32"), ("turboquant-d4b6", "turboquant-d4b6")])
 def test_a_scheme_reads_back_as_written(text, want):
     assert str(parse_scheme(text)) == want
 
 
-@pytest.mark.parametrize("text", ["turboquant-5", "turboquant-2-g32", "kivi-2", "kivi-0-g32", "oscar-2-g0", "vecinfer-2", ""])
+@pytest.mark.parametrize("text", ["turboquant-5", "turboquant-2-g32", "kivi-2", "kivi-0-g32", "oscar-2-g0", "vecinfer-2", "",
+                                  "turboquant-d4b13", "turboquant-d0b4", "turboquant-d4"])
 def test_an_unknown_or_impossible_scheme_is_refused(text):
     with pytest.raises(SettingsError):
         parse_scheme(text)
@@ -113,6 +117,54 @@ def test_each_part_and_head_of_a_plan_is_stored_and_read_back_by_its_own_scheme(
                 bits[w] += coder.part_bits(one)[w]
         assert plan.part_bits(packed) == tuple(bits)
     assert plan.constant_bits() == 16 * book.numel()
+
+
+def test_a_vector_codebook_codes_each_sub_vector_by_its_nearest_centroid():
+    """TurboQuantVQ against a float64 recomputation: unit vectors rotated by TurboQuant's Π, cut into
+    sub-vectors of D, each replaced by its nearest centroid (the brute-force argmin over all of them),
+    rotated back and scaled by the float16 norm; head h reads codebook h with granularity head."""
+    shape = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(1)
+    config = VQConfig(4, 5)
+    book = torch.randn(2, 32, 4, generator=gen).half().float() * 0.3
+    coder = TurboQuantVQ(config, 16, shape, [(book, book)], "head")
+    k, v = (torch.randn(2, 2, 16, 16, generator=gen) * 3 for _ in range(2))
+    packed = coder.compress(0, k, v)
+    kq, vq_ = coder.decompress(0, packed)
+    for x, xq in ((k, kq), (v, vq_)):
+        norm = x.double().norm(dim=-1, keepdim=True)
+        y = (x.double() / norm) @ rotation(16, torch.float64).T
+        sub = y.unflatten(-1, (4, 4))  # (B, H, T, 4, D)
+        dist = (sub.unsqueeze(-2) - book.double()[None, :, None, None]).pow(2).sum(-1)  # (B, H, T, 4, 32)
+        nearest = book.double()[torch.arange(2)[None, :, None, None], dist.argmin(-1)]
+        want = (nearest.flatten(-2) @ rotation(16, torch.float64)) * norm.half().double()
+        # float32 codes may pick another centroid only at a near-tie: compare where the float64 choice is clear
+        gap = dist.sort(-1).values[..., 1] - dist.min(-1).values
+        clear = (gap > 1e-5).all(-1, keepdim=True)
+        torch.testing.assert_close(torch.where(clear, xq.double(), want), want, rtol=1e-5, atol=1e-5)
+        assert clear.float().mean() > 0.9
+    # bits: 4 codes x 5 bits in one int32 word, and a float16 norm, per vector
+    assert coder.part_bits(packed) == (2 * 2 * 16 * (32 + 16),) * 2
+
+
+def test_vector_codebooks_fit_the_collection_better_than_the_oblivious_product_codebook(acts):
+    """k-means on the rotated unit vectors' sub-vectors: 2^8 centroids of 4 coordinates reconstruct the
+    collection's own sub-vectors better than the 256 points of the oblivious 2-bit codebook taken per
+    coordinate (the same number of centroids, not fitted)."""
+    acts = Activations(acts)
+    books = fit_vector_codebooks(acts, (VQConfig(4, 8),), "layer", iters=10)["d4b8"]
+    fp = acts.fingerprint
+    grid = torch.cartesian_prod(*[codebook(16, 2).float()] * 4)  # (256, 4)
+    for i in range(fp["num_layers"]):
+        for part in ("k", "v"):
+            book = books[f"layers.{i}.{part}_codebook"]
+            assert book.shape == (1, 256, 4) and book.dtype == torch.float16 and torch.isfinite(book).all()
+            y = unit_rotated(acts.layer(i)[part].transpose(1, 2).reshape(-1, 16))[0].reshape(-1, 4).double()
+
+            def mse(c):
+                return torch.cdist(y, c.double()).min(-1).values.pow(2).mean()
+
+            assert mse(book[0]) < mse(grid)
 
 
 # ---- sensitivity ----
@@ -156,7 +208,8 @@ def acts(tmp_path_factory, tiny_lm, text_file):
     return collect(out, model=tiny_lm, dataset=str(text_file), num_samples=4, seq_len=64)
 
 
-MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "kivi-2-g8", "kivi-4-g8", "oscar-2-g16")
+MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "turboquant-d4b6", "kivi-2-g8", "kivi-4-g8",
+         "oscar-2-g16")
 
 
 @pytest.fixture(scope="module", params=["layer", "head"])
@@ -190,9 +243,9 @@ def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_l
         for i, heads in enumerate(s[part]):
             for name in heads:
                 scheme = parse_scheme(name)
-                book = 16 * 16 * (1 << scheme.bits) if scheme.family == "turboquant" else 0
+                book = 16 * math.prod(scheme.book_shape(1, 16)) if scheme.book else 0  # granularity layer
                 if book:
-                    books.add((i, part, scheme.bits, book))
+                    books.add((i, part, scheme.book, book))
                 cost = extra["cost_bits_per_element"][part][names.index(name)]
                 cache += (cost - book / (4096 * item_heads * 16)) * per_head
     elements = 2 * 2 * 2 * per_head  # layers x parts x KV heads
@@ -256,6 +309,11 @@ def test_a_residual_other_than_the_plans_is_refused(plan):
     (lambda s, t: s.update(v=[["vecinfer-2"] * 2] * 2), "unknown scheme"),
     (lambda s, t: s.update(flush_step=0), "invalid plan settings"),
     (lambda s, t: t.update({"layers.9.k_codebook": torch.zeros(1)}), "does not use"),
+    (lambda s, t: (s.update(k=[["turboquant-d4b6"] * 2] * 2),
+                   t.update({f"layers.{i}.k_codebook_d4b6": torch.zeros(1, 64, 3) for i in range(2)})), "not of shape"),
+    (lambda s, t: (s.update(k=[["turboquant-d4b6"] * 2] * 2),
+                   t.update({f"layers.{i}.k_codebook_d4b6": torch.full((1, 64, 4), float("nan")) for i in range(2)})),
+     "NaN or Inf"),
 ])
 def test_a_damaged_plan_is_refused_at_load(plan, tmp_path, tiny_lm, damage, match):
     from kvcalib.artifacts import load_artifact, save_artifact

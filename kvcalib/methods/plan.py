@@ -6,6 +6,7 @@ Schemes (`parse_scheme`; one string each, as the plan's settings and `--candidat
 | scheme             | keys and values as                                                        |
 |--------------------|---------------------------------------------------------------------------|
 | `turboquant-{b}`   | TurboQuant, b bits, the plan's own calibrated per-coordinate codebooks    |
+| `turboquant-d{D}b{B}` | TurboQuant's norms and rotation, a calibrated vector codebook: 2^B centroids of D coordinates (`TurboQuantVQ`) |
 | `kivi-{b}-g{G}`    | KIVI, b bits, key groups of G tokens, value groups of min(G, d) channels  |
 | `oscar-{b}-g{G}`   | OScaR (Hadamard rotation, l2 per-token key scaling), b bits, groups of G  |
 
@@ -24,7 +25,8 @@ that a KIVI key group is always whole.
 Artifact (method `plan`): settings `k` and `v` (per layer, a scheme per KV head), `budget`, `items`,
 `granularity` of the TurboQuant codebooks, `rotation_seed`, `flush_step`, `sink_tokens`,
 `residual_mode`, `residual`; tensors `layers.{i}.{k,v}_codebook_b{b}` (G, d, 2^b) float16, one per
-layer, part and width that TurboQuant codes, counted once, 16 bits per centroid (`constant_bits`).
+layer, part and width that TurboQuant codes, and `layers.{i}.{k,v}_codebook_d{D}b{B}` (G, 2^B, D) float16
+for its vector codebooks, counted once, 16 bits per centroid coordinate (`constant_bits`).
 """
 
 from __future__ import annotations
@@ -39,30 +41,53 @@ import torch
 from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
+from .. import vq
 from . import Method, MethodSettings
 from .kivi import Kivi, KiviConfig
 from .oscar import Oscar, OscarConfig
-from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig, checked_codebook
+from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig, TurboQuantVQ, checked_codebook
 
-_SCHEME = re.compile(r"(?P<family>turboquant)-(?P<bits>\d+)|(?P<grouped>kivi|oscar)-(?P<gbits>\d+)-g(?P<group>\d+)")
+_SCHEME = re.compile(r"(?P<family>turboquant)-(?:(?P<bits>\d+)|d(?P<dim>\d+)b(?P<vbits>\d+))"
+                     r"|(?P<grouped>kivi|oscar)-(?P<gbits>\d+)-g(?P<group>\d+)")
+VECTOR_BITS = 12  # the largest vector codebook a plan fits: 4096 centroids
 PARTS = ("k", "v")
 
 
 @dataclass(frozen=True)
 class Scheme:
     family: str  # turboquant, kivi or oscar
-    bits: int
+    bits: int  # per element; a TurboQuant vector codebook: per code of `dim` elements
     group_size: int | None = None  # kivi and oscar
+    dim: int | None = None  # a TurboQuant vector codebook: coordinates per centroid
 
     def __str__(self) -> str:
+        if self.dim:
+            return f"{self.family}-d{self.dim}b{self.bits}"
         return f"{self.family}-{self.bits}" + (f"-g{self.group_size}" if self.group_size else "")
+
+    @property
+    def book(self) -> str | None:
+        """The tag of its codebook tensors (`codebook_name`): `b{bits}` or `d{D}b{B}`; None if it has none."""
+        if self.family != "turboquant":
+            return None
+        return f"d{self.dim}b{self.bits}" if self.dim else f"b{self.bits}"
+
+    def book_shape(self, groups: int, head_dim: int) -> tuple[int, int, int]:
+        """The shape of one layer's and part's codebook: (G, d, 2^b) per coordinate, (G, 2^B, D) vector."""
+        return (groups, 1 << self.bits, self.dim) if self.dim else (groups, head_dim, 1 << self.bits)
 
 
 def parse_scheme(text: str) -> Scheme:
     """A scheme from its name (module docstring); SettingsError for anything else."""
     m = _SCHEME.fullmatch(text.strip())
     if m is None:
-        raise SettingsError(f"unknown scheme {text!r}: write turboquant-B, kivi-B-gG or oscar-B-gG (e.g. oscar-2-g128)")
+        raise SettingsError(f"unknown scheme {text!r}: write turboquant-B, turboquant-dDbB, kivi-B-gG or oscar-B-gG "
+                            "(e.g. oscar-2-g128)")
+    if m["dim"]:
+        scheme = Scheme("turboquant", int(m["vbits"]), dim=int(m["dim"]))
+        if not scheme.dim >= 1 or not 1 <= scheme.bits <= VECTOR_BITS:
+            raise SettingsError(f"scheme {text}: a vector codebook takes D >= 1 coordinates and 1..{VECTOR_BITS} bits")
+        return scheme
     if m["family"]:
         scheme = Scheme("turboquant", int(m["bits"]))
         if scheme.bits not in BITS:
@@ -76,10 +101,12 @@ def parse_scheme(text: str) -> Scheme:
 def scheme_coder(scheme: Scheme, shape: AttentionShape, residual: int,
                  books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None) -> Method:
     """The method that codes one scheme: TurboQuant with the given calibrated codebooks (per layer, keys
-    and values), KIVI, or OScaR with its defaults (l2 scaling, rotation)."""
+    and values: per coordinate, or vector codebooks), KIVI, or OScaR with its defaults (l2 scaling, rotation)."""
     if scheme.family == "turboquant":
         if books is None:
             raise SettingsError(f"scheme {scheme} needs calibrated codebooks")
+        if scheme.dim:
+            return TurboQuantVQ(vq.VQConfig(scheme.dim, scheme.bits), residual, shape, books, granularity)
         return TurboQuant(TurboQuantConfig(bits=scheme.bits, residual=residual), shape, books, granularity)
     if scheme.family == "kivi":
         return Kivi(KiviConfig(bits=scheme.bits, group_size=scheme.group_size, residual=residual), shape)
@@ -91,9 +118,10 @@ def common_flush_step(coders: list[Method]) -> int:
     return math.lcm(*(c.flush_step() for c in coders))
 
 
-def codebook_name(layer: int, part: str, bits: int) -> str:
-    """The artifact tensor of a layer's key or value codebook of `bits` bits (`part` k or v)."""
-    return f"layers.{layer}.{part}_codebook_b{bits}"
+def codebook_name(layer: int, part: str, book: int | str) -> str:
+    """The artifact tensor of a layer's key or value codebook (`part` k or v): `book` is a scheme's tag
+    (`Scheme.book`), or the width of a per-coordinate codebook."""
+    return f"layers.{layer}.{part}_codebook_" + (f"b{book}" if isinstance(book, int) else book)
 
 
 @dataclass
@@ -108,8 +136,9 @@ class Plan(Method):
 
     def __init__(self, shape: AttentionShape, schemes: dict[str, list[list[Scheme]]], residual: int, flush_step: int,
                  books: dict[str, torch.Tensor], granularity: str):
-        """schemes: `k` and `v`, per layer a scheme per KV head; books: `codebook_name(i, part, b)` (G, d, 2^b)
-        for every layer, part and width that TurboQuant codes (G = 1, or one per KV head with granularity head)."""
+        """schemes: `k` and `v`, per layer a scheme per KV head; books: `codebook_name(i, part, tag)`
+        (`Scheme.book_shape`) for every layer, part and codebook that TurboQuant codes (G = 1, or one per KV
+        head with granularity head)."""
         self.shape, self.schemes, self.books, self.granularity = shape, schemes, books, granularity
         self.block, self.residual, self._flush_step = residual, residual, flush_step
         # groups[part][layer]: (heads, coder) for each scheme the layer's heads take, heads in ascending order
@@ -121,7 +150,7 @@ class Plan(Method):
                 for scheme in dict.fromkeys(schemes[part][i]):
                     heads = [h for h, s in enumerate(schemes[part][i]) if s == scheme]
                     if scheme.family == "turboquant":  # one codebook serves both slots; the other is never read
-                        book = books[codebook_name(i, part, scheme.bits)]
+                        book = books[codebook_name(i, part, scheme.book)]
                         book = book[heads] if granularity == "head" else book
                         coder = scheme_coder(scheme, shape, residual, [(book, book)] * shape.num_layers, granularity)
                     else:
@@ -198,8 +227,13 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
         for part in PARTS:
             for scheme in schemes[part][i]:
                 if scheme.family == "turboquant":
-                    name = codebook_name(i, part, scheme.bits)
-                    books[name] = checked_codebook(art.tensors, name, (groups, shape.head_dim, 1 << scheme.bits), path).float()
+                    name = codebook_name(i, part, scheme.book)
+                    if scheme.dim:
+                        if shape.head_dim % scheme.dim:
+                            raise ArtifactError(f"artifact {path}: scheme {scheme} does not tile head_dim {shape.head_dim}")
+                        books[name] = checked_vector_codebook(art.tensors, name, scheme.book_shape(groups, shape.head_dim), path)
+                    else:
+                        books[name] = checked_codebook(art.tensors, name, scheme.book_shape(groups, shape.head_dim), path).float()
     extra = sorted(set(art.tensors) - set(books))
     if extra:
         raise ArtifactError(f"artifact {path} holds tensors its plan does not use ({extra[0]}, ...); make the plan again")
@@ -209,6 +243,15 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     method.sink = int(s.get("sink_tokens", 0))  # made with float16 sinks: it keeps them
     method.fitted_residual_mode = s.get("residual_mode")  # and the flush rule it was measured under
     return method
+
+
+def checked_vector_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:
+    """Artifact tensor `name`, refused unless of `shape` and finite; float32."""
+    t = tensors.get(name)
+    if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all():
+        raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape} or not finite; "
+                            "make the plan again")
+    return t.float()
 
 
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Plan:

@@ -9,7 +9,9 @@ summed sensitivity of the items under a budget of average bits per cached elemen
 an item is one KV head's keys or values of a layer: heads of a layer may take different schemes.
 
 1. Codebooks: the calibrated per-coordinate codebooks of `fit-turboquant`
-   (`turboquant_fit.fit_codebooks`) for every TurboQuant candidate's width, fitted on the collection.
+   (`turboquant_fit.fit_codebooks`) for every TurboQuant candidate's width, and the vector codebooks
+   (`turboquant_fit.fit_vector_codebooks`, faiss k-means) of every `turboquant-dDbB` candidate, fitted
+   on the collection.
 2. Sensitivity, on held-out calibration windows (the calibration text after the collection's
    tokens, never the evaluation text), under `eval`'s decode-exact flush rule (a query reads the
    coded tokens older than its last flush, float16 after), every candidate under the plan's one rule
@@ -59,10 +61,11 @@ from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
 from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS
+from .. import vq
 from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder
 from .turboquant import ROTATION_SEED
-from .turboquant_fit import check_fit_settings, fit_codebooks
+from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def item_costs(coders: dict[str, Method], shape: AttentionShape, residual: int, 
     cost = torch.zeros(2, len(coders), dtype=torch.float64)
     for j, (name, coder) in enumerate(coders.items()):
         scheme = parse_scheme(name)
-        book = 16 * groups * shape.head_dim * (1 << scheme.bits) if scheme.family == "turboquant" else 0
+        book = 16 * math.prod(scheme.book_shape(groups, shape.head_dim)) if scheme.book else 0
         shared = book / (tokens * item_heads * shape.head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
         cost[:, j] = torch.tensor(part_costs(coder, shape, residual), dtype=torch.float64) + shared
     return cost
@@ -233,13 +236,14 @@ def plan_path(out: str | Path, budget: float, several: bool) -> Path:
 
 
 def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int, residual_mode: str, sink_tokens: int,
-                     tensors: dict[int, dict[str, torch.Tensor]], granularity: str) -> dict[str, Method]:
-    """A coder per candidate scheme, all under the plan's one flush rule, with the float16 sinks."""
+                     tensors: dict[str, dict[str, torch.Tensor]], granularity: str) -> dict[str, Method]:
+    """A coder per candidate scheme, all under the plan's one flush rule, with the float16 sinks; `tensors`
+    holds each TurboQuant codebook's layers by its tag (`Scheme.book`)."""
     coders = {}
     for scheme in schemes:
         books = None
-        if scheme.family == "turboquant":
-            t = tensors[scheme.bits]
+        if scheme.book:
+            t = tensors[scheme.book]
             books = [(t[f"layers.{i}.k_codebook"], t[f"layers.{i}.v_codebook"]) for i in range(shape.num_layers)]
         coders[str(scheme)] = scheme_coder(scheme, shape, residual, books, granularity)
     step = common_flush_step(list(coders.values()))  # divides R: each KIVI-like coder refused an R not a multiple of its G
@@ -249,6 +253,15 @@ def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int
         if residual_mode == "sliding":
             coder.block = step
     return coders
+
+
+def check_faiss(config: vq.VQConfig) -> None:
+    """Vector codebooks are fitted by faiss k-means: refuse before any work where it is not installed."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        raise SettingsError(f"candidate turboquant-{config} fits a vector codebook with faiss, which is not installed: "
+                            "pip install kvcalib[cpu] (or drop the turboquant-dDbB candidates)") from None
 
 
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
@@ -277,8 +290,11 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     check_residual_mode(residual_mode)
     if items not in PLAN_ITEMS:
         raise SettingsError(f"--items must be one of {', '.join(PLAN_ITEMS)}, got {items!r}")
-    tq_bits = tuple(sorted({s.bits for s in schemes if s.family == "turboquant"}))
+    tq_bits = tuple(sorted({s.bits for s in schemes if s.book and not s.dim}))
+    vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.dim))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
+    if vectors:
+        check_faiss(vectors[0])
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
@@ -289,14 +305,17 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     heads = shape.num_kv_heads if items == "head" else 1  # items per layer and part
     # Costs depend on shapes only: measured on stand-in codebooks, so that a budget below the cheapest
     # plan is refused before any fit.
-    standin = {b: {f"layers.{i}.{p}_codebook": torch.zeros(groups, shape.head_dim, 1 << b)
-                   for i in range(shape.num_layers) for p in PARTS} for b in tq_bits}
+    standin = {s.book: {f"layers.{i}.{p}_codebook": torch.zeros(s.book_shape(groups, shape.head_dim))
+                        for i in range(shape.num_layers) for p in PARTS} for s in schemes if s.book}
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity)
     part_cost = item_costs(coders, shape, residual, groups, sink_tokens, items=items)
     cost = part_cost.repeat_interleave(heads, 0).repeat(shape.num_layers, 1)  # items (layer, part, head) in order
     for b in budgets:
         solve(torch.zeros_like(cost), cost, b)
-    tensors, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
+    scalar, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
+    tensors = {f"b{b}": t for b, t in scalar.items()}
+    if vectors:
+        tensors |= fit_vector_codebooks(acts, vectors, granularity, iters, desc="plan: vector codebooks")
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity)
     step = common_flush_step(list(coders.values()))
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor)
@@ -309,8 +328,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         # per part and layer, a scheme per KV head (layer items: the layer's one scheme for every head)
         plan = {p: [[chosen[(i * 2 + w) * heads + (h if items == "head" else 0)] for h in range(shape.num_kv_heads)]
                     for i in range(shape.num_layers)] for w, p in enumerate(PARTS)}
-        plan_tensors = {codebook_name(i, p, c.bits): tensors[c.bits][f"layers.{i}.{p}_codebook"]
-                        for i in range(shape.num_layers) for p in PARTS for c in plan[p][i] if c.family == "turboquant"}
+        plan_tensors = {codebook_name(i, p, c.book): tensors[c.book][f"layers.{i}.{p}_codebook"]
+                        for i in range(shape.num_layers) for p in PARTS for c in plan[p][i] if c.book}
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
         settings = {p: [[str(c) for c in layer] for layer in plan[p]] for p in PARTS} | {
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,

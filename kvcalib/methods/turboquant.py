@@ -51,6 +51,16 @@ They are counted once, 16 bits per centroid (`constant_bits`), as VecInfer's cod
 
 A plan (`kvcalib plan`, `methods/plan.py`) may code each layer's keys or values with such a codebook
 of its own width.
+
+Vector codebooks (`TurboQuantVQ`, plan scheme `turboquant-d{D}b{B}`): the same norms, rotation and
+unit vectors, but the rotated unit vector is cut into d / D sub-vectors of D coordinates, each coded by
+the nearest of 2^B centroids of one codebook (G, 2^B, D) per layer, part (and KV head with granularity
+head) that every sub-vector position shares, fitted by k-means to the collection (VecInfer's dDbB, on
+TurboQuant's normalised, rotated vectors; `turboquant_fit.fit_vector_codebooks`). It codes at rates
+between the scalar widths: B / D + 16 / d bits per element (d = 64: d4b6 1.75, d4b7 2.0, against 1.25
+and 2.25 for 1 and 2 scalar bits). A codebook of its own per sub-vector position would fit better but
+costs d / D times the shared bits. Codes: `codes` int32 `(B, Hkv, T, ceil(d B / (32 D)))`, the d / D
+codes of each vector as one bit stream (`pack_stream`), and `norm` as above.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ import torch
 from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
+from .. import vq
 from ..quant import pack_stream, unpack_stream
 from . import DEFAULTS, Method, MethodSettings
 
@@ -274,6 +285,36 @@ class TurboQuant(Method):
         if self.books is not None:
             out |= {"calibrated": True, "granularity": self.granularity}
         return out
+
+
+class TurboQuantVQ(TurboQuant):
+    """TurboQuant's norms and rotation with vector codebooks (module docstring): a plan's scheme, not a
+    method of its own (`methods/plan.py` builds it with each layer's codebooks)."""
+
+    def __init__(self, config: vq.VQConfig, residual: int, shape: AttentionShape,
+                 books: list[tuple[torch.Tensor, torch.Tensor]], granularity: str):
+        """books: per layer, (keys, values) codebooks (G, 2^B, D)."""
+        config.check(shape.head_dim)
+        self.vector, self.block, self.head_dim = config, residual, shape.head_dim
+        self.config = TurboQuantConfig(bits=1, residual=residual)  # `settings` and the flush rule read it
+        self.books = [(k.float(), v.float()) for k, v in books]
+        self.granularity = granularity
+
+    def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
+        """Codes of x (B, H, T, d) against `centroids` (G, 2^B, D): head h reads codebook h // (H / G)."""
+        y, norm = unit_rotated(x)
+        codes = vq.encode(y, centroids.to(y.device))
+        return Coded(codes=pack_stream(codes, self.vector.bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=self.vector.bits)
+
+    def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
+        d = self.head_dim
+        codes = unpack_stream(coded.codes, coded.bits, d // self.vector.dim)
+        y = vq.decode(codes, centroids.to(codes.device))
+        return rotate_rows(y, rotation(d, torch.float32, codes.device)) * coded.norm.float()
+
+    def settings(self) -> dict:
+        return {"vector": str(self.vector), "residual": self.block, "rotation_seed": ROTATION_SEED,
+                "calibrated": True, "granularity": self.granularity}
 
 
 def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None) -> TurboQuant:

@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..artifacts import save_artifact
+from .. import vq
 from ..atomic import ensure_writable_dir
 from ..collect import Activations
 from ..errors import SettingsError
@@ -121,6 +122,37 @@ def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: st
                 tensors[bits][f"layers.{i}.{which}_codebook"] = centroids.half()
                 report[bits][which].append(history[-1] / history[0])
     return tensors, report
+
+
+VECTOR_POINTS_PER_CENTROID = 256  # k-means trains on at most this many sub-vectors per centroid (faiss samples them)
+VECTOR_SEED = 0
+
+
+def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer",
+                         iters: int = 50, desc: str = "fit vector codebooks") -> dict[str, dict[str, torch.Tensor]]:
+    """Per configuration (tag `d{D}b{B}`): the tensors `layers.{i}.{k,v}_codebook` (G, 2^B, D) float16 of
+    every layer, k-means centroids (`vq.kmeans`, faiss) of the sub-vectors of D coordinates of the
+    collection's rotated unit vectors (every sub-vector position pooled; every KV head pooled, or each
+    KV head's own with granularity head), as `TurboQuantVQ` codes them."""
+    if granularity not in GRANULARITIES:
+        raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
+    fp = acts.fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    for config in configs:
+        config.check(shape.head_dim)
+    tensors: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
+    for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
+        data = acts.layer(i)
+        for which in ("k", "v"):
+            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
+            y = unit_rotated(x)[0].transpose(0, 1)  # (Hkv, N, d)
+            if granularity == "layer":
+                y = y.reshape(1, -1, shape.head_dim)
+            for config in configs:
+                points = y.reshape(y.shape[0], -1, config.dim)
+                books = [vq.kmeans(g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook for g in points]
+                tensors[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
+    return tensors
 
 
 def fit_turboquant(activations: str | Path, out: str | Path, bits: int = 2, granularity: str = "layer",
