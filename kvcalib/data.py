@@ -6,8 +6,8 @@ A dataset spec is one of:
   is the evaluation part, the rest the calibration part. The calibration part continues with the
   docstrings of the standard library's modules (read with `ast`, never imported), file by file in
   sorted order, so it holds well over 256 x 512 tokens. The two parts share no text.
-- a local `.txt`, `.json`/`.jsonl` or `.parquet` file, loaded through `datasets`; the whole file
-  serves both parts (give different files for calibration and evaluation);
+- a local `.txt` file (read as one document), or `.json`/`.jsonl` or `.parquet` (loaded through
+  `datasets`); the whole file serves both parts (give different files for calibration and evaluation);
 - `name[:config]` on the Hugging Face hub (online): the `train` split for calibration, the `test`
   split (else `validation`) for evaluation.
 
@@ -85,12 +85,9 @@ def _check_utf8(path: Path, spec: str) -> None:
 
 
 def _datasets_rows(spec: str, text_field: str, part: Part) -> Iterator[str]:
-    import datasets
-
-    datasets.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
     path = Path(spec).expanduser()
-    if path.suffix in _LOCAL_BUILDERS or path.exists():
+    local = path.suffix in _LOCAL_BUILDERS or path.exists()
+    if local:
         if not path.is_file():
             raise DatasetError(f"dataset file {spec} does not exist")
         builder = _LOCAL_BUILDERS.get(path.suffix)
@@ -100,14 +97,19 @@ def _datasets_rows(spec: str, text_field: str, part: Part) -> Iterator[str]:
             raise DatasetError(f"dataset {spec} ({part} part) holds no text")
         if builder == "text":
             _check_utf8(path, spec)
+            # The file as one document, read without `datasets`, as its text builder's lines joined
+            # by newlines gave it: universal newlines, less one final newline.
+            yield path.read_text(encoding="utf-8").removesuffix("\n")
+            return
+    import datasets
+
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    if local:
         try:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train")
         except Exception as err:  # datasets wraps parse errors in many types
             raise DatasetError(f"could not read dataset {spec}: {str(err).splitlines()[0]}") from err
-        if builder == "text":
-            # The text builder yields one row per line; joining by newline restores the file.
-            yield "\n".join(ds["text"])
-            return
     else:
         name, _, config = spec.partition(":")
         splits = ["train"] if part == "calibration" else ["test", "validation"]

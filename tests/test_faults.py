@@ -2,18 +2,27 @@
 stopped by SIGINT or SIGKILL at a random point of its work, leave nothing half-written, and a re-run
 into the same output resumes or restarts to the very bytes of an uninterrupted run.
 
-Each command runs once uninterrupted (the reference, which also times its work: from its first
-progress bar on stderr, when the model is loaded and the inputs read, to the line naming its result).
-Then, per seed, it is started into one output location, and once its progress bar appears it is
-signalled at a random point of that work time: seed k of n within the k-th n-th of it, so that the
-seeds spread from early to late (for collect, of the share of the work left; a collection that a
-seed finds finished is removed first, so that every seed has work to interrupt). A signal that
-comes after the command has printed its result interrupts nothing (a SIGINT during the
-interpreter's shutdown ends it with -SIGINT): the seed tries again, signalling four times earlier,
-until its signal interrupts the work. After every signal, and for the one that interrupts:
-- SIGINT: exit 130 (or 2), one line on stderr (`kvcalib: interrupted`), no traceback, and neither a
-  temporary of its own nor the lock left behind (a SIGKILLed seed before it may have left its own
-  temporary, which the next write of that output removes);
+The signal is placed by what the command reports, not by a clock, so that it can neither come after
+the work on a fast machine nor miss it on a busy one. The command's stderr is a pipe in packet mode
+(O_DIRECT) of one page, so of one slot: every write() of the command (a progress-bar refresh is one)
+takes the slot, and the next write blocks until the test has read that packet. Once the test stops
+reading, the command can write one more packet and then waits at the write after it. Every progress
+bar ends with two writes (its last refresh, then the newline of `close()`), and each command finishes
+(renames its output into place; collect writes its manifest, its shards are written whole between
+samples) only after its last bar has closed; so once the test has read a refresh that shows n < N of
+N units done, the command cannot finish until the test reads on. tqdm refreshes at every unit here
+(TQDM_MININTERVAL=0, TQDM_MINITERS=1), so every unit is a stopping point. Per seed the test stops
+reading at a random unit of the reference's (seed k of n among the k-th n-th of them, so that seeds
+spread from early to late; a resumed collect at the same share of the samples it has left), waits a
+random part of that unit's time in the reference (up to 1.5 times it: the command works on, and may
+have reached its next write and wait there), and signals it.
+
+Each command first runs once uninterrupted (the reference: the bytes to compare with, its bars'
+units and the time of each). After each seed's signal:
+- the command did not finish: no result line on stdout and exit 130 (SIGINT) or -9 (SIGKILL);
+- SIGINT: one line on stderr (`kvcalib: interrupted`), no traceback, and neither a temporary of its
+  own nor the lock left behind (a SIGKILLed seed before it may have left its own temporary, which
+  the next write of that output removes);
 - both: every file at the output is complete and byte-identical to the reference's (collect: each
   shard written so far; the others: the whole output or nothing), and no command can take a partial
   output for a finished one.
@@ -23,14 +32,17 @@ and no temporary or lock file anywhere.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
+import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -40,13 +52,15 @@ from kvcalib.errors import ArtifactError
 from test_bad_inputs import messages
 
 REPO = Path(__file__).resolve().parents[1]
-# Unbuffered, so that the result line is seen when printed; one thread, because torch's threads spin
-# against each other (and slow ten-fold) where the machine's cores are shared.
-ENV = os.environ | {"PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+# Unbuffered, so that every write reaches the pipe when made; one thread, because torch's threads spin
+# against each other (and slow ten-fold) where the machine's cores are shared; a refresh per unit.
+ENV = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"} | {
+    "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+    "TQDM_MININTERVAL": "0", "TQDM_MINITERS": "1"}
 SEEDS = [(0, signal.SIGINT), (1, signal.SIGKILL), (2, signal.SIGINT)]
-ATTEMPTS = 6  # per seed: the last signal comes 4^5 = 1024 times earlier than the first, right after the progress bar
-PROGRESS = "%|"  # a tqdm bar has started: the model is loaded and the inputs read
 DONE = " written to "  # every command names its result on stdout when it has finished
+REFRESH = re.compile(r"(?:^|\r)([^\r\n:]+): +\d+%\|[^\r\n]*?\| (\d+)/(\d+) ")  # "desc:  50%|█████     | 1/2 [..."
+TIMEOUT = 300  # seconds without a packet from a running command before the test gives up on it
 
 
 @dataclass
@@ -63,49 +77,89 @@ def acts(tmp_path_factory, tiny_model_dir, text_file):
 
 def _command(name: str, acts: Path, model_dir: Path, text_file: Path) -> Command:
     if name == "collect":
-        return Command(["collect", "--model", str(model_dir), "--dataset", str(text_file), "--num-samples", "160",
-                        "--seq-len", "64"], [])  # 20 chunks of 8 samples (about a second): a resume has work left
+        return Command(["collect", "--model", str(model_dir), "--dataset", str(text_file), "--num-samples", "40",
+                        "--seq-len", "64"], [])  # 5 chunks of 8 samples: a resumed run has whole chunks left
     if name == "fit-codebook":
         pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
         return Command(["fit-codebook", "--activations", str(acts), "--k-config", "d2b6", "--v-config", "d2b6",
-                        "--iters", "200", "--max-points-per-centroid", "64"], ["manifest.json", "tensors.safetensors"])
+                        "--iters", "20", "--max-points-per-centroid", "64"], ["manifest.json", "tensors.safetensors"])
     if name == "train-adapters":
         return Command(["train-adapters", "--activations", str(acts), "--rank", "8", "--steps", "4",
                         "--group-size", "8", "--residual", "16", "--tokens", "48"], ["manifest.json", "tensors.safetensors"])
     return Command(["diagnose", "--activations", str(acts), "--bits", "2", "--group-size", "8", "--plot-layers", "0"],
-                   ["report.json"])
+                   ["report.json", "report.md"])
 
 
-def _start(args: list[str], out: Path, log: Path) -> subprocess.Popen:
-    with log.open("w") as f:
-        return subprocess.Popen([sys.executable, "-m", "kvcalib.cli", *args, "--out", str(out)], env=ENV,
-                                stdout=f, stderr=f, cwd=out.parent)
+@dataclass
+class Run:
+    """A command as a real process whose stderr is read one write at a time (see the module's docstring)."""
+    proc: subprocess.Popen
+    stderr: int  # the read end of its one-packet pipe
+    stdout: Path
+    packets: list[tuple[float, str]] = field(default_factory=list)  # (time read, text) of each write to stderr
+
+    @classmethod
+    def start(cls, args: list[str], out: Path, stdout: Path) -> Run:
+        read, write = os.pipe2(os.O_DIRECT | os.O_CLOEXEC)
+        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 1)  # rounded up to one page: one slot
+        try:
+            with stdout.open("w") as f:
+                proc = subprocess.Popen([sys.executable, "-m", "kvcalib.cli", *args, "--out", str(out)], env=ENV,
+                                        stdout=f, stderr=write, cwd=out.parent)
+        finally:
+            os.close(write)
+        return cls(proc, read, stdout)
+
+    def read(self) -> str | None:
+        """The next write of the command to stderr; None once it has closed stderr (exited)."""
+        ready, _, _ = select.select([self.stderr], [], [], TIMEOUT)
+        assert ready, f"no output in {TIMEOUT} s: {self.output()}"
+        packet = os.read(self.stderr, 1 << 16)  # one packet (a write of at most a page) per read
+        if not packet:
+            return None
+        self.packets.append((time.monotonic(), packet.decode(errors="replace")))
+        return self.packets[-1][1]
+
+    def stop_at(self, desc: str, n: int, total: int) -> None:
+        """Read up to the refresh of bar `desc` that shows the share n/total of its units done, and no
+        further (a resumed collect has fewer samples left than the reference had)."""
+        while (packet := self.read()) is not None:
+            refresh = REFRESH.search(packet)
+            if refresh and refresh[1].strip() == desc and int(refresh[2]) == n * int(refresh[3]) // total:
+                assert int(refresh[2]) < int(refresh[3]), packet  # never its last refresh: see the docstring
+                return
+        pytest.fail(f"the command ended before {desc} showed {n}/{total} done: {self.output()}")
+
+    def finish(self) -> int:
+        """Read to the end and wait for the exit; returns the exit code."""
+        while self.read() is not None:
+            pass
+        return self.proc.wait(timeout=TIMEOUT)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:  # a failed check left it waiting at a write
+            self.proc.kill()
+            self.finish()
+        os.close(self.stderr)
+
+    def output(self) -> str:
+        return "".join(text for _, text in self.packets) + self.stdout.read_text(errors="replace")
+
+    def units(self) -> list[tuple[str, int, int, float]]:
+        """(bar, unit, units of the bar, seconds it took) of each unit but a bar's last: the time from the
+        refresh that shows it starting to the one that shows it done."""
+        first = {}
+        for t, text in self.packets:
+            for desc, n, total in REFRESH.findall(text):
+                first.setdefault((desc.strip(), int(n), int(total)), t)
+        return [(desc, n, total, first[desc, n + 1, total] - t) for (desc, n, total), t in first.items() if n < total]
 
 
-def _wait_for(text: str, proc: subprocess.Popen, log: Path) -> float:
-    """Wait until `text` is in the process's output (or it has exited); returns the time."""
-    while text not in log.read_text(errors="replace") and proc.poll() is None:
-        time.sleep(0.01)
-    return time.monotonic()
-
-
-def _reference(args: list[str], out: Path) -> float:
-    """Run uninterrupted into `out`; returns the seconds of its work: from its first progress bar to
-    the line that names its result (not to its exit: the interpreter's shutdown takes a while)."""
-    log = out.with_name("reference.log")
-    proc = _start(args, out, log)
-    started = _wait_for(PROGRESS, proc, log)
-    finished = _wait_for(DONE, proc, log)
-    assert proc.wait(timeout=300) == 0, log.read_text()
-    return finished - started
-
-
-def _left(name: str, out: Path, reference: Path) -> float:
-    """The share of the work a run into `out` has left: collect skips the shards already written."""
-    if name != "collect":
-        return 1.0
-    done = len(list(out.glob("layer*.safetensors")))
-    return 1 - done / len(list(reference.glob("layer*.safetensors")))
+def _shards(collection: Path) -> set[str]:
+    return {p.name for p in collection.glob("layer*.safetensors")}
 
 
 def _temporaries(root: Path) -> list[Path]:
@@ -125,15 +179,12 @@ def _check_nothing_half_written(name: str, out: Path, reference: Path, compared:
             with pytest.raises(ArtifactError, match="not a finished activation collection"):
                 Activations(out)
         return
-    for file in compared:  # an output is renamed into place whole: there is all of it or none
+    # An output is renamed into place whole: there is all of it or none.
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in reference.iterdir())
+    for file in compared:
         assert (out / file).read_bytes() == (reference / file).read_bytes(), file
 
 
-# Known unreliable (issue 20, open): in a full `make test` on a clean clone every signal, even one sent
-# right after the progress bar appears, came after the command's result (diagnose's two layers take
-# 40 ms); run alone, each case passes. Kept running, not counted as a pass, until the work is made
-# long enough to interrupt on every machine.
-@pytest.mark.xfail(reason="signals can land after the work on a fast or busy machine (issue 20, open)", strict=False)
 @pytest.mark.parametrize("name", ["collect", "fit-codebook", "train-adapters", "diagnose"])
 def test_interrupted_command_leaves_nothing_partial_and_reruns_to_the_same_bytes(name, acts, tiny_model_dir,
                                                                                  text_file, tmp_path):
@@ -141,39 +192,38 @@ def test_interrupted_command_leaves_nothing_partial_and_reruns_to_the_same_bytes
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
     reference, out = tmp_path / "ref" / "out", tmp_path / "run" / "out"
-    work = _reference(command.args, reference)
+    with Run.start(command.args, reference, tmp_path / "reference.log") as first:  # its bytes, units, their times
+        assert first.finish() == 0, first.output()
+    units = first.units()
     for seed, sig in SEEDS:
-        share = (seed + random.Random(seed).random()) / len(SEEDS)  # seed k: a random point of the k-th third
-        for attempt in range(ATTEMPTS):
-            if (out / "manifest.json").exists():  # a finished collection: nothing would be left to interrupt
-                shutil.rmtree(out)
-            log = tmp_path / f"seed{seed}-{attempt}.log"
-            proc = _start(command.args, out, log)
-            _wait_for(PROGRESS, proc, log)
-            # The reference's work time is one measurement on a machine others may share: a signal that
-            # comes after the result is tried again, four times earlier each time.
-            time.sleep(share * work * _left(name, out, reference) / 4**attempt)
-            proc.send_signal(sig)
-            code = proc.wait(timeout=300)
-            output = log.read_text(errors="replace")
-            assert "Traceback" not in output, output
-            _check_nothing_half_written(name, out, reference, command.compared)
-            if DONE not in output:  # it was interrupted
-                break
-        else:
-            pytest.fail(f"seed {seed}: {ATTEMPTS} signals all came after the command had finished")
+        rng = random.Random(seed)
+        chosen = units[int((seed + rng.random()) / len(SEEDS) * len(units))]  # seed k: the k-th n-th of the units
+        if name == "collect" and _shards(out) == _shards(reference):
+            shutil.rmtree(out)  # every shard written (the manifest too, or not): no sample left to interrupt
+        desc, n, total, seconds = chosen
+        with Run.start(command.args, out, tmp_path / f"seed{seed}.log") as run:
+            run.stop_at(desc, n, total)
+            # A random point of that unit's work (as long as the reference's), or a little after, when the
+            # command may already be waiting at a write.
+            time.sleep(rng.uniform(0, 1.5 * seconds))
+            run.proc.send_signal(sig)
+            code = run.finish()
+        output = run.output()
+        assert DONE not in output, output  # the signal interrupted the work (it cannot finish unread)
+        assert "Traceback" not in output, output
+        _check_nothing_half_written(name, out, reference, command.compared)
         if sig == signal.SIGINT:
-            assert code in (130, 2), output
+            assert code == 130, output
             lines = messages(output)
-            assert len(lines) == 1 and lines[0].startswith("kvcalib: "), output
-            own = [p for p in _temporaries(tmp_path / "run") if p.name.startswith(f".tmp-{proc.pid}-")
+            assert lines == ["kvcalib: interrupted"], output
+            own = [p for p in _temporaries(tmp_path / "run") if p.name.startswith(f".tmp-{run.proc.pid}-")
                    or p.name == ".lock"]
             assert not own, own
         else:
-            assert code == -signal.SIGKILL
+            assert code == -signal.SIGKILL, output
 
     rerun = subprocess.run([sys.executable, "-m", "kvcalib.cli", *command.args, "--out", str(out)],
-                           env=ENV, capture_output=True, text=True, timeout=300)
+                           env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert rerun.returncode == 0, rerun.stderr
     compared = command.compared or sorted(p.name for p in reference.iterdir())
     assert sorted(p.name for p in out.iterdir() if p.name in compared) == sorted(compared)
@@ -199,7 +249,9 @@ def test_second_collect_into_the_same_directory_is_refused_while_the_first_runs(
     args = ["collect", "--model", str(tiny_model_dir), "--dataset", str(text_file), "--num-samples", "4",
             "--seq-len", "32"]
     out = tmp_path / "acts"
-    first = _start(args, out, tmp_path / "first.log")
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen([sys.executable, "-m", "kvcalib.cli", *args, "--out", str(out)], env=ENV,
+                                 stdout=log, stderr=log, cwd=tmp_path)
     try:
         while not _held(out / ".lock"):
             assert first.poll() is None, (tmp_path / "first.log").read_text()
