@@ -15,8 +15,8 @@ Workspace: the peak allocated during one eager decode step over what was allocat
 activations, logits, the flush's intermediates, the attention's partials, and for fp16 the key and value
 copies that transformers' SDPA path makes to repeat KV heads under a mask), at batch 1 and 2. Both are
 linear in the batch, so the largest batch is the largest B with weights + cache(B) + workspace(B) <= budget.
-At that batch the run reports the peak memory torch reserved (CUDA graph pools and allocator slack
-included) from the compile to the last timed step, which must stay within the budget too.
+At that batch the run reports the peak memory allocated, and the peak torch reserved (CUDA graph pools
+and allocator slack included), from the compile to the last timed step.
 
 Filling the slots: a step's time depends on the bytes it reads, not on their values. kvcalib: one prompt
 of `context` random token ids is prefilled into a one-slot cache (compressed as it goes) and its state
@@ -131,7 +131,7 @@ def fill(name: str, lm: LoadedModel, cache, batch: int, length: int, prompt: tor
 
 
 def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dict:
-    """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory reserved."""
+    """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory allocated and reserved."""
     release()
     length = ctx + steps + 16
     cache = build(name, lm, batch, length)
@@ -154,7 +154,7 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dic
             torch.cuda.synchronize()
             if i >= warm:
                 seconds.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_reserved()
+    peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     del cache, step
     s = sorted(seconds)
     return {"median": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "peak": peak}
@@ -186,7 +186,7 @@ def main() -> None:
     weights = torch.cuda.memory_allocated()
     lines = [f"budget {args.budget_gib:g} GiB; weights {weights / GIB:.2f} GiB allocated; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s; {args.steps} timed steps after the warm-up", "",
-             "| context | cache | GiB per slot: cache + workspace | largest batch | peak reserved GiB | ms/step median "
+             "| context | cache | GiB per slot: cache + workspace | largest batch | peak GiB allocated / reserved | ms/step median "
              "| p99 | tokens/s | byte-floor tokens/s | median/floor | x fp16 tokens/s |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for ctx in contexts:
@@ -203,13 +203,13 @@ def main() -> None:
             floor = (weights + batch * held_bytes(name, ctx, model.config)) / bandwidth
             rows[name] = (per_slot, c2 - c1, batch, res, floor)
             print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
-                  f"peak reserved {res['peak'] / GIB:.2f} GiB", flush=True)
+                  f"peak allocated {res['peak'][0] / GIB:.2f}, reserved {res['peak'][1] / GIB:.2f} GiB", flush=True)
         base = rows.get("fp16-static-compile")
         for name, (per_slot, cache_slot, batch, res, floor) in rows.items():
             rate = batch / res["median"]
             versus = "-" if base is None else f"{rate / (base[2] / base[3]['median']):.1f}"
             lines.append(f"| {ctx} | {name} | {cache_slot / GIB:.3f} + {(per_slot - cache_slot) / GIB:.3f} | {batch} | "
-                         f"{res['peak'] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
+                         f"{res['peak'][0] / GIB:.1f} / {res['peak'][1] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
                          f"{batch / floor:.0f} | {res['median'] / floor:.2f} | {versus} |")
         print("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
     title = f"Decode throughput in a fixed memory budget, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
