@@ -204,10 +204,11 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         assert torch.equal(layers[0].flushed, layers[1].flushed) and torch.equal(layers[0].residual, layers[1].residual)
 
 
-def test_the_compiled_step_writes_the_cache_in_place_allocating_no_more_than_the_eager_step():
+def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buffer_beyond_the_eager_step():
     """The eager step writes every buffer in place; a compiled write that Inductor turned into a copy
-    (as it does a `scatter_` into a graph input) would allocate a whole packed buffer per write, each
-    of them here (>= 4 MiB at 128k tokens) larger than all the step's temporaries together."""
+    (as it does a `scatter_` into a graph input) would allocate a whole packed buffer, each of them here
+    (>= 4 MiB at 128k tokens) larger than all the eager step's temporaries together (about 1 MiB, the
+    attention's partials most of it). Inductor's own temporaries differ from eager's by a few KiB."""
     from kvcalib.runtime.captured import compile_options
 
     d, h, group, residual = 128, 2, 32, 64
@@ -233,8 +234,10 @@ def test_the_compiled_step_writes_the_cache_in_place_allocating_no_more_than_the
         run(k_new[:, :, 2 * s + 1 : 2 * s + 2], v_new[:, :, 2 * s + 1 : 2 * s + 2], q[:, 2 * s + 1])
         torch.cuda.synchronize()
         extra[name] = torch.cuda.max_memory_allocated() - before
-    assert min(b.nbytes for b in (layer.packed.kscale, layer.packed.vscale)) > extra["eager"], extra
-    assert extra["compiled"] <= extra["eager"], extra
+    p = layer.packed
+    smallest = min(b.nbytes for b in (p.kcodes, p.kscale, p.kzero, p.vcodes, p.vscale, p.vzero))
+    assert smallest > extra["eager"], extra
+    assert extra["compiled"] - extra["eager"] < smallest, extra
 
 
 def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot():
