@@ -15,6 +15,8 @@ Workspace: the peak allocated during one eager decode step over what was allocat
 activations, logits, the flush's intermediates, the attention's partials, and for fp16 the key and value
 copies that transformers' SDPA path makes to repeat KV heads under a mask), at batch 1 and 2. Both are
 linear in the batch, so the largest batch is the largest B with weights + cache(B) + workspace(B) <= budget.
+The eager step's workspace undercounts the compiled step's (by about 17 MiB a slot on the 8B shape: the peak
+columns show it; RESULTS.md's reading notes).
 At that batch the run reports the peak memory allocated, and the peak torch reserved (CUDA graph pools
 and allocator slack included), from the compile to the last timed step.
 
