@@ -7,8 +7,7 @@ and kvcalib's caches.
 Paths:
 - `fp16-eager`: fp16 DynamicCache, SDPA, eager (transformers' default);
 - `fp16-static-compile`: fp16 StaticCache with the forward under `torch.compile(mode="reduce-overhead")`,
-  the fast path transformers documents (prefill eager, in chunks of 8192 tokens: its SDPA mask spans the whole
-  `max_cache_len` and would not fit at 128k in one piece; decode steps compiled and graph-replayed);
+  the fast path transformers documents (prefill eager, decode steps compiled and graph-replayed);
 - `kivi128-dynamic`, `kivi32-dynamic`: KvcalibCache (KIVI-2, G=128 / 32, R=128), eager;
 - `kivi128-static`, `kivi32-static`: StaticKvcalibCache, the same step eager;
 - `kivi128-captured`, `kivi32-captured`: StaticKvcalibCache, the step replayed from one CUDA graph;
@@ -44,7 +43,6 @@ from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
 KIVI = {"kivi128": MethodSettings(2, 128, 128), "kivi32": MethodSettings(2, 32, 128)}
-PREFILL_CHUNK = 8192
 PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in KIVI
                                                   for how in ("dynamic", "static", "captured", "static-compiled")]
 
@@ -109,11 +107,9 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
         elif path == "fp16-static-compile":
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
-            for start in range(0, ctx, PREFILL_CHUNK):  # its mask spans max_cache_len: whole, it fills memory at 128k
-                pos = torch.arange(start, min(ctx, start + PREFILL_CHUNK), device="cuda")
-                logits = model(prompt[:, pos], past_key_values=cache, cache_position=pos, use_cache=True,
-                               logits_to_keep=1).logits
-            first = int(logits[0, -1].argmax())
+            pos = torch.arange(ctx, device="cuda")
+            first = int(model(prompt, past_key_values=cache, cache_position=pos, use_cache=True,
+                              logits_to_keep=1).logits[0, -1].argmax())
             forward = torch.compile(model.forward, mode="reduce-overhead")
             at = [ctx]
 
