@@ -12,13 +12,14 @@ SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
 CUDA = torch.device("cuda")  # `check_static` reads only the device's type: no GPU needed to ask it
 
 
-def test_masked_write_writes_each_taken_row_at_its_own_offset_and_leaves_the_others():
-    buf = torch.arange(3 * 2 * 10 * 4).reshape(3, 2, 10, 4)
+def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_only_into_the_slack():
+    buf = torch.arange(3 * 2 * 13 * 4).reshape(3, 2, 13, 4)  # 10 positions and a slack of 3
     before = buf.clone()
     new = -torch.arange(3 * 2 * 3 * 4).reshape(3, 2, 3, 4) - 1
     _masked_write(buf, new, start=torch.tensor([0, 5, 7], dtype=torch.int32), take=torch.tensor([True, False, True]))
     want = before.clone()
     want[0, :, 0:3] = new[0]
+    want[1, :, 10:13] = new[1]
     want[2, :, 7:10] = new[2]
     assert torch.equal(buf, want)
 

@@ -204,6 +204,42 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         assert torch.equal(layers[0].flushed, layers[1].flushed) and torch.equal(layers[0].residual, layers[1].residual)
 
 
+def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buffer_beyond_the_eager_step():
+    """The eager step writes every buffer in place; a compiled write that Inductor turned into a copy
+    (as it does a `scatter_` into a graph input) would allocate a whole packed buffer, each of them here
+    (>= 4 MiB at 128k tokens) larger than all the eager step's temporaries together (about 1 MiB, the
+    attention's partials most of it). Inductor's own temporaries differ from eager's by a few KiB."""
+    from kvcalib.runtime.captured import compile_options
+
+    d, h, group, residual = 128, 2, 32, 64
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=h, head_dim=d)
+    method = build_method("kivi", shape, MethodSettings(bits=2, group_size=group, residual=residual))
+    layer = StaticLayer(method, 0, 2, capacity=131072, kv_heads=h, head_dim=d, device=torch.device(DEV))
+    for i, t in enumerate([residual - 2, 3 * residual - 1]):  # slot 1 flushes at the first step, slot 0 at the second
+        layer.prefill(i, *_tokens(1, h, t, d, seed=80 + i))
+
+    def step(k, v, q):
+        layer.append(k, v)
+        return fused_decode(q, layer.packed, d**-0.5, counts=(layer.flushed, layer.residual))
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, options=compile_options())
+    k_new, v_new = _tokens(2, h, 4, d, seed=90)
+    q = torch.randn(2, 4, 8, d, device=DEV).half()
+    extra = {}
+    for s, (name, run) in enumerate([("eager", step), ("compiled", compiled)]):
+        run(k_new[:, :, 2 * s : 2 * s + 1], v_new[:, :, 2 * s : 2 * s + 1], q[:, 2 * s])  # compiles
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(k_new[:, :, 2 * s + 1 : 2 * s + 2], v_new[:, :, 2 * s + 1 : 2 * s + 2], q[:, 2 * s + 1])
+        torch.cuda.synchronize()
+        extra[name] = torch.cuda.max_memory_allocated() - before
+    p = layer.packed
+    smallest = min(b.nbytes for b in (p.kcodes, p.kscale, p.kzero, p.vcodes, p.vscale, p.vzero))
+    assert smallest > extra["eager"], extra
+    assert extra["compiled"] - extra["eager"] < smallest, extra
+
+
 def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot():
     from kvcalib.runtime.captured import CapturedDecoder, Decoder
 

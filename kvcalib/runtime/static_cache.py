@@ -14,9 +14,10 @@ tokens packed in INT2 blocks (the layout of `kvcalib.int2_layout`, which the fus
 A decode step appends each sequence's new token at its own residual position. A sequence whose
 residual is then full is flushed inside the same step, without a branch on the host: every step
 compresses every sequence's residual window with the method's own `compress` and writes the codes at
-its `flushed` offset under a mask that is true only where the window is full. That costs R tokens of
-float16 per sequence and layer each step (at R = 128 and 32k of context, under 1% of the bytes the
-attention reads). The flush rule is the blockwise one `kvcalib eval` scores
+its `flushed` offset where the window is full, into a slack block past the capacity where it is not.
+That costs R tokens of float16 per sequence and layer each step (at R = 128 and 32k of context, under
+1% of the bytes the attention reads). Every write is an `index_put_`, which `torch.compile` keeps in
+place (a `scatter_` there copies the whole buffer at every step). The flush rule is the blockwise one `kvcalib eval` scores
 (`kvcalib.attention.flushed_length`): the stored codes are those `KvcalibCache` stores, bit for bit.
 
 Sequences of different lengths share the batch; a slot is freed (`release`) and refilled (`prefill`)
@@ -44,18 +45,22 @@ from .int2_kernel import fused_decode, supports
 
 
 def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
-    """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync): rows not
-    taken are written back unchanged. buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool."""
-    n = new.shape[2]
-    idx = start.long().view(-1, 1) + torch.arange(n, device=buf.device)
-    idx = idx.view(idx.shape[0], 1, n, *([1] * (new.dim() - 3))).expand_as(new)
-    old = buf.gather(2, idx)
-    buf.scatter_(2, idx, torch.where(take.view(-1, *([1] * (new.dim() - 1))), new, old))
+    """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync); a row not
+    taken writes into the last n positions of buf instead, the slack that nothing reads.
+    buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool.
+
+    Through `index_put_`, which Inductor lowers to a write into `buf` itself: its `scatter_` (and a
+    gather of the old rows) makes a copy of the whole buffer, every packed buffer at every step."""
+    b, h, n = new.shape[:3]
+    at = torch.where(take, start.long(), buf.shape[2] - n)
+    rows = at.view(b, 1, 1) + torch.arange(n, device=buf.device)
+    buf.index_put_((torch.arange(b, device=buf.device).view(b, 1, 1),
+                    torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
 
 
 class StaticLayer(CacheLayerMixin):
-    """One layer's buffers (`PackedLayer`, sized for the capacity plus one block of slack that a masked
-    flush may write where it is not taken) and its per-sequence counts."""
+    """One layer's buffers (`PackedLayer`, sized for the capacity plus one block of slack, where the
+    masked flush writes the rows it does not take) and its per-sequence counts."""
 
     is_sliding = False
     is_compileable = False
@@ -111,16 +116,17 @@ class StaticLayer(CacheLayerMixin):
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual."""
-        b, h, _, d = k.shape
+        b, h = k.shape[:2]
         p, r = self.packed, self.packed.residual
-        at = self.residual.long().view(b, 1, 1, 1).expand(b, h, 1, d)
-        p.kres.scatter_(2, at, k.half())
-        p.vres.scatter_(2, at, v.half())
+        rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
+                self.residual.long().view(b, 1))
+        p.kres.index_put_(rows, k[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
+        p.vres.index_put_(rows, v[:, :, 0].half())
         self.residual += 1
         full = self.residual == r
         for (buf, unit), part in zip(self._buffers(), self._parts(p.kres, p.vres)):
             _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
-        # An idle slot (no sequence) keeps counting; at capacity it rewrites the slack block instead of
+        # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
         # running past the buffers. A live sequence never gets there: the cache refuses it first.
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
         self.residual.masked_fill_(full, 0)

@@ -1,0 +1,94 @@
+"""Where the compiled, captured decode step's time goes (issue 17): the 8B-shaped random model of
+generate.py, B=1, KIVI-2 in a StaticKvcalibCache at `--context` tokens; torch.profiler over `--replays`
+graph replays, GPU kernel time per step by kind:
+
+- matmul: cuBLAS/cuBLASLt kernels (the fp16 weights' matrix-vector products, lm_head included);
+- attention: the fused INT2 decode kernels (`packed_partial`, `merge`);
+- append+flush: Inductor kernels of the cache's append and masked flush (their fused names hold
+  scatter/gather, the quantizer's min/max and rounding, or the packing's shifts);
+- other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
+
+    python benchmarks/profile_step.py [--context 32768] [--group 128] [--replays 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from generate import KIVI, llama8b_config
+from kvcalib.models import LoadedModel
+from kvcalib.runtime.captured import CapturedDecoder
+from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+KINDS = [("attention", re.compile(r"packed_partial|merge")),
+         ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas", re.I)),
+         ("append+flush", re.compile(r"scatter|gather|amax|amin|round|clamp|bitwise|lshift|rshift|where")),
+         ("other", re.compile(r"."))]
+
+
+def kind(name: str) -> str:
+    return next(k for k, pattern in KINDS if pattern.search(name))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
+    cache = StaticKvcalibCache(lm, "kivi", KIVI[f"kivi{args.group}"], max_batch=1,
+                               max_length=args.context + 2 * args.replays + 64)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
+    token = cache.prefill(model, 0, prompt).argmax().view(1)
+    decoder = CapturedDecoder(model, cache, compile=True)
+    for _ in range(5):
+        token = decoder.step(token).argmax(-1)
+    times = []
+    for _ in range(args.replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        token = decoder.step(token).argmax(-1)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.replays):
+            token = decoder.step(token).argmax(-1)
+        torch.cuda.synchronize()
+    per_name = collections.Counter()
+    calls = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name] += event.device_time_total / args.replays
+            calls[event.name] += 1 / args.replays
+    by_kind = collections.Counter()
+    for name, us in per_name.items():
+        by_kind[kind(name)] += us
+    step_ms = statistics.median(times)
+    total = sum(by_kind.values())
+    lines = [f"KIVI-2 G={args.group}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
+             f"replays, events), GPU kernels {total / 1e3:.2f} ms, {sum(calls.values()):.0f} kernels per step", "",
+             "| kind | ms per step | share of the step |", "|---|---:|---:|"]
+    lines += [f"| {k} | {us / 1e3:.3f} | {us / 1e3 / step_ms:.0%} |" for k, us in by_kind.most_common()]
+    lines += [f"| idle between kernels | {step_ms - total / 1e3:.3f} | {1 - total / 1e3 / step_ms:.0%} |", "",
+              "| kernel | kind | calls per step | ms per step |", "|---|---|---:|---:|"]
+    lines += [f"| {name[:90]} | {kind(name)} | {calls[name]:.0f} | {us / 1e3:.3f} |" for name, us in per_name.most_common(40)]
+    text = "\n".join(lines)
+    print(text)
+    Path(args.out, f"profile_kivi{args.group}_{args.context}.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""Decode throughput at a fixed memory budget (issue 17): in `--budget-gib` of GPU memory, weights included,
+the largest batch each cache holds at a given context, and decode tokens/s at that batch, for the
+random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
+
+    python benchmarks/throughput.py [--budget-gib 70] [--contexts 32768,131072] [--steps 64] [--caches all]
+
+Caches, each at its fastest path in generate.py:
+- `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
+- `kivi128-static-compiled`, `kivi32-static-compiled`: StaticKvcalibCache (KIVI-2, G=128 / 32, R=128), the
+  step compiled and captured (`CapturedDecoder(compile=True)`).
+
+Memory, from torch's allocator. Weights: allocated once the model is built. Cache: allocated by creating
+it (`max_length` = context + the steps run; every buffer is allocated at creation), at batch 1 and 2.
+Workspace: the peak allocated during one eager decode step over what was allocated before it (the
+activations, logits, the flush's intermediates, the attention's partials, and for fp16 the key and value
+copies that transformers' SDPA path makes to repeat KV heads under a mask), at batch 1 and 2. Both are
+linear in the batch, so the largest batch is the largest B with weights + cache(B) + workspace(B) <= budget.
+The eager step's workspace undercounts the compiled step's (by about 17 MiB a slot on the 8B shape: the peak
+columns show it; RESULTS.md's reading notes).
+At that batch the run reports the peak memory allocated, and the peak torch reserved (CUDA graph pools
+and allocator slack included), from the compile to the last timed step.
+
+Filling the slots: a step's time depends on the bytes it reads, not on their values. kvcalib: one prompt
+of `context` random token ids is prefilled into a one-slot cache (compressed as it goes) and its state
+(codes, scales, zeros, residual, counts) copied into every slot of the batch, where prefilling each slot
+would cost minutes of device time for the same bytes; every slot then flushes at the same step (the
+masked flush runs at every step anyway). fp16: StaticCache's buffers are filled with normal noise and its
+position set to the context; its SDPA step reads the whole `max_cache_len` under a mask at any position.
+
+Timed: `--steps` steps after the warm-up (compile and capture), each synchronised from the host as
+generate.py times them; tokens/s = batch / median step time. Byte floor: weights + batch x the cache one
+sequence holds at the context (`generate.int2_bytes`; fp16 keys and values), over the copy bandwidth.
+The tokens of random weights say nothing about accuracy: the caches' accuracy is in RESULTS.md's
+perplexity tables and generate.py's B=1 runs compare them with fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, StaticCache
+
+from generate import KIVI, copy_bandwidth, int2_bytes, llama8b_config
+from kvcalib.models import LoadedModel
+from kvcalib.runtime.captured import CapturedDecoder, Decoder
+from kvcalib.runtime.static_cache import StaticKvcalibCache
+from results import RESULTS, record
+
+CACHES = ["fp16-static-compile", "kivi128-static-compiled", "kivi32-static-compiled"]
+GIB = 2**30
+PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vres")
+
+
+def build(name: str, lm: LoadedModel, batch: int, length: int):
+    """The cache `name` with `batch` slots of `length` tokens, every buffer allocated."""
+    if name == "fp16-static-compile":
+        c = lm.model.config
+        lm.model.set_attn_implementation("sdpa")
+        cache = StaticCache(config=c, max_cache_len=length)
+        cache.early_initialization(batch, c.num_key_value_heads, c.head_dim, torch.float16, torch.device("cuda"))
+        return cache
+    return StaticKvcalibCache(lm, "kivi", KIVI[name.split("-")[0]], max_batch=batch, max_length=length)
+
+
+def fp16_step(model, cache, batch: int, at: int, compiled: bool):
+    """step(tokens (B,)) -> next tokens (B,) over a StaticCache holding `at` tokens per sequence."""
+    forward = torch.compile(model.forward, mode="reduce-overhead") if compiled else model.forward
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(at)
+    pos = [at]
+
+    def step(tokens):
+        p = torch.full((batch, 1), pos[0], device="cuda")
+        pos[0] += 1
+        out = forward(tokens.view(-1, 1), past_key_values=cache, cache_position=p[0], position_ids=p, use_cache=True)
+        return out.logits[:, -1].argmax(-1)
+
+    return step
+
+
+def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tuple[int, int]:
+    """(cache bytes, workspace bytes) at `batch`: allocated by the cache's creation, and the peak of one
+    eager step over what was allocated before it."""
+    release()
+    base = torch.cuda.memory_allocated()
+    cache = build(name, lm, batch, length)
+    cache_bytes = torch.cuda.memory_allocated() - base
+    tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
+    if name == "fp16-static-compile":
+        step = fp16_step(lm.model, cache, batch, ctx, compiled=False)
+    else:
+        decoder = Decoder(lm.model, cache)
+        step = lambda t: decoder.step(t).argmax(-1)  # noqa: E731
+    step(tokens)  # the first step loads the kernels
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        step(tokens)
+    torch.cuda.synchronize()
+    workspace = torch.cuda.max_memory_allocated() - before
+    del cache, step
+    return cache_bytes, workspace
+
+
+def release() -> None:
+    """Drop compiled graphs (and their CUDA graph pools) and cached blocks from the last run."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def fill(name: str, lm: LoadedModel, cache, batch: int, length: int, prompt: torch.Tensor) -> None:
+    """Slots holding `prompt`'s tokens (module docstring: one prefill copied, or fp16 noise)."""
+    if name == "fp16-static-compile":
+        for layer in cache.layers:
+            layer.keys.normal_()
+            layer.values.normal_()
+        return
+    one = build(name, lm, 1, length)
+    one.prefill(lm.model, 0, prompt)
+    for src, dst in zip(one.layers, cache.layers):
+        for field in PACKED:
+            getattr(dst.packed, field).copy_(getattr(src.packed, field).expand_as(getattr(dst.packed, field)))
+        dst.flushed.copy_(src.flushed.expand(batch))
+        dst.residual.copy_(src.residual.expand(batch))
+    cache.lengths = [prompt.shape[1]] * batch
+
+
+def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dict:
+    """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory allocated and reserved."""
+    release()
+    length = ctx + steps + 16
+    cache = build(name, lm, batch, length)
+    with torch.no_grad():
+        fill(name, lm, cache, batch, length, torch.randint(0, lm.model.config.vocab_size, (1, ctx), device="cuda"))
+    release()
+    torch.cuda.reset_peak_memory_stats()
+    if name == "fp16-static-compile":
+        step, warm = fp16_step(lm.model, cache, batch, ctx, compiled=True), 6
+    else:
+        decoder = CapturedDecoder(lm.model, cache, compile=True)  # compiled and captured here
+        step, warm = (lambda t: decoder.step(t).argmax(-1)), 3
+    tokens = torch.randint(0, lm.model.config.vocab_size, (batch,), device="cuda")
+    seconds = []
+    with torch.no_grad():
+        for i in range(warm + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            tokens = step(tokens)
+            torch.cuda.synchronize()
+            if i >= warm:
+                seconds.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    del cache, step
+    s = sorted(seconds)
+    return {"median": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "peak": peak}
+
+
+def held_bytes(name: str, ctx: int, config) -> float:
+    """Bytes one sequence's cache holds at `ctx` tokens (what a step must read of it)."""
+    if name == "fp16-static-compile":
+        return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ctx
+    return int2_bytes(ctx, KIVI[name.split("-")[0]], config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-gib", type=float, default=70.0)
+    parser.add_argument("--contexts", default="32768,131072")
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--caches", default="all", help=f"comma-separated, of {', '.join(CACHES)}")
+    parser.add_argument("--results", default=str(RESULTS))
+    args = parser.parse_args()
+    caches = CACHES if args.caches == "all" else args.caches.split(",")
+    contexts = [int(c) for c in args.contexts.split(",")]
+    budget = args.budget_gib * GIB
+    bandwidth = copy_bandwidth()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
+    weights = torch.cuda.memory_allocated()
+    lines = [f"budget {args.budget_gib:g} GiB; weights {weights / GIB:.2f} GiB allocated; copy bandwidth "
+             f"{bandwidth / 1e12:.2f} TB/s; {args.steps} timed steps after the warm-up", "",
+             "| context | cache | GiB per slot: cache + workspace | largest batch | peak GiB allocated / reserved | ms/step median "
+             "| p99 | tokens/s | byte-floor tokens/s | median/floor | x fp16 tokens/s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for ctx in contexts:
+        length = ctx + args.steps + 16
+        rows = {}
+        for name in caches:
+            (c1, w1), (c2, w2) = (probe(name, lm, b, length, ctx) for b in (1, 2))
+            per_slot = (c2 - c1) + (w2 - w1)
+            fixed = (2 * c1 - c2) + (2 * w1 - w2)
+            batch = int((budget - weights - fixed) // per_slot)
+            print(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
+                  f"at B=1/2 -> batch {batch}", flush=True)
+            res = measure(name, lm, batch, ctx, args.steps)
+            floor = (weights + batch * held_bytes(name, ctx, model.config)) / bandwidth
+            rows[name] = (per_slot, c2 - c1, batch, res, floor)
+            print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
+                  f"peak allocated {res['peak'][0] / GIB:.2f}, reserved {res['peak'][1] / GIB:.2f} GiB", flush=True)
+        base = rows.get("fp16-static-compile")
+        for name, (per_slot, cache_slot, batch, res, floor) in rows.items():
+            rate = batch / res["median"]
+            versus = "-" if base is None else f"{rate / (base[2] / base[3]['median']):.1f}"
+            lines.append(f"| {ctx} | {name} | {cache_slot / GIB:.3f} + {(per_slot - cache_slot) / GIB:.3f} | {batch} | "
+                         f"{res['peak'][0] / GIB:.1f} / {res['peak'][1] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
+                         f"{batch / floor:.0f} | {res['median'] / floor:.2f} | {versus} |")
+        print("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
+    title = f"Decode throughput in a fixed memory budget, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    table = "\n".join(lines)
+    print(f"\n{title}\n\n{table}")
+    record(title, table, sys.argv, args.results)
+
+
+if __name__ == "__main__":
+    main()
