@@ -223,7 +223,8 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--candidates", default=",".join(PLAN_CANDIDATES), show_default=True,
               help="Schemes each layer's keys and values may take, comma-separated: turboquant-B (calibrated "
                    "per-coordinate codebooks, B in 1..4), turboquant-dDbB (TurboQuant's norms and rotation, a "
-                   "k-means codebook of 2^B centroids of D coordinates; needs faiss), kivi-B-gG, oscar-B-gG.")
+                   "k-means codebook of 2^B centroids of D coordinates; needs faiss), vecinfer-dDbB (VecInfer's λ, Hadamard "
+                   "and codebooks; needs faiss), kivi-B-gG, oscar-B-gG.")
 @click.option("--items", type=click.Choice(PLAN_ITEMS), default="layer", show_default=True,
               help="Choose a scheme for each layer's keys and values, or for each KV head's.")
 @click.option("--anchor", default=PLAN_ANCHOR, show_default=True,

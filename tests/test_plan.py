@@ -19,6 +19,7 @@ from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
 from kvcalib.methods.plan_fit import COST_UNITS, item_costs, make_plan, measure_sensitivity, solve
 from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, TurboQuantVQ, codebook, rotation, unit_rotated
 from kvcalib.methods.turboquant_fit import fit_vector_codebooks
+from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig
 from kvcalib.vq import VQConfig
 from kvcalib.models import AttentionShape
 
@@ -80,13 +81,15 @@ def test_item_costs_count_codes_metadata_and_codebooks_as_eval_does():
 # ---- the schemes ----
 
 @pytest.mark.parametrize("text,want", [("turboquant-3", "turboquant-3"), (" kivi-2-g128", "kivi-2-g128"),
-                                       ("oscar-4-g32", "oscar-4-g32"), ("turboquant-d4b6", "turboquant-d4b6")])
+                                       ("oscar-4-g32", "oscar-4-g32"), ("turboquant-d4b6", "turboquant-d4b6"),
+                                       ("vecinfer-d4b8", "vecinfer-d4b8")])
 def test_a_scheme_reads_back_as_written(text, want):
     assert str(parse_scheme(text)) == want
 
 
 @pytest.mark.parametrize("text", ["turboquant-5", "turboquant-2-g32", "kivi-2", "kivi-0-g32", "oscar-2-g0", "vecinfer-2", "",
-                                  "turboquant-d4b13", "turboquant-d0b4", "turboquant-d4"])
+                                  "turboquant-d4b13", "turboquant-d0b4", "turboquant-d4",
+                                  "vecinfer-4", "vecinfer-d4b13"])
 def test_an_unknown_or_impossible_scheme_is_refused(text):
     with pytest.raises(SettingsError):
         parse_scheme(text)
@@ -167,6 +170,38 @@ def test_vector_codebooks_fit_the_collection_better_than_the_oblivious_product_c
             assert mse(book[0]) < mse(grid)
 
 
+def test_a_vecinfer_head_of_a_plan_holds_what_vecinfer_alone_stores_of_it():
+    """Keys: VecInfer on head 0 (λ of head 0), TurboQuant with a vector codebook on head 1; values: VecInfer
+    on both. Each head reads back what its scheme alone stores of it, with the same bits; the plan counts
+    its codebooks and λ once."""
+    shape = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
+    gen = torch.Generator().manual_seed(2)
+    vi, tv = parse_scheme("vecinfer-d4b5"), parse_scheme("turboquant-d4b5")
+    books = {codebook_name(0, "k", vi.book): torch.randn(1, 32, 4, generator=gen),
+             codebook_name(0, "v", vi.book): torch.randn(1, 32, 4, generator=gen),
+             codebook_name(0, "k", tv.book): torch.randn(1, 32, 4, generator=gen) * 0.3,
+             "layers.0.k_smooth": torch.rand(2, 16, generator=gen).half() + 0.5}
+    plan = Plan(shape, {"k": [[vi, tv]], "v": [[vi, vi]]}, 16, 1, books, "layer")
+    k, v = (torch.randn(2, 2, 16, 16, generator=gen) for _ in range(2))
+    config = VecInferConfig("d4b5", "d4b5")
+    lam = books["layers.0.k_smooth"]
+    alone_k = VecInfer(config, [LayerCodebooks(books["layers.0.k_codebook_vecinfer_d4b5"], books["layers.0.k_codebook_vecinfer_d4b5"],
+                                               lam[[0]])], shape, 16)
+    alone_v = VecInfer(config, [LayerCodebooks(books["layers.0.v_codebook_vecinfer_d4b5"], books["layers.0.v_codebook_vecinfer_d4b5"],
+                                               None)], shape, 16)
+    alone_t = TurboQuantVQ(VQConfig(4, 5), 16, shape, [(books["layers.0.k_codebook_d4b5"],) * 2], "layer")
+    packed = plan.compress(0, k, v)
+    kq, vq_ = plan.decompress(0, packed)
+    one_k, one_t, one_v = (alone_k.compress(0, k[:, [0]], v[:, [0]]), alone_t.compress(0, k[:, [1]], v[:, [1]]),
+                           alone_v.compress(0, k, v))
+    assert torch.equal(kq[:, [0]], alone_k.decompress(0, one_k)[0])
+    assert torch.equal(kq[:, [1]], alone_t.decompress(0, one_t)[0])
+    assert torch.equal(vq_, alone_v.decompress(0, one_v)[1])
+    assert plan.part_bits(packed) == (alone_k.part_bits(one_k)[0] + alone_t.part_bits(one_t)[0], alone_v.part_bits(one_v)[1])
+    assert plan.part_bits(packed) == (2 * 16 * (24 + 32 + 16), 2 * 16 * 2 * 24)  # 3 bytes a VecInfer vector; a word + norm
+    assert plan.constant_bits() == 16 * sum(t.numel() for t in books.values())
+
+
 # ---- sensitivity ----
 
 class _Noisy(Method):
@@ -208,8 +243,8 @@ def acts(tmp_path_factory, tiny_lm, text_file):
     return collect(out, model=tiny_lm, dataset=str(text_file), num_samples=4, seq_len=64)
 
 
-MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "turboquant-d4b6", "kivi-2-g8", "kivi-4-g8",
-         "oscar-2-g16")
+MIXED = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "turboquant-d4b6", "vecinfer-d4b6", "kivi-2-g8",
+         "kivi-4-g8", "oscar-2-g16")
 
 
 @pytest.fixture(scope="module", params=["layer", "head"])
@@ -247,7 +282,11 @@ def test_the_plan_spends_the_budget_and_eval_counts_what_it_planned(plan, tiny_l
                 if book:
                     books.add((i, part, scheme.book, book))
                 cost = extra["cost_bits_per_element"][part][names.index(name)]
-                cache += (cost - book / (4096 * item_heads * 16)) * per_head
+                smooth = 0.0
+                if scheme.family == "vecinfer" and part == "k":  # λ: 16 bits per channel, counted per item
+                    books.add((i, "k", "smooth", 16 * 2 * 16))
+                    smooth = 16 / 4096
+                cache += (cost - book / (4096 * item_heads * 16) - smooth) * per_head
     elements = 2 * 2 * 2 * per_head  # layers x parts x KV heads
     assert result.bits_breakdown["shared_bits_per_element"] * elements == sum(b[-1] for b in books)
     assert result.bits_breakdown["cache_bits_per_element"] * elements == pytest.approx(cache, rel=1e-12)
@@ -306,7 +345,7 @@ def test_a_residual_other_than_the_plans_is_refused(plan):
 @pytest.mark.parametrize("damage,match", [
     (lambda s, t: s.update(k=s["k"][:1]), "one scheme per layer"),
     (lambda s, t: s.update(k=[heads[:1] for heads in s["k"]]), "one scheme per layer"),
-    (lambda s, t: s.update(v=[["vecinfer-2"] * 2] * 2), "unknown scheme"),
+    (lambda s, t: s.update(v=[["kivi-2"] * 2] * 2), "unknown scheme"),
     (lambda s, t: s.update(flush_step=0), "invalid plan settings"),
     (lambda s, t: t.update({"layers.9.k_codebook": torch.zeros(1)}), "does not use"),
     (lambda s, t: (s.update(k=[["turboquant-d4b6"] * 2] * 2),
@@ -331,7 +370,7 @@ def test_a_plan_needs_its_artifact():
         build_method("plan", SHAPE, MethodSettings())
 
 
-@pytest.mark.parametrize("kwargs,match", [({"budget": 2.0, "candidates": MIXED}, "below the cheapest plan"),
+@pytest.mark.parametrize("kwargs,match", [({"budget": 1.0, "candidates": MIXED}, "below the cheapest plan"),
                                           ({"candidates": ("turboquant-5",)}, "1..4"),
                                           ({"candidates": ("kivi-2-g8",)}, "--anchor"),
                                           ({"candidates": ("turboquant-2", "kivi-2-g32")}, "multiple of --group-size 32"),

@@ -99,11 +99,13 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
 def _plan(shape, residual: int = 16):
     """A plan whose layers' KV heads take schemes of every family: TurboQuant at its own widths with
     per-coordinate codebooks (the oblivious one, stretched per coordinate so that no two coordinates
-    share centroids), KIVI and OScaR with key groups of 8; some layers one scheme for all heads."""
+    share centroids) and with a vector codebook, VecInfer, KIVI and OScaR with key groups of 8; some
+    layers one scheme for all heads."""
     from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
     from kvcalib.methods.turboquant import codebook
 
-    pool = ["turboquant-1", "oscar-2-g8", "turboquant-3", "kivi-2-g8", "turboquant-4", "kivi-3-g8"]
+    pool = ["turboquant-1", "oscar-2-g8", "turboquant-3", "vecinfer-d4b5", "kivi-2-g8", "turboquant-4", "turboquant-d4b5",
+            "kivi-3-g8"]
     h = shape.num_kv_heads
 
     def layer(i, shift):
@@ -114,7 +116,12 @@ def _plan(shape, residual: int = 16):
     schemes = {"k": [layer(i, 0) for i in range(shape.num_layers)], "v": [layer(i, 3) for i in range(shape.num_layers)]}
     stretch = torch.linspace(0.8, 1.2, shape.head_dim)[None, :, None]
     books = {codebook_name(i, p, s.bits): (codebook(shape.head_dim, s.bits).float()[None, None] * stretch).half().float()
-             for p in ("k", "v") for i, heads in enumerate(schemes[p]) for s in heads if s.family == "turboquant"}
+             for p in ("k", "v") for i, heads in enumerate(schemes[p]) for s in heads if s.family == "turboquant" and not s.dim}
+    gen = torch.Generator().manual_seed(5)  # vector codebooks (TurboQuant's and VecInfer's) and VecInfer's λ: any values
+    books |= {codebook_name(i, p, s.book): (torch.randn(1, 32, 4, generator=gen) * (0.3 if s.family == "turboquant" else 1)).half().float()
+              for p in ("k", "v") for i, heads in enumerate(schemes[p]) for s in heads if s.dim}
+    books |= {f"layers.{i}.k_smooth": (torch.rand(h, shape.head_dim, generator=gen) + 0.5).half()
+              for i, heads in enumerate(schemes["k"]) if any(s.family == "vecinfer" for s in heads)}
     return Plan(shape, schemes, residual, 8, books, "layer")
 
 

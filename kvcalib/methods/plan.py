@@ -9,6 +9,7 @@ Schemes (`parse_scheme`; one string each, as the plan's settings and `--candidat
 | `turboquant-d{D}b{B}` | TurboQuant's norms and rotation, a calibrated vector codebook: 2^B centroids of D coordinates (`TurboQuantVQ`) |
 | `kivi-{b}-g{G}`    | KIVI, b bits, key groups of G tokens, value groups of min(G, d) channels  |
 | `oscar-{b}-g{G}`   | OScaR (Hadamard rotation, l2 per-token key scaling), b bits, groups of G  |
+| `vecinfer-d{D}b{B}` | VecInfer: keys smoothed by λ and Hadamard-rotated, values as they are, k-means codebooks of 2^B centroids of D coordinates, no norms |
 
 A plan chooses per layer and KV head (`kvcalib plan --items head`) or per layer (`--items layer`: every
 head of a layer takes the same scheme). Format: a flushed block of a layer is, for its keys and for its
@@ -26,7 +27,9 @@ Artifact (method `plan`): settings `k` and `v` (per layer, a scheme per KV head)
 `granularity` of the TurboQuant codebooks, `rotation_seed`, `flush_step`, `sink_tokens`,
 `residual_mode`, `residual`; tensors `layers.{i}.{k,v}_codebook_b{b}` (G, d, 2^b) float16, one per
 layer, part and width that TurboQuant codes, and `layers.{i}.{k,v}_codebook_d{D}b{B}` (G, 2^B, D) float16
-for its vector codebooks, counted once, 16 bits per centroid coordinate (`constant_bits`).
+for its vector codebooks, `layers.{i}.{k,v}_codebook_vecinfer_d{D}b{B}` (G, 2^B, D) for VecInfer's, and
+`layers.{i}.k_smooth` (Hkv, d), VecInfer's λ, where a layer's keys take a VecInfer scheme; all counted
+once, 16 bits per number (`constant_bits`).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from . import Method, MethodSettings
 from .kivi import Kivi, KiviConfig
 from .oscar import Oscar, OscarConfig
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig, TurboQuantVQ, checked_codebook
+from .vecinfer import LayerCodebooks, VecInfer, VecInferConfig
 
-_SCHEME = re.compile(r"(?P<family>turboquant)-(?:(?P<bits>\d+)|d(?P<dim>\d+)b(?P<vbits>\d+))"
+_SCHEME = re.compile(r"(?P<family>turboquant|vecinfer)-(?:(?P<bits>\d+)|d(?P<dim>\d+)b(?P<vbits>\d+))"
                      r"|(?P<grouped>kivi|oscar)-(?P<gbits>\d+)-g(?P<group>\d+)")
 VECTOR_BITS = 12  # the largest vector codebook a plan fits: 4096 centroids
 PARTS = ("k", "v")
@@ -55,10 +59,10 @@ PARTS = ("k", "v")
 
 @dataclass(frozen=True)
 class Scheme:
-    family: str  # turboquant, kivi or oscar
-    bits: int  # per element; a TurboQuant vector codebook: per code of `dim` elements
+    family: str  # turboquant, vecinfer, kivi or oscar
+    bits: int  # per element; a vector codebook: per code of `dim` elements
     group_size: int | None = None  # kivi and oscar
-    dim: int | None = None  # a TurboQuant vector codebook: coordinates per centroid
+    dim: int | None = None  # a vector codebook (TurboQuant's or VecInfer's): coordinates per centroid
 
     def __str__(self) -> str:
         if self.dim:
@@ -67,7 +71,10 @@ class Scheme:
 
     @property
     def book(self) -> str | None:
-        """The tag of its codebook tensors (`codebook_name`): `b{bits}` or `d{D}b{B}`; None if it has none."""
+        """The tag of its codebook tensors (`codebook_name`): `b{bits}` or `d{D}b{B}` (TurboQuant),
+        `vecinfer_d{D}b{B}`; None if it has none."""
+        if self.family == "vecinfer":
+            return f"vecinfer_d{self.dim}b{self.bits}"
         if self.family != "turboquant":
             return None
         return f"d{self.dim}b{self.bits}" if self.dim else f"b{self.bits}"
@@ -81,10 +88,12 @@ def parse_scheme(text: str) -> Scheme:
     """A scheme from its name (module docstring); SettingsError for anything else."""
     m = _SCHEME.fullmatch(text.strip())
     if m is None:
-        raise SettingsError(f"unknown scheme {text!r}: write turboquant-B, turboquant-dDbB, kivi-B-gG or oscar-B-gG "
-                            "(e.g. oscar-2-g128)")
+        raise SettingsError(f"unknown scheme {text!r}: write turboquant-B, turboquant-dDbB, vecinfer-dDbB, kivi-B-gG "
+                            "or oscar-B-gG (e.g. oscar-2-g128)")
+    if m["family"] == "vecinfer" and not m["dim"]:
+        raise SettingsError(f"scheme {text}: write VecInfer as vecinfer-dDbB (e.g. vecinfer-d4b8)")
     if m["dim"]:
-        scheme = Scheme("turboquant", int(m["vbits"]), dim=int(m["dim"]))
+        scheme = Scheme(m["family"], int(m["vbits"]), dim=int(m["dim"]))
         if not scheme.dim >= 1 or not 1 <= scheme.bits <= VECTOR_BITS:
             raise SettingsError(f"scheme {text}: a vector codebook takes D >= 1 coordinates and 1..{VECTOR_BITS} bits")
         return scheme
@@ -99,9 +108,17 @@ def parse_scheme(text: str) -> Scheme:
 
 
 def scheme_coder(scheme: Scheme, shape: AttentionShape, residual: int,
-                 books: list[tuple[torch.Tensor, torch.Tensor]] | None = None, granularity: str | None = None) -> Method:
+                 books: list[tuple] | None = None, granularity: str | None = None) -> Method:
     """The method that codes one scheme: TurboQuant with the given calibrated codebooks (per layer, keys
-    and values: per coordinate, or vector codebooks), KIVI, or OScaR with its defaults (l2 scaling, rotation)."""
+    and values: per coordinate, or vector codebooks), VecInfer with them (per layer, keys, values and
+    the keys' λ), KIVI, or OScaR with its defaults (l2 scaling, rotation)."""
+    if scheme.family == "vecinfer":
+        if books is None:
+            raise SettingsError(f"scheme {scheme} needs calibrated codebooks")
+        config = VecInferConfig(k_config=f"d{scheme.dim}b{scheme.bits}", v_config=f"d{scheme.dim}b{scheme.bits}",
+                                granularity=granularity)
+        config.check(shape)
+        return VecInfer(config, [LayerCodebooks(k=k, v=v, smooth=lam) for k, v, lam in books], shape, residual)
     if scheme.family == "turboquant":
         if books is None:
             raise SettingsError(f"scheme {scheme} needs calibrated codebooks")
@@ -116,6 +133,11 @@ def scheme_coder(scheme: Scheme, shape: AttentionShape, residual: int,
 def common_flush_step(coders: list[Method]) -> int:
     """The least common multiple of the coders' flush steps: one sliding flush that keeps every group whole."""
     return math.lcm(*(c.flush_step() for c in coders))
+
+
+def smooth_name(layer: int) -> str:
+    """The artifact tensor of a layer's VecInfer key smoothing λ (Hkv, d)."""
+    return f"layers.{layer}.k_smooth"
 
 
 def codebook_name(layer: int, part: str, book: int | str) -> str:
@@ -149,10 +171,13 @@ class Plan(Method):
                 layer_groups = []
                 for scheme in dict.fromkeys(schemes[part][i]):
                     heads = [h for h, s in enumerate(schemes[part][i]) if s == scheme]
-                    if scheme.family == "turboquant":  # one codebook serves both slots; the other is never read
+                    if scheme.book:  # one codebook serves both slots; the other is never read
                         book = books[codebook_name(i, part, scheme.book)]
                         book = book[heads] if granularity == "head" else book
-                        coder = scheme_coder(scheme, shape, residual, [(book, book)] * shape.num_layers, granularity)
+                        slots = (book, book)
+                        if scheme.family == "vecinfer":  # λ smooths keys only
+                            slots += (books[smooth_name(i)][heads] if part == "k" else None,)
+                        coder = scheme_coder(scheme, shape, residual, [slots] * shape.num_layers, granularity)
                     else:
                         coder = shared.setdefault(scheme, scheme_coder(scheme, shape, residual))
                     layer_groups.append((heads, coder))
@@ -226,7 +251,9 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     for i in range(shape.num_layers):
         for part in PARTS:
             for scheme in schemes[part][i]:
-                if scheme.family == "turboquant":
+                if scheme.family == "vecinfer" and part == "k" and smooth_name(i) not in books:
+                    books[smooth_name(i)] = checked_smooth(art.tensors, smooth_name(i), (shape.num_kv_heads, shape.head_dim), path)
+                if scheme.book:
                     name = codebook_name(i, part, scheme.book)
                     if scheme.dim:
                         if shape.head_dim % scheme.dim:
@@ -243,6 +270,15 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     method.sink = int(s.get("sink_tokens", 0))  # made with float16 sinks: it keeps them
     method.fitted_residual_mode = s.get("residual_mode")  # and the flush rule it was measured under
     return method
+
+
+def checked_smooth(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:
+    """VecInfer's λ `name`, refused unless of `shape` and positive (keys are divided by it)."""
+    t = tensors.get(name)
+    if t is None or tuple(t.shape) != shape or not (t > 0).all():
+        raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape} or not positive; "
+                            "make the plan again")
+    return t
 
 
 def checked_vector_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:

@@ -10,8 +10,9 @@ an item is one KV head's keys or values of a layer: heads of a layer may take di
 
 1. Codebooks: the calibrated per-coordinate codebooks of `fit-turboquant`
    (`turboquant_fit.fit_codebooks`) for every TurboQuant candidate's width, and the vector codebooks
-   (`turboquant_fit.fit_vector_codebooks`, faiss k-means) of every `turboquant-dDbB` candidate, fitted
-   on the collection.
+   (`turboquant_fit.fit_vector_codebooks`, faiss k-means) of every `turboquant-dDbB` candidate, and
+   VecInfer's λ and codebooks (`vecinfer_fit.fit_plan_codebooks`) of every `vecinfer-dDbB` candidate,
+   fitted on the collection.
 2. Sensitivity, on held-out calibration windows (the calibration text after the collection's
    tokens, never the evaluation text), under `eval`'s decode-exact flush rule (a query reads the
    coded tokens older than its last flush, float16 after), every candidate under the plan's one rule
@@ -63,9 +64,10 @@ from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape
 from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS
 from .. import vq
 from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
-from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder
+from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
+from .vecinfer_fit import fit_plan_codebooks
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,8 @@ def item_costs(coders: dict[str, Method], shape: AttentionShape, residual: int, 
         book = 16 * math.prod(scheme.book_shape(groups, shape.head_dim)) if scheme.book else 0
         shared = book / (tokens * item_heads * shape.head_dim) + 16 * sink_tokens / SEQUENCE_TOKENS
         cost[:, j] = torch.tensor(part_costs(coder, shape, residual), dtype=torch.float64) + shared
+        if scheme.family == "vecinfer":  # λ: 16 bits per channel of each of the item's heads' keys
+            cost[0, j] += 16 / tokens
     return cost
 
 
@@ -236,15 +240,18 @@ def plan_path(out: str | Path, budget: float, several: bool) -> Path:
 
 
 def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int, residual_mode: str, sink_tokens: int,
-                     tensors: dict[str, dict[str, torch.Tensor]], granularity: str) -> dict[str, Method]:
+                     tensors: dict[str, dict[str, torch.Tensor]], granularity: str,
+                     smooth: dict[str, torch.Tensor] | None = None) -> dict[str, Method]:
     """A coder per candidate scheme, all under the plan's one flush rule, with the float16 sinks; `tensors`
-    holds each TurboQuant codebook's layers by its tag (`Scheme.book`)."""
+    holds each codebook's layers by its tag (`Scheme.book`), `smooth` VecInfer's λ (`smooth_name`)."""
     coders = {}
     for scheme in schemes:
         books = None
         if scheme.book:
             t = tensors[scheme.book]
             books = [(t[f"layers.{i}.k_codebook"], t[f"layers.{i}.v_codebook"]) for i in range(shape.num_layers)]
+            if scheme.family == "vecinfer":
+                books = [pair + (smooth[smooth_name(i)],) for i, pair in enumerate(books)]
         coders[str(scheme)] = scheme_coder(scheme, shape, residual, books, granularity)
     step = common_flush_step(list(coders.values()))  # divides R: each KIVI-like coder refused an R not a multiple of its G
     for coder in coders.values():
@@ -290,11 +297,12 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     check_residual_mode(residual_mode)
     if items not in PLAN_ITEMS:
         raise SettingsError(f"--items must be one of {', '.join(PLAN_ITEMS)}, got {items!r}")
-    tq_bits = tuple(sorted({s.bits for s in schemes if s.book and not s.dim}))
-    vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.dim))
+    tq_bits = tuple(sorted({s.bits for s in schemes if s.family == "turboquant" and not s.dim}))
+    vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "turboquant" and s.dim))
+    vecinfer = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "vecinfer"))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
-    if vectors:
-        check_faiss(vectors[0])
+    for config in vectors + vecinfer:
+        check_faiss(config)
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
@@ -307,7 +315,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     # plan is refused before any fit.
     standin = {s.book: {f"layers.{i}.{p}_codebook": torch.zeros(s.book_shape(groups, shape.head_dim))
                         for i in range(shape.num_layers) for p in PARTS} for s in schemes if s.book}
-    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity)
+    ones = {smooth_name(i): torch.ones(shape.num_kv_heads, shape.head_dim) for i in range(shape.num_layers)}
+    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity, ones)
     part_cost = item_costs(coders, shape, residual, groups, sink_tokens, items=items)
     cost = part_cost.repeat_interleave(heads, 0).repeat(shape.num_layers, 1)  # items (layer, part, head) in order
     for b in budgets:
@@ -316,7 +325,11 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     tensors = {f"b{b}": t for b, t in scalar.items()}
     if vectors:
         tensors |= fit_vector_codebooks(acts, vectors, granularity, iters, desc="plan: vector codebooks")
-    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity)
+    smooth = {}
+    if vecinfer:
+        books, smooth = fit_plan_codebooks(acts, vecinfer, granularity, iters, desc="plan: VecInfer codebooks")
+        tensors |= {f"vecinfer_{tag}": t for tag, t in books.items()}
+    coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity, smooth)
     step = common_flush_step(list(coders.values()))
     sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor)
     item_sens = sens if items == "head" else sens.sum(2, keepdim=True)  # (layers, 2, heads, candidates)
@@ -330,6 +343,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
                     for i in range(shape.num_layers)] for w, p in enumerate(PARTS)}
         plan_tensors = {codebook_name(i, p, c.book): tensors[c.book][f"layers.{i}.{p}_codebook"]
                         for i in range(shape.num_layers) for p in PARTS for c in plan[p][i] if c.book}
+        plan_tensors |= {smooth_name(i): smooth[smooth_name(i)] for i in range(shape.num_layers)
+                         if any(c.family == "vecinfer" for c in plan["k"][i])}
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
         settings = {p: [[str(c) for c in layer] for layer in plan[p]] for p in PARTS} | {
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,

@@ -166,8 +166,8 @@ class VecInfer(Method):
         index = codes.unsqueeze(-2).expand(*lut.shape[:-1], codes.shape[-1])
         return lut.gather(-1, index).sum(2)
 
-    def stored_bits(self, packed: VecInferPacked) -> int:
-        return 8 * (packed.k.numel() + packed.v.numel())
+    def part_bits(self, packed: VecInferPacked) -> tuple[int, int]:
+        return 8 * packed.k.numel(), 8 * packed.v.numel()
 
     def constant_bits(self) -> int:
         tensors = [t for books in self.layers for t in (books.k, books.v, books.smooth) if t is not None]

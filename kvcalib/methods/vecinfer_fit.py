@@ -31,6 +31,33 @@ def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
     return x.reshape(-1, dim)
 
 
+def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer", iters: int = 30,
+                       seed: int = 0, max_points_per_centroid: int = 256,
+                       desc: str = "fit VecInfer codebooks") -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """VecInfer's fit (smoothing λ and Hadamard on keys, raw values; faiss k-means) at several
+    configurations at once, for a plan's `vecinfer-dDbB` schemes: per configuration `str(config)`, the
+    tensors `layers.{i}.{k,v}_codebook` (G, 2^B, D) float16; and `layers.{i}.k_smooth` (Hkv, d), the λ
+    every configuration's keys share."""
+    fp = acts.fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    VecInferConfig(granularity=granularity).check(shape)
+    for config in configs:
+        config.check(shape.head_dim)
+    heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
+    books: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
+    smooth = {}
+    for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
+        data = _without_sinks(acts.layer(i), 0)
+        lam = smooth[f"layers.{i}.k_smooth"] = smoothing_factors(data["k"])
+        sources = {"k": keys_to_codec(data["k"], lam, True), "v": data["v"].float()}
+        for config in configs:
+            for which, x in sources.items():
+                fits = [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid).codebook
+                        for h in heads]
+                books[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(fits).half()
+    return books, smooth
+
+
 def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
                  granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
                  seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0,
