@@ -502,6 +502,9 @@ def test_the_gpu_out_of_memory_eval_runs_where_memory_suffices(tiny_model_dir, t
                     "'GPU out of memory' case checks the same line with the error raised on the CPU")
 def test_real_gpu_out_of_memory_names_the_setting_to_lower(tiny_model_dir, tmp_path, monkeypatch, capsys):
     args = _small_eval(tmp_path, tiny_model_dir, monkeypatch)
+    # Blocks cached by earlier GPU tests would serve the model without asking CUDA for memory, so the
+    # limit would never be met: free them first (the whole GPU file passed this test alone, failed after).
+    torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction(1e-7)  # a few kilobytes: the model cannot even be moved over
     try:
         with pytest.raises(SystemExit) as exc:
