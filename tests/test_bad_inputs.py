@@ -441,7 +441,7 @@ def test_catalog_has_thirty_cases_each_with_its_line():
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gives_one_line_exit_2_and_leaves_nothing(case, shared, tmp_path, tiny_model_dir, text_file,
-                                                            monkeypatch, capsys):
+                                                            monkeypatch, capsys, record_property):
     ctx = Ctx(tmp_path, tiny_model_dir, text_file, shared["acts"], shared["turboquant"], monkeypatch)
     args = CASES[case](ctx)
     before = _snapshot(tmp_path)
@@ -451,6 +451,7 @@ def test_bad_input_gives_one_line_exit_2_and_leaves_nothing(case, shared, tmp_pa
         for fd in ctx.holders:
             os.close(fd)
     lines = messages(err)
+    record_property("message", lines[0] if lines else "")  # `pytest --junitxml` lists every case's line
     assert code == 2, err
     assert len(lines) == 1 and lines[0].startswith("kvcalib: error: "), err
     assert EXPECT[case] in lines[0], lines[0]
