@@ -274,3 +274,50 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
     top2 = eager.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert torch.equal(comp.argmax(-1)[clear], eager.argmax(-1)[clear])
+
+
+def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds():
+    """The host's copy of the residual counts picks the steps that flush (`StaticKvcalibCache.advance`);
+    the others append only. Against a cache made to run the masked flush at every step (the flush rule
+    itself, which writes nothing where no window is full but into the slack block), eager and captured
+    steps give the same logits bit for bit and hold the same counts and stored blocks (the slack block
+    aside), through prompts of every residual phase, a released slot and a refilled one."""
+    from kvcalib.runtime.captured import CapturedDecoder, Decoder
+
+    class EveryStep(Decoder):
+        def _take(self, tokens):
+            super()._take(tokens)
+            for layer in self.cache.layers:
+                layer.flush = True
+
+    model = _model()
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 32, 70)]
+    runs = {}
+    for name in ("every step", "eager", "captured"):
+        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=3, max_length=512)
+        decoder = {"every step": EveryStep, "eager": Decoder, "captured": CapturedDecoder}[name](model, cache)
+        nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
+        rows, flushes = [], 0
+        for s in range(90):  # every residual length of R = 32, two flushes and more per slot
+            if s == 30:
+                cache.release(1)
+            if s == 45:  # slot 1, free for 15 steps (its counts ran on), takes the fourth prompt
+                nxt[1] = cache.prefill(model, 1, prompts[3][None]).argmax()
+            out = decoder.step(nxt).clone()
+            flushes += cache.layers[0].flush
+            rows.append(out)
+            nxt = out.argmax(-1)
+        runs[name] = (torch.stack(rows), cache, flushes)
+    ref, ref_cache, every = runs["every step"]
+    assert every == 90
+    for name in ("eager", "captured"):
+        logits, cache, flushes = runs[name]
+        assert 0 < flushes < 90, flushes  # steps without a flush were taken
+        assert torch.equal(logits, ref), name
+        for a, b in zip(cache.layers, ref_cache.layers):
+            assert torch.equal(a.flushed, b.flushed) and torch.equal(a.residual, b.residual)
+            for (buf, unit), (ref_buf, _) in zip(a._buffers(), b._buffers()):
+                stored = buf.shape[2] - a.packed.residual // unit  # the slack block aside
+                assert torch.equal(buf[:, :, :stored], ref_buf[:, :, :stored]), name
+            assert torch.equal(a.packed.kres, b.packed.kres) and torch.equal(a.packed.vres, b.packed.vres)

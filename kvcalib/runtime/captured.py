@@ -1,13 +1,14 @@
 """Decode steps over a `StaticKvcalibCache` replayed from one captured CUDA graph (issue 17).
 
-    decoder = CapturedDecoder(model, cache)   # warms up and captures one step for the cache's batch
+    decoder = CapturedDecoder(model, cache)   # warms up and captures the step for the cache's batch
     logits = decoder.step(tokens)             # (B,) each slot's newest token -> (B, vocab) float
     CapturedDecoder(model, cache, compile=True)  # the step compiled by torch.compile, then captured
 
 The step is the model's forward on one token per slot, at each slot's own position (read from the
 cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
-it: nothing in it depends on a host value that changes between steps, so one capture serves every
-position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
+it: nothing in it depends on a host value that changes between steps but whether a window fills,
+which the host knows (`StaticKvcalibCache.advance`): two captures, the step with its masked flush and
+the step that appends only, serve every position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
 Capturing needs a warm-up run, which appends a token: the counts are restored after it, and what it
 wrote lies past them, where the next real step overwrites it.
 
@@ -60,7 +61,8 @@ class Decoder:
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
-                     if compile else self._forward)
+                     if compile else self._forward)  # compiled twice: with and without the flush (`layer.flush`)
+        cache.read_counts()
 
     def _forward(self) -> torch.Tensor:
         self.positions.copy_(self.cache.positions())
@@ -80,24 +82,33 @@ class Decoder:
 
 
 class CapturedDecoder(Decoder):
-    """`Decoder`'s step captured in one CUDA graph (compiled first with `compile=True`; the warm-up runs
-    compile it) and replayed at every step."""
+    """`Decoder`'s step captured in CUDA graphs (compiled first with `compile=True`; the warm-up runs
+    compile it), one with the flush and one without, and replayed at every step."""
 
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
         super().__init__(model, cache, compile)
         device = self.ids.device
         saved = [(layer.flushed.clone(), layer.residual.clone()) for layer in cache.layers]
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):
-                self._run()
-                self._restore(saved)
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
-            self.logits = self._run()
-        self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
+        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[bool, torch.Tensor] = {}
+        for flush in (True, False):  # each in its own memory pool: they replay in any order
+            self._set_flush(flush)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side), torch.no_grad():
+                for _ in range(warmup):
+                    self._run()
+                    self._restore(saved)
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graphs[flush] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graphs[flush]), torch.no_grad():
+                self.outputs[flush] = self._run()
+            self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
+        self._set_flush(True)
+
+    def _set_flush(self, flush: bool) -> None:
+        for layer in self.cache.layers:
+            layer.flush = flush
 
     def _restore(self, saved) -> None:
         for layer, (flushed, residual) in zip(self.cache.layers, saved):
@@ -110,8 +121,9 @@ class CapturedDecoder(Decoder):
         if not captured:
             return super().step(tokens)
         self._take(tokens)
-        self.graph.replay()
-        return self.logits
+        flush = self.cache.layers[0].flush
+        self.graphs[flush].replay()
+        return self.outputs[flush]
 
 
 def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,

@@ -12,11 +12,13 @@ tokens packed in INT2 blocks (the layout of `kvcalib.int2_layout`, which the fus
 (`fused_decode(..., counts=...)`), so its launch is the same at every step.
 
 A decode step appends each sequence's new token at its own residual position. A sequence whose
-residual is then full is flushed inside the same step, without a branch on the host: every step
-compresses every sequence's residual window with the method's own `compress` and writes the codes at
-its `flushed` offset where the window is full, into a slack block past the capacity where it is not.
-That costs R tokens of float16 per sequence and layer each step (at R = 128 and 32k of context, under
-1% of the bytes the attention reads). Every write is an `index_put_`, which `torch.compile` keeps in
+residual is then full is flushed inside the same step, without a branch on the device: a flushing
+step compresses every sequence's residual window with the method's own `compress` and writes the codes
+at its `flushed` offset where the window is full, into a slack block past the capacity where it is not.
+Which steps flush the host knows without asking the device: every slot's residual count advances by one
+a step (a free slot's too), so `advance` keeps a copy of the counts and sets each layer's `flush` for
+the step; a step where no window fills appends only. A decoder therefore runs (or captures) two steps,
+with and without the flush: at B = 1 and R = 128 one step in 128 pays for compressing the window. Every write is an `index_put_`, which `torch.compile` keeps in
 place (a `scatter_` there copies the whole buffer at every step). The flush rule is the blockwise one `kvcalib eval` scores
 (`kvcalib.attention.flushed_length`): the stored codes are those `KvcalibCache` stores, bit for bit.
 
@@ -87,6 +89,7 @@ class StaticLayer(CacheLayerMixin):
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
         self.is_initialized = True
         self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
+        self.flush = True  # whether a step may fill a window (StaticKvcalibCache.advance): else it appends only
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
         pass
@@ -114,8 +117,9 @@ class StaticLayer(CacheLayerMixin):
         self.packed.vres[slot, :, : t - n] = v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One new token per sequence (B, H, 1, D), then the masked flush of every full residual."""
+    def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
+        """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
+        `flush=False` where the caller knows no residual fills at this step (it appends only)."""
         b, h = k.shape[:2]
         p, r = self.packed, self.packed.residual
         rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
@@ -123,6 +127,8 @@ class StaticLayer(CacheLayerMixin):
         p.kres.index_put_(rows, k[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
         p.vres.index_put_(rows, v[:, :, 0].half())
         self.residual += 1
+        if not flush:
+            return
         full = self.residual == r
         for (buf, unit), part in zip(self._buffers(), self._parts(p.kres, p.vres)):
             _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
@@ -135,7 +141,7 @@ class StaticLayer(CacheLayerMixin):
         if self.prefill_slot is not None:
             self.prefill(self.prefill_slot, key_states, value_states)
         elif key_states.shape[2] == 1 and key_states.shape[0] == self.flushed.shape[0]:
-            self.append(key_states, value_states)
+            self.append(key_states, value_states, self.flush)
         else:
             raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
                                 f"token for each of its {self.flushed.shape[0]} slots per step")
@@ -190,6 +196,7 @@ class StaticKvcalibCache(Cache):
         super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim, device)
                                  for i in range(shape.num_layers)])
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
+        self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
         register_attention()
         lm.model.set_attn_implementation(IMPLEMENTATION)
 
@@ -205,6 +212,7 @@ class StaticKvcalibCache(Cache):
             layer.flushed[slot] = 0
             layer.residual[slot] = 0
         self.lengths[slot] = 0
+        self.residual_counts[slot] = 0
 
     def prefill(self, model, slot: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Run a prompt (1, T) into `slot` (freed first); returns the logits of its last position (vocab,)."""
@@ -225,6 +233,7 @@ class StaticKvcalibCache(Cache):
             for layer in self.layers:
                 layer.prefill_slot = None
         self.lengths[slot] = t
+        self.residual_counts[slot] = t % self.method.block
         return out.logits[0, -1]
 
     def advance(self) -> None:
@@ -235,6 +244,17 @@ class StaticKvcalibCache(Cache):
             raise SettingsError(f"slot {full[0]} holds max_length {self.max_length} tokens: release it or make the "
                                 "cache with a larger max_length")
         self.lengths = [n + 1 if n else 0 for n in self.lengths]
+        r = self.method.block
+        counts = [n + 1 for n in self.residual_counts]  # every slot's, a free one's too (as the device counts)
+        flush = r in counts
+        self.residual_counts = [n % r for n in counts]
+        for layer in self.layers:
+            layer.flush = flush
+
+    def read_counts(self) -> None:
+        """Take the host's copy of the residual counts from the device (one transfer): for counts written
+        other than by `prefill` and `release` (a benchmark filling slots by copying)."""
+        self.residual_counts = self.layers[0].residual.tolist()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
