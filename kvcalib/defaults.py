@@ -10,7 +10,9 @@ OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residu
 RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods` says what each does
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)
-PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "kivi-2-g128", "kivi-3-g128",
+# (the vector schemes fit k-means codebooks with faiss: `pip install kvcalib[cpu]`)
+PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "turboquant-d4b5", "turboquant-d4b6",
+                   "turboquant-d4b7", "vecinfer-d4b6", "vecinfer-d4b7", "vecinfer-d4b8", "kivi-2-g128", "kivi-3-g128",
                    "kivi-4-g128", "oscar-2-g32", "oscar-2-g128", "oscar-3-g128", "oscar-4-g128")
 PLAN_ANCHOR = "turboquant-2"
 PLAN_ITEMS = ("layer", "head")  # what the plan chooses a scheme for: each layer's keys and values, or each KV head's
