@@ -8,11 +8,13 @@ Paths:
 - `fp16-eager`: fp16 DynamicCache, SDPA, eager (transformers' default);
 - `fp16-static-compile`: fp16 StaticCache with the forward under `torch.compile(mode="reduce-overhead")`,
   the fast path transformers documents (prefill eager, decode steps compiled and graph-replayed);
-- `kivi128-dynamic`, `kivi32-dynamic`: KvcalibCache (KIVI-2, G=128 / 32, R=128), eager;
-- `kivi128-static`, `kivi32-static`: StaticKvcalibCache, the same step eager;
-- `kivi128-captured`, `kivi32-captured`: StaticKvcalibCache, the step replayed from one CUDA graph;
-- `kivi128-static-compiled`, `kivi32-static-compiled`: the same, the step compiled by `torch.compile`
-  (Inductor fusing the model's non-attention ops and the cache's flush) before it is captured.
+- `{cache}-dynamic`: KvcalibCache, eager; `{cache}-static`: StaticKvcalibCache, the same step eager;
+  `{cache}-captured`: StaticKvcalibCache, the step replayed from one CUDA graph; `{cache}-static-compiled`:
+  the same, the step compiled by `torch.compile` (Inductor fusing the model's non-attention ops and the
+  cache's flush) before it is captured. Caches (`CACHES`), all 2-bit with R = 128: `kivi128`, `kivi32`
+  (KIVI, key groups of 128 / 32 tokens), `oscar32` (OScaR, G = 32: Hadamard-rotated keys and values,
+  per-token key norms), `kvlinc128` (KVLinC, G = 128, random adapters of the default rank 256 on every
+  layer: the correction's cost, not its accuracy).
 
 Each step is timed from the host (synchronised before and after), as a user calling the path sees it:
 the median and the 99th percentile over `--steps` steps, flush steps included (at R = 128, 256 steps
@@ -35,15 +37,18 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 
-from kvcalib.methods import MethodSettings
-from kvcalib.models import LoadedModel
+from kvcalib.methods import MethodSettings, build_method
+from kvcalib.methods.kvlinc import Adapter
+from kvcalib.models import LoadedModel, attention_shape
 from kvcalib.runtime.cache import KvcalibCache
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
-KIVI = {"kivi128": MethodSettings(2, 128, 128), "kivi32": MethodSettings(2, 32, 128)}
-PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in KIVI
+CACHES = {"kivi128": ("kivi", MethodSettings(2, 128, 128)), "kivi32": ("kivi", MethodSettings(2, 32, 128)),
+          "oscar32": ("oscar", MethodSettings(2, 32, 128)), "kvlinc128": ("kvlinc", MethodSettings(2, 128, 128))}
+KVLINC_RANK = 256  # kvcalib train-adapters' default
+PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in CACHES
                                                   for how in ("dynamic", "static", "captured", "static-compiled")]
 
 
@@ -53,15 +58,31 @@ def llama8b_config(context: int) -> LlamaConfig:
                        max_position_embeddings=max(131072, context + 1024), rope_theta=500000.0)
 
 
-def int2_bytes(tokens: int, settings: MethodSettings, config: LlamaConfig) -> float:
-    """Bytes a KIVI-2 cache holds for `tokens`: flushed blocks (2-bit codes of keys and values, fp16 scale
-    and zero per key group of G tokens and channel, and per value group of min(G, d) channels and
-    token) and the float16 residual."""
+def kvcalib_method(name: str, lm: LoadedModel):
+    """The method of cache `name` (`CACHES`) for the model; KVLinC with seeded random adapters."""
+    method_name, settings = CACHES[name]
+    method = build_method(method_name, attention_shape(lm.config), settings)
+    if method_name == "kvlinc":
+        shape, g = attention_shape(lm.config), torch.Generator().manual_seed(0)
+        w = lambda h: (torch.randn(h, shape.head_dim, KVLINC_RANK // 2, generator=g) * shape.head_dim**-0.5).half().cuda()  # noqa: E731
+        method.adapters = {i: Adapter(w(shape.num_heads), w(shape.num_heads), w(shape.num_kv_heads), w(shape.num_kv_heads))
+                           for i in range(shape.num_layers)}
+    return method
+
+
+def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
+    """Bytes a 2-bit cache of `CACHES` holds for `tokens`: flushed blocks (2-bit codes of keys and values,
+    fp16 scale and zero per key group of G tokens and channel, and per value group of min(G, d) channels
+    and token; OScaR's fp16 norm per token), the float16 residual (OScaR and KVLinC keep a rotated copy
+    of what they rotate), and KVLinC's float32 S and P (rank x (d + 1) per KV head)."""
+    method, settings = CACHES[name]
     d, g, r = config.head_dim, settings.group_size, settings.residual
     flushed = tokens // r * r
-    per_token_bits = d * (2 + 32 / g) + d * 2 + (d // min(g, d)) * 32
+    per_token_bits = d * (2 + 32 / g) + d * 2 + (d // min(g, d)) * 32 + (16 if method == "oscar" else 0)
+    residual_copies = {"kivi": 2, "oscar": 4, "kvlinc": 3}[method]  # keys, values, and the rotated ones
+    state = KVLINC_RANK * (d + 1) * 4 if method == "kvlinc" else 0
     rows = config.num_hidden_layers * config.num_key_value_heads
-    return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * 2 * d * 2)
+    return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * residual_copies * d * 2 + state)
 
 
 def copy_bandwidth() -> float:
@@ -124,17 +145,17 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
         else:
             name, how = path.split("-", 1)
             if how == "dynamic":
-                cache = KvcalibCache(lm, "kivi", KIVI[name])
+                cache = KvcalibCache(lm, kvcalib_method(name, lm))
                 first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
                 step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
                 cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
             else:
-                cache = StaticKvcalibCache(lm, "kivi", KIVI[name], max_batch=1, max_length=ctx + steps + 8)
+                cache = StaticKvcalibCache(lm, kvcalib_method(name, lm), max_batch=1, max_length=ctx + steps + 8)
                 decoder = (Decoder(model, cache) if how == "static"
                            else CapturedDecoder(model, cache, compile=how == "static-compiled"))
                 first = int(cache.prefill(model, 0, prompt).argmax())
                 step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"))[0].argmax())  # noqa: E731
-                cache_bytes = lambda: int2_bytes(cache.lengths[0], KIVI[name], model.config)  # noqa: E731
+                cache_bytes = lambda: int2_bytes(cache.lengths[0], name, model.config)  # noqa: E731
         warm = 3 if path != "fp16-static-compile" else 6  # compile and capture happen in the warm-up
         _, warm_tokens = timed_steps(step, first, warm)
         seconds, tokens = timed_steps(step, warm_tokens[-1], steps)

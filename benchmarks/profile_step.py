@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from generate import KIVI, llama8b_config
+from generate import kvcalib_method, llama8b_config
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.captured import CapturedDecoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
@@ -48,7 +48,7 @@ def main() -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    cache = StaticKvcalibCache(lm, "kivi", KIVI[f"kivi{args.group}"], max_batch=1,
+    cache = StaticKvcalibCache(lm, kvcalib_method(f"kivi{args.group}", lm), max_batch=1,
                                max_length=args.context + 2 * args.replays + 64)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
     token = cache.prefill(model, 0, prompt).argmax().view(1)

@@ -6,8 +6,8 @@ random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
 
 Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
-- `kivi128-static-compiled`, `kivi32-static-compiled`: StaticKvcalibCache (KIVI-2, G=128 / 32, R=128), the
-  step compiled and captured (`CapturedDecoder(compile=True)`).
+- `{cache}-static-compiled`, a cache of generate.py's `CACHES` (`kivi128`, `kivi32`, `oscar32`, `kvlinc128`):
+  StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`).
 
 Memory, from torch's allocator. Weights: allocated once the model is built. Cache: allocated by creating
 it (`max_length` = context + the steps run; every buffer is allocated at creation), at batch 1 and 2.
@@ -45,13 +45,14 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
-from generate import KIVI, copy_bandwidth, int2_bytes, llama8b_config
+from generate import CACHES as KVCALIB_CACHES
+from generate import copy_bandwidth, int2_bytes, kvcalib_method, llama8b_config
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
-CACHES = ["fp16-static-compile", "kivi128-static-compiled", "kivi32-static-compiled"]
+CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in KVCALIB_CACHES]
 GIB = 2**30
 PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vres")
 
@@ -64,7 +65,7 @@ def build(name: str, lm: LoadedModel, batch: int, length: int):
         cache = StaticCache(config=c, max_cache_len=length)
         cache.early_initialization(batch, c.num_key_value_heads, c.head_dim, torch.float16, torch.device("cuda"))
         return cache
-    return StaticKvcalibCache(lm, "kivi", KIVI[name.split("-")[0]], max_batch=batch, max_length=length)
+    return StaticKvcalibCache(lm, kvcalib_method(name.split("-")[0], lm), max_batch=batch, max_length=length)
 
 
 def fp16_step(model, cache, batch: int, at: int, compiled: bool):
@@ -125,10 +126,11 @@ def fill(name: str, lm: LoadedModel, cache, batch: int, length: int, prompt: tor
     one = build(name, lm, 1, length)
     one.prefill(lm.model, 0, prompt)
     for src, dst in zip(one.layers, cache.layers):
-        for field in PACKED:
-            getattr(dst.packed, field).copy_(getattr(src.packed, field).expand_as(getattr(dst.packed, field)))
-        dst.flushed.copy_(src.flushed.expand(batch))
-        dst.residual.copy_(src.residual.expand(batch))
+        pairs = [(getattr(src.packed, f), getattr(dst.packed, f)) for f in PACKED + ("knorm",)]
+        pairs += [(src.kraw, dst.kraw), (src.vraw, dst.vraw)] + list(zip(src.mutable(), dst.mutable()))
+        for a, b in pairs:  # (counts, KVLinC's state: `StaticLayer.mutable`)
+            if a is not None:
+                b.copy_(a.expand_as(b))
     cache.lengths = [prompt.shape[1]] * batch
 
 
@@ -166,7 +168,7 @@ def held_bytes(name: str, ctx: int, config) -> float:
     """Bytes one sequence's cache holds at `ctx` tokens (what a step must read of it)."""
     if name == "fp16-static-compile":
         return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ctx
-    return int2_bytes(ctx, KIVI[name.split("-")[0]], config)
+    return int2_bytes(ctx, name.split("-")[0], config)
 
 
 def main() -> None:

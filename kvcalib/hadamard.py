@@ -33,16 +33,20 @@ def _matrix(n: int) -> torch.Tensor:
     return torch.block_diag(*[h] * (n // b))
 
 
+# One copy per size, dtype and device: a decode step rotates several times per layer, and a host-to-device
+# copy each time would wait for the GPU. A plain dict rather than an lru_cache: `torch.compile` reads a
+# copy made before tracing as a graph input (it traces through an lru_cache, building the matrix on the
+# host and copying it over inside the step); a static cache makes its copy when it is created.
+_COPIES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The n x n (block-)Hadamard matrix, normalized and symmetric (one copy per dtype and device:
-    a decode step rotates several times per layer, and a host-to-device copy each time would wait
-    for the GPU)."""
-    return _on_device(n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
-
-
-@functools.lru_cache(maxsize=32)
-def _on_device(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _matrix(n).to(dtype=dtype, device=device)
+    """The n x n (block-)Hadamard matrix, normalized and symmetric."""
+    key = (n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+    h = _COPIES.get(key)
+    if h is None:
+        h = _COPIES[key] = _matrix(n).to(dtype=key[1], device=key[2])
+    return h
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:

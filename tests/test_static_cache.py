@@ -6,6 +6,9 @@ import torch
 from kvcalib.errors import SettingsError
 from kvcalib.methods import MethodSettings, build_method
 from kvcalib.models import AttentionShape
+from kvcalib.hadamard import rotate
+from kvcalib.int2_layout import kernel_parts
+from kvcalib.methods.kvlinc import Adapter, features
 from kvcalib.runtime.static_cache import StaticLayer, _masked_write, check_static
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -25,8 +28,6 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
 
 
 @pytest.mark.parametrize("name,settings,reason", [
-    ("oscar", MethodSettings(group_size=32), "rotated basis or keeps decoding state"),
-    ("kvlinc", MethodSettings(group_size=32), "rotated basis or keeps decoding state"),
     ("turboquant", MethodSettings(), "no fused INT2 layout"),
     ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2 layout"),
     ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
@@ -38,17 +39,95 @@ def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settin
         check_static(method, SHAPE.head_dim, CUDA, 2)
 
 
-def test_a_static_cache_takes_kivi_and_refuses_a_cpu():
-    method = build_method("kivi", SHAPE, MethodSettings(group_size=32))
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
+def test_a_static_cache_takes_the_fused_kernels_methods_and_refuses_a_cpu(name):
+    method = build_method(name, SHAPE, MethodSettings(group_size=32))
     check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
     with pytest.raises(SettingsError, match="runs on CUDA only"):
         check_static(method, SHAPE.head_dim, torch.device("cpu"), 2)
 
 
-def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_bits():
+U16, U32 = 2.0**-11, 2.0**-24  # unit round-off of float16 and float32
+
+
+def _method(name: str, seed: int = 0):
+    """KIVI, OScaR, or KVLinC with random adapters (rank 8) on layer 0: G = 16, R = 32."""
+    method = build_method(name, SHAPE, MethodSettings(bits=2, group_size=16, residual=32))
+    if name == "kvlinc":
+        g = torch.Generator().manual_seed(seed)
+        w = lambda h: torch.randn(h, SHAPE.head_dim, 4, generator=g) * SHAPE.head_dim**-0.5  # noqa: E731
+        method.adapters = {0: Adapter(w(SHAPE.num_heads), w(SHAPE.num_heads), w(SHAPE.num_kv_heads), w(SHAPE.num_kv_heads))}
+    return method
+
+
+def _expected_state(method, k: torch.Tensor, v: torch.Tensor, n: int):
+    """KVLinC's S, P after the first n tokens of one sequence (1, H, T, D), block by block as a decoder
+    flushes them, and the float64 sums of |terms| each entry of S and P adds (their round-off bound)."""
+    adapter, state, mags = method.adapters[0], None, (0.0, 0.0)
+    for start in range(0, n, method.block):
+        blk = slice(start, start + method.block)
+        kd, vd = method.decompress(0, method.compress(0, k[:, :, blk].float(), v[:, :, blk].float()))
+        state = method.flush_state(0, state, k[:, :, blk], kd, vd)
+        phi = features(k[:, :, blk].float() - kd, adapter.k_w1, adapter.k_w2).double().abs()  # S += φᵀ v, P += Σ φ
+        mags = (mags[0] + phi.transpose(-1, -2) @ vd.double().abs(), mags[1] + phi.sum(-2))
+    return state, mags
+
+
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
+def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_in_the_kernels_basis(name):
+    """Three sequences of different lengths, appended a token a step: after every step each slot holds
+    bit for bit the method's `compress` of each of its full blocks (codes, scales, zeros, OScaR's key
+    norms: what `KvcalibCache` stores) and the float16 tokens not yet flushed, as they came in; the
+    residual the kernel reads holds them rotated where the method stores a rotated basis, within one
+    float16 ulp of rotating them now (the float32 product's order of summation may move a rounding);
+    KVLinC's S and P are those of flushing the blocks one by one, within float32 summation round-off
+    (tokens summed x u32 x the sum of |terms|)."""
+    method = _method(name)
+    layer = StaticLayer(method, 0, 3, capacity=160, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    prompts, steps = [3, 31, 70], 40
+    seqs = [((1 + 3 * torch.rand(1, 2, 1, 64, generator=g)) * torch.randn(1, 2, t + steps, 64, generator=g)).half()
+            for t in prompts]
+    vals = [torch.randn(1, 2, t + steps, 64, generator=g).half() for t in prompts]
+    for i, t in enumerate(prompts):
+        layer.prefill(i, seqs[i][:, :, :t], vals[i][:, :, :t])
+    p = layer.packed
+    for s in range(steps + 1):
+        if s:
+            layer.append(torch.cat([x[:, :, t + s - 1 : t + s] for x, t in zip(seqs, prompts)]),
+                         torch.cat([x[:, :, t + s - 1 : t + s] for x, t in zip(vals, prompts)]))
+        for i, t in enumerate(prompts):
+            k, v, held = seqs[i], vals[i], t + s
+            n, r = held // 32 * 32, held % 32
+            assert (int(layer.flushed[i]), int(layer.residual[i])) == (n, r), (s, i)
+            assert torch.equal(layer.kraw[i, :, :r], k[0, :, n:held]) and torch.equal(layer.vraw[i, :, :r], v[0, :, n:held])
+            for res, raw, rotated in ((p.kres, k, method.rotated_keys), (p.vres, v, method.rotated_values)):
+                want = rotate(raw[0, :, n:held].float()).half() if rotated else raw[0, :, n:held]
+                ulp = torch.finfo(torch.float16).eps * want.float().abs().clamp_min(2.0**-14)  # one ulp or less
+                assert ((res[i, :, :r].float() - want.float()).abs() <= ulp).all(), (s, i)
+            if n:
+                packed = method.compress(0, k[:, :, :n].float(), v[:, :, :n].float())
+                kq, vq, norms = method.int2_parts(packed)
+                want = [*kernel_parts(kq, vq)]
+                want = [want[0], kq.scale, kq.zero, want[1], want[2], want[3]] + ([norms] if norms is not None else [])
+                assert (p.knorm is not None) == (name == "oscar")
+                for (buf, unit), part in zip(layer._buffers(), want):
+                    assert torch.equal(buf[i : i + 1, :, : n // unit], part), (s, i, unit)
+            if name == "kvlinc":
+                if n:
+                    state, (ms, mp) = _expected_state(method, k, v, n)
+                    for got, want, mag in ((layer.state.s[i], state.s[0], ms[0]), (layer.state.p[i], state.p[0], mp[0])):
+                        assert ((got.double() - want.double()).abs() <= n * U32 * mag + 1e-30).all(), (s, i)
+                else:
+                    assert not layer.state.s[i].any() and not layer.state.p[i].any()
+    assert layer.flushed.tolist() == [32, 64, 96]
+
+
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
+def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_bits(name):
     """What `torch.compile(fullgraph=True)` sees of the static cache's step: no host sync, no branch on
     a count (aot_eager: the traced, functionalised graph run by eager ops; the GPU tests run Inductor)."""
-    method = build_method("kivi", SHAPE, MethodSettings(bits=2, group_size=16, residual=32))
+    method = _method(name)
     layers = [StaticLayer(method, 0, 3, capacity=128, kv_heads=2, head_dim=64, device=torch.device("cpu"))
               for _ in range(2)]
     g = torch.Generator().manual_seed(0)
@@ -63,5 +142,7 @@ def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_
         compiled(k[:, :, s : s + 1], v[:, :, s : s + 1])
         for a, b in zip(layers[0].packed.__dict__.values(), layers[1].packed.__dict__.values()):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, s
-        assert torch.equal(layers[0].flushed, layers[1].flushed) and torch.equal(layers[0].residual, layers[1].residual)
+        for a, b in zip([layers[0].kraw, layers[0].vraw, *layers[0].mutable()],
+                        [layers[1].kraw, layers[1].vraw, *layers[1].mutable()]):
+            assert torch.equal(a, b), s
     assert layers[0].flushed.tolist() == [32, 64, 96]

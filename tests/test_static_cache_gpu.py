@@ -21,8 +21,10 @@
 import pytest
 import torch
 
+from kvcalib.hadamard import rotate
 from kvcalib.int2_layout import PackedLayer, reference_decode
 from kvcalib.methods import MethodSettings, build_method
+from kvcalib.methods.kvlinc import Adapter
 from kvcalib.models import AttentionShape
 from kvcalib.runtime.cache import CompressedLayer
 from kvcalib.runtime.int2_kernel import fused_decode
@@ -32,7 +34,7 @@ pytest.importorskip("cupy", reason="the fused kernel needs cupy (pip install kvc
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the static cache runs only on a GPU", allow_module_level=True)
 
-from test_int2_kernel_gpu import FLOOR, _row_errors, _sdpa  # noqa: E402  (after the skip: it needs cupy)
+from test_int2_kernel_gpu import CORRECTION_TOL, FLOOR, _row_errors, _sdpa  # noqa: E402  (after the skip: it needs cupy)
 
 DEV = "cuda"
 
@@ -43,7 +45,7 @@ def _row_view(layer: StaticLayer, b: int) -> PackedLayer:
     one = lambda t: t[b : b + 1].contiguous()  # noqa: E731
     return PackedLayer(one(p.kcodes), one(p.kscale), one(p.kzero), one(p.vcodes), one(p.vscale), one(p.vzero),
                        one(p.kres), one(p.vres), int(layer.flushed[b]), int(layer.residual[b]), p.group_size,
-                       p.value_group_size)
+                       p.value_group_size, one(p.knorm) if p.knorm is not None else None)
 
 
 def _tokens(b, h, t, d, seed):
@@ -117,6 +119,71 @@ def test_a_refilled_slot_gives_the_new_sequence_exactly_what_a_fresh_cache_gives
         assert torch.equal(a[1], b[1]), s
 
 
+@pytest.mark.parametrize("name,d", [("oscar", 64), ("oscar", 128), ("kvlinc", 128)])
+def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_state(name, d):
+    """OScaR (keys and values in the Hadamard basis, per-token key norms) and KVLinC (values rotated, S and
+    P): each row's output of the static layer's `attend`, taken back into the kernel's basis, against the
+    float64 reference over that row's buffers (its norms, rotated residual and counts), with the query as
+    the layer rotates it and the correction terms in float64 from the row's S and P. Without correction the
+    fused kernel's bound (twice SDPA's error + 1e-4); with it the bound of tests/test_int2_kernel_gpu.py
+    (a few units of float16 output rounding). What the buffers and states hold is pinned on the CPU
+    (tests/test_static_cache.py) and against `KvcalibCache` here, at every step."""
+    from kvcalib.attention import AttentionOptions
+
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)
+    settings = MethodSettings(bits=2, group_size=32, residual=64)
+    method = _method(name, shape, settings)
+    prompts = [1, 63, 64, 133]
+    b, h, steps = len(prompts), 2, 131
+    static = StaticLayer(method, 0, b, capacity=512, kv_heads=h, head_dim=d, device=torch.device(DEV))
+    dynamic = [CompressedLayer(method, 0) for _ in range(b)]
+    for i, t in enumerate(prompts):
+        k, v = _tokens(1, h, t, d, seed=200 + i)
+        static.prefill(i, k, v)
+        dynamic[i].append(k, v)
+    k_new, v_new = _tokens(b, h, steps, d, seed=299)
+    q = (2 * torch.randn(b, 8, steps, d, device=DEV)).half()
+    opts = AttentionOptions(scaling=d**-0.5)
+    worst, corrected = 0.0, 0
+    for s in range(steps):
+        static.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
+        q1 = q[:, :, s : s + 1]
+        out = static.attend(q1, None, None, opts, prefill=False)[:, :, 0]
+        assert torch.isfinite(out).all()
+        out = rotate(out.float()) if method.rotated_values else out  # back into the values' stored basis
+        qk = (rotate(q1[:, :, 0].float()).half() if method.rotated_keys else q1[:, :, 0])
+        for i in range(b):
+            dyn = dynamic[i]
+            dyn.append(k_new[i : i + 1, :, s : s + 1], v_new[i : i + 1, :, s : s + 1])
+            row = _row_view(static, i)
+            n = row.length
+            assert (n, row.residual) == (dyn.length - dyn.k_res.shape[2], dyn.k_res.shape[2]), (s, i)
+            if n:  # the packed blocks and norms are KvcalibCache's, bit for bit
+                f = dyn.fused
+                wants = [f.kcodes, f.kscale, f.kzero, f.vcodes, f.vscale, f.vzero] + ([f.knorm] if name == "oscar" else [])
+                assert (row.knorm is not None) == (name == "oscar") == (f.knorm is not None)
+                for (buf, unit), want in zip(static._buffers(), wants):
+                    assert torch.equal(buf[i : i + 1, :, : n // unit], want[:, :, : n // unit]), (s, i, unit)
+            terms = None
+            if static.state is not None and n:
+                adapter = method.adapters[0]
+                fq = adapter.query_features(q1[i : i + 1].double())  # (1, Hq, 1, D)
+                st = static.state
+                num = (fq.reshape(1, h, 4, 1, -1) @ st.s[i : i + 1].double().unsqueeze(2)).reshape(1, 8, -1)
+                den = (fq.reshape(1, h, 4, 1, -1) @ st.p[i : i + 1].double()[:, :, None, :, None]).reshape(1, 8)
+                terms = (rotate(num) if method.rotated_values else num, den)
+                corrected += 1
+            ref = reference_decode(qk[i : i + 1], row, d**-0.5, terms)
+            err = _row_errors(out[i : i + 1], ref)
+            if terms is None:
+                bound = 2 * _row_errors(_sdpa(qk[i : i + 1], row, d**-0.5), ref) + FLOOR
+            else:
+                bound = torch.full_like(err, 2 * CORRECTION_TOL[torch.float16])
+            assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
+            worst = max(worst, (err / bound).max().item())
+    assert worst > 0 and (corrected > 0) == (name == "kvlinc")
+
+
 def _model(layers: int = 2, head_dim: int = 64):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -133,9 +200,29 @@ def _model(layers: int = 2, head_dim: int = 64):
 
 
 SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
+METHODS = ["kivi", "oscar", "kvlinc"]  # every method the static cache holds (`check_static`)
 
 
-def test_captured_steps_equal_eager_steps_bit_for_bit_through_a_serving_loop():
+def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTINGS, rank: int = 16):
+    """The method, KVLinC with random adapters of `rank` on every layer (its correction then moves the
+    output: the states and terms are exercised, not zeros)."""
+    method = build_method(name, shape, settings)
+    if name == "kvlinc":
+        g = torch.Generator().manual_seed(5)
+        w = lambda h: (torch.randn(h, shape.head_dim, rank // 2, generator=g) * 4 * shape.head_dim**-0.5).to(DEV)  # noqa: E731
+        method.adapters = {i: Adapter(w(shape.num_heads), w(shape.num_heads), w(shape.num_kv_heads), w(shape.num_kv_heads))
+                           for i in range(shape.num_layers)}
+    return method
+
+
+def _model_method(model, name: str):
+    from kvcalib.models import attention_shape
+
+    return _method(name, attention_shape(model.config))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_captured_steps_equal_eager_steps_bit_for_bit_through_a_serving_loop(name):
     from kvcalib.runtime.captured import CapturedDecoder
 
     model = _model()
@@ -143,7 +230,7 @@ def test_captured_steps_equal_eager_steps_bit_for_bit_through_a_serving_loop():
     prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 32, 70)]
     logits = {}
     for captured in (False, True):
-        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=3, max_length=512)
+        cache = StaticKvcalibCache(model, _model_method(model, name), max_batch=3, max_length=512)
         decoder = CapturedDecoder(model, cache)
         rows = []
         nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
@@ -240,7 +327,8 @@ def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buff
     assert extra["compiled"] - extra["eager"] < smallest, extra
 
 
-def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot():
+@pytest.mark.parametrize("name", METHODS)
+def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot(name):
     from kvcalib.runtime.captured import CapturedDecoder, Decoder
 
     model = _model()
@@ -248,7 +336,7 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
     prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 70, 32)]
     logits, fed = {}, []
     for compiled in (False, True):
-        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=3, max_length=512)
+        cache = StaticKvcalibCache(model, _model_method(model, name), max_batch=3, max_length=512)
         decoder = CapturedDecoder(model, cache, compile=True) if compiled else Decoder(model, cache)
         rows = []
         nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
@@ -276,7 +364,8 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
     assert torch.equal(comp.argmax(-1)[clear], eager.argmax(-1)[clear])
 
 
-def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds():
+@pytest.mark.parametrize("name", METHODS)
+def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
     """The host's copy of the residual counts picks the steps that flush (`StaticKvcalibCache.advance`);
     the others append only. Against a cache made to run the masked flush at every step (the flush rule
     itself, which writes nothing where no window is full but into the slack block), eager and captured
@@ -295,7 +384,7 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds():
     prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 32, 70)]
     runs = {}
     for name in ("every step", "eager", "captured"):
-        cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=3, max_length=512)
+        cache = StaticKvcalibCache(model, _model_method(model, name), max_batch=3, max_length=512)
         decoder = {"every step": EveryStep, "eager": Decoder, "captured": CapturedDecoder}[name](model, cache)
         nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
         rows, flushes = [], 0
@@ -316,7 +405,8 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds():
         assert 0 < flushes < 90, flushes  # steps without a flush were taken
         assert torch.equal(logits, ref), name
         for a, b in zip(cache.layers, ref_cache.layers):
-            assert torch.equal(a.flushed, b.flushed) and torch.equal(a.residual, b.residual)
+            for x, y in zip(a.mutable(), b.mutable()):  # counts, KVLinC's S and P
+                assert torch.equal(x, y), name
             for (buf, unit), (ref_buf, _) in zip(a._buffers(), b._buffers()):
                 stored = buf.shape[2] - a.packed.residual // unit  # the slack block aside
                 assert torch.equal(buf[:, :, :stored], ref_buf[:, :, :stored]), name

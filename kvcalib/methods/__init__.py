@@ -92,6 +92,12 @@ class Method:
         """The state after one block is flushed: its float16 keys, and its keys and values as held."""
         return state
 
+    def empty_state(self, layer: int, batch: int, kv_heads: int, head_dim: int, device=None) -> Any:
+        """The state of sequences that flushed nothing yet, as a dataclass of tensors with the batch first
+        (a static cache allocates it once and updates it in place, `kvcalib.runtime.static_cache`), or
+        None where the method keeps no state for this layer."""
+        return None
+
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
                opts: AttentionOptions, state: Any) -> torch.Tensor:
         """Attention of the last q.shape[-2] positions over a decoder's cache as held (reference path)."""

@@ -202,8 +202,12 @@ class Kvlinc(Kivi):
             return None
         if state is None:
             b, hkv, _, d = k16.shape
-            state = States.empty(b, hkv, adapter.rank, d, device=k16.device)
+            state = self.empty_state(layer, b, hkv, d, k16.device)
         return state.flush(adapter, k16.float() - k_held.float(), v_held)
+
+    def empty_state(self, layer: int, batch: int, kv_heads: int, head_dim: int, device=None) -> States | None:
+        adapter = self.adapters.get(layer)
+        return None if adapter is None else States.empty(batch, kv_heads, adapter.rank, head_dim, device=device)
 
     def correction(self, layer: int, q: torch.Tensor, state: States | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         adapter = self.adapters.get(layer)

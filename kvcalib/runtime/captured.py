@@ -9,7 +9,7 @@ cache's device counts inside the graph), with the cache's append, masked flush a
 it: nothing in it depends on a host value that changes between steps but whether a window fills,
 which the host knows (`StaticKvcalibCache.advance`): two captures, the step with its masked flush and
 the step that appends only, serve every position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
-Capturing needs a warm-up run, which appends a token: the counts are restored after it, and what it
+Capturing needs a warm-up run, which appends a token: the counts (and a decoding state, KVLinC's) are restored after it, and what it
 wrote lies past them, where the next real step overwrites it.
 
 `compile=True` runs the step through `torch.compile(fullgraph=True)` first: Inductor fuses the model's
@@ -88,7 +88,7 @@ class CapturedDecoder(Decoder):
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
         super().__init__(model, cache, compile)
         device = self.ids.device
-        saved = [(layer.flushed.clone(), layer.residual.clone()) for layer in cache.layers]
+        saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]  # counts, KVLinC's state
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
         for flush in (True, False):  # each in its own memory pool: they replay in any order
@@ -111,9 +111,9 @@ class CapturedDecoder(Decoder):
             layer.flush = flush
 
     def _restore(self, saved) -> None:
-        for layer, (flushed, residual) in zip(self.cache.layers, saved):
-            layer.flushed.copy_(flushed)
-            layer.residual.copy_(residual)
+        for layer, tensors in zip(self.cache.layers, saved):
+            for t, old in zip(layer.mutable(), tensors):
+                t.copy_(old)
 
     def step(self, tokens: torch.Tensor, captured: bool = True) -> torch.Tensor:
         """As `Decoder.step`, replayed from the graph: the logits are the graph's output buffer

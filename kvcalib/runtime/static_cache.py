@@ -27,18 +27,28 @@ while the others keep their state. A prompt is prefilled into its slot on its ow
 (as in `KvcalibCache`) and is compressed at once, so the float16 cache of one prompt exists at a time,
 never the whole batch's.
 
-Methods: those whose flushed blocks the fused kernel reads as they are stored and that keep no
-decoding state (`Method.int2_spec`, no rotated basis, no correction: KIVI at 2 bits with power-of-two
-key groups of >= 16 tokens); others are refused with the reason.
+Methods: those whose flushed blocks the fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
+at 2 bits with power-of-two key groups of >= 16 tokens); others are refused with the reason. What a
+method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
+- a rotated basis (OScaR's keys and values, KVLinC's values): the residual the kernel reads holds each
+  token rotated once, at append, and the residual as it came in is kept beside it (R tokens, a few % of
+  the cache's bytes), so that the flush compresses the very float16 tokens `KvcalibCache` compresses;
+  the query is rotated into the keys' basis and the output rotated back from the values';
+- per-token key norms (OScaR): a norm buffer beside the codes, written by the same masked flush;
+- a decoding state (KVLinC's S and P, `Method.empty_state`): allocated once per slot, updated at the
+  flush in place where a window filled (`torch.where`), read for the correction terms every step.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype
 from ..errors import SettingsError
+from ..hadamard import hadamard, rotate
 from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
@@ -62,7 +72,7 @@ def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, tak
 
 class StaticLayer(CacheLayerMixin):
     """One layer's buffers (`PackedLayer`, sized for the capacity plus one block of slack, where the
-    masked flush writes the rows it does not take) and its per-sequence counts."""
+    masked flush writes the rows it does not take), its per-sequence counts and decoding state."""
 
     is_sliding = False
     is_compileable = False
@@ -78,15 +88,24 @@ class StaticLayer(CacheLayerMixin):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.method, self.layer, self.capacity = method, layer, capacity
+        probe = method.int2_parts(method.compress(layer, zeros(1, kv_heads, r, head_dim, dtype=torch.float32),
+                                                  zeros(1, kv_heads, r, head_dim, dtype=torch.float32)))
         self.packed = PackedLayer(
             kcodes=zeros(batch, kv_heads, room // 16, head_dim, dtype=torch.int32),
             kscale=zeros(batch, kv_heads, room // g, head_dim), kzero=zeros(batch, kv_heads, room // g, head_dim),
             vcodes=zeros(batch, kv_heads, room, head_dim // 16, dtype=torch.int32),
             vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
             kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
-            length=capacity, residual=r, group_size=g, value_group_size=gv)
+            length=capacity, residual=r, group_size=g, value_group_size=gv,
+            knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None)
+        # The residual as it came in, where the kernel reads it rotated (module docstring): what the flush compresses.
+        self.kraw = zeros(batch, kv_heads, r, head_dim) if method.rotated_keys else self.packed.kres
+        self.vraw = zeros(batch, kv_heads, r, head_dim) if method.rotated_values else self.packed.vres
+        self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
+        if method.rotated_keys or method.rotated_values:  # made now, read by a compiled step as an input
+            hadamard(head_dim, torch.float32, self.flushed.device)
         self.is_initialized = True
         self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
         self.flush = True  # whether a step may fill a window (StaticKvcalibCache.advance): else it appends only
@@ -94,44 +113,85 @@ class StaticLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
         pass
 
-    def _parts(self, k16: torch.Tensor, v16: torch.Tensor) -> list[torch.Tensor]:
-        """The kernel-layout buffers' contents for float16 blocks k16, v16 (B, H, T, D), T a multiple of R."""
-        kq, vq, _ = self.method.int2_parts(self.method.compress(self.layer, k16.float(), v16.float()))
+    def mutable(self) -> list[torch.Tensor]:
+        """What a decode step changes besides the buffers' rows past the counts: the counts and the state
+        (a captured decoder's warm-up puts them back)."""
+        state = [] if self.state is None else [getattr(self.state, f.name) for f in dataclasses.fields(self.state)]
+        return [self.flushed, self.residual, *state]
+
+    def _flush(self, k16: torch.Tensor, v16: torch.Tensor, start):
+        """Compress float16 blocks k16, v16 (B, H, T, D), T a multiple of R, as they came in: their packed
+        buffers' contents in `_buffers`' order, and the decoding state after them from `start` (None: the
+        empty state, a prompt's; the method's own rule, `Method.flush_state`)."""
+        m = self.method
+        packed = m.compress(self.layer, k16.float(), v16.float())
+        kq, vq, norms = m.int2_parts(packed)
         kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
-        return [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero]
+        parts = [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero] + ([norms] if norms is not None else [])
+        state = None
+        if self.state is not None:
+            kd, vd = m.decompress(self.layer, packed)
+            state = m.flush_state(self.layer, start, k16, kd, vd)
+        return parts, state
 
     def _buffers(self) -> list[tuple[torch.Tensor, int]]:
-        """The packed buffers with the tokens each row along dim 2 stands for, in `_parts`' order."""
+        """The packed buffers with the tokens each row along dim 2 stands for, in `_flush`'s order."""
         p, g = self.packed, self.packed.group_size
-        return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)]
+        norms = [(p.knorm, 1)] if p.knorm is not None else []
+        return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
+
+    def _state_fields(self, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(getattr(self.state, f.name), getattr(state, f.name)) for f in dataclasses.fields(self.state)]
+
+    def _kernel_basis(self, k16: torch.Tensor, v16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float16 tokens (..., D) in the basis the kernel reads them in (rotated once, here)."""
+        m = self.method
+        return (rotate(k16.float()).half() if m.rotated_keys else k16,
+                rotate(v16.float()).half() if m.rotated_values else v16)
 
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
         t, r = k.shape[2], self.packed.residual
         n = t // r * r
         k16, v16 = k.half(), v.half()
+        if self.state is not None:
+            for mine, _ in self._state_fields(self.state):
+                mine[slot] = 0
         if n:
-            for (buf, unit), part in zip(self._buffers(), self._parts(k16[:, :, :n], v16[:, :, :n])):
+            parts, state = self._flush(k16[:, :, :n], v16[:, :, :n], None)
+            for (buf, unit), part in zip(self._buffers(), parts):
                 buf[slot, :, : n // unit] = part[0]
-        self.packed.kres[slot, :, : t - n] = k16[0, :, n:]
-        self.packed.vres[slot, :, : t - n] = v16[0, :, n:]
+            if state is not None:
+                for mine, new in self._state_fields(state):
+                    mine[slot] = new[0]
+        kr, vr = k16[0, :, n:], v16[0, :, n:]
+        self.kraw[slot, :, : t - n], self.vraw[slot, :, : t - n] = kr, vr  # the kernel's own buffers if not rotated
+        self.packed.kres[slot, :, : t - n], self.packed.vres[slot, :, : t - n] = self._kernel_basis(kr, vr)
         self.flushed[slot], self.residual[slot] = n, t - n
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
         `flush=False` where the caller knows no residual fills at this step (it appends only)."""
         b, h = k.shape[:2]
-        p, r = self.packed, self.packed.residual
+        r = self.packed.residual
         rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
                 self.residual.long().view(b, 1))
-        p.kres.index_put_(rows, k[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
-        p.vres.index_put_(rows, v[:, :, 0].half())
+        k1, v1 = k[:, :, 0].half(), v[:, :, 0].half()
+        kb, vb = self._kernel_basis(k1, v1)
+        for buf, x in ((self.packed.kres, kb), (self.packed.vres, vb)) + (
+                ((self.kraw, k1),) if self.method.rotated_keys else ()) + (
+                ((self.vraw, v1),) if self.method.rotated_values else ()):
+            buf.index_put_(rows, x)  # in place under Inductor too (`_masked_write`)
         self.residual += 1
         if not flush:
             return
         full = self.residual == r
-        for (buf, unit), part in zip(self._buffers(), self._parts(p.kres, p.vres)):
+        parts, state = self._flush(self.kraw, self.vraw, self.state)
+        for (buf, unit), part in zip(self._buffers(), parts):
             _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
+        if state is not None:
+            for mine, new in self._state_fields(state):
+                mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))
         # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
         # running past the buffers. A live sequence never gets there: the cache refuses it first.
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
@@ -155,10 +215,18 @@ class StaticLayer(CacheLayerMixin):
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
+        m = self.method
         q1 = query[:, :, 0]
+        if m.rotated_keys:  # q·k is taken in the basis the keys are stored in (as `runtime.cache.decode`)
+            q1 = rotate(q1.float())
+        terms = None if self.state is None else m.correction(self.layer, query, self.state)
+        if terms is not None:
+            num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
+            terms = (rotate(num) if m.rotated_values else num, den)
         q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-        out = fused_decode(q1, self.packed, opts.scaling, counts=(self.flushed, self.residual))
-        return out.to(compute_dtype(query)).unsqueeze(2)
+        out = fused_decode(q1, self.packed, opts.scaling, terms, counts=(self.flushed, self.residual))
+        out = out.to(compute_dtype(query))
+        return (rotate(out) if m.rotated_values else out).unsqueeze(2)
 
     def get_seq_length(self, *args) -> int:
         return 0
@@ -174,8 +242,8 @@ class StaticLayer(CacheLayerMixin):
         return self.capacity
 
     def reset(self) -> None:
-        self.flushed.zero_()
-        self.residual.zero_()
+        for t in self.mutable():
+            t.zero_()
 
 
 class StaticKvcalibCache(Cache):
@@ -209,8 +277,8 @@ class StaticKvcalibCache(Cache):
         """Free a slot: its counts go to zero (its buffers are overwritten by the next prompt)."""
         self._check_slot(slot)
         for layer in self.layers:
-            layer.flushed[slot] = 0
-            layer.residual[slot] = 0
+            for t in layer.mutable():  # counts and state (KVLinC's S and P start from zero)
+                t[slot] = 0
         self.lengths[slot] = 0
         self.residual_counts[slot] = 0
 
@@ -272,8 +340,6 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) 
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
     elif spec is None or not supports(spec, head_dim, device, gqa):
         why = f"--method {method.name} has no fused INT2 layout at these settings (`int2_kernel.supports`)"
-    elif method.rotated_keys or method.rotated_values or type(method).correction is not Method.correction:
-        why = f"--method {method.name} stores a rotated basis or keeps decoding state, not yet in the static cache"
     elif method.window or method.sink:
         why = "it flushes blockwise, without float16 sink tokens"
     elif method.block % 16 or method.block % spec.group_size:
