@@ -1,5 +1,5 @@
 """Where the compiled, captured decode step's time goes (issue 17): the 8B-shaped random model of
-generate.py, B=1, KIVI-2 in a StaticKvcalibCache at `--context` tokens; torch.profiler over `--replays`
+generate.py, B=1, a 2-bit cache of generate.py's `CACHES` (`--cache`) in a StaticKvcalibCache at `--context` tokens; torch.profiler over `--replays`
 graph replays, GPU kernel time per step by kind:
 
 - matmul: cuBLAS/cuBLASLt kernels (the fp16 weights' matrix-vector products, lm_head included);
@@ -8,7 +8,7 @@ graph replays, GPU kernel time per step by kind:
   scatter/gather, the quantizer's min/max and rounding, or the packing's shifts);
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
-    python benchmarks/profile_step.py [--context 32768] [--group 128] [--replays 20] [--out DIR]
+    python benchmarks/profile_step.py [--context 32768] [--cache kivi128] [--replays 20] [--out DIR]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def kind(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--group", type=int, default=128)
+    parser.add_argument("--cache", default="kivi128", help="one of generate.py's CACHES")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
@@ -48,7 +48,7 @@ def main() -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    cache = StaticKvcalibCache(lm, kvcalib_method(f"kivi{args.group}", lm), max_batch=1,
+    cache = StaticKvcalibCache(lm, kvcalib_method(args.cache, lm), max_batch=1,
                                max_length=args.context + 2 * args.replays + 64)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
     token = cache.prefill(model, 0, prompt).argmax().view(1)
@@ -78,7 +78,7 @@ def main() -> None:
         by_kind[kind(name)] += us
     step_ms = statistics.median(times)
     total = sum(by_kind.values())
-    lines = [f"KIVI-2 G={args.group}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
+    lines = [f"{args.cache}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
              f"replays, events), GPU kernels {total / 1e3:.2f} ms, {sum(calls.values()):.0f} kernels per step", "",
              "| kind | ms per step | share of the step |", "|---|---:|---:|"]
     lines += [f"| {k} | {us / 1e3:.3f} | {us / 1e3 / step_ms:.0%} |" for k, us in by_kind.most_common()]
@@ -87,7 +87,7 @@ def main() -> None:
     lines += [f"| {name[:90]} | {kind(name)} | {calls[name]:.0f} | {us / 1e3:.3f} |" for name, us in per_name.most_common(40)]
     text = "\n".join(lines)
     print(text)
-    Path(args.out, f"profile_kivi{args.group}_{args.context}.md").write_text(text + "\n")
+    Path(args.out, f"profile_{args.cache}_{args.context}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

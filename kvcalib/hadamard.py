@@ -49,6 +49,17 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.T
     return h
 
 
+# Up to this many vectors, a CUDA rotation runs as a batched product, one vector per batch entry: cuBLAS
+# takes 52 us for a (8, 128) x (128, 128) float32 product on an H100 (one block), the batched form 2 us
+# (a decode step rotates 8 keys and 8 values per layer; benchmarks/RESULTS.md, static cache profiles).
+SMALL_ROWS = 64
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x."""
-    return x @ hadamard(x.shape[-1], x.dtype if x.is_floating_point() else torch.float32, x.device)
+    d = x.shape[-1]
+    h = hadamard(d, x.dtype if x.is_floating_point() else torch.float32, x.device)
+    rows = x.numel() // d if d else 0
+    if x.is_cuda and 0 < rows <= SMALL_ROWS:
+        return torch.bmm(x.reshape(rows, 1, d).to(h.dtype), h.expand(rows, d, d)).view(x.shape)
+    return x @ h
