@@ -10,7 +10,7 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS, RESIDUAL_MODES
+from .defaults import DEFAULTS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS, RESIDUAL_MODES
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -98,18 +98,22 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default=None,
               help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
                    "always float16 (sliding) [default: blockwise, or the plan's].")
+@click.option("--keys", type=click.Choice(KVLINC_KEYS), default=None,
+              help="kvlinc: key coding under the correction, channel-wise (kivi) or OScaR's [default: kivi, or the "
+                   "artifact's].")
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, method, bits, group_size, residual,
-             scaling, rotation, sink_tokens, residual_mode, artifacts, json_path) -> None:
+             scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                      sink_tokens=sink_tokens, residual_mode=residual_mode, artifacts=artifacts, json_path=json_path,
+                      sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys, artifacts=artifacts,
+                      json_path=json_path,
                       trust_remote_code=trust_remote_code, **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
@@ -128,13 +132,17 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @click.option("--gate/--no-gate", default=True, show_default=True,
               help="Correct only the query heads whose held-out attention output error the adapters lower "
                    "(a layer with none left gets no adapters).")
+@click.option("--keys", type=click.Choice(KVLINC_KEYS), default=DEFAULTS["keys"], show_default=True,
+              help="Key coding the correction is trained on top of: channel-wise (kivi, the paper's) or OScaR's "
+                   "(rotated, per-token norm).")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, out) -> None:
+def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, keys,
+                       out) -> None:
     """Train KVLinC's linear-correction adapters on collected activations."""
     from .methods.kvlinc_fit import train_adapters
 
     path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
-                          residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate)
+                          residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate, keys=keys)
     click.echo(f"adapters written to {path}")
 
 

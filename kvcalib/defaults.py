@@ -3,10 +3,11 @@ oscar-artifact), the library functions and the runtime cache; `kvcalib.methods.M
 says how a given option, an artifact's setting and these combine. No torch here: the CLI reads it."""
 
 DEFAULTS = {"bits": 2, "group_size": 32, "residual": 128, "scaling": "l2", "rotation": True, "sink_tokens": 0,
-            "residual_mode": "blockwise"}
+            "residual_mode": "blockwise", "keys": "kivi"}
 OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residual", "scaling": "--scaling",
            "rotation": "--rotation/--no-rotation", "sink_tokens": "--sink-tokens",
-           "residual_mode": "--residual-mode"}
+           "residual_mode": "--residual-mode", "keys": "--keys"}
+KVLINC_KEYS = ("kivi", "oscar")  # --keys: the key coding KVLinC's correction is trained on top of (kvcalib.methods.kvlinc)
 RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods` says what each does
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)

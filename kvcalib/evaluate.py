@@ -78,12 +78,13 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
              rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
+             keys: str | None = None,
              artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
     method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
-    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation, keys=keys,
                               sink_tokens=sink_tokens, residual_mode=residual_mode)
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:

@@ -73,6 +73,16 @@ def smollm64():
 def kvlinc_artifact(tmp_path_factory, smollm64):
     """KVLinC adapters for every layer (random, seeded): the correction states take part in every query
     that follows a flush. Quantization G=8, R=16, as the other methods here."""
+    return _kvlinc_artifact(tmp_path_factory, smollm64, {})
+
+
+@pytest.fixture(scope="module")
+def kvlinc_oscar_artifact(tmp_path_factory, smollm64):
+    """The same adapters over OScaR-coded keys (`--keys oscar`)."""
+    return _kvlinc_artifact(tmp_path_factory, smollm64, {"keys": "oscar"})
+
+
+def _kvlinc_artifact(tmp_path_factory, smollm64, extra: dict) -> str:
     shape = attention_shape(smollm64.config)
     gen = torch.Generator().manual_seed(0)
     rank = 16
@@ -80,7 +90,7 @@ def kvlinc_artifact(tmp_path_factory, smollm64):
     tensors = {f"layers.{i}.{n}": torch.randn(heads[n[0]], shape.head_dim, rank // 2, generator=gen).half()
                for i in range(shape.num_layers) for n in ADAPTER_NAMES}
     settings = {"bits": 2, "group_size": 8, "residual": 16, "rank": rank, "layers": list(range(shape.num_layers)),
-                "scaling": shape.head_dim**-0.5}
+                "scaling": shape.head_dim**-0.5} | extra
     return str(save_artifact(tmp_path_factory.mktemp("kvlinc") / "adapters", "kvlinc", settings,
                              fingerprint(smollm64.model), tensors))
 
@@ -96,6 +106,7 @@ CASES = {
     "kivi": ("kivi", {"group_size": 8, "residual": 16}, None, 65),
     "kvlinc": ("kvlinc", {"group_size": 8, "residual": 16}, None, 65),
     "kvlinc-adapters": ("kvlinc", {}, "kvlinc_artifact", 65),
+    "kvlinc-oscar-keys-adapters": ("kvlinc", {}, "kvlinc_oscar_artifact", 65),
     "oscar": ("oscar", {"group_size": 8, "residual": 16}, None, 65),
     "oscar-artifact": ("oscar", {}, "artifacts/smollm2-135m/oscar", 161),
     "vecinfer": ("vecinfer", {"residual": 16}, "artifacts/smollm2-135m/vecinfer-d4b8", 65),
@@ -141,8 +152,8 @@ def _decode(lm, cache, window) -> torch.Tensor:
 def _check_agreement(lm, case, request, monkeypatch):
     """eval and token-by-token decoding of one window: logits, stored cache, KVLinC states, perplexity."""
     name, options, artifacts, seq_len = CASES[case]
-    if artifacts == "kvlinc_artifact":
-        artifacts = request.getfixturevalue("kvlinc_artifact")
+    if artifacts in ("kvlinc_artifact", "kvlinc_oscar_artifact"):
+        artifacts = request.getfixturevalue(artifacts)
     result, eval_logits, held = _eval(lm, name, options, artifacts, seq_len, monkeypatch)
     window = token_windows(lm.tokenizer, "pydoc", "evaluation", 1, seq_len)[0]
     cache = KvcalibCache(lm, name, MethodSettings(**options), artifacts=artifacts)

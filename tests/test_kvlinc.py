@@ -217,6 +217,29 @@ def test_values_are_quantized_in_the_hadamard_basis_and_rotated_back():
     assert torch.equal(rotated.codes, plain.codes)
 
 
+def test_oscar_keys_are_oscars_coding_with_its_norms_counted_and_the_values_unchanged():
+    """`keys="oscar"`: the keys' codes, norms and dequantized keys are OScaR's (same settings) bit for bit, the
+    values KVLinC's own; the stored bits add OScaR's 16-bit norm per token and KV head; the runtime is told
+    the keys are stored rotated and finds the norms for the kernel."""
+    from kvcalib.methods.oscar import Oscar, OscarConfig
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 2, 32, 16, generator=gen) * (1 + 4 * torch.rand(1, 1, 1, 16, generator=gen))
+    v = torch.randn(2, 2, 32, 16, generator=gen)
+    ours, plain = Kvlinc(KiviConfig(2, 8, 16), SHAPE, keys="oscar"), Kvlinc(KiviConfig(2, 8, 16), SHAPE)
+    oscar = Oscar(OscarConfig(2, 8, 16), SHAPE)
+    pk, pp, po = ours.compress(0, k, v), plain.compress(0, k, v), oscar.compress(0, k, v)
+    assert torch.equal(pk.k.codes, po.kivi.k.codes) and torch.equal(pk.k_scale, po.k_scale)
+    assert torch.equal(ours.decompress(0, pk)[0], oscar.decompress(0, po)[0])
+    assert torch.equal(ours.decompress(0, pk)[1], plain.decompress(0, pp)[1])
+    assert ours.stored_bits(pk) == plain.stored_bits(pp) + 16 * 2 * 2 * 32
+    assert ours.rotated_keys and not plain.rotated_keys
+    assert torch.equal(ours.int2_parts(pk)[2], po.k_scale[..., 0]) and plain.int2_parts(pp)[2] is None
+    assert ours.settings()["keys"] == "oscar" and "keys" not in plain.settings()  # older artifacts: kivi keys
+    with pytest.raises(SettingsError, match="--keys"):
+        Kvlinc(KiviConfig(2, 8, 16), SHAPE, keys="turboquant")
+
+
 def test_stored_bits_count_the_float32_states_of_corrected_layers():
     corrected = Kvlinc(KiviConfig(2, 4, 8), SHAPE, {0: _adapter(SHAPE, 32)})
     plain = Kvlinc(KiviConfig(2, 4, 8), SHAPE)
@@ -226,14 +249,14 @@ def test_stored_bits_count_the_float32_states_of_corrected_layers():
     assert corrected.constant_bits() == 16 * (4 + 2) * 2 * 16 * 16
 
 
-def _save_adapters(path, lm, bits=2, group=4, residual=8, rank=16, layers=None, **overrides):
+def _save_adapters(path, lm, bits=2, group=4, residual=8, rank=16, layers=None, keys=None, **overrides):
     shape = attention_shape(lm.config)
     layers = list(range(shape.num_layers)) if layers is None else layers
     tensors = {f"layers.{i}.{n}": getattr(_adapter(shape, rank, seed=i), n).half()
                for i in layers for n in ADAPTER_NAMES}
     tensors |= overrides
     settings = {"bits": bits, "group_size": group, "residual": residual, "rank": rank, "layers": layers,
-                "scaling": shape.head_dim**-0.5}
+                "scaling": shape.head_dim**-0.5} | ({"keys": keys} if keys else {})
     return save_artifact(path, "kvlinc", settings, fingerprint(lm.model), tensors)
 
 
@@ -291,7 +314,7 @@ def _check_kvlinc_matches_decoding(lm, text_file, path, seq_len):
     (`perplexity_tolerance`); returns it. The decoding is computed once per artifact setting."""
     result = evaluate(lm, dataset=str(text_file), num_samples=2, seq_len=seq_len, method="kvlinc", artifacts=str(path))
     method = build_method("kvlinc", attention_shape(lm.config), artifacts=str(path), model=lm)
-    key = (method.config, seq_len)
+    key = (method.config, method.keys, seq_len)
     if key not in _DECODED:
         windows = token_windows(lm.tokenizer, str(text_file), "evaluation", 2, seq_len)
         _DECODED[key] = _decoded_perplexity(lm, windows, method)
@@ -300,12 +323,14 @@ def _check_kvlinc_matches_decoding(lm, text_file, path, seq_len):
     return result
 
 
-@pytest.mark.parametrize("bits,group,residual,seq_len", [(2, 4, 8, 37), (1, 8, 16, 41)])
-def test_eval_equals_decoding_with_recurrent_states(tiny_lm64, text_file, tmp_path, bits, group, residual, seq_len):
-    path = _save_adapters(tmp_path / "a", tiny_lm64, bits, group, residual)
+@pytest.mark.parametrize("bits,group,residual,seq_len,keys", [(2, 4, 8, 37, None), (1, 8, 16, 41, None),
+                                                             (2, 4, 8, 37, "oscar")])
+def test_eval_equals_decoding_with_recurrent_states(tiny_lm64, text_file, tmp_path, bits, group, residual, seq_len, keys):
+    path = _save_adapters(tmp_path / "a", tiny_lm64, bits, group, residual, keys=keys)
     result = _check_kvlinc_matches_decoding(tiny_lm64, text_file, path, seq_len)
+    assert result.settings.get("keys") == keys
     plain = evaluate(tiny_lm64, dataset=str(text_file), num_samples=2, seq_len=seq_len, method="kvlinc",
-                     bits=bits, group_size=group, residual=residual)
+                     bits=bits, group_size=group, residual=residual, keys=keys)
     assert plain.settings["correction"] == "none"
     # Approximate by design: the correction with these random adapters moves the perplexity by 0.5% and 1.1%;
     # 1e-3 is 5x below that and 10x above what round-off could do (eval's cross-entropy, ~5e-5 a run).
@@ -343,6 +368,23 @@ def test_training_lowers_the_attention_loss_on_held_out_tokens(tiny_acts, tmp_pa
     trained = load_artifact(_train(tiny_acts, tmp_path / "b"), "kvlinc").extra["heldout_ce_corrected"]
     assert len(trained) == 2
     assert all(t < i for t, i in zip(trained, initial))
+
+
+def test_adapters_trained_on_oscar_keys_say_so_and_their_cache_codes_keys_as_oscar(tiny_acts, tmp_path, tiny_lm):
+    """train-adapters --keys oscar: the held-out losses are those of OScaR-coded keys (the uncorrected loss
+    differs from the channel-wise keys' run of the same seed), the artifact records the coding, the method
+    built from it codes keys so, and --keys kivi against it is refused as a contradiction."""
+    kivi = load_artifact(_train(tiny_acts, tmp_path / "k", steps=2), "kvlinc")
+    oscar = load_artifact(_train(tiny_acts, tmp_path / "o", steps=2, keys="oscar"), "kvlinc")
+    assert oscar.settings["keys"] == "oscar" and kivi.settings["keys"] == "kivi"
+    assert oscar.extra["heldout_ce_uncorrected"] != kivi.extra["heldout_ce_uncorrected"]
+    shape = attention_shape(tiny_lm.config)
+    method = build_method("kvlinc", shape, artifacts=str(tmp_path / "o"), model=tiny_lm)
+    assert method.keys == "oscar" and method.rotated_keys
+    with pytest.raises(SettingsError, match="contradicts"):
+        build_method("kvlinc", shape, MethodSettings(keys="kivi"), artifacts=str(tmp_path / "o"), model=tiny_lm)
+    with pytest.raises(SettingsError, match="--keys is not an option of --method kivi"):
+        build_method("kivi", shape, MethodSettings(keys="oscar"))
 
 
 def test_training_is_deterministic_under_a_seed(tiny_acts, tmp_path):

@@ -51,9 +51,11 @@ U16, U32 = 2.0**-11, 2.0**-24  # unit round-off of float16 and float32
 
 
 def _method(name: str, seed: int = 0):
-    """KIVI, OScaR, or KVLinC with random adapters (rank 8) on layer 0: G = 16, R = 32."""
-    method = build_method(name, SHAPE, MethodSettings(bits=2, group_size=16, residual=32))
-    if name == "kvlinc":
+    """KIVI, OScaR, or KVLinC with random adapters (rank 8) on layer 0, over channel-wise or OScaR-coded keys
+    (`kvlinc-oscar`): G = 16, R = 32."""
+    keys = "oscar" if name == "kvlinc-oscar" else None
+    method = build_method(name.split("-")[0], SHAPE, MethodSettings(bits=2, group_size=16, residual=32, keys=keys))
+    if name.startswith("kvlinc"):
         g = torch.Generator().manual_seed(seed)
         w = lambda h: torch.randn(h, SHAPE.head_dim, 4, generator=g) * SHAPE.head_dim**-0.5  # noqa: E731
         method.adapters = {0: Adapter(w(SHAPE.num_heads), w(SHAPE.num_heads), w(SHAPE.num_kv_heads), w(SHAPE.num_kv_heads))}
@@ -73,7 +75,7 @@ def _expected_state(method, k: torch.Tensor, v: torch.Tensor, n: int):
     return state, mags
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar"])
 def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_in_the_kernels_basis(name):
     """Three sequences of different lengths, appended a token a step: after every step each slot holds
     bit for bit the method's `compress` of each of its full blocks (codes, scales, zeros, OScaR's key
@@ -110,10 +112,10 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
                 kq, vq, norms = method.int2_parts(packed)
                 want = [*kernel_parts(kq, vq)]
                 want = [want[0], kq.scale, kq.zero, want[1], want[2], want[3]] + ([norms] if norms is not None else [])
-                assert (p.knorm is not None) == (name == "oscar")
+                assert (p.knorm is not None) == name.endswith("oscar")
                 for (buf, unit), part in zip(layer._buffers(), want):
                     assert torch.equal(buf[i : i + 1, :, : n // unit], part), (s, i, unit)
-            if name == "kvlinc":
+            if name.startswith("kvlinc"):
                 if n:
                     state, (ms, mp) = _expected_state(method, k, v, n)
                     for got, want, mag in ((layer.state.s[i], state.s[0], ms[0]), (layer.state.p[i], state.p[0], mp[0])):
@@ -123,7 +125,7 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
     assert layer.flushed.tolist() == [32, 64, 96]
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar"])
 def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_bits(name):
     """What `torch.compile(fullgraph=True)` sees of the static cache's step: no host sync, no branch on
     a count (aot_eager: the traced, functionalised graph run by eager ops; the GPU tests run Inductor)."""

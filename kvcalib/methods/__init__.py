@@ -181,6 +181,7 @@ class MethodSettings:
     rotation: bool | None = None  # OScaR: Hadamard rotation of keys and values
     sink_tokens: int | None = None  # every method that compresses: the first N tokens also kept in float16
     residual_mode: str | None = None  # every method that compresses: "blockwise" or "sliding" (module docstring)
+    keys: str | None = None  # KVLinC: the key coding its correction is trained on top of, "kivi" or "oscar"
 
     def given(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}

@@ -5,6 +5,10 @@ Quantization. Keys per-channel in groups of G tokens (default 128); values rotat
 matrix (`kvcalib.hadamard`) and quantized per token in groups of min(G, head_dim) channels; the
 most recent tokens stay float16 and are flushed in blocks of R = 128. Layout: `kvcalib.quant`
 (keys axis="tokens", rotated values axis="channels"); `decompress` rotates the values back.
+`keys="oscar"` (`--keys oscar`) codes the keys as OScaR does (`kvcalib.methods.oscar`: Hadamard-rotated,
+divided by their float16 L2 norm, then per channel), and the correction is trained on that coding's
+error instead of the paper's channel-wise keys; the norms are stored and counted as OScaR's (16 bits a
+token and KV head), and the fused kernel reads them as it reads OScaR's.
 
 Correction. With the key error kᵉ = k − kᵠ of every flushed token, the attention output of a query q is
 
@@ -40,12 +44,14 @@ import torch
 
 from ..artifacts import load_artifact
 from ..attention import AttentionOptions, compute_dtype, mixed_attention
+from ..defaults import DEFAULTS, KVLINC_KEYS
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from ..quant import dequantize, quantize
 from . import Held, MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
+from .oscar import decode_keys, encode_keys
 
 STATE_BITS = 32
 ADAPTER_NAMES = ("q_w1", "q_w2", "k_w1", "k_w2")
@@ -130,6 +136,7 @@ def combine(out: torch.Tensor, lse: torch.Tensor, fq: torch.Tensor, states: Stat
 @dataclass
 class KvlincPacked(KiviPacked):
     corrected: bool  # the layer has an adapter, so the sequence carries S and P for it
+    k_scale: torch.Tensor | None = None  # keys="oscar": each token's norm (B, Hkv, T, 1) float16
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
@@ -151,21 +158,37 @@ class Kvlinc(Kivi):
     rotated_values = True
 
     def __init__(self, config: KiviConfig, shape: AttentionShape, adapters: dict[int, Adapter] | None = None,
-                 scaling: float | None = None):
+                 scaling: float | None = None, keys: str = DEFAULTS["keys"]):
         super().__init__(config, shape)
         hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
+        if keys not in KVLINC_KEYS:
+            raise SettingsError(f"--keys must be one of {', '.join(KVLINC_KEYS)}, got {keys!r}")
         self.shape = shape
         self.adapters = adapters or {}
         self.scaling = scaling  # the attention scaling the adapters were trained for
+        self.keys = keys
+
+    @property
+    def rotated_keys(self) -> bool:
+        return self.keys == "oscar"
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KvlincPacked:
         c = self.config
+        k, s = encode_keys(k, True, "l2") if self.keys == "oscar" else (k, None)
         return KvlincPacked(k=quantize(k, c.bits, c.group_size, "tokens"),
                             v=quantize(rotate(v.float()), c.bits, self.value_group, "channels"),
-                            corrected=layer in self.adapters)
+                            corrected=layer in self.adapters, k_scale=s)
 
     def decompress(self, layer: int, packed: KvlincPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        return dequantize(packed.k), rotate(dequantize(packed.v))
+        k = dequantize(packed.k)
+        return (decode_keys(k, packed.k_scale, True) if self.keys == "oscar" else k), rotate(dequantize(packed.v))
+
+    def int2_parts(self, packed: KvlincPacked):
+        return packed.k, packed.v, None if packed.k_scale is None else packed.k_scale[..., 0]
+
+    def part_bits(self, packed: KvlincPacked) -> tuple[int, int]:
+        k, v = super().part_bits(packed)
+        return k + (0 if packed.k_scale is None else 16 * packed.k_scale.numel()), v
 
     def state_bits(self, batch: int) -> int:
         """Bits of one layer's S and P for `batch` sequences (0 without an adapter)."""
@@ -182,7 +205,7 @@ class Kvlinc(Kivi):
     def settings(self) -> dict:
         extra = {"rank": next(iter(self.adapters.values())).rank, "corrected_layers": len(self.adapters)} \
             if self.adapters else {"correction": "none"}
-        return super().settings() | extra
+        return super().settings() | extra | ({"keys": self.keys} if self.keys != DEFAULTS["keys"] else {})
 
     def states(self, layer: int, k: torch.Tensor, held: Held) -> list[States]:
         """S, P after each flushed block: entry b holds the first b blocks (entry 0 is empty)."""
@@ -264,15 +287,16 @@ def load_adapters(path: str, shape: AttentionShape, model: LoadedModel | None = 
     return adapters, art.settings
 
 
-SETTINGS = ("bits", "group_size", "residual")
+SETTINGS = ("bits", "group_size", "residual", "keys")
 
 
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Kvlinc:
     """Without an artifact, the uncorrected channel-K + Hadamard-V scheme; with one, the adapters and
     the quantization settings they were trained for."""
     if artifacts is None:
-        return Kvlinc(KiviConfig(**settings.resolve("kvlinc", SETTINGS)), shape)
+        *quant, keys = settings.resolve("kvlinc", SETTINGS).values()
+        return Kvlinc(KiviConfig(*quant), shape, keys=keys)
     adapters, trained = load_adapters(artifacts, shape, model)
-    fixed = {k: trained[k] for k in SETTINGS}
-    return Kvlinc(KiviConfig(**settings.resolve("kvlinc", SETTINGS, fixed, artifacts)), shape, adapters,
-                  trained.get("scaling"))
+    fixed = {k: trained.get(k, DEFAULTS[k]) for k in SETTINGS}  # adapters trained before --keys: kivi keys
+    *quant, keys = settings.resolve("kvlinc", SETTINGS, fixed, artifacts).values()
+    return Kvlinc(KiviConfig(*quant), shape, adapters, trained.get("scaling"), keys)

@@ -40,6 +40,7 @@ from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_attention
 from ..collect import Activations
+from ..defaults import KVLINC_KEYS
 from ..errors import SettingsError
 from ..models import AttentionShape
 from . import DEFAULTS, hold
@@ -62,9 +63,12 @@ class TrainConfig:
     tokens: int = 128  # query positions per Adam step
     batch: int = 1  # sequences per Adam step
     seed: int = 0
+    keys: str = DEFAULTS["keys"]  # the key coding the correction is trained on top of (kvcalib.methods.kvlinc)
 
     def __post_init__(self) -> None:
         KiviConfig(self.bits, self.group_size, self.residual)
+        if self.keys not in KVLINC_KEYS:
+            raise SettingsError(f"--keys must be one of {', '.join(KVLINC_KEYS)}, got {self.keys!r}")
         if self.rank < 2 or self.rank % 2:
             raise SettingsError(f"--rank must be an even number >= 2, got {self.rank}")
         if self.steps < 0 or self.tokens < 1 or self.batch < 1 or not self.lr > 0:
@@ -103,7 +107,7 @@ def _layer_data(acts: dict[str, torch.Tensor], config: TrainConfig) -> _LayerDat
     then compressed by the method, the rule eval scores) and their error against the float16 keys."""
     q, k, v = (acts[n].float() for n in "qkv")
     shape = AttentionShape(1, q.shape[1], k.shape[1], k.shape[-1])
-    held = hold(Kvlinc(KiviConfig(config.bits, config.group_size, config.residual), shape), 0, k, v)
+    held = hold(kvlinc(config, shape), 0, k, v)
     f = held.flushed
     return _LayerData(q, k, held.k[..., :f, :], held.k16[..., :f, :] - held.k[..., :f, :])
 
@@ -160,12 +164,16 @@ def gated(adapter: Adapter, config: TrainConfig, shape: AttentionShape, layer: i
           held: dict[str, torch.Tensor], scaling: float) -> tuple[Adapter, torch.Tensor, torch.Tensor]:
     """`adapter` with `heads` set to the query heads whose held-out output error it lowers, and the
     per-head errors without and with the correction."""
-    kivi = KiviConfig(config.bits, config.group_size, config.residual)
     q, k, v = (held[n].float() for n in "qkv")
-    before, after = (head_errors(Kvlinc(kivi, shape, adapters), layer, q, k, v, scaling)
+    before, after = (head_errors(kvlinc(config, shape, adapters), layer, q, k, v, scaling)
                      for adapters in ({}, {layer: adapter}))
     heads = (after < before).float()
     return Adapter(*(getattr(adapter, n) for n in ADAPTER_NAMES), heads=heads), before, after
+
+
+def kvlinc(config: TrainConfig, shape: AttentionShape, adapters: dict[int, Adapter] | None = None) -> Kvlinc:
+    """The cache the adapters are trained for: `config`'s quantization and key coding."""
+    return Kvlinc(KiviConfig(config.bits, config.group_size, config.residual), shape, adapters, keys=config.keys)
 
 
 def _init(shape: tuple[int, int, int], config: TrainConfig, gen: torch.Generator) -> Adapter:
@@ -200,10 +208,10 @@ def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: in
 def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, steps: int = 60, lr: float = 1e-2,
                    bits: int = DEFAULTS["bits"], group_size: int = DEFAULTS["group_size"],
                    residual: int = DEFAULTS["residual"], tokens: int = 128,
-                   layers: str = "all", seed: int = 0, gate: bool = True) -> Path:
+                   layers: str = "all", seed: int = 0, gate: bool = True, keys: str = DEFAULTS["keys"]) -> Path:
     """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`."""
     config = TrainConfig(rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size, residual=residual,
-                         tokens=tokens, seed=seed)
+                         tokens=tokens, seed=seed, keys=keys)
     out = ensure_writable_dir(out)
     acts = Activations(activations)
     settings = acts.manifest["settings"]
@@ -217,7 +225,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     chosen = parse_layers(layers, acts.num_layers)
     fp = acts.fingerprint
     shape = AttentionShape(acts.num_layers, fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
-    Kvlinc(KiviConfig(bits, group_size, residual), shape)  # refuses settings the cache cannot hold before training
+    kvlinc(config, shape)  # refuses settings the cache cannot hold before training
     scaling = shape.head_dim**-0.5
     n_held = max(1, settings["num_samples"] // 8)
 
