@@ -85,6 +85,17 @@ def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
     return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * residual_copies * d * 2 + state)
 
 
+def fp16_bytes(tokens: int, config: LlamaConfig) -> float:
+    """Bytes an fp16 cache holds for `tokens`: keys and values of every layer and KV head."""
+    return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * tokens
+
+
+def median_p99(seconds: list[float]) -> tuple[float, float]:
+    """The median and the 99th percentile (the largest below 1% of the steps) of step times."""
+    s = sorted(seconds)
+    return statistics.median(s), s[min(len(s) - 1, int(0.99 * len(s)))]
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a device-to-device copy (read + write), median of 20."""
     src = torch.empty(2**30, dtype=torch.float16, device="cuda")
@@ -140,8 +151,7 @@ def run_path(path: str, model, lm: LoadedModel, prompt: torch.Tensor, steps: int
                 return int(forward(one(t), past_key_values=cache, cache_position=p, position_ids=p[None],
                                    use_cache=True).logits[0, -1].argmax())
 
-            c = model.config
-            cache_bytes = lambda: 2 * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * at[0]  # noqa: E731  (held, not allocated)
+            cache_bytes = lambda: fp16_bytes(at[0], model.config)  # noqa: E731  (held, not allocated)
         else:
             name, how = path.split("-", 1)
             if how == "dynamic":
@@ -188,12 +198,10 @@ def main() -> None:
         results = {}
         for path in paths:
             results[path] = run_path(path, model, lm, prompt, args.steps)
-            s = sorted(results[path]["seconds"])
-            print(f"{ctx} {path}: median {1e3 * statistics.median(s):.2f} ms", flush=True)
+            print(f"{ctx} {path}: median {1e3 * median_p99(results[path]['seconds'])[0]:.2f} ms", flush=True)
         base = results.get("fp16-eager", {}).get("tokens")
         for path, res in results.items():
-            s = sorted(res["seconds"])
-            med, p99 = statistics.median(s), s[min(len(s) - 1, int(0.99 * len(s)))]
+            med, p99 = median_p99(res["seconds"])
             floor = (weight_bytes + res["cache_bytes"]) / bandwidth
             same = "-" if base is None else f"{sum(a == b for a, b in zip(res['tokens'], base))}/{len(base)}"
             lines.append(f"| {ctx} | {path} | {1e3 * med:.2f} | {1e3 * p99:.2f} | {p99 / med:.2f} | {1e3 * floor:.2f} | "

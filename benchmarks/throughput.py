@@ -38,15 +38,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
-import time
 
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 from generate import CACHES as KVCALIB_CACHES
-from generate import copy_bandwidth, int2_bytes, kvcalib_method, llama8b_config
+from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, timed_steps
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
@@ -149,25 +147,19 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dic
         decoder = CapturedDecoder(lm.model, cache, compile=True)  # compiled and captured here
         step, warm = (lambda t: decoder.step(t).argmax(-1)), 3
     tokens = torch.randint(0, lm.model.config.vocab_size, (batch,), device="cuda")
-    seconds = []
     with torch.no_grad():
-        for i in range(warm + steps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            tokens = step(tokens)
-            torch.cuda.synchronize()
-            if i >= warm:
-                seconds.append(time.perf_counter() - t0)
+        _, warmed = timed_steps(step, tokens, warm)  # compile and capture happen here
+        seconds, _ = timed_steps(step, warmed[-1], steps)
     peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     del cache, step
-    s = sorted(seconds)
-    return {"median": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "peak": peak}
+    median, p99 = median_p99(seconds)
+    return {"median": median, "p99": p99, "peak": peak}
 
 
 def held_bytes(name: str, ctx: int, config) -> float:
     """Bytes one sequence's cache holds at `ctx` tokens (what a step must read of it)."""
     if name == "fp16-static-compile":
-        return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * ctx
+        return fp16_bytes(ctx, config)
     return int2_bytes(ctx, name.split("-")[0], config)
 
 

@@ -255,12 +255,10 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
                     books[smooth_name(i)] = checked_smooth(art.tensors, smooth_name(i), (shape.num_kv_heads, shape.head_dim), path)
                 if scheme.book:
                     name = codebook_name(i, part, scheme.book)
-                    if scheme.dim:
-                        if shape.head_dim % scheme.dim:
-                            raise ArtifactError(f"artifact {path}: scheme {scheme} does not tile head_dim {shape.head_dim}")
-                        books[name] = checked_vector_codebook(art.tensors, name, scheme.book_shape(groups, shape.head_dim), path)
-                    else:
-                        books[name] = checked_codebook(art.tensors, name, scheme.book_shape(groups, shape.head_dim), path).float()
+                    if scheme.dim and shape.head_dim % scheme.dim:
+                        raise ArtifactError(f"artifact {path}: scheme {scheme} does not tile head_dim {shape.head_dim}")
+                    books[name] = checked_codebook(art.tensors, name, scheme.book_shape(groups, shape.head_dim), path,
+                                                   ascending=not scheme.dim, remedy="make the plan again").float()
     extra = sorted(set(art.tensors) - set(books))
     if extra:
         raise ArtifactError(f"artifact {path} holds tensors its plan does not use ({extra[0]}, ...); make the plan again")
@@ -279,15 +277,6 @@ def checked_smooth(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int
         raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape} or not positive; "
                             "make the plan again")
     return t
-
-
-def checked_vector_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:
-    """Artifact tensor `name`, refused unless of `shape` and finite; float32."""
-    t = tensors.get(name)
-    if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all():
-        raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape} or not finite; "
-                            "make the plan again")
-    return t.float()
 
 
 def build(shape: AttentionShape, settings: MethodSettings, artifacts: str | None, model: LoadedModel | None) -> Plan:

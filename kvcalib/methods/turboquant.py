@@ -330,12 +330,14 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     return TurboQuant(config, shape, books, granularity)
 
 
-def checked_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str) -> torch.Tensor:
-    """Artifact tensor `name`, refused unless of `shape`, finite and ascending along its last axis."""
+def checked_codebook(tensors: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], path: str,
+                     ascending: bool = True, remedy: str = "fit it again") -> torch.Tensor:
+    """Artifact tensor `name`, refused unless of `shape`, finite and (a scalar codebook, `ascending`)
+    ascending along its last axis; a vector codebook's centroids have no order."""
     t = tensors.get(name)
-    if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all() or (t.diff(dim=-1) < 0).any():
+    if t is None or tuple(t.shape) != shape or not torch.isfinite(t).all() or (ascending and (t.diff(dim=-1) < 0).any()):
         raise ArtifactError(f"artifact {path}: tensor {name} is missing, not of shape {shape}, "
-                            "not finite or not ascending; fit it again")
+                            f"not finite{' or not ascending' if ascending else ''}; {remedy}")
     return t
 
 

@@ -92,6 +92,14 @@ def check_fit_settings(bits_list: tuple[int, ...], granularity: str, iters: int)
         raise SettingsError("--iters must be positive")
 
 
+def _rotated_units(data: dict[str, torch.Tensor], which: str, shape: AttentionShape, granularity: str) -> torch.Tensor:
+    """A collected layer's keys or values as TurboQuant codes them, its rotated unit vectors, grouped by
+    codebook: (Hkv, N, d) with granularity head, (1, Hkv N, d) with layer."""
+    x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
+    y = unit_rotated(x)[0].transpose(0, 1)  # (Hkv, N, d)
+    return y.reshape(1, -1, shape.head_dim) if granularity == "layer" else y
+
+
 def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: str = "layer", iters: int = 50,
                   desc: str = "fit-turboquant") -> tuple[dict[int, dict[str, torch.Tensor]], dict]:
     """Per bit width in `bits_list`: the artifact tensors `layers.{i}.{k,v}_codebook` (G, d, 2^b) float16
@@ -105,11 +113,7 @@ def fit_codebooks(acts: Activations, bits_list: tuple[int, ...], granularity: st
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, bits_list))} bits", unit="layer"):
         data = acts.layer(i)
         for which in ("k", "v"):
-            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
-            y, _ = unit_rotated(x)
-            y = y.transpose(0, 1)  # (Hkv, N, d)
-            if granularity == "layer":
-                y = y.reshape(1, -1, shape.head_dim)
+            y = _rotated_units(data, which, shape, granularity)
             groups = y.shape[0]
             samples = SortedSamples.of(y)
             for bits in bits_list:
@@ -144,10 +148,7 @@ def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gr
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
         data = acts.layer(i)
         for which in ("k", "v"):
-            x = data[which].transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_dim)  # (N, Hkv, d)
-            y = unit_rotated(x)[0].transpose(0, 1)  # (Hkv, N, d)
-            if granularity == "layer":
-                y = y.reshape(1, -1, shape.head_dim)
+            y = _rotated_units(data, which, shape, granularity)
             for config in configs:
                 points = y.reshape(y.shape[0], -1, config.dim)
                 books = [vq.kmeans(g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook for g in points]

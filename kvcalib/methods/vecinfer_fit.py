@@ -31,6 +31,17 @@ def _subvectors(x: torch.Tensor, head: int | None, dim: int) -> torch.Tensor:
     return x.reshape(-1, dim)
 
 
+def _sources(data: dict[str, torch.Tensor], lam: torch.Tensor | None, hadamard: bool) -> dict[str, torch.Tensor]:
+    """What VecInfer's codebooks are fitted on: the keys as the codec sees them (λ-smoothed, rotated), raw values."""
+    return {"k": keys_to_codec(data["k"], lam, hadamard), "v": data["v"].float()}
+
+
+def _fits(x: torch.Tensor, heads: list[int | None], config: vq.VQConfig, iters: int, seed: int,
+          max_points_per_centroid: int) -> list:
+    """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None])."""
+    return [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid) for h in heads]
+
+
 def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer", iters: int = 30,
                        seed: int = 0, max_points_per_centroid: int = 256,
                        desc: str = "fit VecInfer codebooks") -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -49,12 +60,10 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
         data = _without_sinks(acts.layer(i), 0)
         lam = smooth[f"layers.{i}.k_smooth"] = smoothing_factors(data["k"])
-        sources = {"k": keys_to_codec(data["k"], lam, True), "v": data["v"].float()}
         for config in configs:
-            for which, x in sources.items():
-                fits = [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid).codebook
-                        for h in heads]
-                books[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(fits).half()
+            for which, x in _sources(data, lam, True).items():
+                fits = _fits(x, heads, config, iters, seed, max_points_per_centroid)
+                books[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
     return books, smooth
 
 
@@ -92,15 +101,11 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
         lam = smoothing_factors(data["k"]) if smooth else None
         if lam is not None:
             tensors[f"layers.{i}.k_smooth"] = lam
-        sources = {"k": (keys_to_codec(data["k"], lam, hadamard), config.k), "v": (data["v"].float(), config.v)}
-        for which, (x, vqc) in sources.items():
-            books = []
-            for head in heads:
-                fit = vq.kmeans(_subvectors(x, head, vqc.dim), vqc, iters, seed, max_points_per_centroid)
-                seconds[which] += fit.seconds
-                training_points[which] = fit.training_points
-                books.append(fit.codebook)
-            tensors[f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
+        for which, x in _sources(data, lam, hadamard).items():
+            fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid)
+            seconds[which] += sum(f.seconds for f in fits)
+            training_points[which] = fits[-1].training_points
+            tensors[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
     settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid,
                                  "exclude_sinks": exclude_sinks}
     extra = {
