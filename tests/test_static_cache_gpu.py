@@ -18,6 +18,8 @@
   kvcalib.runtime.captured), and its greedy tokens wherever the eager logits' top two are further apart.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -119,7 +121,7 @@ def test_a_refilled_slot_gives_the_new_sequence_exactly_what_a_fresh_cache_gives
         assert torch.equal(a[1], b[1]), s
 
 
-@pytest.mark.parametrize("name,d", [("oscar", 64), ("oscar", 128), ("kvlinc", 128)])
+@pytest.mark.parametrize("name,d", [("oscar", 64), ("oscar", 128), ("kvlinc", 128), ("kvlinc-oscar", 128)])
 def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_state(name, d):
     """OScaR (keys and values in the Hadamard basis, per-token key norms) and KVLinC (values rotated, S and
     P): each row's output of the static layer's `attend`, taken back into the kernel's basis, against the
@@ -160,8 +162,9 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
             assert (n, row.residual) == (dyn.length - dyn.k_res.shape[2], dyn.k_res.shape[2]), (s, i)
             if n:  # the packed blocks and norms are KvcalibCache's, bit for bit
                 f = dyn.fused
-                wants = [f.kcodes, f.kscale, f.kzero, f.vcodes, f.vscale, f.vzero] + ([f.knorm] if name == "oscar" else [])
-                assert (row.knorm is not None) == (name == "oscar") == (f.knorm is not None)
+                norms = name.endswith("oscar")
+                wants = [f.kcodes, f.kscale, f.kzero, f.vcodes, f.vscale, f.vzero] + ([f.knorm] if norms else [])
+                assert (row.knorm is not None) == norms == (f.knorm is not None)
                 for (buf, unit), want in zip(static._buffers(), wants):
                     assert torch.equal(buf[i : i + 1, :, : n // unit], want[:, :, : n // unit]), (s, i, unit)
             terms = None
@@ -181,7 +184,7 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
                 bound = torch.full_like(err, 2 * CORRECTION_TOL[torch.float16])
             assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
             worst = max(worst, (err / bound).max().item())
-    assert worst > 0 and (corrected > 0) == (name == "kvlinc")
+    assert worst > 0 and (corrected > 0) == name.startswith("kvlinc")
 
 
 def _model(layers: int = 2, head_dim: int = 64):
@@ -200,12 +203,15 @@ def _model(layers: int = 2, head_dim: int = 64):
 
 
 SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
-METHODS = ["kivi", "oscar", "kvlinc"]  # every method the static cache holds (`check_static`)
+METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar"]  # every method the static cache holds (`check_static`);
+# kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`)
 
 
 def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTINGS, rank: int = 16):
     """The method, KVLinC with random adapters of `rank` on every layer (its correction then moves the
     output: the states and terms are exercised, not zeros)."""
+    if name == "kvlinc-oscar":
+        name, settings = "kvlinc", dataclasses.replace(settings, keys="oscar")
     method = build_method(name, shape, settings)
     if name == "kvlinc":
         g = torch.Generator().manual_seed(5)
