@@ -17,8 +17,10 @@ This is our addition to the paper's method. The fit still sees them unless `--ex
 The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
 default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
-the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel would use (none yet), q̃ · codebookᵀ
-indexed by the codes, and is tested against dequantize-then-dot.
+the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel would use, q̃ · codebookᵀ
+indexed by the codes, and is tested against dequantize-then-dot. The layout such a kernel reads, and the
+float64 reference of its whole computation (sinks and residual included), are `kvcalib.vq_layout` (issue 18;
+the kernel is not written yet).
 
 Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
 float16 (G, 2^M, N) with G = 1 (granularity "layer") or the KV head count ("head"), and, when

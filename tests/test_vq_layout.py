@@ -1,0 +1,106 @@
+"""The VecInfer kernel layout's float64 reference (`kvcalib.vq_layout`, issue 18): the lookup-table
+computation a fused kernel will do gives, in float64, attention over the very cache it reads, dequantized
+and taken back to the keys' own basis, for per-layer and per-head codebooks, key and value
+configurations that differ, sink tokens on and off, and every residual length kind (empty, partial); and
+it never reads past its counts."""
+
+import pytest
+import torch
+
+from kvcalib.attention import AttentionOptions, mixed_attention
+from kvcalib.hadamard import rotate
+from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, keys_to_codec
+from kvcalib.models import AttentionShape
+from kvcalib import vq
+from kvcalib.vq_layout import append_block, reference_decode
+
+# float64 sums of a few hundred terms: the two computations agree to ~1e-14 relative; 1e-10 is far above
+# that and far below a single wrong code (a centroid apart: ~1e-1).
+F64 = 1e-10
+
+
+def _method(granularity: str, k_config: str, v_config: str, sinks: int, d: int = 32) -> VecInfer:
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)
+    config = VecInferConfig(k_config, v_config, granularity, sink_tokens=sinks)
+    g = torch.Generator().manual_seed(0)
+    groups = config.groups(shape)
+    books = LayerCodebooks(k=torch.randn(groups, config.k.centroids, config.k.dim, generator=g).half(),
+                           v=torch.randn(groups, config.v.centroids, config.v.dim, generator=g).half(),
+                           smooth=(0.5 + torch.rand(2, d, generator=g)).half())
+    return VecInfer(config, [books], shape, residual=16)
+
+
+def _layer(method: VecInfer, k16: torch.Tensor, v16: torch.Tensor):
+    """The layout of a cache that was fed k16, v16 (B, Hkv, T, d): its full blocks coded, the first `sink`
+    tokens also kept, the rest in the residual; keys of sinks and residual in the codec basis."""
+    t, r, s = k16.shape[2], method.block, method.sink
+    n = t // r * r
+    books, c = method.layers[0], method.config
+    to_codec = lambda k: keys_to_codec(k, books.smooth, c.hadamard).half()  # noqa: E731
+    layer = None
+    for start in range(0, n, r):  # as a decoder flushes: block by block
+        blk = slice(start, start + r)
+        packed = method.compress(0, k16[:, :, blk], v16[:, :, blk])
+        sink = slice(start, min(start + r, max(s, start)))
+        layer = append_block(layer, packed.k, packed.v, books.k, books.v, c.k.bits, c.v.bits,
+                             to_codec(k16[:, :, sink]), v16[:, :, sink], to_codec(k16[:, :, n:]), v16[:, :, n:])
+    if layer is None:
+        empty = torch.zeros(*k16.shape[:2], 0, 1, dtype=torch.uint8)
+        layer = append_block(None, empty, empty, books.k, books.v, c.k.bits, c.v.bits, k16[:, :, :0], v16[:, :, :0],
+                             to_codec(k16[:, :, n:]), v16[:, :, n:])
+    return layer
+
+
+def _q_codec(method: VecInfer, q: torch.Tensor) -> torch.Tensor:
+    """q̃ = (q λ) H in float64 (`queries_to_codec` computes in float32): q (B, Hq, d)."""
+    smooth = method.layers[0].smooth.double().repeat_interleave(q.shape[1] // 2, dim=0)
+    return rotate(q.double() * smooth)
+
+
+def _expected(method: VecInfer, layer, q: torch.Tensor) -> torch.Tensor:
+    """Plain float64 attention of q (B, Hq, d) over the same cache dequantized, keys back in their own basis."""
+    books, c = method.layers[0], method.config
+    d = layer.head_dim
+    k = vq.decode(layer.codes("k"), books.k.double()) if layer.length else layer.kres[:, :, :0].double()
+    v = vq.decode(layer.codes("v"), books.v.double()) if layer.length else layer.vres[:, :, :0].double()
+    k[:, :, : layer.sinks] = layer.ksink.double()
+    v[:, :, : layer.sinks] = layer.vsink.double()
+    k = torch.cat([k, layer.kres[:, :, : layer.residual].double()], 2)
+    v = torch.cat([v, layer.vres[:, :, : layer.residual].double()], 2)
+    k = keys_from_codec(k, books.smooth.double(), c.hadamard)
+    out = mixed_attention(q.double()[:, :, None], k, v, AttentionOptions(scaling=d**-0.5))
+    return out[:, :, 0]
+
+
+@pytest.mark.parametrize("granularity", ["layer", "head"])
+@pytest.mark.parametrize("k_config,v_config", [("d4b6", "d4b6"), ("d8b10", "d2b5")])
+@pytest.mark.parametrize("sinks", [0, 3])
+@pytest.mark.parametrize("t", [9, 16, 41, 64])
+def test_the_lookup_table_reference_is_attention_over_the_cache_it_reads(granularity, k_config, v_config, sinks, t):
+    method = _method(granularity, k_config, v_config, sinks)
+    g = torch.Generator().manual_seed(t)
+    k16 = (torch.randn(3, 2, t, 32, generator=g) * (1 + 3 * torch.rand(1, 1, 1, 32, generator=g))).half()
+    v16 = torch.randn(3, 2, t, 32, generator=g).half()
+    layer = _layer(method, k16, v16)
+    assert layer.length == t // 16 * 16 and layer.residual == t % 16 and layer.sinks == min(sinks, layer.length)
+    q = torch.randn(3, 8, 32, generator=g)
+    got, want = reference_decode(_q_codec(method, q), layer, 32**-0.5), _expected(method, layer, q)
+    assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < F64
+
+
+def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own_codebook():
+    method = _method("head", "d4b6", "d4b6", 2)
+    g = torch.Generator().manual_seed(1)
+    k16, v16 = torch.randn(2, 2, 40, 32, generator=g).half(), torch.randn(2, 2, 40, 32, generator=g).half()
+    layer = _layer(method, k16, v16)
+    q = _q_codec(method, torch.randn(2, 8, 32, generator=g))
+    before = reference_decode(q, layer, 32**-0.5)
+    # Poison what lies past the counts: codes of capacity not yet filled, residual rows not yet written.
+    layer.kcodes[:, :, layer.length :] = 255
+    layer.vcodes[:, :, layer.length :] = 255
+    layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres, float("nan"))], 2)
+    layer.vres = torch.cat([layer.vres, torch.full_like(layer.vres, float("nan"))], 2)
+    assert torch.equal(reference_decode(q, layer, 32**-0.5), before)
+    # A planted error: both KV heads reading head 0's codebooks moves the output far beyond F64.
+    layer.kbook, layer.vbook = layer.kbook[:1].expand_as(layer.kbook), layer.vbook[:1].expand_as(layer.vbook)
+    assert (reference_decode(q, layer, 32**-0.5) - before).abs().max() > 1e-3
