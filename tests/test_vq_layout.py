@@ -104,3 +104,17 @@ def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own
     # A planted error: both KV heads reading head 0's codebooks moves the output far beyond F64.
     layer.kbook, layer.vbook = layer.kbook[:1].expand_as(layer.kbook), layer.vbook[:1].expand_as(layer.vbook)
     assert (reference_decode(q, layer, 32**-0.5) - before).abs().max() > 1e-3
+
+
+def test_the_kernel_refuses_codebooks_beyond_its_shared_memory_with_the_limit_named():
+    """d8b16 keys: a 1 MiB codebook (65536 x 8 float16), more than a block's shared memory."""
+    from kvcalib.errors import SettingsError
+    from kvcalib.runtime.vq_kernel import SHARED_LIMIT, check, shared_bytes
+
+    method = _method("layer", "d8b16", "d4b8", 0, d=32)
+    g = torch.Generator().manual_seed(0)
+    layer = _layer(method, torch.randn(1, 2, 20, 32, generator=g).half(), torch.randn(1, 2, 20, 32, generator=g).half())
+    need = shared_bytes(layer, 4) // 1024
+    assert need >= 1024 + 2  # both codebooks, float16: 1 MiB of keys, 2 KiB of values
+    with pytest.raises(SettingsError, match=f"need {need} KiB of shared memory per block; the kernel holds up to {SHARED_LIMIT // 1024} KiB"):
+        check(torch.zeros(1, 8, 32), layer)
