@@ -66,8 +66,11 @@ def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKern
     return _FUNCTIONS[key]
 
 
-def launch(kernel: cupy.RawKernel, grid: tuple, block: tuple, args: tuple, checked: bool = False) -> None:
-    kernel(grid, block, args)  # launch-configuration errors raise here
+def launch(kernel: cupy.RawKernel, grid: tuple, block: tuple, args: tuple, checked: bool = False,
+           shared_mem: int = 0) -> None:
+    """`shared_mem`: bytes of dynamic shared memory per block (beyond 48 KiB the kernel's
+    `max_dynamic_shared_size_bytes` must allow it)."""
+    kernel(grid, block, args, shared_mem=shared_mem)  # launch-configuration errors raise here
     if checked:
         cupy.cuda.get_current_stream().synchronize()  # faults inside the kernel raise here
 

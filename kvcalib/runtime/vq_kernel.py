@@ -73,7 +73,7 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(ks), ptr(vs),
                 i32(layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr), i32(layer.residual), i32(kr.shape[2]),
                 i32(layer.length), i32(kc.shape[2]), i32(split_len), i32(num_splits),
-                cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml)), checked)
+                cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml)), checked, smem)
         merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": BLOCKS_PER_SM,
                          "CP_ASYNC_LOADER": 0, "QT": "__half"}
         warps = b * hq * d // 32
