@@ -162,6 +162,18 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -
     click.echo(f"report written to {path}/report.md")
 
 
+@cli.command("make-model")
+@click.option("--shape", required=True, help="llama-3.1-8b, llama-3.1-70b, or a transformers config as a .json file.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", required=True, type=click.Path(), help="Model directory to write.")
+def make_model_cmd(shape, dtype, seed, out) -> None:
+    """Write a random-initialised model of a real model's shape (benchmarks and tests, never accuracy)."""
+    from .random_model import make_model
+
+    click.echo(f"model written to {make_model(shape, out, dtype, seed)}")
+
+
 @cli.command("oscar-artifact")
 @click.option("--model", default=DEFAULT_MODEL, show_default=True, help="The model the artifact is for.")
 @click.option("--bits", type=int, default=DEFAULTS["bits"], show_default=True)

@@ -1,0 +1,124 @@
+"""A random-initialised model of a real model's shape, saved as a local directory that `--model` takes
+(issue 19): for benchmarks and tests where no model hub is reachable, never for accuracy.
+
+    kvcalib make-model --shape llama-3.1-8b --out runs/models/llama-3.1-8b-random
+    kvcalib make-model --shape my-config.json --out DIR      # any transformers config, as JSON
+
+Shapes (`SHAPES`): Llama-3.1-8B and Llama-3.1-70B as their published configs give them (layers, widths,
+heads, RoPE with its Llama-3 scaling, context 128k). The tokenizer is the embedded model's (SmolLM2's),
+saved beside the weights, so the vocabulary is its (49152 tokens, where Llama 3.1 has 128256: the
+embedding and output matrices are smaller, every layer is the real one).
+
+Weights are drawn as transformers initialises these models: normal with std `initializer_range` (0.02),
+norm weights 1, biases 0. Each tensor has its own generator, seeded by `--seed` and the tensor's name, so
+the bytes depend on nothing else. They are written one shard at a time (at most `SHARD_BYTES` each, with
+transformers' `model.safetensors.index.json`), so a 70B model (141 GB in bfloat16) never needs more host
+memory than a shard; the directory is written under a temporary name and renamed once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_path, ensure_writable_dir
+from .errors import SettingsError
+
+SHARD_BYTES = 2 * 2**30
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+_LLAMA_31 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0,
+                 max_position_embeddings=131072, initializer_range=0.02, tie_word_embeddings=False,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 8192})
+SHAPES = {
+    "llama-3.1-8b": _LLAMA_31 | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "llama-3.1-70b": _LLAMA_31 | dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+}
+
+
+def _config_fields(shape: str) -> dict:
+    if shape in SHAPES:
+        return dict(SHAPES[shape])
+    path = Path(shape)
+    if path.suffix != ".json":
+        raise SettingsError(f"--shape {shape!r}: name one of {', '.join(SHAPES)}, or give a transformers config as a "
+                            ".json file")
+    try:
+        fields = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"--shape {shape}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SettingsError(f"--shape {shape}: not a readable JSON config ({err})") from None
+    if not isinstance(fields, dict) or "model_type" not in fields:
+        raise SettingsError(f"--shape {shape}: a transformers config needs its model_type")
+    return fields
+
+
+def _initial(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """The tensor `name` as transformers initialises it, from its own generator (float32)."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "norm" in name.split(".")[-2]:  # RMSNorm / LayerNorm weights
+        return torch.ones(shape)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen) * std
+
+
+def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
+               shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write the random model of module docstring to `out`; returns it."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .models import DEFAULT_MODEL, _resolve
+
+    if dtype not in DTYPES:
+        raise SettingsError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    fields = _config_fields(shape)
+    out = ensure_writable_dir(out)
+    target, kwargs = _resolve(DEFAULT_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+    model_type = fields.pop("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **fields | {"vocab_size": len(tokenizer),
+                                                                "bos_token_id": tokenizer.bos_token_id,
+                                                                "eos_token_id": tokenizer.eos_token_id})
+    except (ValueError, TypeError) as err:
+        raise SettingsError(f"--shape {shape}: transformers refuses this config ({str(err).splitlines()[0]})") from None
+    config.dtype = dtype
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    tensors = [(name, tuple(t.shape)) for name, t in skeleton.state_dict().items()
+               if not (config.tie_word_embeddings and name == "lm_head.weight")]
+    size = DTYPES[dtype].itemsize
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, dims in tensors:
+        nbytes = size * int(torch.Size(dims).numel())
+        if shards[-1] and used + nbytes > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, dims))
+        used += nbytes
+    std = getattr(config, "initializer_range", 0.02)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({name: _initial(name, dims, std, seed).to(DTYPES[dtype]) for name, dims in shard}, tmp / file,
+                      metadata={"format": "pt"})
+            weight_map |= {name: file for name, _ in shard}
+        if len(shards) > 1:
+            total = sum(size * int(torch.Size(d).numel()) for _, d in tensors)
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out

@@ -1,0 +1,80 @@
+"""`kvcalib make-model` (issue 19): a random-initialised model of a given shape, saved as a directory that
+`--model` takes, with the embedded tokenizer; its weights as transformers initialises them, the same bytes
+for the same seed, in shards of bounded size; bad input refused in one line with nothing left behind."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvcalib.cli import main
+from kvcalib.collect import Activations, collect
+from kvcalib.models import attention_shape, load_model
+from kvcalib.random_model import SHAPES, make_model
+from conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def shape_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shape") / "tiny.json"
+    path.write_text(tiny_config().to_json_string())
+    return path
+
+
+def test_a_made_model_loads_collects_and_draws_its_weights_as_transformers_does(shape_file, tmp_path, text_file):
+    out = make_model(str(shape_file), tmp_path / "m", dtype="float32", seed=3)
+    lm = load_model(str(out), device="cpu")
+    assert attention_shape(lm.config) == attention_shape(tiny_config())
+    assert lm.config.vocab_size == len(lm.tokenizer)  # the embedded tokenizer's vocabulary
+    weights = dict(lm.model.named_parameters())
+    assert (weights["model.norm.weight"] == 1).all() and (weights["model.layers.0.input_layernorm.weight"] == 1).all()
+    w = weights["model.layers.1.mlp.down_proj.weight"].double()
+    # A sample standard deviation of n normal draws is within 6 standard errors, std / sqrt(2n), of std.
+    assert abs(w.std().item() - 0.02) < 6 * 0.02 / math.sqrt(2 * w.numel())
+    acts = collect(tmp_path / "acts", lm, dataset=str(text_file), num_samples=2, seq_len=32)
+    assert Activations(acts).num_layers == 2
+
+
+def test_the_same_seed_gives_the_same_bytes_and_shards_stay_under_their_bound(shape_file, tmp_path):
+    one = make_model(str(shape_file), tmp_path / "a", dtype="bfloat16", seed=0)
+    two = make_model(str(shape_file), tmp_path / "b", dtype="bfloat16", seed=0, shard_bytes=64 * 1024)
+    other = make_model(str(shape_file), tmp_path / "c", dtype="bfloat16", seed=1)
+    whole = load_file(one / "model.safetensors")
+    index = json.loads((two / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2
+    sharded = {}
+    for f in files:
+        assert (two / f).stat().st_size <= 64 * 1024 + 4096 or len(load_file(two / f)) == 1  # header aside
+        sharded |= load_file(two / f)
+    assert sharded.keys() == whole.keys() and all(torch.equal(sharded[k], whole[k]) for k in whole)
+    assert not torch.equal(load_file(other / "model.safetensors")["model.embed_tokens.weight"], whole["model.embed_tokens.weight"])
+    assert (one / "model.safetensors").read_bytes() == (make_model(str(shape_file), tmp_path / "d", seed=0) / "model.safetensors").read_bytes()
+
+
+def test_the_named_shapes_are_the_published_llama_3_1_configs():
+    assert {k: SHAPES["llama-3.1-8b"][k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads")} == \
+        {"num_hidden_layers": 32, "hidden_size": 4096, "num_key_value_heads": 8}
+    assert {k: SHAPES["llama-3.1-70b"][k] for k in ("num_hidden_layers", "hidden_size", "intermediate_size")} == \
+        {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672}
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shape", "llama-9"], "name one of llama-3.1-8b, llama-3.1-70b"),
+    (["--shape", "{tmp}/none.json"], "no such file"),
+    (["--shape", "{tmp}/bad.json"], "not a readable JSON config"),
+    (["--shape", "{shape}", "--out", "/proc/nope/m"], "cannot create anything"),
+])
+def test_make_model_bad_input_gives_one_line_exit_2_and_no_output(args, message, shape_file, tmp_path, capsys):
+    (tmp_path / "bad.json").write_text("{not json")
+    args = [a.format(tmp=tmp_path, shape=shape_file) for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    with pytest.raises(SystemExit) as exc:
+        main(["make-model", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith("kvcalib: error:") and err.count("\n") == 1, err
+    assert message in err
+    assert not (tmp_path / "out").exists()
