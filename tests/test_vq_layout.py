@@ -45,7 +45,7 @@ def _layer(method: VecInfer, k16: torch.Tensor, v16: torch.Tensor):
         layer = append_block(layer, packed.k, packed.v, books.k, books.v, c.k.bits, c.v.bits,
                              to_codec(k16[:, :, sink]), v16[:, :, sink], to_codec(k16[:, :, n:]), v16[:, :, n:])
     if layer is None:
-        empty = torch.zeros(*k16.shape[:2], 0, 1, dtype=torch.uint8)
+        empty = torch.zeros(*k16.shape[:2], 0, 1, dtype=torch.uint8, device=k16.device)
         layer = append_block(None, empty, empty, books.k, books.v, c.k.bits, c.v.bits, k16[:, :, :0], v16[:, :, :0],
                              to_codec(k16[:, :, n:]), v16[:, :, n:])
     return layer
