@@ -29,6 +29,9 @@ _MEMORY_OPTIONS = {
 
 
 def _trust_remote_code(fn):
+    """The options of a command that loads a model: --trust-remote-code and --device."""
+    fn = click.option("--device", default="auto", show_default=True,
+                      help="auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda or cuda:N.")(fn)
     return click.option("--trust-remote-code", is_flag=True,
                         help="Let transformers run the model's own Python code, if its config asks for it "
                              "(off: such a model is refused).")(fn)
@@ -72,12 +75,14 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sub-sampling.")
 @click.option("--max-tokens", type=int, default=None, help="Cap on stored tokens per layer (seeded sub-sampling).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (resumes if it holds a partial run).")
-def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, seed, max_tokens, out) -> None:
+def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, seed, max_tokens,
+                out) -> None:
     """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
     from .collect import collect
 
     path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
-                   trust_remote_code=trust_remote_code, **_given(num_samples=num_samples, seq_len=seq_len))
+                   trust_remote_code=trust_remote_code, device=device,
+                   **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(f"activations written to {path}")
 
 
@@ -104,7 +109,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
-def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, method, bits, group_size, residual,
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, method, bits, group_size, residual,
              scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
@@ -113,8 +118,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys, artifacts=artifacts,
-                      json_path=json_path,
-                      trust_remote_code=trust_remote_code, **_given(num_samples=num_samples, seq_len=seq_len))
+                      json_path=json_path, trust_remote_code=trust_remote_code, device=device,
+                      **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
 
@@ -183,12 +188,12 @@ def make_model_cmd(shape, dtype, seed, out) -> None:
 @click.option("--rotation/--no-rotation", default=DEFAULTS["rotation"], show_default=True)
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, trust_remote_code, out) -> None:
+def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, trust_remote_code, device, out) -> None:
     """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""
     from .methods.oscar_fit import save_oscar_artifact
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
-                               scaling=scaling, rotation=rotation, trust_remote_code=trust_remote_code)
+                               scaling=scaling, rotation=rotation, trust_remote_code=trust_remote_code, device=device)
     click.echo(f"artifact written to {path}")
 
 
@@ -262,14 +267,15 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
-             residual_mode, trust_remote_code, out) -> None:
+             residual_mode, trust_remote_code, device, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
                           candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
-                          sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code):
+                          sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
+                          device=device):
         click.echo(f"plan written to {path}")
 
 
@@ -287,13 +293,13 @@ def report_cmd(results, out) -> None:
 @click.argument("recipe", type=click.Path())
 @click.option("--model", default=None, help="Override the recipe's model.")
 @_trust_remote_code
-def run_cmd(recipe, model, trust_remote_code) -> None:
+def run_cmd(recipe, model, trust_remote_code, device) -> None:
     """Run the steps of a recipe (a TOML pipeline under recipes/) in order."""
     from .evaluate import EvalResult
     from .recipes import run_recipe
     from .report import result_table
 
-    done = run_recipe(recipe, model=model, trust_remote_code=trust_remote_code)
+    done = run_recipe(recipe, model=model, trust_remote_code=trust_remote_code, device=device)
     evals = [(step.label, out) for step, out in done if isinstance(out, EvalResult)]
     if evals:
         click.echo(result_table([r for _, r in evals], [label for label, _ in evals]))

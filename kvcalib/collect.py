@@ -79,7 +79,8 @@ def _sha256(path: Path) -> str:
 
 def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
             text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
-            max_tokens: int | None = None, chunk_size: int = 8, trust_remote_code: bool = False) -> Path:
+            max_tokens: int | None = None, chunk_size: int = 8, trust_remote_code: bool = False,
+            device: str | None = None) -> Path:
     """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
 
     One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
@@ -94,7 +95,7 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
     try:
         with exclusive(out, "a collection into"):
             try:
-                return _record(out, config, model, trust_remote_code)
+                return _record(out, config, model, trust_remote_code, device)
             except BaseException:
                 unstarted = created and not any(out.glob("layer*.safetensors"))
                 if unstarted:
@@ -129,8 +130,9 @@ def _earlier_checksums(out: Path) -> dict[str, str]:
         return {}
 
 
-def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool) -> Path:
-    lm = load_model(model, trust_remote_code=trust_remote_code)
+def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool,
+            device: str | None) -> Path:
+    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
     check_seq_len(lm.config, config.seq_len)
     windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
                             config.text_field)
@@ -165,7 +167,7 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                 path.unlink()
     todo = [c for c in range(num_chunks)
             if not all((out / shard_name(i, c)).exists() for i in range(shape.num_layers))]
-    device = next(lm.model.parameters()).device
+    on = next(lm.model.parameters()).device
     bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), desc="collect", unit="sample")
     for chunk in todo:
         samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
@@ -178,7 +180,7 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                 return mixed_attention(q, k, v, opts)
 
             with torch.no_grad(), intercept(lm.model, record):
-                lm.model(windows[s : s + 1].to(device), use_cache=False)
+                lm.model(windows[s : s + 1].to(on), use_cache=False)
             bar.update(1)
         pos_tensor = torch.stack(positions).to(torch.int32)
         for layer, tensors in store.items():

@@ -79,7 +79,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
              rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
              keys: str | None = None,
-             artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False) -> EvalResult:
+             artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False,
+             device: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
@@ -89,7 +90,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
-    lm = load_model(model, trust_remote_code=trust_remote_code)
+    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)

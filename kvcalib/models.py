@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import socket
 import struct
 from dataclasses import dataclass
@@ -217,6 +218,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(device: str | None) -> str:
+    """`--device`: `auto` (or None) is CUDA where torch sees a GPU, else the CPU; `cpu`; `cuda` or `cuda:N`,
+    refused in one line where this machine has no such GPU."""
+    if device in (None, "auto"):
+        return default_device()
+    if device == "cpu":
+        return device
+    match = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if match is None:
+        raise SettingsError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    count = torch.cuda.device_count()
+    if int(match[1] or 0) >= count:
+        raise SettingsError(f"--device {device}: " + ("this machine has no CUDA device (torch sees none)" if count == 0
+                                                      else f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"))
+    return device
+
+
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
                dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
@@ -227,7 +245,7 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
     """
     if isinstance(spec, LoadedModel):
         return spec
-    device = device or default_device()
+    device = resolve_device(device)
     dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
     return _load_cached(spec, device, dtype, trust_remote_code)
 

@@ -91,8 +91,11 @@ def run_step(step: Step, **overrides) -> object:
     return command(**(step.arguments | {k: v for k, v in overrides.items() if k in accepted and v is not None}))
 
 
-def run_recipe(path: str | Path, model=None, trust_remote_code: bool = False) -> list[tuple[Step, object]]:
+def run_recipe(path: str | Path, model=None, trust_remote_code: bool = False,
+               device: str | None = None) -> list[tuple[Step, object]]:
     """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's;
-    `trust_remote_code` turns it on for every step that loads a model (a recipe may also set it per step)."""
-    return [(step, run_step(step, model=model, trust_remote_code=trust_remote_code or None))
+    `trust_remote_code` turns it on for every step that loads a model (a recipe may also set it per step);
+    `device` (auto when None) places every step's model."""
+    return [(step, run_step(step, model=model, trust_remote_code=trust_remote_code or None,
+                            device=None if device == "auto" else device))
             for step in load_recipe(path)]

@@ -1,5 +1,7 @@
 """The CLI's success path; its bad inputs are the catalog of tests/test_bad_inputs.py."""
 
+import pytest
+
 from kvcalib.cli import main
 
 
@@ -15,3 +17,18 @@ def test_eval_prints_a_table_and_writes_json(tiny_model_dir, text_file, tmp_path
     assert code in (0, None)
     assert "| kivi |" in out and "perplexity" in out
     assert (tmp_path / "r.json").exists()
+
+
+def test_device_auto_is_the_default_device_cpu_the_cpu_and_a_missing_gpu_is_refused_naming_what_there_is():
+    import torch
+
+    from kvcalib.errors import SettingsError
+    from kvcalib.models import default_device, resolve_device
+
+    assert resolve_device(None) == resolve_device("auto") == default_device()
+    assert resolve_device("cpu") == "cpu"
+    count = torch.cuda.device_count()
+    with pytest.raises(SettingsError, match="no CUDA device" if count == 0 else f"cuda:0 to cuda:{count - 1}"):
+        resolve_device(f"cuda:{count}")
+    with pytest.raises(SettingsError, match="auto, cpu, cuda or cuda:N"):
+        resolve_device("cuda:x")

@@ -276,7 +276,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
               residual: int | None = None, sink_tokens: int = 0,
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
-              items: str = "layer", trust_remote_code: bool = False) -> list[Path]:
+              items: str = "layer", trust_remote_code: bool = False, device: str | None = None) -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
@@ -306,7 +306,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
-    lm = load_model(model, trust_remote_code=trust_remote_code)
+    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
