@@ -164,6 +164,17 @@ class PackedLayer:
         return k, v
 
 
+def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
+    """`buf` (B, H, N, ...) with `add` written along dim 2 after its first `used` rows; a full buffer is
+    replaced by one of twice the rows (or as many as needed), its used rows copied over."""
+    if used + add.shape[2] > buf.shape[2]:
+        bigger = buf.new_zeros(*buf.shape[:2], max(2 * buf.shape[2], used + add.shape[2]), *buf.shape[3:])
+        bigger[:, :, :used] = buf[:, :, :used]
+        buf = bigger
+    buf[:, :, used : used + add.shape[2]] = add
+    return buf
+
+
 def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm: torch.Tensor | None,
                  residual_k: torch.Tensor, residual_v: torch.Tensor) -> PackedLayer:
     """`layer` with more flushed tokens (2-bit `Quantized` keys and values of kvcalib.quant, optional
@@ -176,15 +187,6 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm:
                             empty(vzero), residual_k, residual_v, 0, 0, kq.group_size, vq.group_size,
                             None if knorm is None else empty(knorm.half()))
     new_len = layer.length + t
-
-    def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
-        if used + add.shape[2] > buf.shape[2]:
-            bigger = buf.new_zeros(*buf.shape[:2], max(2 * buf.shape[2], used + add.shape[2]), *buf.shape[3:])
-            bigger[:, :, :used] = buf[:, :, :used]
-            buf = bigger
-        buf[:, :, used : used + add.shape[2]] = add
-        return buf
-
     g = layer.group_size
     layer.kcodes = grow(layer.kcodes, kcodes, layer.length // 16)
     layer.kscale = grow(layer.kscale, kq.scale, layer.length // g)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from . import vq
+from .int2_layout import grow
 
 
 @dataclass
@@ -84,15 +85,6 @@ def append_block(layer: VQLayer | None, kcodes: torch.Tensor, vcodes: torch.Tens
         empty = lambda x: x.new_zeros(*x.shape[:2], 0, x.shape[3])  # noqa: E731
         layer = VQLayer(empty(kcodes), empty(vcodes), kbook, vbook, empty(residual_k), empty(residual_v),
                         residual_k, residual_v, 0, 0, 0, k_bits, v_bits)
-
-    def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
-        if used + add.shape[2] > buf.shape[2]:
-            bigger = buf.new_zeros(*buf.shape[:2], max(2 * buf.shape[2], used + add.shape[2]), *buf.shape[3:])
-            bigger[:, :, :used] = buf[:, :, :used]
-            buf = bigger
-        buf[:, :, used : used + add.shape[2]] = add
-        return buf
-
     layer.kcodes = grow(layer.kcodes, kcodes, layer.length)
     layer.vcodes = grow(layer.vcodes, vcodes, layer.length)
     if sink_k.shape[2]:

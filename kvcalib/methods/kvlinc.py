@@ -133,6 +133,13 @@ def combine(out: torch.Tensor, lse: torch.Tensor, fq: torch.Tensor, states: Stat
     return (out * exact[..., None] + shift[..., None] * num) / (exact + shift * den)[..., None]
 
 
+def check_keys(keys: str) -> str:
+    """`keys`, the key coding under the correction, refused unless one of `KVLINC_KEYS`."""
+    if keys not in KVLINC_KEYS:
+        raise SettingsError(f"--keys must be one of {', '.join(KVLINC_KEYS)}, got {keys!r}")
+    return keys
+
+
 @dataclass
 class KvlincPacked(KiviPacked):
     corrected: bool  # the layer has an adapter, so the sequence carries S and P for it
@@ -161,12 +168,10 @@ class Kvlinc(Kivi):
                  scaling: float | None = None, keys: str = DEFAULTS["keys"]):
         super().__init__(config, shape)
         hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
-        if keys not in KVLINC_KEYS:
-            raise SettingsError(f"--keys must be one of {', '.join(KVLINC_KEYS)}, got {keys!r}")
         self.shape = shape
         self.adapters = adapters or {}
         self.scaling = scaling  # the attention scaling the adapters were trained for
-        self.keys = keys
+        self.keys = check_keys(keys)
 
     @property
     def rotated_keys(self) -> bool:

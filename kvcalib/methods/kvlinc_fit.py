@@ -40,12 +40,11 @@ from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_attention
 from ..collect import Activations
-from ..defaults import KVLINC_KEYS
 from ..errors import SettingsError
 from ..models import AttentionShape
 from . import DEFAULTS, hold
 from .kivi import KiviConfig
-from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, features
+from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, check_keys, features
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +66,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         KiviConfig(self.bits, self.group_size, self.residual)
-        if self.keys not in KVLINC_KEYS:
-            raise SettingsError(f"--keys must be one of {', '.join(KVLINC_KEYS)}, got {self.keys!r}")
+        check_keys(self.keys)
         if self.rank < 2 or self.rank % 2:
             raise SettingsError(f"--rank must be an even number >= 2, got {self.rank}")
         if self.steps < 0 or self.tokens < 1 or self.batch < 1 or not self.lr > 0:

@@ -250,22 +250,32 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     method, fused = layer.method, layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
     if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
-        q1 = q[:, :, 0]
-        if method.rotated_keys:  # q·k is taken in the Hadamard basis the keys are stored in
-            q1 = rotate(q1.float())
+        if method.rotated_keys:  # residual keys meet the query in the Hadamard basis the keys are stored in
             fused = dataclasses.replace(fused, kres=rotate(fused.kres.float()).half())
         if method.rotated_values:  # flushed and residual values are summed in one basis
             fused = dataclasses.replace(fused, vres=rotate(fused.vres.float()).half())
-        terms = method.correction(layer.layer, q, layer.state)
-        if terms is not None:
-            num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
-            terms = (rotate(num) if method.rotated_values else num, den)
-        # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
-        q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-        out = fused_decode(q1, fused, opts.scaling, terms).to(compute_dtype(q))
-        return (rotate(out) if method.rotated_values else out).unsqueeze(2)
+        return fused_attend(method, layer.layer, q, fused, opts.scaling, layer.state)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
+
+
+def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLayer, scaling: float, state: Any,
+                 counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, whose residual is
+    already in the basis the method stores keys and values in: the query rotated into the keys' basis,
+    the method's correction terms entering at the merge, the output rotated back from the values' basis;
+    (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's per-sequence counts on the device."""
+    q1 = q[:, :, 0]
+    if method.rotated_keys:  # q·k is taken in the Hadamard basis the keys are stored in
+        q1 = rotate(q1.float())
+    terms = method.correction(layer, q, state)
+    if terms is not None:
+        num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
+        terms = (rotate(num) if method.rotated_values else num, den)
+    # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
+    q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
+    out = fused_decode(q1, packed, scaling, terms, counts=counts).to(compute_dtype(q))
+    return (rotate(out) if method.rotated_values else out).unsqueeze(2)
 
 
 def register_attention() -> None:

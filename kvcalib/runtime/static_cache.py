@@ -46,14 +46,14 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import AttentionOptions, compute_dtype
+from ..attention import AttentionOptions
 from ..errors import SettingsError
 from ..hadamard import hadamard, rotate
 from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
-from .cache import IMPLEMENTATION, hand_to_attention, register_attention
-from .int2_kernel import fused_decode, supports
+from .cache import IMPLEMENTATION, fused_attend, hand_to_attention, register_attention
+from .int2_kernel import supports
 
 
 def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -68,6 +68,11 @@ def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, tak
     rows = at.view(b, 1, 1) + torch.arange(n, device=buf.device)
     buf.index_put_((torch.arange(b, device=buf.device).view(b, 1, 1),
                     torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    """A method's decoding state (a dataclass of tensors, `Method.empty_state`) as its tensors; none for None."""
+    return [] if state is None else [getattr(state, f.name) for f in dataclasses.fields(state)]
 
 
 class StaticLayer(CacheLayerMixin):
@@ -116,8 +121,7 @@ class StaticLayer(CacheLayerMixin):
     def mutable(self) -> list[torch.Tensor]:
         """What a decode step changes besides the buffers' rows past the counts: the counts and the state
         (a captured decoder's warm-up puts them back)."""
-        state = [] if self.state is None else [getattr(self.state, f.name) for f in dataclasses.fields(self.state)]
-        return [self.flushed, self.residual, *state]
+        return [self.flushed, self.residual, *_tensors(self.state)]
 
     def _flush(self, k16: torch.Tensor, v16: torch.Tensor, start):
         """Compress float16 blocks k16, v16 (B, H, T, D), T a multiple of R, as they came in: their packed
@@ -141,7 +145,8 @@ class StaticLayer(CacheLayerMixin):
         return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
 
     def _state_fields(self, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(getattr(self.state, f.name), getattr(state, f.name)) for f in dataclasses.fields(self.state)]
+        """(this layer's state tensor, the same field of `state`), field by field."""
+        return list(zip(_tensors(self.state), _tensors(state)))
 
     def _kernel_basis(self, k16: torch.Tensor, v16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float16 tokens (..., D) in the basis the kernel reads them in (rotated once, here)."""
@@ -154,9 +159,8 @@ class StaticLayer(CacheLayerMixin):
         t, r = k.shape[2], self.packed.residual
         n = t // r * r
         k16, v16 = k.half(), v.half()
-        if self.state is not None:
-            for mine, _ in self._state_fields(self.state):
-                mine[slot] = 0
+        for mine in _tensors(self.state):
+            mine[slot] = 0
         if n:
             parts, state = self._flush(k16[:, :, :n], v16[:, :, :n], None)
             for (buf, unit), part in zip(self._buffers(), parts):
@@ -215,18 +219,8 @@ class StaticLayer(CacheLayerMixin):
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
-        m = self.method
-        q1 = query[:, :, 0]
-        if m.rotated_keys:  # q·k is taken in the basis the keys are stored in (as `runtime.cache.decode`)
-            q1 = rotate(q1.float())
-        terms = None if self.state is None else m.correction(self.layer, query, self.state)
-        if terms is not None:
-            num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
-            terms = (rotate(num) if m.rotated_values else num, den)
-        q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-        out = fused_decode(q1, self.packed, opts.scaling, terms, counts=(self.flushed, self.residual))
-        out = out.to(compute_dtype(query))
-        return (rotate(out) if m.rotated_values else out).unsqueeze(2)
+        return fused_attend(self.method, self.layer, query, self.packed, opts.scaling, self.state,
+                            counts=(self.flushed, self.residual))
 
     def get_seq_length(self, *args) -> int:
         return 0
