@@ -1,7 +1,7 @@
 #!/bin/bash
 # Opcode histogram of packed_partial's SASS (KIVI G=128, d=128, GQ=4), for instruction-count work.
 set -e
-nvcc -arch=sm_90 -cubin -std=c++17 --use_fast_math -DD=128 -DG=${G:-128} -DGV=${G:-128} -DGQ=4 -DHAS_NORM=0 -DBLOCKS_PER_SM=${BPS:-4} -DQT=__half \
+nvcc -arch=sm_90 -cubin -std=c++17 --use_fast_math -DD=128 -DG=${G:-128} -DGV=${G:-128} -DGQ=4 -DHAS_NORM=0 -DBLOCKS_PER_SM=${BPS:-4} -DQT=__half -DSPLIT_UNIT=128 \
   -o /tmp/k.cubin kernels_cupy/quant_decode.cu
 cuobjdump -sass -fun packed_partial /tmp/k.cubin > /tmp/k.sass
 grep -cE '^\s+/\*[0-9a-f]{4}\*/' /tmp/k.sass | sed 's/^/instructions: /'

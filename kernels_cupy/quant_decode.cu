@@ -27,7 +27,8 @@
 //
 // Compile-time parameters (#define, set by kvcalib/runtime/int2_kernel.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
-// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too); TILES may be set to
+// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
+// is a whole number of, `int2_kernel.split_unit`); TILES may be set to
 // override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
 // cores whatever QT is.
 
@@ -615,8 +616,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
   // A static cache (kvcalib/runtime/static_cache.py) keeps each sequence's flushed and residual counts in
   // device memory, so that one captured launch serves every step: they replace T and r for row b, and
-  // splits past a row's T write empty partials (m = -inf), which `merge` skips.
-  if (lengths != nullptr) T = lengths[b];
+  // splits past a row's T write empty partials (m = -inf), which `merge` skips. The launch is sized for
+  // the capacity, so each row spreads its own T over all num_splits blocks, in whole SPLIT_UNITs (128
+  // tokens and whole key groups): a 4k sequence in a 128k cache takes the wave that a 128k one does.
+  if (lengths != nullptr) {
+    T = lengths[b];
+    const int units = (T + SPLIT_UNIT - 1) / SPLIT_UNIT;
+    split_len = max(1, (units + num_splits - 1) / num_splits) * SPLIT_UNIT;
+  }
   if (residuals != nullptr) r = residuals[b];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;

@@ -163,6 +163,41 @@ def test_flushed_lengths_that_are_not_multiples_of_the_stage(length, group, d, l
     _check(torch.randn(2, 8, d, device=DEV).half(), layer, loader=loader)
 
 
+@pytest.mark.parametrize("group,norms", [(128, False), (32, True)])
+def test_rows_with_device_counts_each_split_their_own_length_over_the_launch(group, norms):
+    """A static cache's launch is sized for its capacity and reads each row's counts on the device; each
+    row spreads its own flushed length over all the launch's splits (a 4k sequence in a 128k cache must
+    not sit in the few splits that cover its first 4k of capacity). Rows of very different lengths in one
+    launch, what lies past each row's counts poisoned, each row held to the accuracy rule against the
+    float64 reference over that row alone. A split that left a row's last tokens unread, or read past
+    them, fails the rule or the finiteness check."""
+    from kvcalib.int2_layout import PackedLayer
+    from kvcalib.runtime.int2_kernel import partition
+
+    d, hkv, cap = 128, 2, 33280
+    flushed, residual = [0, 256, 4224, cap], [3, 0, 127, 64]
+    layer = _layer(len(flushed), hkv, d, cap, 128, group=group, vgroup=min(group, d), norms=norms, extra=0)
+    for i, (n, r) in enumerate(zip(flushed, residual)):  # poison each row past its own counts
+        layer.kcodes[i, :, n // 16 :] = -1
+        layer.vcodes[i, :, n:] = -1
+        for buf, filled in ((layer.kscale, n // group), (layer.vscale, n), (layer.kres, r), (layer.vres, r)):
+            buf[i, :, filled:] = float("nan")
+    counts = tuple(torch.tensor(c, dtype=torch.int32, device=DEV) for c in (flushed, residual))
+    assert partition(layer, 0)[1] > 8  # the launch has many splits: the short rows must use them all
+    q = torch.randn(len(flushed), 4 * hkv, d, device=DEV).half()
+    out = fused_decode(q, layer, d**-0.5, counts=counts, checked=True)
+    assert torch.isfinite(out).all(), "a row read past its counts, or left its output unwritten"
+    for i, (n, r) in enumerate(zip(flushed, residual)):
+        row = PackedLayer(layer.kcodes[i : i + 1], layer.kscale[i : i + 1], layer.kzero[i : i + 1],
+                          layer.vcodes[i : i + 1], layer.vscale[i : i + 1], layer.vzero[i : i + 1],
+                          layer.kres[i : i + 1], layer.vres[i : i + 1], n, r, group, min(group, d),
+                          None if layer.knorm is None else layer.knorm[i : i + 1])
+        ref = reference_decode(q[i : i + 1], row, d**-0.5)
+        err = _row_errors(out[i : i + 1], ref)
+        bound = 2 * _row_errors(_sdpa(q[i : i + 1], row, d**-0.5), ref) + FLOOR
+        assert (err <= bound).all(), (i, err.max().item(), bound.min().item())
+
+
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("which", ["k", "v"])
 @pytest.mark.parametrize("shape", [(1, 1, 16), (3, 2, 48), (1, 8, 4096)])

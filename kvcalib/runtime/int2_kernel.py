@@ -33,11 +33,17 @@ def supports(spec: Int2Spec | None, head_dim: int, device: torch.device, gqa: in
     return g >= 16 and g & (g - 1) == 0 and gv >= 16 and spec.block % 16 == 0
 
 
+def split_unit(group: int) -> int:
+    """Tokens a split is a whole number of: 128 (TILE) and whole key groups."""
+    return TILE * group // math.gcd(TILE, group)
+
+
 def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reserved: int = 0) -> tuple[int, int]:
     """Split the flushed tokens into at most one wave of blocks (BLOCKS_PER_SM resident per SM),
     `reserved` of the wave's slots going to the residual blocks; splits align to
-    128 tokens and to key groups."""
-    unit = TILE * group // math.gcd(TILE, group)
+    128 tokens and to key groups. With device counts the kernel re-splits each row's own length over
+    the same number of splits (quant_decode.cu, `packed_partial`)."""
+    unit = split_unit(group)
     units = max(1, -(-length // unit))
     want = max(1, (BLOCKS_PER_SM * sms - reserved) // blocks_per_split_unit)
     per = -(-units // min(units, want))
@@ -116,7 +122,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
         raise ValueError("fused decode needs whole key groups of >= 16 tokens and capacity in multiples of 16 tokens")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
                "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
-               "CP_ASYNC_LOADER": int(loader == "cp.async"),
+               "CP_ASYNC_LOADER": int(loader == "cp.async"), "SPLIT_UNIT": split_unit(layer.group_size),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     if counts is not None and any(c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device
                                   for c in counts):

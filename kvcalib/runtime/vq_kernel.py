@@ -75,7 +75,7 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
                 i32(layer.length), i32(kc.shape[2]), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml)), checked, smem)
         merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": BLOCKS_PER_SM,
-                         "CP_ASYNC_LOADER": 0, "QT": "__half"}
+                         "CP_ASYNC_LOADER": 0, "QT": "__half", "SPLIT_UNIT": 128}
         warps = b * hq * d // 32
         launch(kernel("quant_decode.cu", merge_defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), cupy.uint64(0), cupy.uint64(0), i32(parts), i32(b * hq), ptr(out)),
