@@ -150,6 +150,7 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
                    else CapturedDecoder(model, cache, compile=how == "static-compiled"))
         step = lambda t: int(decoder.step(torch.tensor([t], device="cuda"))[0].argmax())  # noqa: E731
         cache_bytes = lambda: int2_bytes(cache.lengths[0], name, model.config)  # noqa: E731
+        progress(f"{path}: cache made, step captured")
     for prompt in prompts:
         ctx = prompt.shape[1]
         with torch.no_grad():
@@ -183,14 +184,25 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
                 cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
             else:
                 first = int(cache.prefill(model, 0, prompt).argmax())
+            progress(f"{path} {ctx}: prefilled")
             _, warm_tokens = timed_steps(step, first, warm)
             seconds, tokens = timed_steps(step, warm_tokens[-1], steps)
+            progress(f"{path} {ctx}: timed")
             held = cache_bytes()
         if not static:
             del cache
             gc.collect()
             torch.cuda.empty_cache()
         yield ctx, {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
+
+
+START = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """Where the run is, on stderr, with the seconds since it started (device time is scarce: this says
+    what a run's minutes went to)."""
+    print(f"[{time.perf_counter() - START:7.1f} s] {what}", file=sys.stderr, flush=True)
 
 
 def row(ctx: int, path: str, res: dict, base: list[int] | None, weight_bytes: int, bandwidth: float) -> str:

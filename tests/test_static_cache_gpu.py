@@ -144,7 +144,13 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
         static.prefill(i, k, v)
         dynamic[i].append(k, v)
     k_new, v_new = _tokens(b, h, steps, d, seed=299)
-    q = torch.randn(b, 8, steps, d, device=DEV).half()  # the kernel tests' regime (queries twice as large: one row in 4192 at 1.02x the bound, OScaR d=64)
+    g = torch.Generator(device=DEV).manual_seed(300)  # seeded: the rows checked do not depend on earlier tests
+    q = torch.randn(b, 8, steps, d, device=DEV, generator=g).half()  # the kernel tests' regime
+    # Rotated values: `attend` rounds the output to float16 a second time, in the model's basis, after the
+    # kernel rounded it in the rotated one; taken back here, that rounding adds at most u/2 = 2^-12 to a
+    # row's relative error (round to nearest, each element within u/2 of itself), which SDPA in the
+    # rotated basis does not pay. (Without it, one OScaR d=64 row in 4192 sat at 1.03x the bound.)
+    twice = 2.0**-12 if method.rotated_values else 0.0
     opts = AttentionOptions(scaling=d**-0.5)
     worst, corrected = 0.0, 0
     for s in range(steps):
@@ -179,7 +185,7 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
             ref = reference_decode(qk[i : i + 1], row, d**-0.5, terms)
             err = _row_errors(out[i : i + 1], ref)
             if terms is None:
-                bound = 2 * _row_errors(_sdpa(qk[i : i + 1], row, d**-0.5), ref) + FLOOR
+                bound = 2 * _row_errors(_sdpa(qk[i : i + 1], row, d**-0.5), ref) + FLOOR + twice
             else:
                 bound = torch.full_like(err, 2 * CORRECTION_TOL[torch.float16])
             assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
