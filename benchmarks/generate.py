@@ -196,6 +196,12 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
         yield ctx, {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
 
 
+def spoken(contexts: list[int]) -> str:
+    """Contexts as a title says them: [4096, 32768, 131072] -> '4k, 32k and 128k'."""
+    words = [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
 START = time.perf_counter()
 
 
@@ -243,7 +249,8 @@ def main() -> None:
     for ctx in contexts:
         base = results.get((ctx, "fp16-eager"), {}).get("tokens")
         lines += [row(ctx, path, results[ctx, path], base, weight_bytes, bandwidth) for path in paths]
-    title = f"Decode latency end to end, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    title = (f"Decode latency end to end, every method at {spoken(contexts)}, {torch.cuda.get_device_name()}, "
+             "Llama-3.1-8B shape (random init)")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

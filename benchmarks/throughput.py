@@ -44,7 +44,7 @@ import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
 from generate import CACHES as KVCALIB_CACHES
-from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, timed_steps
+from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, spoken, timed_steps
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
@@ -208,7 +208,8 @@ def main() -> None:
                          f"{res['peak'][0] / GIB:.1f} / {res['peak'][1] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
                          f"{batch / floor:.0f} | {res['median'] / floor:.2f} | {versus} |")
         print("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
-    title = f"Decode throughput in a fixed memory budget, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    title = (f"Decode throughput in a fixed memory budget, every method at {spoken(contexts)}, "
+             f"{torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)
