@@ -16,6 +16,13 @@ written under a temporary name and renamed, so a file with a shard name is alway
 re-running into the same directory with the same settings skips the chunks already written (after
 checking each against the manifest of the earlier run, if it finished, so a damaged shard is
 recorded again). `OUT/.lock` keeps a second `collect` out of a directory that one is writing.
+
+Data-parallel (`torchrun --nproc-per-node N -m kvcalib collect ...`, `kvcalib.parallel`): rank 0 takes the
+lock, checks or writes the plan and clears damaged shards; then each rank records every N-th chunk still
+to do, on its own GPU; rank 0 writes the manifest once all have finished. A shard holds the same samples
+whichever rank records it, so the directory is byte-identical to a one-process run's wherever one sample's
+forward gives the same float16 activations in both (same device kind, same kernels, same thread count;
+tests/test_parallel.py checks it with two CPU processes).
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ from .atomic import atomic_path, ensure_writable_dir, exclusive, write_json
 from .attention import AttentionOptions, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .errors import ArtifactError, SettingsError
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model, resolve_device
+from .parallel import barrier, local_device, on_rank0, share, world
 from .tensorfile import check_finite, read_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -89,22 +97,28 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
     if num_samples < 1 or chunk_size < 1 or (max_tokens is not None and max_tokens < 1):
         raise SettingsError("--num-samples, --max-tokens and the chunk size must be positive")
     out = ensure_writable_dir(out)
+    rank, size = world()
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
     unstarted = False
-    try:
-        with exclusive(out, "a collection into"):
-            try:
-                return _record(out, config, model, trust_remote_code, device)
-            except BaseException:
-                unstarted = created and not any(out.glob("layer*.safetensors"))
-                if unstarted:
-                    (out / "plan.json").unlink(missing_ok=True)
-                raise
-    finally:
-        if unstarted:
-            with contextlib.suppress(OSError):  # not empty: another process has started in it since
-                out.rmdir()
+    with contextlib.ExitStack() as lock:  # rank 0 holds the directory's lock for the whole group
+
+        def take() -> None:
+            out.mkdir(parents=True, exist_ok=True)
+            lock.enter_context(exclusive(out, "a collection into"))
+
+        on_rank0(take, rank, size)
+        try:
+            return _record(out, config, model, trust_remote_code, device, rank, size)
+        except BaseException:
+            unstarted = rank == 0 and created and not any(out.glob("layer*.safetensors"))
+            if unstarted:
+                (out / "plan.json").unlink(missing_ok=True)
+            raise
+        finally:
+            lock.close()
+            if unstarted:
+                with contextlib.suppress(OSError):  # not empty: another process has started in it since
+                    out.rmdir()
 
 
 def _intact(path: Path, sha256: str | None) -> bool:
@@ -131,7 +145,8 @@ def _earlier_checksums(out: Path) -> dict[str, str]:
 
 
 def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool,
-            device: str | None) -> Path:
+            device: str | None, rank: int = 0, size: int = 1) -> Path:
+    device = local_device(resolve_device(device)) if not isinstance(model, LoadedModel) else None
     lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
     check_seq_len(lm.config, config.seq_len)
     windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
@@ -148,27 +163,33 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
         "settings": asdict(config),
         "tokens_per_layer": num_samples * config.kept_per_sample(),
     }
-    plan_path = out / "plan.json"
-    if plan_path.exists():
-        if json.loads(plan_path.read_text()) != plan:
-            raise SettingsError(f"{out} holds a collection made with other settings or another model; use a new --out")
-    else:
-        write_json(plan_path, plan)
-    for stale in out.glob(".tmp-*"):
-        stale.unlink()
-
     num_chunks = math.ceil(num_samples / chunk_size)
-    earlier = _earlier_checksums(out)
-    for i in range(shape.num_layers):
-        for c in range(num_chunks):
-            path = out / shard_name(i, c)
-            if path.exists() and not _intact(path, earlier.get(path.name)):
-                log.warning("%s is damaged; recording it again", path)
-                path.unlink()
+
+    def prepare() -> None:
+        """The plan checked (or written), stale temporaries and damaged shards removed: once, by rank 0."""
+        plan_path = out / "plan.json"
+        if plan_path.exists():
+            if json.loads(plan_path.read_text()) != plan:
+                raise SettingsError(f"{out} holds a collection made with other settings or another model; use a new --out")
+        else:
+            write_json(plan_path, plan)
+        for stale in out.glob(".tmp-*"):
+            stale.unlink()
+        earlier = _earlier_checksums(out)
+        for i in range(shape.num_layers):
+            for c in range(num_chunks):
+                path = out / shard_name(i, c)
+                if path.exists() and not _intact(path, earlier.get(path.name)):
+                    log.warning("%s is damaged; recording it again", path)
+                    path.unlink()
+
+    on_rank0(prepare, rank, size)
     todo = [c for c in range(num_chunks)
             if not all((out / shard_name(i, c)).exists() for i in range(shape.num_layers))]
+    todo = share(todo, rank, size)  # data-parallel: each rank its own chunks (`kvcalib.parallel`)
     on = next(lm.model.parameters()).device
-    bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), desc="collect", unit="sample")
+    bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), unit="sample",
+               desc="collect" if size == 1 else f"collect, rank {rank} of {size}", position=rank)
     for chunk in todo:
         samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
         store: dict[int, dict[str, list[torch.Tensor]]] = {i: {"q": [], "k": [], "v": []} for i in range(shape.num_layers)}
@@ -192,13 +213,18 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                 tmp.write_bytes(tensor_bytes(data))
     bar.close()
 
-    manifest = dict(plan)
-    manifest["num_chunks"] = num_chunks
-    manifest["shards"] = {
-        shard_name(i, c): _sha256(out / shard_name(i, c))
-        for i in range(shape.num_layers) for c in range(num_chunks)
-    }
-    write_json(out / "manifest.json", manifest)
+    def finish() -> None:
+        """The manifest over every rank's shards, written by rank 0 once all have written theirs."""
+        manifest = dict(plan)
+        manifest["num_chunks"] = num_chunks
+        manifest["shards"] = {
+            shard_name(i, c): _sha256(out / shard_name(i, c))
+            for i in range(shape.num_layers) for c in range(num_chunks)
+        }
+        write_json(out / "manifest.json", manifest)
+
+    barrier(size)
+    on_rank0(finish, rank, size)
     return out
 
 

@@ -1,0 +1,83 @@
+"""Data-parallel runs of the calibration commands: one process per GPU (or per CPU share) under
+`torchrun`, each taking its share of the work, rank 0 alone deciding and writing what is shared.
+
+    torchrun --nproc-per-node 2 -m kvcalib collect --model DIR --out runs/acts ...
+
+A command finds itself in such a group from the variables `torchrun` sets (`WORLD_SIZE`, `RANK`,
+`LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and joins it on first use: NCCL where the process has a
+GPU, gloo otherwise. Outside `torchrun` every function here is the one-process case (rank 0 of 1) and
+touches nothing of `torch.distributed`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from .errors import SettingsError
+
+T = TypeVar("T")
+
+
+def world() -> tuple[int, int]:
+    """(rank, size) of the group this process runs in, joining it on first use; (0, 1) alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def local_device(device: str) -> str:
+    """The device of this process: under torchrun a CUDA `device` (`cuda`, `auto` on a GPU machine)
+    becomes the process's own GPU, `cuda:LOCAL_RANK`; an explicit `cuda:N` is refused there (every
+    rank would share GPU N)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not device.startswith("cuda"):
+        return device
+    if device != "cuda":
+        raise SettingsError(f"--device {device} under torchrun: each process takes its own GPU (cuda:LOCAL_RANK); "
+                            "give --device cuda or auto")
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def share(items: list[T], rank: int, size: int) -> list[T]:
+    """Rank `rank`'s items: every `size`-th from its own index, so the shares differ by at most one."""
+    return items[rank::size]
+
+
+def on_rank0(step: Callable[[], T], rank: int, size: int) -> T | None:
+    """Run `step` on rank 0 alone and let every rank go on only once it has ended. An error on rank 0
+    reaches every rank: each raises it as a SettingsError with rank 0's message (rather than waiting at
+    the next barrier for a rank that has stopped)."""
+    if size == 1:
+        return step()
+    import torch.distributed as dist
+
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = step()
+        except Exception as exc:  # sent to the other ranks, then raised here as it was
+            error = exc
+    box = [None if error is None else str(error)]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise SettingsError(f"rank 0 stopped: {box[0]}")
+    return result
+
+
+def barrier(size: int) -> None:
+    """Wait for every rank (nothing alone)."""
+    if size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()

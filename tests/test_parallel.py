@@ -1,0 +1,108 @@
+"""Data-parallel collection (`kvcalib.parallel`, issue 19): two CPU processes joined by gloo, as
+`torchrun --nproc-per-node 2 -m kvcalib collect ...` starts them (the same environment variables), give
+the directory one process gives, byte for byte: plan, manifest and every shard. Byte identity holds here
+because each shard's samples run the same float32 CPU forward in either case (one thread per process in
+both runs: a different thread count may split a matrix product's sums differently)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+
+from kvcalib.parallel import share
+
+TIMEOUT = 240  # seconds for a run of two processes (a hang at a barrier fails the test instead of CI)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int | None, size: int, port: int, model: str, text: str, out: str, log: str) -> None:
+    """One process of the run (rank None: the one-process run): what torchrun gives a process, then collect."""
+    import torch
+
+    torch.set_num_threads(1)
+    if rank is not None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    import kvcalib.collect as collect_module
+
+    shares = []
+    real_share = collect_module.share
+    collect_module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
+    try:
+        collect_module.collect(out, model=model, dataset=text, num_samples=5, seq_len=32, chunk_size=2,
+                               device="cpu")
+        result = {"ok": True, "shares": shares}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(log).write_text(json.dumps(result))
+    if rank is not None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(size: int, model: Path, text: Path, out: Path, tmp: Path) -> list[dict]:
+    """Start `size` processes (size 1: the plain one-process run) and return what each reported."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    logs = [tmp / f"{out.name}-rank{r}.json" for r in range(size)]
+    procs = [ctx.Process(target=_child, args=(None if size == 1 else r, size, port, str(model), str(text), str(out),
+                                              str(logs[r]))) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} process(es) still running after {TIMEOUT} s (a rank waiting on another)"
+    return [json.loads(log.read_text()) for log in logs]
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_two_gloo_processes_collect_the_directory_one_process_collects(tmp_path, tiny_model_dir, text_file):
+    one = _run(1, tiny_model_dir, text_file, tmp_path / "one", tmp_path)
+    assert one[0]["ok"], one[0]
+    two = _run(2, tiny_model_dir, text_file, tmp_path / "two", tmp_path)
+    assert all(r["ok"] for r in two), two
+    # the work was split: 3 chunks, rank 0 records chunks 0 and 2, rank 1 chunk 1
+    assert [r["shares"] for r in two] == [[[0, 2]], [[1]]]
+    a, b = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert sorted(a) == sorted(b) and len(a) > 3, (sorted(a), sorted(b))
+    differ = [name for name in a if a[name] != b[name]]
+    assert not differ, f"files differ between the one-process and two-process runs: {differ}"
+
+
+def test_an_error_on_rank0_stops_every_rank_with_its_message(tmp_path, tiny_model_dir, text_file):
+    """Rank 0 refuses a directory holding another collection's plan; rank 1 must not wait for it at a
+    barrier, but stop with rank 0's message."""
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "plan.json").write_text(json.dumps({"kind": "activations", "settings": {"seq_len": 7}}))
+    two = _run(2, tiny_model_dir, text_file, out, tmp_path)
+    assert not any(r["ok"] for r in two), two
+    assert "other settings" in two[0]["error"] and "rank 0 stopped" in two[1]["error"], two
+    assert "other settings" in two[1]["error"]
+
+
+@pytest.mark.parametrize("n,size", [(0, 2), (1, 2), (5, 2), (7, 3)])
+def test_shares_cover_every_item_once_and_differ_by_at_most_one(n, size):
+    items = list(range(n))
+    parts = [share(items, r, size) for r in range(size)]
+    assert sorted(x for p in parts for x in p) == items
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
