@@ -3,6 +3,10 @@
 
     torchrun --nproc-per-node 2 -m kvcalib collect --model DIR --out runs/acts ...
 
+What splits how: `collect` records each rank's share of the calibration chunks (shards are per layer and
+chunk); `train-adapters` and `fit-codebook` fit each rank's share of the layers (a layer's fit reads only
+that layer), gather the results, and rank 0 writes the one artifact.
+
 A command finds itself in such a group from the variables `torchrun` sets (`WORLD_SIZE`, `RANK`,
 `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and joins it on first use: NCCL where the process has a
 GPU, gloo otherwise. Outside `torchrun` every function here is the one-process case (rank 0 of 1) and
@@ -30,8 +34,11 @@ def world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend=backend)
+        if torch.cuda.is_available():  # NCCL's collectives run on the process's own GPU
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group(backend="nccl")
+        else:
+            dist.init_process_group(backend="gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -73,6 +80,20 @@ def on_rank0(step: Callable[[], T], rank: int, size: int) -> T | None:
     if box[0] is not None:
         raise SettingsError(f"rank 0 stopped: {box[0]}")
     return result
+
+
+def merged(part: dict, size: int) -> dict:
+    """Every rank's `part` (a dict of picklable results, e.g. per layer) merged into one, on every rank."""
+    if size == 1:
+        return part
+    import torch.distributed as dist
+
+    parts: list[dict | None] = [None] * size
+    dist.all_gather_object(parts, part)
+    whole: dict = {}
+    for p in parts:
+        whole |= p
+    return whole
 
 
 def barrier(size: int) -> None:

@@ -1,6 +1,7 @@
-"""Data-parallel collection (`kvcalib.parallel`, issue 19): two CPU processes joined by gloo, as
-`torchrun --nproc-per-node 2 -m kvcalib collect ...` starts them (the same environment variables), give
-the directory one process gives, byte for byte: plan, manifest and every shard. Byte identity holds here
+"""Data-parallel calibration (`kvcalib.parallel`, issue 19): two CPU processes joined by gloo, as
+`torchrun --nproc-per-node 2 -m kvcalib ...` starts them (the same environment variables), give what one
+process gives, byte for byte: `collect`'s plan, manifest and every shard; `train-adapters`' and
+`fit-codebook`'s artifact. Byte identity holds here
 because each shard's samples run the same float32 CPU forward in either case (one thread per process in
 both runs: a different thread count may split a matrix product's sums differently)."""
 
@@ -26,22 +27,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int | None, size: int, port: int, model: str, text: str, out: str, log: str) -> None:
-    """One process of the run (rank None: the one-process run): what torchrun gives a process, then collect."""
+def _job(job: str, source: str, text: str, out: str):
+    """The command a process runs, and its module (whose `share` the test watches)."""
+    if job == "collect":
+        import kvcalib.collect as module
+
+        return module, lambda: module.collect(out, model=source, dataset=text, num_samples=5, seq_len=32, chunk_size=2,
+                                              device="cpu")
+    if job == "train-adapters":
+        import kvcalib.methods.kvlinc_fit as module
+
+        return module, lambda: module.train_adapters(source, out, rank=16, steps=10, group_size=8, residual=16, tokens=48)
+    import faiss
+
+    import kvcalib.methods.vecinfer_fit as module
+
+    faiss.omp_set_num_threads(1)  # one thread in both runs, as torch's
+    return module, lambda: module.fit_codebook(source, out, k_config="d4b6", v_config="d2b5", iters=5,
+                                               max_points_per_centroid=64)
+
+
+def _child(job: str, rank: int | None, size: int, port: int, source: str, text: str, out: str, log: str) -> None:
+    """One process of the run (rank None: the one-process run): what torchrun gives a process, then the job."""
     import torch
 
     torch.set_num_threads(1)
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    import kvcalib.collect as collect_module
-
+    module, run = _job(job, source, text, out)
     shares = []
-    real_share = collect_module.share
-    collect_module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
+    real_share = module.share
+    module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
     try:
-        collect_module.collect(out, model=model, dataset=text, num_samples=5, seq_len=32, chunk_size=2,
-                               device="cpu")
+        run()
         result = {"ok": True, "shares": shares}
     except Exception as exc:
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
@@ -53,12 +72,12 @@ def _child(rank: int | None, size: int, port: int, model: str, text: str, out: s
             dist.destroy_process_group()
 
 
-def _run(size: int, model: Path, text: Path, out: Path, tmp: Path) -> list[dict]:
+def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect") -> list[dict]:
     """Start `size` processes (size 1: the plain one-process run) and return what each reported."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     logs = [tmp / f"{out.name}-rank{r}.json" for r in range(size)]
-    procs = [ctx.Process(target=_child, args=(None if size == 1 else r, size, port, str(model), str(text), str(out),
+    procs = [ctx.Process(target=_child, args=(job, None if size == 1 else r, size, port, str(model), str(text), str(out),
                                               str(logs[r]))) for r in range(size)]
     for p in procs:
         p.start()
@@ -86,6 +105,27 @@ def test_two_gloo_processes_collect_the_directory_one_process_collects(tmp_path,
     assert sorted(a) == sorted(b) and len(a) > 3, (sorted(a), sorted(b))
     differ = [name for name in a if a[name] != b[name]]
     assert not differ, f"files differ between the one-process and two-process runs: {differ}"
+
+
+@pytest.mark.parametrize("job", ["train-adapters", "fit-codebook"])
+def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp_path, tiny_model_dir, text_file):
+    """KVLinC's adapters and VecInfer's codebooks are fitted layer by layer: two ranks take a share of the
+    layers each and rank 0 writes one artifact, whose manifest and tensors equal the one-process artifact's
+    byte for byte (run.json holds wall-clock seconds: apart, as in tests/test_reproducible_artifacts.py)."""
+    if job == "fit-codebook":
+        pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
+    from kvcalib.artifacts import MANIFEST, TENSORS
+
+    acts = tmp_path / "acts"
+    assert _run(1, tiny_model_dir, text_file, acts, tmp_path)[0]["ok"]
+    one = _run(1, acts, text_file, tmp_path / "one", tmp_path, job)
+    assert one[0]["ok"], one[0]
+    two = _run(2, acts, text_file, tmp_path / "two", tmp_path, job)
+    assert all(r["ok"] for r in two), two
+    layers = json.loads((acts / "plan.json").read_text())["model_fingerprint"]["num_layers"]
+    assert sorted(sum((r["shares"][0] for r in two), [])) == list(range(layers)) and all(r["shares"][0] for r in two)
+    for name in (MANIFEST, TENSORS):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
 def test_an_error_on_rank0_stops_every_rank_with_its_message(tmp_path, tiny_model_dir, text_file):

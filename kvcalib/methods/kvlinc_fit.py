@@ -42,6 +42,7 @@ from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_
 from ..collect import Activations
 from ..errors import SettingsError
 from ..models import AttentionShape
+from ..parallel import merged, on_rank0, share, world
 from . import DEFAULTS, hold
 from .kivi import KiviConfig
 from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, check_keys, features
@@ -227,33 +228,43 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     scaling = shape.head_dim**-0.5
     n_held = max(1, settings["num_samples"] // 8)
 
-    tensors, before, after, kept = {}, [], [], []
-    errors: dict[str, list] = {"uncorrected": [], "corrected": [], "heads": []}
+    rank, size = world()
+    mine = share(chosen, rank, size)  # under torchrun each rank trains its share of the layers (`kvcalib.parallel`)
+    trained: dict[int, tuple[Adapter, float, float, torch.Tensor, torch.Tensor]] = {}
     start = time.perf_counter()
-    with tqdm(total=len(chosen) * config.steps, desc="train-adapters", unit="step") as bar:
-        for i in chosen:
+    with tqdm(total=len(mine) * config.steps, unit="step", position=rank,
+              desc="train-adapters" if size == 1 else f"train-adapters, rank {rank} of {size}") as bar:
+        for i in mine:
             raw = acts.layer(i)
             data = _layer_data(raw, config)
             n = data.q.shape[0]
             train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))
             adapter = train_layer(train, config, scaling, i, bar)
-            before.append(heldout_loss(held, config, scaling, None))
-            after.append(heldout_loss(held, config, scaling, adapter))
+            ce = heldout_loss(held, config, scaling, None), heldout_loss(held, config, scaling, adapter)
             adapter, err_before, err_after = gated(adapter, config, shape, i,
                                                    {x: raw[x][n - n_held:] for x in "qkv"}, scaling)
-            errors["uncorrected"].append(err_before.tolist())
-            errors["corrected"].append(err_after.tolist())
-            errors["heads"].append(int(adapter.heads.sum()))
             log.info("layer %d: held-out attention KL %.4f uncorrected, %.4f corrected; output error lowered in "
-                     "%d of %d heads", i, before[-1], after[-1], errors["heads"][-1], len(adapter.heads))
-            if gate and not adapter.heads.any():
-                continue
-            kept.append(i)
-            tensors |= {f"layers.{i}.{n}": getattr(adapter, n).half() for n in ADAPTER_NAMES}
-            if gate:
-                tensors[f"layers.{i}.heads"] = adapter.heads.half()
+                     "%d of %d heads", i, *ce, int(adapter.heads.sum()), len(adapter.heads))
+            trained[i] = (adapter, *ce, err_before, err_after)
+    trained = merged(trained, size)
     seconds = time.perf_counter() - start
-    return save_artifact(
+
+    tensors, before, after, kept = {}, [], [], []
+    errors: dict[str, list] = {"uncorrected": [], "corrected": [], "heads": []}
+    for i in chosen:  # in layer order, whichever rank trained each
+        adapter, ce_before, ce_after, err_before, err_after = trained[i]
+        before.append(ce_before)
+        after.append(ce_after)
+        errors["uncorrected"].append(err_before.tolist())
+        errors["corrected"].append(err_after.tolist())
+        errors["heads"].append(int(adapter.heads.sum()))
+        if gate and not adapter.heads.any():
+            continue
+        kept.append(i)
+        tensors |= {f"layers.{i}.{n}": getattr(adapter, n).half() for n in ADAPTER_NAMES}
+        if gate:
+            tensors[f"layers.{i}.heads"] = adapter.heads.half()
+    return on_rank0(lambda: save_artifact(
         out, "kvlinc",
         settings=asdict(config) | {"layers": kept, "trained_layers": chosen, "gate": gate, "scaling": scaling, "value_rotation": "hadamard",
                                    "state_dtype": "float32", "activations": settings},
@@ -262,4 +273,4 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
         extra={"heldout_ce_uncorrected": before, "heldout_ce_corrected": after,
                "heldout_sequences": n_held, "heldout_head_error_uncorrected": errors["uncorrected"],
                "heldout_head_error_corrected": errors["corrected"], "heads_lowered": errors["heads"]},
-    )
+    ), rank, size) or out

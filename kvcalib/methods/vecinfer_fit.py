@@ -16,6 +16,7 @@ from ..atomic import ensure_writable_dir
 from ..collect import Activations
 from ..errors import SettingsError
 from ..models import AttentionShape
+from ..parallel import merged, on_rank0, share, world
 from .vecinfer import VecInfer, VecInferConfig, keys_to_codec, smoothing_factors
 
 
@@ -93,19 +94,28 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     for vqc in (config.k, config.v):
         vqc.check_points(vectors * (shape.head_dim // vqc.dim))
 
-    tensors: dict[str, torch.Tensor] = {}
-    seconds = {"k": 0.0, "v": 0.0}
-    training_points = {}
-    for i in tqdm(range(shape.num_layers), desc=f"fit-codebook K {config.k} V {config.v}", unit="layer"):
+    rank, size = world()
+    fitted: dict[int, tuple[dict[str, torch.Tensor], dict[str, float], dict[str, int]]] = {}
+    desc = f"fit-codebook K {config.k} V {config.v}" + ("" if size == 1 else f", rank {rank} of {size}")
+    # under torchrun each rank fits its share of the layers (`kvcalib.parallel`); rank 0 writes the artifact
+    for i in tqdm(share(list(range(shape.num_layers)), rank, size), desc=desc, unit="layer", position=rank):
         data = _without_sinks(acts.layer(i), sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
+        layer, seconds, points = {}, {}, {}
         if lam is not None:
-            tensors[f"layers.{i}.k_smooth"] = lam
+            layer[f"layers.{i}.k_smooth"] = lam
         for which, x in _sources(data, lam, hadamard).items():
             fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid)
-            seconds[which] += sum(f.seconds for f in fits)
-            training_points[which] = fits[-1].training_points
-            tensors[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
+            seconds[which] = sum(f.seconds for f in fits)
+            points[which] = fits[-1].training_points
+            layer[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
+        fitted[i] = (layer, seconds, points)
+    fitted = merged(fitted, size)
+    tensors: dict[str, torch.Tensor] = {}
+    for i in range(shape.num_layers):  # in layer order, whichever rank fitted each
+        tensors |= fitted[i][0]
+    seconds = {w: sum(fitted[i][1][w] for i in fitted) for w in ("k", "v")}
+    training_points = fitted[shape.num_layers - 1][2]
     settings = asdict(config) | {"iters": iters, "seed": seed, "max_points_per_centroid": max_points_per_centroid,
                                  "exclude_sinks": exclude_sinks}
     extra = {
@@ -114,4 +124,5 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
         "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": faiss.get_num_gpus() > 0,
                    "training_points_per_codebook": training_points},
     }
-    return save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds})
+    return on_rank0(lambda: save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds}),
+                    rank, size) or out
