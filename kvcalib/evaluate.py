@@ -31,7 +31,8 @@ from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, flushed_length, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .methods import MethodSettings, build_method, hold, settings_used
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model, resolve_device
+from .parallel import local_device, merged, on_rank0, share, world
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
+    if not isinstance(model, LoadedModel):
+        device = local_device(resolve_device(device))  # under torchrun: this rank's own GPU
     lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
@@ -112,14 +115,31 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         return out
 
     device = next(lm.model.parameters()).device
-    nll, count = 0.0, 0
     start = time.perf_counter()
+    rank, size = world()
+    scored: dict[int, tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # window -> its NLL, error sums, bits
+    # under torchrun each rank scores its share of the windows (`kvcalib.parallel`)
     with torch.no_grad(), intercept(lm.model, attend):
-        for window in tqdm(windows, desc=f"eval {method}", unit="window"):
-            ids = window.unsqueeze(0).to(device)
+        for w in tqdm(share(list(range(len(windows))), rank, size), unit="window", position=rank,
+                      desc=f"eval {method}" + ("" if size == 1 else f", rank {rank} of {size}")):
+            err_sq.zero_()
+            ref_sq.zero_()
+            stored_bits = 0
+            ids = windows[w].unsqueeze(0).to(device)
             logits = lm.model(ids, use_cache=False).logits.float()
-            nll += torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
-            count += seq_len - 1
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
+            scored[w] = (nll, err_sq.clone(), ref_sq.clone(), stored_bits)
+    scored = merged(scored, size)
+    # summed in window order whichever rank scored each: the same sums, in the same order, as one process
+    nll, count, stored_bits = 0.0, 0, 0
+    err_sq.zero_()
+    ref_sq.zero_()
+    for w in range(len(windows)):
+        nll += scored[w][0]
+        err_sq += scored[w][1]
+        ref_sq += scored[w][2]
+        stored_bits += scored[w][3]
+        count += seq_len - 1
     elements = num_samples * shape.num_layers * 2 * shape.num_kv_heads * seq_len * shape.head_dim
     constant = cache.constant_bits()
     result = EvalResult(
@@ -139,5 +159,5 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
                         **decode_bits(stored_bits, elements, seq_len, cache.block, constant / elements, cache.window)},
     )
     if json_path is not None:
-        write_json(json_path, result.to_json())
+        on_rank0(lambda: write_json(json_path, result.to_json()), rank, size)
     return result

@@ -5,7 +5,9 @@
 
 What splits how: `collect` records each rank's share of the calibration chunks (shards are per layer and
 chunk); `train-adapters` and `fit-codebook` fit each rank's share of the layers (a layer's fit reads only
-that layer), gather the results, and rank 0 writes the one artifact.
+that layer), gather the results, and rank 0 writes the one artifact; `eval` scores each rank's share of
+the windows and adds them up in window order. Each gives, byte for byte, what one process gives where a
+sample's (or layer's) computation does on both (tests/test_parallel.py).
 
 A command finds itself in such a group from the variables `torchrun` sets (`WORLD_SIZE`, `RANK`,
 `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`) and joins it on first use: NCCL where the process has a

@@ -1,7 +1,7 @@
 """Data-parallel calibration (`kvcalib.parallel`, issue 19): two CPU processes joined by gloo, as
 `torchrun --nproc-per-node 2 -m kvcalib ...` starts them (the same environment variables), give what one
 process gives, byte for byte: `collect`'s plan, manifest and every shard; `train-adapters`' and
-`fit-codebook`'s artifact. Byte identity holds here
+`fit-codebook`'s artifact; `eval`'s result. Byte identity holds here
 because each shard's samples run the same float32 CPU forward in either case (one thread per process in
 both runs: a different thread count may split a matrix product's sums differently)."""
 
@@ -34,6 +34,11 @@ def _job(job: str, source: str, text: str, out: str):
 
         return module, lambda: module.collect(out, model=source, dataset=text, num_samples=5, seq_len=32, chunk_size=2,
                                               device="cpu")
+    if job == "eval":
+        import kvcalib.evaluate as module
+
+        return module, lambda: module.evaluate(source, dataset=text, num_samples=3, seq_len=40, method="kivi", bits=2,
+                                               group_size=8, residual=16, json_path=out, device="cpu")
     if job == "train-adapters":
         import kvcalib.methods.kvlinc_fit as module
 
@@ -126,6 +131,19 @@ def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp
     assert sorted(sum((r["shares"][0] for r in two), [])) == list(range(layers)) and all(r["shares"][0] for r in two)
     for name in (MANIFEST, TENSORS):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+
+
+def test_windows_scored_on_two_ranks_give_the_one_process_result(tmp_path, tiny_model_dir, text_file):
+    """eval: each rank scores its share of the windows; the NLL, error sums and bits are added in window
+    order whichever rank scored each, so the JSON equals the one-process JSON in every number (but the
+    wall-clock seconds)."""
+    one = _run(1, tiny_model_dir, text_file, tmp_path / "one.json", tmp_path, "eval")
+    two = _run(2, tiny_model_dir, text_file, tmp_path / "two.json", tmp_path, "eval")
+    assert one[0]["ok"] and all(r["ok"] for r in two), (one, two)
+    assert [r["shares"] for r in two] == [[[0, 2]], [[1]]]
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert a.pop("seconds") > 0 and b.pop("seconds") > 0
+    assert a == b
 
 
 def test_an_error_on_rank0_stops_every_rank_with_its_message(tmp_path, tiny_model_dir, text_file):
