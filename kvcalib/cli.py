@@ -37,7 +37,17 @@ def _trust_remote_code(fn):
                              "(off: such a model is refused).")(fn)
 
 
+def _spread(fn):
+    """--device-map and --max-memory: a model larger than one GPU spread over the GPUs of the machine."""
+    fn = click.option("--max-memory", default=None,
+                      help="With --device-map auto: memory each device may take, e.g. 0=70GiB,1=70GiB,cpu=100GiB.")(fn)
+    return click.option("--device-map", type=click.Choice(["none", "auto"]), default="none", show_default=True,
+                        help="auto: spread the model's layers over every GPU (accelerate), for a model larger than "
+                             "one GPU; instead of --device.")(fn)
+
+
 def _common(fn):
+    fn = _spread(fn)
     fn = _trust_remote_code(fn)
     fn = click.option("--seq-len", type=int, default=None, help="Tokens per window.")(fn)
     fn = click.option("--num-samples", type=int, default=None, help="Number of windows.")(fn)
@@ -75,13 +85,15 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sub-sampling.")
 @click.option("--max-tokens", type=int, default=None, help="Cap on stored tokens per layer (seeded sub-sampling).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (resumes if it holds a partial run).")
-def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, seed, max_tokens,
-                out) -> None:
+def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory,
+                seed, max_tokens, out) -> None:
     """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
     from .collect import collect
+    from .models import parse_max_memory
 
     path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
-                   trust_remote_code=trust_remote_code, device=device,
+                   trust_remote_code=trust_remote_code, device=device, device_map=device_map,
+                   max_memory=parse_max_memory(max_memory),
                    **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(f"activations written to {path}")
 
@@ -109,17 +121,18 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @click.option("--artifacts", type=click.Path(), default=None,
               help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
-def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, method, bits, group_size, residual,
-             scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory, method,
+             bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
+    from .models import parse_max_memory
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys, artifacts=artifacts,
-                      json_path=json_path, trust_remote_code=trust_remote_code, device=device,
-                      **_given(num_samples=num_samples, seq_len=seq_len))
+                      json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
+                      max_memory=parse_max_memory(max_memory), **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
 

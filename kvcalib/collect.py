@@ -44,8 +44,8 @@ from .atomic import atomic_path, ensure_writable_dir, exclusive, write_json
 from .attention import AttentionOptions, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .errors import ArtifactError, SettingsError
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model, resolve_device
-from .parallel import barrier, local_device, on_rank0, share, world
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
+from .parallel import barrier, on_rank0, placement, share, world
 from .tensorfile import check_finite, read_tensors, tensor_bytes
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,8 @@ def _sha256(path: Path) -> str:
 def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
             text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
             max_tokens: int | None = None, chunk_size: int = 8, trust_remote_code: bool = False,
-            device: str | None = None) -> Path:
+            device: str | None = None, device_map: str | None = None,
+            max_memory: dict[int | str, str] | None = None) -> Path:
     """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
 
     One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
@@ -108,7 +109,7 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
 
         on_rank0(take, rank, size)
         try:
-            return _record(out, config, model, trust_remote_code, device, rank, size)
+            return _record(out, config, model, trust_remote_code, device, rank, size, device_map, max_memory)
         except BaseException:
             unstarted = rank == 0 and created and not any(out.glob("layer*.safetensors"))
             if unstarted:
@@ -145,9 +146,9 @@ def _earlier_checksums(out: Path) -> dict[str, str]:
 
 
 def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool,
-            device: str | None, rank: int = 0, size: int = 1) -> Path:
-    device = local_device(resolve_device(device)) if not isinstance(model, LoadedModel) else None
-    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
+            device: str | None, rank: int = 0, size: int = 1, device_map: str | None = None,
+            max_memory: dict[int | str, str] | None = None) -> Path:
+    lm = load_model(model, **placement(device, device_map, max_memory, size), trust_remote_code=trust_remote_code)
     check_seq_len(lm.config, config.seq_len)
     windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
                             config.text_field)

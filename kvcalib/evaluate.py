@@ -31,8 +31,8 @@ from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, flushed_length, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .methods import MethodSettings, build_method, hold, settings_used
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model, resolve_device
-from .parallel import local_device, merged, on_rank0, share, world
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
+from .parallel import merged, on_rank0, placement, share, world
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
              keys: str | None = None,
              artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False,
-             device: str | None = None) -> EvalResult:
+             device: str | None = None, device_map: str | None = None,
+             max_memory: dict[int | str, str] | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
@@ -91,9 +92,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
-    if not isinstance(model, LoadedModel):
-        device = local_device(resolve_device(device))  # under torchrun: this rank's own GPU
-    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
+    rank, size = world()
+    lm = load_model(model, **placement(device, device_map, max_memory, size), trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)
@@ -116,7 +116,6 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
 
     device = next(lm.model.parameters()).device
     start = time.perf_counter()
-    rank, size = world()
     scored: dict[int, tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # window -> its NLL, error sums, bits
     # under torchrun each rank scores its share of the windows (`kvcalib.parallel`)
     with torch.no_grad(), intercept(lm.model, attend):
@@ -127,7 +126,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
             stored_bits = 0
             ids = windows[w].unsqueeze(0).to(device)
             logits = lm.model(ids, use_cache=False).logits.float()
-            nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum").item()
+            targets = ids[0, 1:].to(logits.device)  # spread over GPUs (--device-map auto), the logits are on the last
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], targets, reduction="sum").item()
             scored[w] = (nll, err_sq.clone(), ref_sq.clone(), stored_bits)
     scored = merged(scored, size)
     # summed in window order whichever rank scored each: the same sums, in the same order, as one process

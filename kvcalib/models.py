@@ -184,7 +184,8 @@ def _remote_code_message(spec: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool) -> LoadedModel:
+def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool,
+                 max_memory: tuple[tuple[int | str, str], ...] | None = None) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -197,7 +198,11 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
     kwargs["trust_remote_code"] = trust_remote_code
     try:
         tokenizer = AutoTokenizer.from_pretrained(target, **{k: v for k, v in kwargs.items() if k != "use_safetensors"})
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **kwargs)
+        # Weights go straight to their device shard by shard (never the whole model through host memory);
+        # `--device-map auto` spreads the layers over every GPU (accelerate, within `max_memory`).
+        placement = ({"device_map": "auto"} | ({"max_memory": dict(max_memory)} if max_memory else {})
+                     if device == "auto-map" else {"device_map": {"": device}})
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if "trust_remote_code" in str(err):
             raise ModelLoadError(_remote_code_message(spec)) from err
@@ -209,7 +214,7 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
             raise
         raise ModelLoadError(_hub_message(spec, err)) from err
     _check_attention(type(model), model.config.model_type, spec)
-    model.to(device).eval()
+    model.eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec)
 
@@ -235,16 +240,41 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+def parse_max_memory(text: str | None) -> dict[int | str, str] | None:
+    """`--max-memory 0=70GiB,1=70GiB,cpu=100GiB` as accelerate's `max_memory` (GPU indices as ints)."""
+    if text is None:
+        return None
+    out: dict[int | str, str] = {}
+    for part in text.split(","):
+        key, sep, size = part.strip().partition("=")
+        if not sep or not re.fullmatch(r"\d+|cpu", key) or not re.fullmatch(r"\d+(\.\d+)?\s*[KMGT]i?B", size.strip()):
+            raise SettingsError(f"--max-memory takes DEVICE=SIZE pairs such as 0=70GiB,1=70GiB,cpu=100GiB; got {part!r}")
+        out[int(key) if key.isdigit() else key] = size.strip()
+    return out
+
+
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
-               dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> LoadedModel:
+               dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+               device_map: str | None = None, max_memory: dict[int | str, str] | None = None) -> LoadedModel:
     """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
     `trust_remote_code` lets transformers run the model's own code, if its config asks for it.
+    `device_map="auto"`: the layers spread over every GPU of the machine (a model larger than one GPU),
+    each within `max_memory` ({0: "70GiB", "cpu": "100GiB"}, `parse_max_memory`) where given; `device`
+    is then not given. Without it the weights go straight to `device`.
 
     The last model loaded stays cached in the process, so a Python session that collects and then
     evaluates loads it once.
     """
     if isinstance(spec, LoadedModel):
         return spec
+    if device_map not in (None, "none", "auto"):
+        raise SettingsError(f"--device-map must be auto or none, got {device_map!r}")
+    if device_map == "auto":
+        if device not in (None, "auto"):
+            raise SettingsError(f"--device {device} and --device-map auto: give one (auto spreads the model over every GPU)")
+        dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+        memory = None if not max_memory else tuple(sorted(max_memory.items(), key=str))
+        return _load_cached(spec, "auto-map", dtype, trust_remote_code, memory)
     device = resolve_device(device)
     dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
     return _load_cached(spec, device, dtype, trust_remote_code)

@@ -56,6 +56,21 @@ def local_device(device: str) -> str:
     return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
 
 
+def placement(device: str | None, device_map: str | None, max_memory: dict | None, size: int) -> dict:
+    """`load_model`'s placement arguments for this process: its own GPU under torchrun (`local_device`),
+    or the model spread over every GPU with `--device-map auto` (one process: not under torchrun)."""
+    from .models import resolve_device
+
+    if device_map == "auto":
+        if size > 1:
+            raise SettingsError("--device-map auto spreads one model over every GPU of one process; under torchrun each "
+                                "process takes its own GPU: give one or the other")
+        return {"device": device, "device_map": "auto", "max_memory": max_memory}
+    if max_memory is not None:
+        raise SettingsError("--max-memory applies to --device-map auto only")
+    return {"device": local_device(resolve_device(device))}
+
+
 def share(items: list[T], rank: int, size: int) -> list[T]:
     """Rank `rank`'s items: every `size`-th from its own index, so the shares differ by at most one."""
     return items[rank::size]

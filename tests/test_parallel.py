@@ -164,3 +164,20 @@ def test_shares_cover_every_item_once_and_differ_by_at_most_one(n, size):
     parts = [share(items, r, size) for r in range(size)]
     assert sorted(x for p in parts for x in p) == items
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_a_model_spread_by_device_map_auto_collects_what_one_device_collects(tmp_path, tiny_model_dir, text_file):
+    """`--device-map auto` loads the model through accelerate's placement (here, with no GPU, every layer on
+    the CPU): the same plan, manifest and shards as `--device cpu`, byte for byte. On several GPUs the
+    layers sit on different devices and the hooks record each on its own (run on the GPUs: not here)."""
+    from kvcalib import models
+    from kvcalib.collect import collect
+
+    args = dict(model=str(tiny_model_dir), dataset=str(text_file), num_samples=3, seq_len=32, chunk_size=2)
+    models._load_cached.cache_clear()
+    collect(tmp_path / "cpu", device="cpu", **args)
+    models._load_cached.cache_clear()
+    collect(tmp_path / "auto", device_map="auto", max_memory={"cpu": "8GiB"}, **args)
+    models._load_cached.cache_clear()
+    assert _files(tmp_path / "cpu") == _files(tmp_path / "auto")
+
