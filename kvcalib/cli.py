@@ -28,10 +28,15 @@ _MEMORY_OPTIONS = {
 }
 
 
+def _device(fn):
+    """--device: where a command computes."""
+    return click.option("--device", default="auto", show_default=True,
+                        help="auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda or cuda:N.")(fn)
+
+
 def _trust_remote_code(fn):
     """The options of a command that loads a model: --trust-remote-code and --device."""
-    fn = click.option("--device", default="auto", show_default=True,
-                      help="auto (CUDA where torch sees a GPU, else the CPU), cpu, cuda or cuda:N.")(fn)
+    fn = _device(fn)
     return click.option("--trust-remote-code", is_flag=True,
                         help="Let transformers run the model's own Python code, if its config asks for it "
                              "(off: such a model is refused).")(fn)
@@ -154,13 +159,15 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
               help="Key coding the correction is trained on top of: channel-wise (kivi, the paper's) or OScaR's "
                    "(rotated, per-token norm).")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+@_device
 def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual, tokens, layers, seed, gate, keys,
-                       out) -> None:
+                       out, device) -> None:
     """Train KVLinC's linear-correction adapters on collected activations."""
     from .methods.kvlinc_fit import train_adapters
 
     path = train_adapters(activations, out, rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size,
-                          residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate, keys=keys)
+                          residual=residual, tokens=tokens, layers=layers, seed=seed, gate=gate, keys=keys,
+                          device=device)
     click.echo(f"adapters written to {path}")
 
 
@@ -171,12 +178,14 @@ def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual,
 @click.option("--max-samples", type=int, default=None, help="Use only the first N samples of the collection.")
 @click.option("--plot-layers", default=None, help="Comma-separated layers to plot (default: first, most imbalanced, last).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (report.json, report.md, PNGs).")
-def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out) -> None:
+@_device
+def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, device) -> None:
     """Token Norm Imbalance of collected Q/K/V and its cost to low-bit quantization."""
     from .diagnose import diagnose
 
     path = diagnose(activations, out, bits=_number_list(bits, "--bits"), group_size=group_size, max_samples=max_samples,
-                    plot_layers=None if plot_layers is None else _number_list(plot_layers, "--plot-layers"))
+                    plot_layers=None if plot_layers is None else _number_list(plot_layers, "--plot-layers"),
+                    device=device)
     click.echo(f"report written to {path}/report.md")
 
 
@@ -226,14 +235,15 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, tru
 @click.option("--exclude-sinks", is_flag=True, help="Also leave those N positions out of λ and the k-means fit.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
+@_device
 def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
-                     sink_tokens, exclude_sinks, seed, out) -> None:
+                     sink_tokens, exclude_sinks, seed, out, device) -> None:
     """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
     from .methods.vecinfer_fit import fit_codebook
 
     path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
                         hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,
-                        sink_tokens=sink_tokens, exclude_sinks=exclude_sinks)
+                        sink_tokens=sink_tokens, exclude_sinks=exclude_sinks, device=device)
     click.echo(f"artifact written to {path}")
 
 

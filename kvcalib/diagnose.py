@@ -33,6 +33,7 @@ from .collect import Activations
 from .errors import SettingsError
 from .methods import DEFAULTS
 from .methods.oscar import decode_keys, encode_keys
+from .models import resolve_device
 from .quant import round_trip
 from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers, norm_stats
 
@@ -145,8 +146,9 @@ def _check(bits: list[int], group_size: int, acts: Activations, max_samples: int
 
 def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | list[int] = (2, 3, 4),
              group_size: int = DEFAULTS["group_size"], max_samples: int | None = None, plot_layers: list[int] | None = None,
-             outlier_z: float = 3.5, outlier_ratio: float = 2.0) -> Path:
-    """Measure TNI in a collection and its cost to RTN quantization; write report.json, report.md, PNGs."""
+             outlier_z: float = 3.5, outlier_ratio: float = 2.0, device: str | None = None) -> Path:
+    """Measure TNI in a collection and its cost to RTN quantization; write report.json, report.md, PNGs.
+    `device`: where the statistics are computed (`--device`)."""
     from .diagnose_plots import plot_report  # matplotlib is imported only here
 
     acts = Activations(activations)
@@ -154,6 +156,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     _check(bits, group_size, acts, max_samples, plot_layers)
     out = ensure_writable_dir(out, "--out")
     rule = OutlierRule(outlier_z, outlier_ratio)
+    dev = torch.device(resolve_device(device))
     layers, kept = [], {}
     samples = tokens = 0
     for i in tqdm(range(acts.num_layers), desc="diagnose", unit="layer"):
@@ -162,11 +165,11 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
         tokens = data["q"].shape[2] // group_size * group_size
         if tokens == 0:
             raise SettingsError(f"the collection keeps {data['q'].shape[2]} tokens per sample, fewer than --group-size {group_size}")
-        data = {k: t[:samples, ..., :tokens, :] if t.dim() == 4 else t[:samples, :tokens] for k, t in data.items()}
+        data = {k: (t[:samples, ..., :tokens, :] if t.dim() == 4 else t[:samples, :tokens]).to(dev) for k, t in data.items()}
         layers.append(_layer(data, bits, group_size, rule))
         # What the plots need, small enough to keep for every layer until the plotted ones are chosen.
-        kept[i] = {"norms": {name: data[name].float().norm(dim=-1) for name in TENSORS},
-                   "k0": data["k"][0].float(), "positions": data["positions"][0].long()}
+        kept[i] = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
+                   "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
     chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
     report = {
         "activations": str(acts.directory),

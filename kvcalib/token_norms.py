@@ -22,7 +22,8 @@ class OutlierRule:
 def norm_stats(norms: torch.Tensor) -> dict:
     """Distribution and imbalance figures of a flat tensor of token norms."""
     n = norms.double().flatten()
-    qs = torch.quantile(n, torch.tensor([0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0], dtype=torch.float64)).tolist()
+    levels = torch.tensor([0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0], dtype=torch.float64, device=n.device)
+    qs = torch.quantile(n, levels).tolist()
     lo, med, hi = qs[0], qs[3], qs[6]
     return {
         "min": lo, "p01": qs[1], "p25": qs[2], "median": med, "p75": qs[4], "p99": qs[5], "max": hi,

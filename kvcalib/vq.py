@@ -120,8 +120,10 @@ class KMeansFit:
     training_points: int
 
 
-def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_points_per_centroid: int) -> KMeansFit:
-    """faiss k-means of points (P, N) into 2^M centroids; on the GPU when faiss sees one.
+def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_points_per_centroid: int,
+           gpu: bool | None = None) -> KMeansFit:
+    """faiss k-means of points (P, N) into 2^M centroids; on the GPU when faiss sees one (a faiss-gpu
+    build), unless `gpu` is False (`--device cpu`).
 
     faiss samples at most `max_points_per_centroid * 2^M` points (with `seed`) to train on.
     """
@@ -133,7 +135,8 @@ def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_po
         log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / k)
     x = np.ascontiguousarray(points.float().cpu().numpy())
     # min_points_per_centroid=1: the warning above replaces faiss's own, printed once per call.
-    km = faiss.Kmeans(config.dim, k, niter=iters, seed=seed, gpu=faiss.get_num_gpus() > 0,
+    gpu = faiss.get_num_gpus() > 0 if gpu is None else gpu and faiss.get_num_gpus() > 0
+    km = faiss.Kmeans(config.dim, k, niter=iters, seed=seed, gpu=gpu,
                       max_points_per_centroid=max_points_per_centroid, min_points_per_centroid=1, verbose=False)
     start = time.perf_counter()
     km.train(x)

@@ -254,6 +254,8 @@ CASES = {
                                                    *c.small],
     "a device that is no device": lambda c: ["collect", *c.model, "--dataset", str(c.text), "--device", "gpu",
                                              "--out", str(c.tmp / "acts")],
+    "train-adapters on a GPU this machine does not have": lambda c: [
+        "train-adapters", "--activations", str(c.acts), "--device", "cuda:99", "--out", str(c.tmp / "adapters")],
     "--device and --device-map auto together": lambda c: ["eval", *c.model, "--method", "fp16", "--device", "cpu",
                                                           "--device-map", "auto", *c.small],
     "--max-memory that is no memory": lambda c: ["collect", *c.model, "--dataset", str(c.text), "--device-map", "auto",
@@ -351,6 +353,7 @@ EXPECT = {
     "collect of zero samples": "must be positive",
     "a GPU this machine does not have": "--device cuda:99",
     "a device that is no device": "--device must be auto, cpu, cuda or cuda:N",
+    "train-adapters on a GPU this machine does not have": "--device cuda:99",
     "--device and --device-map auto together": "give one",
     "--max-memory that is no memory": "DEVICE=SIZE pairs",
     "--max-memory without --device-map auto": "applies to --device-map auto only",

@@ -41,8 +41,8 @@ from ..atomic import ensure_writable_dir
 from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_attention
 from ..collect import Activations
 from ..errors import SettingsError
-from ..models import AttentionShape
-from ..parallel import merged, on_rank0, share, world
+from ..models import AttentionShape, resolve_device
+from ..parallel import local_device, merged, on_rank0, share, world
 from . import DEFAULTS, hold
 from .kivi import KiviConfig
 from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, check_keys, features
@@ -117,10 +117,11 @@ def attention_ce(data: _LayerData, pos: torch.Tensor, residual: int, scaling: fl
     s_, hq, _, d = data.q.shape
     hkv, t = data.k.shape[1], data.k.shape[2]
     g = hq // hkv
+    pos = pos.to(data.q.device)
     q = data.q[:, :, pos].reshape(s_, hkv, g, len(pos), d)
     scores = scaling * q @ data.k.unsqueeze(2).transpose(-1, -2)
     flushable = data.k_quant.shape[-2]
-    j = torch.arange(t)
+    j = torch.arange(t, device=data.q.device)
     visible = j[None, :] <= pos[:, None]
     held = j[None, :flushable] < flushed_length(pos + 1, residual)[:, None]
     held_scores = scaling * q @ data.k_quant.unsqueeze(2).transpose(-1, -2)
@@ -151,7 +152,7 @@ def head_errors(method: Kvlinc, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     queries that see a flushed block: q (S, Hq, T, d), k, v (S, Hkv, T, d) -> (Hq,)."""
     t = q.shape[-2]
     opts = AttentionOptions(scaling=scaling)
-    flushed = flushed_counts(t, t, method.block)
+    flushed = flushed_counts(t, t, method.block, device=q.device)
     seen = flushed > 0
     with torch.no_grad():
         out = method.attend(layer, q, k, v, hold(method, layer, k, v), flushed, opts)[:, :, seen]
@@ -184,14 +185,15 @@ def _init(shape: tuple[int, int, int], config: TrainConfig, gen: torch.Generator
 def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: int,
                 bar: tqdm | None = None) -> Adapter:
     """Adam on the attention cross-entropy over `data` (training sequences only)."""
-    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer)
+    gen = torch.Generator().manual_seed(config.seed * 1_000_003 + layer)  # on the CPU: the same draws on any device
     adapter = _init((data.q.shape[1], data.k.shape[1], data.q.shape[-1]), config, gen)
+    adapter = Adapter(*(getattr(adapter, n).to(data.q.device) for n in ADAPTER_NAMES))
     params = [getattr(adapter, n).requires_grad_() for n in ADAPTER_NAMES]
     opt = torch.optim.Adam(params, lr=config.lr)
     n_seq, t = data.q.shape[0], data.q.shape[-2]
     batch = min(config.batch, n_seq)
     for _ in range(config.steps):
-        seqs = torch.randperm(n_seq, generator=gen)[:batch]
+        seqs = torch.randperm(n_seq, generator=gen)[:batch].to(data.q.device)
         pos = torch.randint(config.residual - 1, t, (config.tokens,), generator=gen).unique()
         loss = attention_ce(data.take(seqs), pos, config.residual, scaling, adapter).mean()
         opt.zero_grad()
@@ -207,11 +209,14 @@ def train_layer(data: _LayerData, config: TrainConfig, scaling: float, layer: in
 def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, steps: int = 60, lr: float = 1e-2,
                    bits: int = DEFAULTS["bits"], group_size: int = DEFAULTS["group_size"],
                    residual: int = DEFAULTS["residual"], tokens: int = 128,
-                   layers: str = "all", seed: int = 0, gate: bool = True, keys: str = DEFAULTS["keys"]) -> Path:
-    """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`."""
+                   layers: str = "all", seed: int = 0, gate: bool = True, keys: str = DEFAULTS["keys"],
+                   device: str | None = None) -> Path:
+    """Train φ_q, φ_k per layer and head on `activations` and save a `kvlinc` artifact to `out`.
+    `device`: where the layers train (`--device`; under torchrun each rank its own GPU)."""
     config = TrainConfig(rank=rank, steps=steps, lr=lr, bits=bits, group_size=group_size, residual=residual,
                          tokens=tokens, seed=seed, keys=keys)
     out = ensure_writable_dir(out)
+    dev = torch.device(local_device(resolve_device(device)))
     acts = Activations(activations)
     settings = acts.manifest["settings"]
     if not acts.full_sequences:
@@ -235,7 +240,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     with tqdm(total=len(mine) * config.steps, unit="step", position=rank,
               desc="train-adapters" if size == 1 else f"train-adapters, rank {rank} of {size}") as bar:
         for i in mine:
-            raw = acts.layer(i)
+            raw = {name: t.to(dev) for name, t in acts.layer(i).items()}
             data = _layer_data(raw, config)
             n = data.q.shape[0]
             train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))
@@ -245,7 +250,8 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
                                                    {x: raw[x][n - n_held:] for x in "qkv"}, scaling)
             log.info("layer %d: held-out attention KL %.4f uncorrected, %.4f corrected; output error lowered in "
                      "%d of %d heads", i, *ce, int(adapter.heads.sum()), len(adapter.heads))
-            trained[i] = (adapter, *ce, err_before, err_after)
+            adapter = Adapter(*(getattr(adapter, n).cpu() for n in ADAPTER_NAMES), heads=adapter.heads.cpu())
+            trained[i] = (adapter, *ce, err_before.cpu(), err_after.cpu())
     trained = merged(trained, size)
     seconds = time.perf_counter() - start
 

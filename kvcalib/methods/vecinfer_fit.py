@@ -15,7 +15,7 @@ from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..collect import Activations
 from ..errors import SettingsError
-from ..models import AttentionShape
+from ..models import AttentionShape, resolve_device
 from ..parallel import merged, on_rank0, share, world
 from .vecinfer import VecInfer, VecInferConfig, keys_to_codec, smoothing_factors
 
@@ -38,9 +38,9 @@ def _sources(data: dict[str, torch.Tensor], lam: torch.Tensor | None, hadamard: 
 
 
 def _fits(x: torch.Tensor, heads: list[int | None], config: vq.VQConfig, iters: int, seed: int,
-          max_points_per_centroid: int) -> list:
+          max_points_per_centroid: int, gpu: bool | None = None) -> list:
     """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None])."""
-    return [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid) for h in heads]
+    return [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid, gpu) for h in heads]
 
 
 def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer", iters: int = 30,
@@ -71,14 +71,16 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
 def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
                  granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
                  seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0,
-                 exclude_sinks: bool = False) -> Path:
+                 exclude_sinks: bool = False, device: str | None = None) -> Path:
     """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact.
 
     The cache keeps the first `sink_tokens` tokens of a sequence in float16; with `exclude_sinks`
-    those positions of every calibration sequence are also left out of λ and the codebooks."""
+    those positions of every calibration sequence are also left out of λ and the codebooks. `device`:
+    k-means on the GPU (faiss-gpu, where installed) unless it is `cpu`."""
     import faiss
 
     config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
+    gpu = resolve_device(device).startswith("cuda")
     if iters < 1 or max_points_per_centroid < 1:
         raise SettingsError("--iters and --max-points-per-centroid must be positive")
     out = ensure_writable_dir(out)
@@ -105,7 +107,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
         if lam is not None:
             layer[f"layers.{i}.k_smooth"] = lam
         for which, x in _sources(data, lam, hadamard).items():
-            fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid)
+            fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid, gpu)
             seconds[which] = sum(f.seconds for f in fits)
             points[which] = fits[-1].training_points
             layer[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
@@ -121,7 +123,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     extra = {
         "activations": str(activations),
         "calibration": acts.manifest["settings"],
-        "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": faiss.get_num_gpus() > 0,
+        "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": gpu and faiss.get_num_gpus() > 0,
                    "training_points_per_codebook": training_points},
     }
     return on_rank0(lambda: save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds}),
