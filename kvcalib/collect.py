@@ -11,7 +11,8 @@ Directory layout (all names fixed):
 S is the number of samples in the chunk and m the number of token positions kept per sample (all
 `seq_len` of them unless `max_tokens` caps the tokens stored per layer; then each sample keeps the
 same seeded random subset of positions in every layer, in order). Samples run one at a time and a
-chunk is written as soon as it is done, so memory stays bounded by one chunk. Every shard is
+chunk is written as soon as it is done, so host memory stays bounded by one chunk: at most 1 GiB of
+activations, or one sample where a sample is larger (`chunk_samples`), whatever the number of samples. Every shard is
 written under a temporary name and renamed, so a file with a shard name is always complete;
 re-running into the same directory with the same settings skips the chunks already written (after
 checking each against the manifest of the earlier run, if it finished, so a damaged shard is
@@ -32,7 +33,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -61,12 +62,24 @@ class CollectConfig:
     seq_len: int = 512
     seed: int = 0
     max_tokens: int | None = None  # per layer, over all samples
-    chunk_size: int = 8
+    chunk_size: int | None = None  # samples per shard; None: `chunk_samples` (host memory bound)
 
     def kept_per_sample(self) -> int:
         if self.max_tokens is None:
             return self.seq_len
         return min(self.seq_len, math.ceil(self.max_tokens / self.num_samples))
+
+
+HOST_CHUNK_BYTES = 2**30  # a chunk of activations held in host memory before it is written, at most
+MAX_CHUNK = 8
+
+
+def chunk_samples(shape, kept: int) -> int:
+    """Samples per chunk: as many as keep one chunk (every layer's Q, K, V in float16) within
+    HOST_CHUNK_BYTES, at most MAX_CHUNK, at least one (a sample larger than the bound is written alone).
+    The embedded model at 512 tokens: 8 (29 MiB a sample); an 8B model at 2048 tokens: 1 (768 MiB)."""
+    per_sample = shape.num_layers * (shape.num_heads + 2 * shape.num_kv_heads) * kept * shape.head_dim * 2
+    return max(1, min(MAX_CHUNK, HOST_CHUNK_BYTES // per_sample))
 
 
 def shard_name(layer: int, chunk: int) -> str:
@@ -87,7 +100,7 @@ def _sha256(path: Path) -> str:
 
 def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
             text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
-            max_tokens: int | None = None, chunk_size: int = 8, trust_remote_code: bool = False,
+            max_tokens: int | None = None, chunk_size: int | None = None, trust_remote_code: bool = False,
             device: str | None = None, device_map: str | None = None,
             max_memory: dict[int | str, str] | None = None) -> Path:
     """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
@@ -95,7 +108,7 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
     One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
     before its first shard removes the directory it created, a later one leaves its shards to resume."""
     config = CollectConfig(dataset, text_field, num_samples, seq_len, seed, max_tokens, chunk_size)
-    if num_samples < 1 or chunk_size < 1 or (max_tokens is not None and max_tokens < 1):
+    if num_samples < 1 or (chunk_size is not None and chunk_size < 1) or (max_tokens is not None and max_tokens < 1):
         raise SettingsError("--num-samples, --max-tokens and the chunk size must be positive")
     out = ensure_writable_dir(out)
     rank, size = world()
@@ -153,6 +166,8 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
     windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
                             config.text_field)
     shape = attention_shape(lm.config)
+    if config.chunk_size is None:  # recorded in the plan as resolved: a resumed run finds the same chunks
+        config = replace(config, chunk_size=chunk_samples(shape, config.kept_per_sample()))
     num_samples, chunk_size = config.num_samples, config.chunk_size
     plan = {
         "format_version": FORMAT_VERSION,

@@ -125,3 +125,20 @@ def test_rerun_records_a_damaged_shard_anew(run, damage):
     run()
     assert path.read_bytes() == good
     Activations(out).layer(1)
+
+
+def test_chunks_are_sized_to_a_host_memory_bound_and_recorded_resolved(run, tmp_path):
+    """A chunk of every layer's Q, K, V in float16 is held in host memory before it is written: at most
+    1 GiB of them, or one sample where a sample is larger, whatever the number of samples."""
+    from kvcalib.collect import HOST_CHUNK_BYTES, chunk_samples
+    from kvcalib.models import AttentionShape
+
+    smollm, llama8b, llama70b = AttentionShape(30, 9, 3, 64), AttentionShape(32, 32, 8, 128), AttentionShape(80, 64, 8, 128)
+    assert chunk_samples(smollm, 512) == 8  # 29.5 MB a sample: the old fixed 8
+    assert chunk_samples(llama8b, 2048) == 1 and chunk_samples(llama70b, 2048) == 1  # 805 MB, 3.4 GB a sample
+    assert chunk_samples(llama8b, 512) == 5  # 201 MB a sample: five within 1 GiB
+    per_sample = 32 * 48 * 512 * 128 * 2
+    assert 5 * per_sample <= HOST_CHUNK_BYTES < 6 * per_sample
+    path = run("auto", chunk_size=None)
+    settings = json.loads((path / "plan.json").read_text())["settings"]
+    assert settings["chunk_size"] == 8  # the tiny model's samples are small: the cap
