@@ -334,6 +334,19 @@ def _out_of_memory(args: list[str]) -> str:
     return f"out of GPU memory in {command or 'kvcalib'}; lower {lower}, or free the GPU of other processes"
 
 
+DATA_PARALLEL = ("collect", "eval", "train-adapters", "fit-codebook", "diagnose")  # `kvcalib.parallel`
+
+
+def _refuse_unshared(args: list[str]) -> None:
+    """Under torchrun, a command that does not share its work would run N times over one output: refused."""
+    import os
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and command is not None and command not in DATA_PARALLEL:
+        raise click.UsageError(f"{command} runs in one process; of the commands, only {', '.join(DATA_PARALLEL)} "
+                               "share their work under torchrun: run it without torchrun")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the command line `argv` (the program's own arguments when None, as the `kvcalib` program)."""
     args = sys.argv[1:] if argv is None else argv
@@ -349,6 +362,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run(args: list[str]) -> None:
     try:
+        _refuse_unshared(args)
         cli.main(args=args, prog_name="kvcalib", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("kvcalib: interrupted", err=True)

@@ -34,6 +34,7 @@ from .errors import SettingsError
 from .methods import DEFAULTS
 from .methods.oscar import decode_keys, encode_keys
 from .models import resolve_device
+from .parallel import merged, on_rank0, share, world
 from .quant import round_trip
 from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers, norm_stats
 
@@ -157,41 +158,52 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     out = ensure_writable_dir(out, "--out")
     rule = OutlierRule(outlier_z, outlier_ratio)
     dev = torch.device(resolve_device(device))
-    layers, kept = [], {}
-    samples = tokens = 0
-    for i in tqdm(range(acts.num_layers), desc="diagnose", unit="layer"):
+    rank, size = world()
+    measured: dict[int, tuple[dict, dict, int, int]] = {}  # layer -> its report, what its plots need, samples, tokens
+    # under torchrun each rank measures its share of the layers (`kvcalib.parallel`); rank 0 writes the report
+    for i in tqdm(share(list(range(acts.num_layers)), rank, size), unit="layer", position=rank,
+                  desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}"):
         data = acts.layer(i)
         samples = data["q"].shape[0] if max_samples is None else min(max_samples, data["q"].shape[0])
         tokens = data["q"].shape[2] // group_size * group_size
         if tokens == 0:
             raise SettingsError(f"the collection keeps {data['q'].shape[2]} tokens per sample, fewer than --group-size {group_size}")
         data = {k: (t[:samples, ..., :tokens, :] if t.dim() == 4 else t[:samples, :tokens]).to(dev) for k, t in data.items()}
-        layers.append(_layer(data, bits, group_size, rule))
         # What the plots need, small enough to keep for every layer until the plotted ones are chosen.
-        kept[i] = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
-                   "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
-    chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
-    report = {
-        "activations": str(acts.directory),
-        "model": acts.manifest["model"],
-        "model_fingerprint": acts.fingerprint,
-        "full_sequences": acts.full_sequences,
-        "samples": samples,
-        "tokens_per_sample": tokens,
-        "bits": bits,
-        "group_size": group_size,
-        "outlier_rule": {"z": rule.z, "ratio": rule.ratio},
-        "plot_layers": chosen,
-        "layers": layers,
-    }
-    report["summary"] = summarize(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(out) as tmp:
-        tmp.mkdir()
-        write_json(tmp / "report.json", report)
-        plots = plot_report(report, {i: kept[i] for i in chosen}, tmp)
-        (tmp / "report.md").write_text(markdown(report, plots))
-    return out
+        kept = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
+                "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
+        measured[i] = (_layer(data, bits, group_size, rule), kept, samples, tokens)
+    measured = merged(measured, size)
+
+    def write() -> Path:
+        """The report over every layer, written once (by rank 0 under torchrun)."""
+        layers = [measured[i][0] for i in range(acts.num_layers)]
+        kept = {i: measured[i][1] for i in range(acts.num_layers)}
+        samples, tokens = measured[acts.num_layers - 1][2:]
+        chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
+        report = {
+            "activations": str(acts.directory),
+            "model": acts.manifest["model"],
+            "model_fingerprint": acts.fingerprint,
+            "full_sequences": acts.full_sequences,
+            "samples": samples,
+            "tokens_per_sample": tokens,
+            "bits": bits,
+            "group_size": group_size,
+            "outlier_rule": {"z": rule.z, "ratio": rule.ratio},
+            "plot_layers": chosen,
+            "layers": layers,
+        }
+        report["summary"] = summarize(report)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(out) as tmp:
+            tmp.mkdir()
+            write_json(tmp / "report.json", report)
+            plots = plot_report(report, {i: kept[i] for i in chosen}, tmp)
+            (tmp / "report.md").write_text(markdown(report, plots))
+        return out
+
+    return on_rank0(write, rank, size) or out
 
 
 def _default_plot_layers(layers: list[dict]) -> list[int]:

@@ -17,6 +17,7 @@ touches nothing of `torch.distributed`.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable
 from typing import TypeVar
@@ -41,7 +42,16 @@ def world() -> tuple[int, int]:
             dist.init_process_group(backend="nccl")
         else:
             dist.init_process_group(backend="gloo")
+        atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave() -> None:
+    """Leave the group before the interpreter ends (a group left to the exit handlers can abort it)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_device(device: str) -> str:

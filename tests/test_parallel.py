@@ -39,6 +39,10 @@ def _job(job: str, source: str, text: str, out: str):
 
         return module, lambda: module.evaluate(source, dataset=text, num_samples=3, seq_len=40, method="kivi", bits=2,
                                                group_size=8, residual=16, json_path=out, device="cpu")
+    if job == "diagnose":
+        import kvcalib.diagnose as module
+
+        return module, lambda: module.diagnose(source, out, plot_layers=[0], device="cpu")
     if job == "train-adapters":
         import kvcalib.methods.kvlinc_fit as module
 
@@ -112,11 +116,12 @@ def test_two_gloo_processes_collect_the_directory_one_process_collects(tmp_path,
     assert not differ, f"files differ between the one-process and two-process runs: {differ}"
 
 
-@pytest.mark.parametrize("job", ["train-adapters", "fit-codebook"])
+@pytest.mark.parametrize("job", ["train-adapters", "fit-codebook", "diagnose"])
 def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp_path, tiny_model_dir, text_file):
-    """KVLinC's adapters and VecInfer's codebooks are fitted layer by layer: two ranks take a share of the
-    layers each and rank 0 writes one artifact, whose manifest and tensors equal the one-process artifact's
-    byte for byte (run.json holds wall-clock seconds: apart, as in tests/test_reproducible_artifacts.py)."""
+    """KVLinC's adapters, VecInfer's codebooks and diagnose's figures are computed layer by layer: two ranks
+    take a share of the layers each and rank 0 writes one artifact (one report), whose manifest and tensors
+    (report.json and report.md) equal the one-process output byte for byte (run.json holds wall-clock
+    seconds: apart, as in tests/test_reproducible_artifacts.py)."""
     if job == "fit-codebook":
         pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
     from kvcalib.artifacts import MANIFEST, TENSORS
@@ -129,7 +134,7 @@ def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp
     assert all(r["ok"] for r in two), two
     layers = json.loads((acts / "plan.json").read_text())["model_fingerprint"]["num_layers"]
     assert sorted(sum((r["shares"][0] for r in two), [])) == list(range(layers)) and all(r["shares"][0] for r in two)
-    for name in (MANIFEST, TENSORS):
+    for name in (MANIFEST, TENSORS) if job != "diagnose" else ("report.json", "report.md"):
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
@@ -180,4 +185,16 @@ def test_a_model_spread_by_device_map_auto_collects_what_one_device_collects(tmp
     collect(tmp_path / "auto", device_map="auto", max_memory={"cpu": "8GiB"}, **args)
     models._load_cached.cache_clear()
     assert _files(tmp_path / "cpu") == _files(tmp_path / "auto")
+
+
+def test_a_command_that_does_not_share_its_work_is_refused_under_torchrun(tmp_path, monkeypatch, capsys):
+    """Under torchrun every process would run such a command in full over one output: one line, exit 2."""
+    from kvcalib.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit-turboquant", "--activations", str(tmp_path), "--out", str(tmp_path / "tq")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvcalib: error: fit-turboquant runs in one process") and "\n" not in err
 

@@ -1,0 +1,154 @@
+"""The calibration pipeline on one machine (issue 19): each command as a user runs it (`kvcalib ...` in its
+own process), timed, with its peak host memory (the process's maximum resident set, from the kernel) and
+peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
+
+    python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--nproc 1] [--device auto]
+                                   [--work runs/calibrate] [--results FILE]
+
+Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (layers 0-1,
+as the issue's measurement), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
+under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--device-map auto` spreads the
+model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
+time is not counted: a user has a model). The table gives the pipeline's total (collect, fits, training,
+diagnose) beside each step; host memory is the largest of the processes of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from results import RESULTS, record
+
+GIB = 2**30
+
+
+def gpu_memory(pids: set[int]) -> int:
+    """Bytes of GPU memory the processes `pids` hold now (nvidia-smi; 0 without it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    total = 0
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and int(pid) in pids and mib.strip().isdigit():
+            total += int(mib) * 2**20
+    return total
+
+
+def descendants(pid: int) -> set[int]:
+    """`pid` and every process below it (torchrun's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        found.add(p)
+        todo += children.get(p, [])
+    return found
+
+
+def peak_rss(pids: set[int], peaks: dict[int, int]) -> None:
+    """Each process's largest resident set so far (VmHWM), kept in `peaks`."""
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[p] = max(peaks.get(p, 0), int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+
+
+def run(argv: list[str], env: dict[str, str]) -> dict:
+    """Run one command; its wall time, the largest host RSS of its processes, its peak GPU memory."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    rss: dict[int, int] = {}
+    gpu = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            pids = descendants(proc.pid)
+            peak_rss(pids, rss)
+            gpu[0] = max(gpu[0], gpu_memory(pids))
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    _, err = proc.communicate()
+    done.set()
+    watcher.join()
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(argv)} failed ({proc.returncode}):\n{err[-3000:]}")
+    return {"seconds": time.perf_counter() - start, "rss": max(rss.values(), default=0), "gpu": gpu[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="A model directory (kvcalib make-model) or the embedded name.")
+    parser.add_argument("--num-samples", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--device-map", default="none", help="auto: collect and eval spread the model over the GPUs.")
+    parser.add_argument("--work", default="runs/calibrate", help="Scratch directory (removed first).")
+    parser.add_argument("--results", default=str(RESULTS))
+    args = parser.parse_args()
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    launch = [sys.executable, "-m", "kvcalib"] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
+    place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
+    acts = str(work / "acts")
+    steps = {
+        "collect": ["collect", "--model", args.model, "--num-samples", str(args.num_samples), "--seq-len",
+                    str(args.seq_len), *place, "--out", acts],
+        "fit-codebook d4b8": ["fit-codebook", "--activations", acts, "--k-config", "d4b8", "--v-config", "d4b8",
+                              "--device", args.device, "--out", str(work / "vq-d4b8")],
+        "fit-codebook d8b12": ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config", "d8b12",
+                               "--device", args.device, "--out", str(work / "vq-d8b12")],
+        "train-adapters (layers 0-1)": ["train-adapters", "--activations", acts, "--layers", "0-1", "--device",
+                                        args.device, "--out", str(work / "kvlinc")],
+        "diagnose": ["diagnose", "--activations", acts, "--device", args.device, "--out", str(work / "diagnose")],
+        "eval (KIVI-2, 4 windows)": ["eval", "--model", args.model, "--method", "kivi", "--num-samples", "4",
+                                     "--seq-len", str(args.seq_len), *place],
+    }
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    rows, pipeline = [], 0.0
+    for name, argv in steps.items():
+        res = run(launch + argv, env)
+        if not name.startswith("eval"):
+            pipeline += res["seconds"]
+        rows.append(f"| {name} | {res['seconds']:.1f} | {res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
+        print(rows[-1], flush=True)
+    how = f"{args.nproc} process(es)" + (", --device-map auto" if args.device_map == "auto" else f", --device {args.device}")
+    lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens; {how}", "",
+             "| step | seconds | peak host RSS GiB (largest process) | peak GPU GiB (all processes) |",
+             "|---|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | |"]
+    import torch
+
+    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    title = f"Calibration pipeline, {machine}, {Path(args.model).name}, {how}"
+    table = "\n".join(lines)
+    print(f"\n{title}\n\n{table}")
+    record(title, table, sys.argv, args.results)
+
+
+if __name__ == "__main__":
+    main()
