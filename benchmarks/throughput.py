@@ -9,14 +9,15 @@ Caches, each at its fastest path in generate.py:
 - `{cache}-static-compiled`, a cache of generate.py's `CACHES` (`kivi128`, `kivi32`, `oscar32`, `kvlinc128`):
   StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`).
 
-Memory, from torch's allocator. Weights: allocated once the model is built. Cache: allocated by creating
-it (`max_length` = context + the steps run; every buffer is allocated at creation), at batch 1 and 2.
-Workspace: the peak allocated during one eager decode step over what was allocated before it (the
+Memory. Weights: allocated once the model is built. Cache: the bytes of the tensors it holds
+(`held_tensors`; `max_length` = context + the steps run; every buffer is allocated at creation), at batch
+1 and 2. Workspace: the peak allocated during an eager decode step over what was allocated before it (the
 activations, logits, the flush's intermediates, the attention's partials, and for fp16 the key and value
-copies that transformers' SDPA path makes to repeat KV heads under a mask), at batch 1 and 2. Both are
-linear in the batch, so the largest batch is the largest B with weights + cache(B) + workspace(B) <= budget.
-The eager step's workspace undercounts the compiled step's (by about 17 MiB a slot on the 8B shape: the peak
-columns show it; RESULTS.md's reading notes).
+copies that transformers' SDPA path makes to repeat KV heads under a mask), at batch 1 and 2; for kvcalib
+the step that appends and the step that flushes, summed (the decoder keeps a graph pool for each). Both
+are linear in the batch, so the largest batch is the largest B with weights + cache(B) + workspace(B) <=
+budget. Where the compiled step still peaks over the budget (Inductor's buffers are not the eager step's),
+the run spreads the overshoot over the slots, takes the batch that fits, and measures again (at most twice).
 At that batch the run reports the peak memory allocated, and the peak torch reserved (CUDA graph pools
 and allocator slack included), from the compile to the last timed step.
 
@@ -82,27 +83,62 @@ def fp16_step(model, cache, batch: int, at: int, compiled: bool):
     return step
 
 
+def held_tensors(cache) -> int:
+    """Bytes of every tensor the cache holds (its buffers, counts and state), each storage once: the
+    cache's own size, free of the allocator's rounding and of whatever else allocates meanwhile."""
+    seen, total = set(), 0
+
+    def walk(x) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for k, y in vars(x).items():
+                if k not in ("method", "model"):
+                    walk(y)
+
+    for layer in cache.layers:
+        walk(layer)
+    return total
+
+
 def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tuple[int, int]:
-    """(cache bytes, workspace bytes) at `batch`: allocated by the cache's creation, and the peak of one
-    eager step over what was allocated before it."""
+    """(cache bytes, workspace bytes) at `batch`: the tensors the cache holds (`held_tensors`), and the
+    peak of an eager step over what was allocated before it. A kvcalib decoder captures two steps, each
+    in its own graph pool (`CapturedDecoder`): the step that appends only and the one that also flushes;
+    both pools stay allocated, so both workspaces count."""
     release()
-    base = torch.cuda.memory_allocated()
     cache = build(name, lm, batch, length)
-    cache_bytes = torch.cuda.memory_allocated() - base
+    cache_bytes = held_tensors(cache)
     tokens = torch.zeros(batch, dtype=torch.long, device="cuda")
     if name == "fp16-static-compile":
         step = fp16_step(lm.model, cache, batch, ctx, compiled=False)
+        kinds = [None]
     else:
         decoder = Decoder(lm.model, cache)
         step = lambda t: decoder.step(t).argmax(-1)  # noqa: E731
+        kinds = [0, cache.method.block - 1]  # host residual counts before the step: append only; flush
     step(tokens)  # the first step loads the kernels
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
-        step(tokens)
-    torch.cuda.synchronize()
-    workspace = torch.cuda.max_memory_allocated() - before
+    workspace = 0
+    for count in kinds:
+        if count is not None:
+            cache.residual_counts = [count] * batch  # `advance` picks the flush step from these
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            step(tokens)
+        torch.cuda.synchronize()
+        workspace += torch.cuda.max_memory_allocated() - before
     del cache, step
     return cache_bytes, workspace
 
@@ -196,6 +232,15 @@ def main() -> None:
             print(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
                   f"at B=1/2 -> batch {batch}", flush=True)
             res = measure(name, lm, batch, ctx, args.steps)
+            for _ in range(2):  # the compiled step may hold more than the eager probe saw: fit it in the budget
+                over = res["peak"][0] - budget
+                if over <= 0:
+                    break
+                surplus = over / batch  # spread over the slots, as the probe's workspace is
+                smaller = int((budget - weights - fixed) // (per_slot + surplus))
+                print(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
+                      flush=True)
+                batch, res = smaller, measure(name, lm, smaller, ctx, args.steps)
             floor = (weights + batch * held_bytes(name, ctx, model.config)) / bandwidth
             rows[name] = (per_slot, c2 - c1, batch, res, floor)
             print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
