@@ -1,7 +1,9 @@
-"""Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, and the fused
-INT2 kernels over the packed cache, 32 query / 8 KV heads, d=128.
+"""Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, the fused INT2
+kernels over the packed cache, and the fused VecInfer kernel over codebook codes (`--vecinfer`), 32
+query / 8 KV heads, d=128.
 
-    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--schemes K,V] [--define NAME=V] [--results FILE]
+    python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--vecinfer d4b8,d8b12]
+                                [--schemes K,V] [--define NAME=V] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -31,6 +33,8 @@ from kvcalib.quant import dequantize, quantize
 import kernels_cupy.loader as loader
 from kvcalib.int2_layout import pack, reference_decode
 from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.runtime.vq_kernel import vq_decode
+from kvcalib.vq_layout import reference_decode as vq_reference
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
@@ -111,6 +115,28 @@ def layer_bytes(layer, q) -> int:
     return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
 
 
+def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.Tensor):
+    """A VecInfer layer (`kvcalib.vq_layout`) of `length` flushed tokens: random codes under random
+    per-layer codebooks of `config` for keys and values (the bytes a step reads do not depend on their
+    values; the error column compares the kernel with the float64 reference over these same codes)."""
+    from kvcalib import vq
+    from kvcalib.vq_layout import append_block
+
+    c = vq.VQConfig.parse(config)
+    books = [torch.randn(1, c.centroids, c.dim, device="cuda").half() for _ in "kv"]
+    codes = [vq.pack_codes(torch.randint(0, c.centroids, (b, HKV, length, D // c.dim), device="cuda"), c.bits)
+             for _ in "kv"]
+    none = kres[:, :, :0]
+    return append_block(None, *codes, *books, c.bits, c.bits, none, none, kres, vres)
+
+
+def vq_bytes(layer, q) -> int:
+    """What a VecInfer step reads and writes: code rows, both codebooks, the residual, the query, the output."""
+    used = [layer.kcodes[:, :, : layer.length], layer.vcodes[:, :, : layer.length], layer.kbook, layer.vbook,
+            layer.kres[:, :, : layer.residual], layer.vres[:, :, : layer.residual]]
+    return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
@@ -118,6 +144,8 @@ def main() -> None:
     parser.add_argument("--schemes", default=None, help="K,V: KEY_SCHEME, VALUE_SCHEME of quant_decode.cu (A/B)")
     parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                         help="another compile-time switch of quant_decode.cu (A/B), e.g. EXACT_KEY_ZEROS=0")
+    parser.add_argument("--vecinfer", default="d4b8,d8b12",
+                        help="VecInfer configurations for the fused VecInfer kernel's rows (empty: none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     switches = loader.experiment_from("quant_decode.cu", args.define, args.schemes)
@@ -167,7 +195,16 @@ def main() -> None:
                 err = worst_row(fused_decode(q[0][:, :, 0], ls[0], D**-0.5, checked=True), ref)
                 rows.append([b, length, f"fused {name}", us, layer_bytes(ls[0], q[0]), err])
                 del ref
+            del layers, plain
             torch.cuda.empty_cache()
+            for config in filter(None, args.vecinfer.split(",")):
+                vls = [vq_layer(b, length, config, k[:, :, length:], v[:, :, length:]) for k, v in kv]
+                qf = [x[:, :, 0].float() for x in q]
+                us = timed(lambda i: vq_decode(qf[i], vls[i], D**-0.5), copies)
+                err = worst_row(vq_decode(qf[0], vls[0], D**-0.5, checked=True), vq_reference(qf[0], vls[0], D**-0.5))
+                rows.append([b, length, f"fused VecInfer {config}", us, vq_bytes(vls[0], q[0]), err])
+                del vls
+                torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens" \
         + (f", {switches}" if switches else "")

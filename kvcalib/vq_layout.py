@@ -1,8 +1,9 @@
 """The VecInfer cache layout a fused decode kernel reads (issue 18), and its float64 torch reference.
 
-The kernel itself (`kernels_cupy/vq_decode.cu`) is not written yet; this module fixes what it will read
-and computes, from the definition, what it must return, so that the kernel is tested against it the way
-the INT2 kernel is tested against `kvcalib.int2_layout.reference_decode`.
+The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.runtime.vq_kernel`) reads this layout;
+this module fixes what it reads and computes, from the definition, what it must return, so that the
+kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kernel is tested against
+`kvcalib.int2_layout.reference_decode`.
 
 `VQLayer` holds one layer's VecInfer cache (`kvcalib.methods.vecinfer`) in capacity-sized buffers:
 
