@@ -38,10 +38,7 @@ def _sdpa(q: torch.Tensor, layer) -> torch.Tensor:
 @pytest.mark.parametrize("sinks", [0, 3])
 @pytest.mark.parametrize("t", [5, 130, 1037, 20000])
 def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_config, v_config, sinks, t):
-    method = _method(granularity, k_config, v_config, sinks, d=128)
-    method.layers[0].k, method.layers[0].v = method.layers[0].k.to(DEV), method.layers[0].v.to(DEV)
-    method.layers[0].smooth = method.layers[0].smooth.to(DEV)
-    method.block = method.residual = 128
+    method = _on_device(_method(granularity, k_config, v_config, sinks, d=128))
     g = torch.Generator(device=DEV).manual_seed(t)
     k16 = (torch.randn(2, 2, t, 128, device=DEV, generator=g) * (1 + 3 * torch.rand(1, 1, 1, 128, device=DEV, generator=g))).half()
     v16 = torch.randn(2, 2, t, 128, device=DEV, generator=g).half()
