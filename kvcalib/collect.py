@@ -94,6 +94,14 @@ def _positions(config: CollectConfig, sample: int) -> torch.Tensor:
     return torch.randperm(config.seq_len, generator=gen)[:keep].sort().values
 
 
+def tokens_per_second(bar: tqdm, tokens_per_unit: int) -> None:
+    """Show the bar's rate in tokens/s (what calibration speed is counted in) beside its units/s, from the
+    next refresh on (no refresh of its own)."""
+    done, elapsed = bar.format_dict["n"] + 1, bar.format_dict["elapsed"]
+    if elapsed > 0:
+        bar.set_postfix_str(f"{done * tokens_per_unit / elapsed:.0f} tokens/s", refresh=False)
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -218,6 +226,7 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
 
             with torch.no_grad(), intercept(lm.model, record):
                 lm.model(windows[s : s + 1].to(on), use_cache=False)
+            tokens_per_second(bar, config.seq_len)
             bar.update(1)
         pos_tensor = torch.stack(positions).to(torch.int32)
         for layer, tensors in store.items():

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, flushed_length, intercept, mixed_attention
+from .collect import tokens_per_second
 from .data import DEFAULT_DATASET, token_windows
 from .methods import MethodSettings, build_method, hold, settings_used
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
@@ -119,8 +120,10 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     scored: dict[int, tuple[float, torch.Tensor, torch.Tensor, int]] = {}  # window -> its NLL, error sums, bits
     # under torchrun each rank scores its share of the windows (`kvcalib.parallel`)
     with torch.no_grad(), intercept(lm.model, attend):
-        for w in tqdm(share(list(range(len(windows))), rank, size), unit="window", position=rank,
-                      desc=f"eval {method}" + ("" if size == 1 else f", rank {rank} of {size}")):
+        mine = share(list(range(len(windows))), rank, size)
+        bar = tqdm(total=len(mine), unit="window", position=rank,
+                   desc=f"eval {method}" + ("" if size == 1 else f", rank {rank} of {size}"))
+        for w in mine:
             err_sq.zero_()
             ref_sq.zero_()
             stored_bits = 0
@@ -129,6 +132,9 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
             targets = ids[0, 1:].to(logits.device)  # spread over GPUs (--device-map auto), the logits are on the last
             nll = torch.nn.functional.cross_entropy(logits[0, :-1], targets, reduction="sum").item()
             scored[w] = (nll, err_sq.clone(), ref_sq.clone(), stored_bits)
+            tokens_per_second(bar, seq_len)
+            bar.update(1)
+        bar.close()
     scored = merged(scored, size)
     # summed in window order whichever rank scored each: the same sums, in the same order, as one process
     nll, count, stored_bits = 0.0, 0, 0
