@@ -9,7 +9,8 @@ Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, tra
 as the issue's measurement), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
 under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--device-map auto` spreads the
 model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
-time is not counted: a user has a model). The table gives the pipeline's total (collect, fits, training,
+time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
+a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
 diagnose) beside each step; host memory is the largest of the processes of a step.
 """
 

@@ -193,12 +193,14 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, d
 @click.option("--shape", required=True, help="llama-3.1-8b, llama-3.1-70b, or a transformers config as a .json file.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tokenizer", default=None, type=click.Path(),
+              help="A directory holding a saved tokenizer [default: the embedded model's].")
 @click.option("--out", required=True, type=click.Path(), help="Model directory to write.")
-def make_model_cmd(shape, dtype, seed, out) -> None:
+def make_model_cmd(shape, dtype, seed, tokenizer, out) -> None:
     """Write a random-initialised model of a real model's shape (benchmarks and tests, never accuracy)."""
     from .random_model import make_model
 
-    click.echo(f"model written to {make_model(shape, out, dtype, seed)}")
+    click.echo(f"model written to {make_model(shape, out, dtype, seed, tokenizer=tokenizer)}")
 
 
 @cli.command("oscar-artifact")

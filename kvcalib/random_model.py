@@ -71,8 +71,10 @@ def _initial(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.
 
 
 def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
-               shard_bytes: int = SHARD_BYTES) -> Path:
-    """Write the random model of module docstring to `out`; returns it."""
+               shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None) -> Path:
+    """Write the random model of module docstring to `out`; returns it. `tokenizer`: a directory holding a
+    saved tokenizer to use instead of the embedded model's (a machine without the GGUF, e.g. one reached
+    by carrying a few MB: `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)` where the GGUF is)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -82,8 +84,14 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
         raise SettingsError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     fields = _config_fields(shape)
     out = ensure_writable_dir(out)
-    target, kwargs = _resolve(DEFAULT_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+    if tokenizer is None:
+        target, kwargs = _resolve(DEFAULT_MODEL)
+        tokenizer = AutoTokenizer.from_pretrained(target, **kwargs)
+    else:
+        if not (Path(tokenizer) / "tokenizer_config.json").is_file():
+            raise SettingsError(f"--tokenizer {tokenizer}: not a directory holding a saved tokenizer "
+                                "(tokenizer_config.json)")
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     model_type = fields.pop("model_type")
     try:
         config = AutoConfig.for_model(model_type, **fields | {"vocab_size": len(tokenizer),

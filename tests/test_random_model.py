@@ -66,6 +66,7 @@ def test_the_named_shapes_are_the_published_llama_3_1_configs():
     (["--shape", "{tmp}/none.json"], "no such file"),
     (["--shape", "{tmp}/bad.json"], "not a readable JSON config"),
     (["--shape", "{shape}", "--out", "/proc/nope/m"], "cannot create anything"),
+    (["--shape", "{shape}", "--tokenizer", "{tmp}"], "not a directory holding a saved tokenizer"),
 ])
 def test_make_model_bad_input_gives_one_line_exit_2_and_no_output(args, message, shape_file, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{not json")
@@ -78,3 +79,21 @@ def test_make_model_bad_input_gives_one_line_exit_2_and_no_output(args, message,
     assert exc.value.code == 2 and err.startswith("kvcalib: error:") and err.count("\n") == 1, err
     assert message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_saved_tokenizer_replaces_the_embedded_one(shape_file, tmp_path):
+    """--tokenizer DIR: a machine without the embedded GGUF makes the model with a tokenizer carried to it;
+    the model directory is byte for byte the one made with the embedded tokenizer."""
+    from transformers import AutoTokenizer
+
+    from kvcalib.models import DEFAULT_MODEL, _resolve
+
+    target, kwargs = _resolve(DEFAULT_MODEL)
+    AutoTokenizer.from_pretrained(target, **kwargs).save_pretrained(tmp_path / "tok")
+    embedded = make_model(str(shape_file), tmp_path / "a", seed=0)
+    carried = make_model(str(shape_file), tmp_path / "b", seed=0, tokenizer=str(tmp_path / "tok"))
+    files = sorted(p.name for p in embedded.iterdir())
+    assert files == sorted(p.name for p in carried.iterdir()) and "tokenizer.json" in files
+    for name in files:
+        assert (embedded / name).read_bytes() == (carried / name).read_bytes(), name
+
