@@ -42,15 +42,7 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
     g = torch.Generator(device=DEV).manual_seed(t)
     k16 = (torch.randn(2, 2, t, 128, device=DEV, generator=g) * (1 + 3 * torch.rand(1, 1, 1, 128, device=DEV, generator=g))).half()
     v16 = torch.randn(2, 2, t, 128, device=DEV, generator=g).half()
-    layer = _layer(method, k16, v16)
-    q = _q_codec(method, torch.randn(2, 8, 128, device=DEV, generator=g)).float()
-    ref = reference_decode(q, layer, 128**-0.5)
-    out = vq_decode(q, layer, 128**-0.5, checked=True)
-    assert torch.isfinite(out).all(), "unwritten or NaN output"
-    err = _row_errors(out, ref)
-    bound = 2 * _row_errors(_sdpa(q, layer), ref) + FLOOR
-    worst = int((err / bound).argmax())
-    assert (err <= bound).all(), f"row {worst}: {err[worst]:.2e} > {bound[worst]:.2e}"
+    layer, q, out = _check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
     # Poison what lies past the counts: codes of capacity not yet filled, residual rows not yet written.
     layer.kcodes = torch.cat([layer.kcodes, torch.full_like(layer.kcodes[:, :, :64], 255)], 2)
     layer.vcodes = torch.cat([layer.vcodes, torch.full_like(layer.vcodes[:, :, :64], 255)], 2)
@@ -60,7 +52,8 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
 
 
 def _check_rows(method, k16, v16, q, scale: float = 1.0):
-    """Build the layer, run the kernel, hold every row to the rule against the float64 reference."""
+    """Build the layer, run the kernel, hold every row to the rule against the float64 reference; returns
+    the layer, the query in the codec basis and the kernel's output."""
     layer = _layer(method, k16, v16)
     qc = _q_codec(method, q * scale).float()
     ref = reference_decode(qc, layer, 128**-0.5)
@@ -70,6 +63,7 @@ def _check_rows(method, k16, v16, q, scale: float = 1.0):
     bound = 2 * _row_errors(_sdpa(qc, layer), ref) + FLOOR
     worst = int((err / bound).argmax())
     assert (err <= bound).all(), f"row {worst}: {err[worst]:.2e} > {bound[worst]:.2e}"
+    return layer, qc, out
 
 
 def _on_device(method):
