@@ -2,8 +2,8 @@
 own process), timed, with its peak host memory (the process's maximum resident set, from the kernel) and
 peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
 
-    python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--nproc 1] [--device auto]
-                                   [--work runs/calibrate] [--results FILE]
+    python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
+                                   [--device auto] [--work runs/calibrate] [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (layers 0-1,
 as the issue's measurement), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
@@ -11,7 +11,10 @@ under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--devi
 model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
-diagnose) beside each step; host memory is the largest of the processes of a step.
+diagnose) beside each step; host memory is the largest of the processes of a step. `--max-tokens N` is
+collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
+of positions in each window). An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
+V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk holds beside the model.
 """
 
 from __future__ import annotations
@@ -104,6 +107,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="A model directory (kvcalib make-model) or the embedded name.")
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--max-tokens", type=int, default=None, help="collect --max-tokens: stored tokens per layer.")
     parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--device-map", default="none", help="auto: collect and eval spread the model over the GPUs.")
@@ -119,7 +123,8 @@ def main() -> None:
     acts = str(work / "acts")
     steps = {
         "collect": ["collect", "--model", args.model, "--num-samples", str(args.num_samples), "--seq-len",
-                    str(args.seq_len), *place, "--out", acts],
+                    str(args.seq_len), *place, "--out", acts,
+                    *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
         "fit-codebook d4b8": ["fit-codebook", "--activations", acts, "--k-config", "d4b8", "--v-config", "d4b8",
                               "--device", args.device, "--out", str(work / "vq-d4b8")],
         "fit-codebook d8b12": ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config", "d8b12",
@@ -139,7 +144,8 @@ def main() -> None:
         rows.append(f"| {name} | {res['seconds']:.1f} | {res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
         print(rows[-1], flush=True)
     how = f"{args.nproc} process(es)" + (", --device-map auto" if args.device_map == "auto" else f", --device {args.device}")
-    lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens; {how}", "",
+    stored = f", {args.max_tokens} stored per layer" if args.max_tokens else ""
+    lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens{stored}; {how}", "",
              "| step | seconds | peak host RSS GiB (largest process) | peak GPU GiB (all processes) |",
              "|---|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | |"]
     import torch

@@ -21,6 +21,8 @@ into its slot, its step compiled and captured once (as a server holds one cache 
 it serves; the kernel spreads each sequence's own length over the launch, so a short prompt in a long
 cache is not slowed by the capacity). fp16's StaticCache is sized per context, as transformers' docs do.
 
+Eager paths (`fp16-eager` and every `-dynamic`) named together are measured side by side: per prompt,
+every one is prefilled, then their steps alternate (`run_eager_together`), as host-bound steps drift.
 Each step is timed from the host (synchronised before and after), as a user calling the path sees it:
 the median and the 99th percentile over `--steps` steps, flush steps included (at R = 128, 256 steps
 hold two flushes per layer of the dynamic cache). The byte floor is what the step must read, the
@@ -55,6 +57,7 @@ CACHES = {"kivi128": ("kivi", MethodSettings(2, 128, 128)), "kivi32": ("kivi", M
 KVLINC_RANK = 256  # kvcalib train-adapters' default
 PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in CACHES
                                                   for how in ("dynamic", "static", "captured", "static-compiled")]
+EAGER = ["fp16-eager"] + [f"{k}-dynamic" for k in CACHES]  # measured side by side (`run_eager_together`)
 
 
 def llama8b_config(context: int) -> LlamaConfig:
@@ -154,13 +157,7 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
     for prompt in prompts:
         ctx = prompt.shape[1]
         with torch.no_grad():
-            if path == "fp16-eager":
-                model.set_attn_implementation("sdpa")
-                cache = DynamicCache(config=model.config)
-                first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
-                step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
-                cache_bytes = lambda: sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)  # noqa: E731
-            elif path == "fp16-static-compile":
+            if path == "fp16-static-compile":
                 torch._dynamo.reset()
                 model.set_attn_implementation("sdpa")
                 cache = StaticCache(config=model.config, max_cache_len=ctx + steps + 8)
@@ -177,11 +174,8 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
                                        use_cache=True).logits[0, -1].argmax())
 
                 cache_bytes = lambda: fp16_bytes(at[0], model.config)  # noqa: E731  (held, not allocated)
-            elif how == "dynamic":
-                cache = KvcalibCache(lm, kvcalib_method(name, lm))
-                first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
-                step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
-                cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
+            elif not static:
+                cache, first, step, cache_bytes, _ = eager(path, model, lm, prompt)
             else:
                 first = int(cache.prefill(model, 0, prompt).argmax())
             progress(f"{path} {ctx}: prefilled")
@@ -194,6 +188,53 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
             gc.collect()
             torch.cuda.empty_cache()
         yield ctx, {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
+
+
+def eager(path: str, model, lm: LoadedModel, prompt: torch.Tensor):
+    """An eager path (`EAGER`) with `prompt` prefilled: (cache, first token, step(token) -> token, bytes held(),
+    the attention implementation its steps run under: SDPA for fp16, `kvcalib_runtime` for a KvcalibCache)."""
+    one = lambda t: torch.tensor([[t]], device="cuda")  # noqa: E731
+    if path == "fp16-eager":
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=model.config)
+        cache_bytes = lambda: sum(l.keys.nbytes + l.values.nbytes for l in cache.layers)  # noqa: E731
+    else:
+        cache = KvcalibCache(lm, kvcalib_method(path.split("-")[0], lm))  # switches the model to kvcalib_runtime
+        cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
+    implementation = model.config._attn_implementation
+    first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
+    step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
+    return cache, first, step, cache_bytes, implementation
+
+
+def run_eager_together(paths: list[str], model, lm: LoadedModel, prompts: list[torch.Tensor], steps: int):
+    """Yield (context, path, result) as `run_path` does, for eager paths (`EAGER`) measured side by side:
+    per prompt, every path's cache is prefilled, then their steps alternate (one step of each path in
+    turn), so that the host's drift over a run (clocks, other processes, the allocator) falls on every
+    path alike. An eager step is bound by the host's launches; measured one path after another, such
+    drift moved medians by over 20% between paths doing the same work (RESULTS.md, history 2026-11-24)."""
+    for prompt in prompts:
+        ctx = prompt.shape[1]
+        gc.collect()
+        torch.cuda.empty_cache()
+        runs = {}
+        with torch.no_grad():
+            for path in paths:
+                cache, first, step, cache_bytes, implementation = eager(path, model, lm, prompt)
+                _, warm = timed_steps(step, first, 3)
+                runs[path] = {"cache": cache, "step": step, "bytes": cache_bytes, "attn": implementation,
+                              "seconds": [], "tokens": [first] + warm[1:]}
+            progress(f"{', '.join(paths)} {ctx}: prefilled")
+            for _ in range(steps):
+                for run in runs.values():
+                    model.set_attn_implementation(run["attn"])  # untimed: each path under its own attention
+                    seconds, tokens = timed_steps(run["step"], run["tokens"][-1], 1)
+                    run["seconds"] += seconds
+                    run["tokens"].append(tokens[-1])
+            progress(f"{', '.join(paths)} {ctx}: timed")
+        for path, run in runs.items():
+            yield ctx, path, {"seconds": run["seconds"], "tokens": run["tokens"], "cache_bytes": run["bytes"]()}
+        del runs, cache, step
 
 
 def spoken(contexts: list[int]) -> str:
@@ -241,8 +282,12 @@ def main() -> None:
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
     prompts = [torch.randint(0, 128256, (1, ctx), device="cuda") for ctx in contexts]
     results: dict[tuple[int, str], dict] = {}
-    for path in paths:
-        for ctx, res in run_path(path, model, lm, prompts, args.steps):
+    together = [p for p in paths if p in EAGER]
+    runs = [(p, run_path(p, model, lm, prompts, args.steps)) for p in paths if p not in EAGER]
+    runs = ([(None, run_eager_together(together, model, lm, prompts, args.steps))] if together else []) + [
+        (p, ((ctx, p, res) for ctx, res in gen)) for p, gen in runs]
+    for _, gen in runs:
+        for ctx, path, res in gen:
             results[ctx, path] = res
             base = results.get((ctx, "fp16-eager"), {}).get("tokens")
             print(row(ctx, path, res, base, weight_bytes, bandwidth), flush=True)  # kept if the run is cut short

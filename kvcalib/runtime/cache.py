@@ -22,7 +22,6 @@ model's attention runs through the registered attention function `kvcalib_runtim
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any
 
@@ -119,8 +118,11 @@ class CompressedLayer(CacheLayerMixin):
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
-        if self.fused is not None:
-            self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
+        if self.fused is not None:  # the kernel's residual: each token in the basis it reads, rotated once, here
+            new = key_states.shape[-2]
+            self.fused.kres = kernel_basis(self.k_res, self.fused.kres, new, bool(flush), self.method.rotated_keys)
+            self.fused.vres = kernel_basis(self.v_res, self.fused.vres, new, bool(flush), self.method.rotated_values)
+            self.fused.residual = self.k_res.shape[2]
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
@@ -250,13 +252,24 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     method, fused = layer.method, layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
     if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
-        if method.rotated_keys:  # residual keys meet the query in the Hadamard basis the keys are stored in
-            fused = dataclasses.replace(fused, kres=rotate(fused.kres.float()).half())
-        if method.rotated_values:  # flushed and residual values are summed in one basis
-            fused = dataclasses.replace(fused, vres=rotate(fused.vres.float()).half())
         return fused_attend(method, layer.layer, q, fused, opts.scaling, layer.state)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
+
+
+def kernel_basis(residual: torch.Tensor, held: torch.Tensor, new: int, flushed: bool, rotated: bool) -> torch.Tensor:
+    """The float16 `residual` window (B, Hkv, R, D) in the basis the fused kernel reads it in: itself where
+    the method stores that part unrotated; else rotated into the Hadamard basis (where residual keys meet
+    the rotated query and residual values sum with the rotated blocks), each token once: after a flush the
+    window left over (at most R tokens, once per block), otherwise only the `new` tokens, onto `held`
+    (the window as the kernel held it before them). The static cache rotates at append the same way;
+    rotating the whole window at every step and layer cost the eager step a product per layer."""
+    if not rotated:
+        return residual
+    if flushed or held is residual:  # `held is residual`: the window append_block has just handed over
+        return rotate(residual.float()).half()
+    fresh = residual[..., residual.shape[-2] - new :, :]
+    return torch.cat([held, rotate(fresh.float()).half()], dim=-2)
 
 
 def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLayer, scaling: float, state: Any,
