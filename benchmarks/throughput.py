@@ -127,7 +127,8 @@ def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tupl
         decoder = Decoder(lm.model, cache)
         step = lambda t: decoder.step(t).argmax(-1)  # noqa: E731
         kinds = [0, cache.method.block - 1]  # host residual counts before the step: append only; flush
-    step(tokens)  # the first step loads the kernels
+    with torch.no_grad():  # (with autograd on, a step keeps every layer's activations: 64 GiB of fp16 at 128k)
+        step(tokens)  # the first step loads the kernels
     workspace = 0
     for count in kinds:
         if count is not None:

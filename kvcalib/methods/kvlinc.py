@@ -216,7 +216,7 @@ class Kvlinc(Kivi):
         """S, P after each flushed block: entry b holds the first b blocks (entry 0 is empty)."""
         adapter = self.adapters[layer]
         b, hkv, _, d = k.shape
-        out = [States.empty(b, hkv, adapter.rank, d)]
+        out = [States.empty(b, hkv, adapter.rank, d, device=k.device)]
         for start in range(0, held.flushed, self.block):
             blk = slice(start, start + self.block)
             k_err = held.k16[..., blk, :].float() - held.k[..., blk, :].float()
