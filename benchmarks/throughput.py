@@ -151,31 +151,41 @@ def release() -> None:
     torch.cuda.empty_cache()
 
 
-def fill(name: str, lm: LoadedModel, cache, batch: int, length: int, prompt: torch.Tensor) -> None:
-    """Slots holding `prompt`'s tokens (module docstring: one prefill copied, or fp16 noise)."""
+def prefilled(name: str, lm: LoadedModel, length: int, prompt: torch.Tensor):
+    """A one-slot cache holding `prompt` (kvcalib), made before the batch's cache: the prefill's activations
+    (a few GiB at 128k) then fit beside the weights; None for fp16 (filled with noise)."""
     if name == "fp16-static-compile":
+        return None
+    one = build(name, lm, 1, length)
+    one.prefill(lm.model, 0, prompt)
+    return one
+
+
+def fill(cache, one, batch: int, ctx: int) -> None:
+    """Slots holding the prompt of `one` (module docstring: one prefill copied), or fp16 noise (`one` None)."""
+    if one is None:
         for layer in cache.layers:
             layer.keys.normal_()
             layer.values.normal_()
         return
-    one = build(name, lm, 1, length)
-    one.prefill(lm.model, 0, prompt)
     for src, dst in zip(one.layers, cache.layers):
         pairs = [(getattr(src.packed, f), getattr(dst.packed, f)) for f in PACKED + ("knorm",)]
         pairs += [(src.kraw, dst.kraw), (src.vraw, dst.vraw)] + list(zip(src.mutable(), dst.mutable()))
         for a, b in pairs:  # (counts, KVLinC's state: `StaticLayer.mutable`)
             if a is not None:
                 b.copy_(a.expand_as(b))
-    cache.lengths = [prompt.shape[1]] * batch
+    cache.lengths = [ctx] * batch
 
 
 def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dict:
     """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory allocated and reserved."""
     release()
     length = ctx + steps + 16
-    cache = build(name, lm, batch, length)
     with torch.no_grad():
-        fill(name, lm, cache, batch, length, torch.randint(0, lm.model.config.vocab_size, (1, ctx), device="cuda"))
+        one = prefilled(name, lm, length, torch.randint(0, lm.model.config.vocab_size, (1, ctx), device="cuda"))
+        cache = build(name, lm, batch, length)
+        fill(cache, one, batch, ctx)
+    del one
     release()
     torch.cuda.reset_peak_memory_stats()
     if name == "fp16-static-compile":
@@ -238,7 +248,7 @@ def main() -> None:
                 if over <= 0:
                     break
                 surplus = over / batch  # spread over the slots, as the probe's workspace is
-                smaller = int((budget - weights - fixed) // (per_slot + surplus))
+                smaller = min(batch - 1, int((budget - weights - fixed) // (per_slot + surplus)))
                 print(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
                       flush=True)
                 batch, res = smaller, measure(name, lm, smaller, ctx, args.steps)
