@@ -3,7 +3,7 @@ own process), timed, with its peak host memory (the process's maximum resident s
 peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
 
     python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
-                                   [--device auto] [--work runs/calibrate] [--results FILE]
+                                   [--device auto] [--work runs/calibrate] [--steps all] [--keep] [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (layers 0-1,
 as the issue's measurement), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
@@ -11,7 +11,8 @@ under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--devi
 model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
-diagnose) beside each step; host memory is the largest of the processes of a step. `--max-tokens N` is
+diagnose) beside each step (of those run: `--steps` picks some, e.g. `fit-d8b12`, and `--keep` reuses
+the work directory's collection, to spread a pipeline over runs of limited length); host memory is the largest of the processes of a step. `--max-tokens N` is
 collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
 of positions in each window). An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
 V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk holds beside the model.
@@ -31,6 +32,7 @@ from pathlib import Path
 from results import RESULTS, record
 
 GIB = 2**30
+STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "eval")  # in the order they run
 
 
 def gpu_memory(pids: set[int]) -> int:
@@ -111,12 +113,18 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--device-map", default="none", help="auto: collect and eval spread the model over the GPUs.")
-    parser.add_argument("--work", default="runs/calibrate", help="Scratch directory (removed first).")
+    parser.add_argument("--work", default="runs/calibrate", help="Scratch directory (removed first unless --keep).")
+    parser.add_argument("--steps", default="all", help="all, or some of: " + ", ".join(STEPS))
+    parser.add_argument("--keep", action="store_true", help="Keep the work directory (a collection made earlier).")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    chosen = list(STEPS) if args.steps == "all" else args.steps.split(",")
+    if unknown := [c for c in chosen if c not in STEPS]:
+        parser.error(f"--steps: unknown {', '.join(unknown)}; choose of {', '.join(STEPS)}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
     launch = [sys.executable, "-m", "kvcalib"] if args.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
@@ -137,7 +145,9 @@ def main() -> None:
     }
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     rows, pipeline = [], 0.0
-    for name, argv in steps.items():
+    for key, (name, argv) in zip(STEPS, steps.items()):
+        if key not in chosen:
+            continue
         res = run(launch + argv, env)
         if not name.startswith("eval"):
             pipeline += res["seconds"]
@@ -145,7 +155,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     how = f"{args.nproc} process(es)" + (", --device-map auto" if args.device_map == "auto" else f", --device {args.device}")
     stored = f", {args.max_tokens} stored per layer" if args.max_tokens else ""
-    lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens{stored}; {how}", "",
+    some = "" if chosen == list(STEPS) else f"; steps {', '.join(chosen)}"
+    lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens{stored}; {how}{some}", "",
              "| step | seconds | peak host RSS GiB (largest process) | peak GPU GiB (all processes) |",
              "|---|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | |"]
     import torch

@@ -284,10 +284,15 @@ class Activations:
         settings = self.manifest["settings"]
         return settings["max_tokens"] is None or settings["max_tokens"] >= settings["num_samples"] * settings["seq_len"]
 
-    def layer(self, i: int) -> dict[str, torch.Tensor]:
+    def layer(self, i: int, names: tuple[str, ...] | None = None, device=None) -> dict[str, torch.Tensor]:
+        """Layer i over all samples: `names` of q, k, v, positions (default all), on `device` (default the
+        CPU). Each shard is read, checked and copied into the result before the next is read, so the host
+        holds the result (none of it with a `device` other than the CPU) and one shard (a chunk is at
+        most about 1 GiB over every layer: `chunk_samples`), never every shard and their concatenation."""
         if not 0 <= i < self.num_layers:
             raise ArtifactError(f"layer {i} is not in {self.directory} ({self.num_layers} layers)")
-        parts = []
+        out: dict[str, torch.Tensor] = {}
+        done = 0
         for c in range(self.manifest["num_chunks"]):
             name = shard_name(i, c)
             path = self.directory / name
@@ -298,6 +303,22 @@ class Activations:
             if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][name]:
                 raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); run `kvcalib collect` "
                                     f"into {self.directory} again with the same settings: it records that shard anew")
-            parts.append(read_tensors(raw, f"activation shard {path}"))
-            check_finite(parts[-1], f"activation shard {path}")
-        return {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+            part = read_tensors(raw, f"activation shard {path}")
+            del raw
+            check_finite(part, f"activation shard {path}")
+            if not out:
+                total = self.manifest["settings"]["num_samples"]
+                out = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
+                       for key, t in part.items() if names is None or key in names}
+            n = next(iter(part.values())).shape[0]
+            if done + n > next(iter(out.values())).shape[0]:
+                raise ArtifactError(f"{self.directory}: layer {i}'s shards hold more samples than its manifest says; "
+                                    "run `kvcalib collect` into it again")
+            for key, t in out.items():
+                t[done : done + n].copy_(part[key])
+            done += n
+            del part
+        if done != next(iter(out.values())).shape[0]:
+            raise ArtifactError(f"{self.directory}: layer {i}'s shards hold {done} samples, its manifest says "
+                                f"{self.manifest['settings']['num_samples']}; run `kvcalib collect` into it again")
+        return out

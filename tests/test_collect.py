@@ -142,3 +142,46 @@ def test_chunks_are_sized_to_a_host_memory_bound_and_recorded_resolved(run, tmp_
     path = run("auto", chunk_size=None)
     settings = json.loads((path / "plan.json").read_text())["settings"]
     assert settings["chunk_size"] == 8  # the tiny model's samples are small: the cap
+
+
+def test_a_layer_read_by_name_onto_a_device_equals_the_whole_layer(run, monkeypatch):
+    """`layer(i, names, device)` fills its result shard by shard: the same values as a plain concatenation
+    of the shards (3 chunks here, of 2, 2 and 1 samples), only the names asked for; and no shard is held
+    beside another (each is read after the previous one is released)."""
+    out = run()
+    acts = Activations(out)
+    shards = [load_file(str(out / shard_name(1, c))) for c in range(3)]
+    whole = {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+    got = acts.layer(1)
+    assert got.keys() == whole.keys() and all(torch.equal(got[k], whole[k]) for k in whole)
+    some = acts.layer(1, ("k", "positions"), device="cpu")
+    assert some.keys() == {"k", "positions"} and torch.equal(some["k"], whole["k"])
+    import weakref
+
+    import kvcalib.collect as module
+
+    alive, most = [], [0]
+    real = module.read_tensors
+
+    def counted(raw, what):  # every shard parsed so far whose tensors are still referenced
+        part = real(raw, what)
+        alive[:] = [r for r in alive if r() is not None] + [weakref.ref(part["k"])]
+        most[0] = max(most[0], len(alive))
+        return part
+
+    monkeypatch.setattr(module, "read_tensors", counted)
+    acts.layer(1)
+    assert most[0] == 1
+
+
+def test_a_layer_whose_shards_disagree_with_the_manifest_is_refused(run):
+    out = run()
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["settings"]["num_samples"] = 4  # the shards hold 5
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="more samples than its manifest"):
+        Activations(out).layer(0)
+    manifest["settings"]["num_samples"] = 6
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="its manifest says 6"):
+        Activations(out).layer(0)

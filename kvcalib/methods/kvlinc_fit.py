@@ -240,7 +240,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     with tqdm(total=len(mine) * config.steps, unit="step", position=rank,
               desc="train-adapters" if size == 1 else f"train-adapters, rank {rank} of {size}") as bar:
         for i in mine:
-            raw = {name: t.to(dev) for name, t in acts.layer(i).items()}
+            raw = acts.layer(i, device=dev)  # shard by shard onto the device: the host holds one shard
             data = _layer_data(raw, config)
             n = data.q.shape[0]
             train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))

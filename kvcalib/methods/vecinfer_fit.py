@@ -59,7 +59,7 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
     books: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
     smooth = {}
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
-        data = _without_sinks(acts.layer(i), 0)
+        data = _without_sinks(acts.layer(i, ("k", "v", "positions")), 0)
         lam = smooth[f"layers.{i}.k_smooth"] = smoothing_factors(data["k"])
         for config in configs:
             for which, x in _sources(data, lam, True).items():
@@ -101,7 +101,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     desc = f"fit-codebook K {config.k} V {config.v}" + ("" if size == 1 else f", rank {rank} of {size}")
     # under torchrun each rank fits its share of the layers (`kvcalib.parallel`); rank 0 writes the artifact
     for i in tqdm(share(list(range(shape.num_layers)), rank, size), desc=desc, unit="layer", position=rank):
-        data = _without_sinks(acts.layer(i), sink_tokens if exclude_sinks else 0)
+        data = _without_sinks(acts.layer(i, ("k", "v", "positions")), sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
         layer, seconds, points = {}, {}, {}
         if lam is not None:
