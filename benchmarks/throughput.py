@@ -247,6 +247,8 @@ def main() -> None:
                 over = res["peak"][0] - budget
                 if over <= 0:
                     break
+                print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
+                      f"peak allocated {res['peak'][0] / GIB:.2f} GiB (over the budget)", flush=True)  # kept if cut
                 surplus = over / batch  # spread over the slots, as the probe's workspace is
                 smaller = min(batch - 1, int((budget - weights - fixed) // (per_slot + surplus)))
                 print(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
