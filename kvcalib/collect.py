@@ -284,16 +284,21 @@ class Activations:
         settings = self.manifest["settings"]
         return settings["max_tokens"] is None or settings["max_tokens"] >= settings["num_samples"] * settings["seq_len"]
 
-    def layer(self, i: int, names: tuple[str, ...] | None = None, device=None) -> dict[str, torch.Tensor]:
-        """Layer i over all samples: `names` of q, k, v, positions (default all), on `device` (default the
-        CPU). Each shard is read, checked and copied into the result before the next is read, so the host
+    def layer(self, i: int, names: tuple[str, ...] | None = None, device=None,
+              samples: int | None = None) -> dict[str, torch.Tensor]:
+        """Layer i over its first `samples` samples (default all; only the shards holding them are read):
+        `names` of q, k, v, positions (default all), on `device` (default the CPU). Each shard is read, checked and copied into the result before the next is read, so the host
         holds the result (none of it with a `device` other than the CPU) and one shard (a chunk is at
         most about 1 GiB over every layer: `chunk_samples`), never every shard and their concatenation."""
         if not 0 <= i < self.num_layers:
             raise ArtifactError(f"layer {i} is not in {self.directory} ({self.num_layers} layers)")
         out: dict[str, torch.Tensor] = {}
         done = 0
+        settings = self.manifest["settings"]
+        total = settings["num_samples"] if samples is None else min(samples, settings["num_samples"])
         for c in range(self.manifest["num_chunks"]):
+            if samples is not None and done == total:
+                break  # the shards past the first `samples` samples are not read
             name = shard_name(i, c)
             path = self.directory / name
             try:
@@ -307,18 +312,19 @@ class Activations:
             del raw
             check_finite(part, f"activation shard {path}")
             if not out:
-                total = self.manifest["settings"]["num_samples"]
                 out = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
                        for key, t in part.items() if names is None or key in names}
             n = next(iter(part.values())).shape[0]
-            if done + n > next(iter(out.values())).shape[0]:
+            if samples is not None:
+                n = min(n, total - done)  # the last shard read may hold samples past the first `samples`
+            if done + n > total:
                 raise ArtifactError(f"{self.directory}: layer {i}'s shards hold more samples than its manifest says; "
                                     "run `kvcalib collect` into it again")
             for key, t in out.items():
-                t[done : done + n].copy_(part[key])
+                t[done : done + n].copy_(part[key][:n])
             done += n
             del part
-        if done != next(iter(out.values())).shape[0]:
+        if done != total:
             raise ArtifactError(f"{self.directory}: layer {i}'s shards hold {done} samples, its manifest says "
-                                f"{self.manifest['settings']['num_samples']}; run `kvcalib collect` into it again")
+                                f"{settings['num_samples']}; run `kvcalib collect` into it again")
         return out

@@ -185,3 +185,20 @@ def test_a_layer_whose_shards_disagree_with_the_manifest_is_refused(run):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="its manifest says 6"):
         Activations(out).layer(0)
+
+
+def test_a_layer_s_first_samples_read_only_the_shards_that_hold_them(run, monkeypatch):
+    """`layer(i, samples=N)` (diagnose --max-samples): the first N samples, as the whole layer's first N,
+    and only the shards holding them are read (3 of 2 samples each hold 5; N = 3 reads the first two)."""
+    import kvcalib.collect as module
+
+    acts = Activations(run())
+    whole = acts.layer(1)
+    read = []
+    real = module.read_tensors
+    monkeypatch.setattr(module, "read_tensors", lambda raw, what: read.append(what) or real(raw, what))
+    for n, shards in ((1, 1), (3, 2), (4, 2), (5, 3), (9, 3)):
+        read.clear()
+        got = acts.layer(1, samples=n)
+        assert len(read) == shards, (n, read)
+        assert all(torch.equal(got[k], whole[k][:n]) for k in whole), n
