@@ -236,16 +236,19 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, tru
               help="The cache keeps the first N tokens of every sequence in float16.")
 @click.option("--exclude-sinks", is_flag=True, help="Also leave those N positions out of λ and the k-means fit.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--kmeans", type=click.Choice(["auto", "faiss", "torch"]), default="auto", show_default=True,
+              help="k-means library: faiss (its GPU build where installed), or kvcalib's own in torch on --device; "
+                   "auto takes torch on CUDA where faiss has no GPU build, faiss otherwise.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 @_device
 def fit_codebook_cmd(activations, k_config, v_config, granularity, smooth, hadamard, iters, max_points_per_centroid,
-                     sink_tokens, exclude_sinks, seed, out, device) -> None:
-    """Fit VecInfer's key smoothing and k-means codebooks (faiss) from collected activations."""
+                     sink_tokens, exclude_sinks, seed, kmeans, out, device) -> None:
+    """Fit VecInfer's key smoothing and k-means codebooks (faiss, or torch on a GPU) from collected activations."""
     from .methods.vecinfer_fit import fit_codebook
 
     path = fit_codebook(activations, out, k_config=k_config, v_config=v_config, granularity=granularity, smooth=smooth,
                         hadamard=hadamard, iters=iters, seed=seed, max_points_per_centroid=max_points_per_centroid,
-                        sink_tokens=sink_tokens, exclude_sinks=exclude_sinks, device=device)
+                        sink_tokens=sink_tokens, exclude_sinks=exclude_sinks, device=device, kmeans=kmeans)
     click.echo(f"artifact written to {path}")
 
 

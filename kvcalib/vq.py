@@ -1,4 +1,4 @@
-"""Vector quantization: k-means codebooks (faiss) and the packed codes of sub-vectors.
+"""Vector quantization: k-means codebooks (faiss, or kvcalib's own on a GPU) and the packed codes of sub-vectors.
 
 A configuration `dNbM` cuts every head_dim vector into c = head_dim / N sub-vectors of N elements
 and replaces each by the index of its nearest centroid in a codebook of 2^M entries: M / N bits per
@@ -142,6 +142,59 @@ def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_po
     km.train(x)
     return KMeansFit(codebook=torch.from_numpy(km.centroids.copy()), seconds=time.perf_counter() - start,
                      training_points=min(x.shape[0], k * max_points_per_centroid))
+
+
+# faiss's perturbation when it splits a cluster to re-seed an empty one (faiss/Clustering.cpp, EPS).
+SPLIT_EPS = 1 / 1024
+
+
+def kmeans_torch(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_points_per_centroid: int) -> KMeansFit:
+    """Lloyd's k-means of points (P, N) into 2^M centroids with torch, on the points' device: kvcalib's
+    own, for a GPU where faiss has no GPU build (faiss-gpu has no wheel for current CUDA; `--kmeans`).
+
+    faiss's procedure: at most `max_points_per_centroid * 2^M` points sampled without replacement
+    (seeded), the centroids started at 2^M distinct sampled points, `iters` rounds of nearest-centroid
+    assignment (`nearest`) and cluster means, and an empty cluster re-seeded by splitting the largest
+    one (faiss picks a large one at random; here the largest, first by index). The seeds of the sampling
+    are faiss's in kind, not in value: the codebooks differ from faiss's as two seeds' do. A cluster's
+    sum is a product of its points with a one-hot matrix, chunk by chunk, never atomic additions: the
+    same points on the same device give the same codebook, bit for bit."""
+    k = config.centroids
+    config.check_points(points.shape[0])
+    if points.shape[0] < 39 * k:
+        log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / k)
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(seed)
+    n = points.shape[0]
+    m = min(n, k * max_points_per_centroid)
+    x = points if m == n else points[torch.randperm(n, generator=g)[:m].to(points.device)]
+    x = x.float().contiguous()
+    centroids = x[torch.randperm(m, generator=g)[:k].to(x.device)].clone()
+    rows = max(1, _DISTANCE_ENTRIES // k)
+    for _ in range(iters):
+        assign = nearest(x, centroids)
+        counts = torch.bincount(assign, minlength=k)
+        sums = torch.zeros_like(centroids)
+        for first in range(0, m, rows):
+            one_hot = torch.nn.functional.one_hot(assign[first : first + rows], k).float()
+            sums += one_hot.T @ x[first : first + rows]
+        filled = counts > 0
+        centroids = torch.where(filled[:, None], sums / counts.clamp(min=1)[:, None].float(), centroids)
+        _split_into_empty(centroids, counts.cpu())
+    return KMeansFit(codebook=centroids.cpu(), seconds=time.perf_counter() - start, training_points=m)
+
+
+def _split_into_empty(centroids: torch.Tensor, counts: torch.Tensor) -> None:
+    """Re-seed each empty cluster, in place, by splitting the largest: both take its centroid, moved
+    apart by ±SPLIT_EPS of itself in alternating dimensions, and half its points (faiss's rule)."""
+    sign = torch.ones(centroids.shape[1], device=centroids.device)
+    sign[1::2] = -1
+    for empty in (counts == 0).nonzero().flatten().tolist():
+        big = int(counts.argmax())
+        centroids[empty] = centroids[big] * (1 + SPLIT_EPS * sign)
+        centroids[big] = centroids[big] * (1 - SPLIT_EPS * sign)
+        counts[empty] = counts[big] // 2
+        counts[big] -= counts[empty]
 
 
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:

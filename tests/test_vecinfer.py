@@ -317,6 +317,76 @@ def test_kmeans_lowers_inertia_well_below_its_random_initialisation(config):
     assert vq.inertia(points, fit.codebook) < 0.85 * vq.inertia(points, sample)
 
 
+@pytest.mark.parametrize("config", ["d4b6", "d4b8"])
+def test_torch_kmeans_lands_within_the_spread_of_faiss_over_seeds(config):
+    """kvcalib's own k-means (for a GPU without faiss-gpu) against faiss on the same points: Lloyd's
+    method ends in a local optimum that depends on the seed, so the tolerance is faiss's own spread over
+    five seeds (1.2% at most here, 64 points per centroid), widened by that spread on each side. Its
+    starting centroids alone (0 iterations, the planted error) are far outside it."""
+    pytest.importorskip("faiss", reason="the comparison is with faiss (pip install kvcalib[faiss])")
+    vqc = vq.VQConfig.parse(config)
+    points = torch.randn(64 * vqc.centroids, vqc.dim, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.5, 3, vqc.dim)
+    faiss_runs = [vq.inertia(points, vq.kmeans(points, vqc, 20, seed, 64).codebook) for seed in range(5)]
+    lo, hi = min(faiss_runs), max(faiss_runs)
+    spread = hi - lo
+    ours = vq.kmeans_torch(points, vqc, 20, 1, 64)
+    assert ours.codebook.shape == (vqc.centroids, vqc.dim) and ours.training_points == points.shape[0]
+    assert lo - spread <= vq.inertia(points, ours.codebook) <= hi + spread, (faiss_runs, vq.inertia(points, ours.codebook))
+    start = vq.inertia(points, vq.kmeans_torch(points, vqc, 0, 1, 64).codebook)
+    assert start > hi + spread
+
+
+def test_torch_kmeans_is_bit_for_bit_repeatable_samples_its_training_points_and_follows_its_seed():
+    vqc = vq.VQConfig.parse("d2b4")
+    points = torch.randn(5000, 2, generator=torch.Generator().manual_seed(6))
+    a, b = (vq.kmeans_torch(points, vqc, 10, 3, 100) for _ in range(2))
+    assert torch.equal(a.codebook, b.codebook) and a.training_points == 16 * 100
+    assert not torch.equal(a.codebook, vq.kmeans_torch(points, vqc, 10, 4, 100).codebook)
+
+
+def test_torch_kmeans_reseeds_an_empty_cluster_by_splitting_the_largest():
+    """Points at two places only (1 and 2), 2^2 centroids started at sampled points, all four at 1: the
+    clusters that get no point are re-seeded beside the largest (±SPLIT_EPS of it, faiss's multiplicative
+    rule), so no centroid stays a copy of another, and the point at 2 gets a centroid of its own. Without
+    the re-seeding (the planted error, 0 iterations) every centroid sits at 1."""
+    vqc = vq.VQConfig(1, 2)
+    points = torch.cat([torch.ones(290, 1), torch.full((10, 1), 2.0)])
+    assert vq.kmeans_torch(points, vqc, 0, 0, 1000).codebook.flatten().tolist() == [1.0] * 4
+    fit = vq.kmeans_torch(points, vqc, 5, 0, 1000)
+    book = fit.codebook.flatten()
+    assert len(set(book.tolist())) == 4
+    near = book[book < 1.5]
+    assert len(near) == 3 and (near - 1).abs().max() < 4 * vq.SPLIT_EPS and (book == 2).sum() == 1
+    assert vq.inertia(points, fit.codebook) < 290 * (4 * vq.SPLIT_EPS) ** 2
+
+
+def test_fit_codebook_with_torch_kmeans_needs_no_faiss_and_says_so_in_the_artifact(acts, tmp_path, monkeypatch):
+    """`--kmeans torch` on the CPU (what `auto` picks on a GPU without faiss-gpu): an artifact whose codebooks
+    reconstruct the keys about as well as faiss's (the k-means tolerance above), made with faiss absent."""
+    import builtins
+    import sys
+
+    from kvcalib.methods.vecinfer_fit import kmeans_library
+
+    real_import = builtins.__import__
+
+    def no_faiss(name, *args, **kwargs):
+        if name == "faiss":
+            raise ImportError("no faiss here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_faiss)
+    path = _fit(acts, tmp_path / "torch", kmeans="torch")
+    extra = json.loads((path / "manifest.json").read_text())["extra"]
+    assert extra["kmeans"]["library"].startswith("torch ") and extra["kmeans"]["gpu"] is False
+    assert kmeans_library("auto", "cuda:0") == ("torch", True)  # a GPU and no faiss: kvcalib's own
+    with pytest.raises(SettingsError, match="needs faiss"):
+        kmeans_library("auto", "cpu")
+    with pytest.raises(SettingsError, match="--kmeans must be one of"):
+        kmeans_library("sometimes", "cpu")
+
+
 def test_eval_with_vecinfer_counts_codes_residual_and_codebooks_once(acts, tmp_path, tiny_lm, text_file):
     path = _fit(acts, tmp_path / "art")
     result = evaluate(tiny_lm, str(text_file), num_samples=2, seq_len=40, method="vecinfer", residual=16,

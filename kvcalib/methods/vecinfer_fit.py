@@ -1,6 +1,10 @@
 """`fit-codebook`: VecInfer's calibration. From a `collect` collection, the key smoothing factors
-λ = sqrt(max |K|) per channel and faiss k-means codebooks for keys (smoothed, Hadamard-rotated) and
-values of every layer, saved as the artifact `kvcalib.methods.vecinfer` reads."""
+λ = sqrt(max |K|) per channel and k-means codebooks for keys (smoothed, Hadamard-rotated) and values of
+every layer, saved as the artifact `kvcalib.methods.vecinfer` reads. k-means (`--kmeans`): faiss (on its GPU
+build where installed, else on the CPU), or kvcalib's own in torch (`vq.kmeans_torch`), which `auto` takes
+for `--device cuda` where faiss has no GPU: faiss-gpu has no wheel for current CUDA, and faiss-cpu's d8b12
+k-means (4096 centroids, up to a million training points per codebook) is the slowest step of the pipeline
+(60% of it for the embedded model: benchmarks/RESULTS.md, calibration pipeline)."""
 
 from __future__ import annotations
 
@@ -38,9 +42,37 @@ def _sources(data: dict[str, torch.Tensor], lam: torch.Tensor | None, hadamard: 
 
 
 def _fits(x: torch.Tensor, heads: list[int | None], config: vq.VQConfig, iters: int, seed: int,
-          max_points_per_centroid: int, gpu: bool | None = None) -> list:
-    """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None])."""
+          max_points_per_centroid: int, gpu: bool | None = None, library: str = "faiss") -> list:
+    """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None]);
+    `library` faiss (`vq.kmeans`, `gpu` as it takes it) or torch (`vq.kmeans_torch`, on x's device)."""
+    if library == "torch":
+        return [vq.kmeans_torch(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid) for h in heads]
     return [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid, gpu) for h in heads]
+
+
+KMEANS = ("auto", "faiss", "torch")
+
+
+def kmeans_library(kmeans: str, device: str) -> tuple[str, bool]:
+    """(library, on a GPU) that `--kmeans` and the resolved `--device` choose (module docstring): faiss's
+    GPU build where it sees a GPU and the device is CUDA; torch on the device for `torch`, and for `auto`
+    on CUDA without a faiss GPU build; faiss on the CPU otherwise. faiss must be installed where chosen."""
+    if kmeans not in KMEANS:
+        raise SettingsError(f"--kmeans must be one of {', '.join(KMEANS)}, got {kmeans!r}")
+    cuda = device.startswith("cuda")
+    if kmeans == "torch":
+        return "torch", cuda
+    try:
+        import faiss
+    except ImportError:
+        if kmeans == "auto" and cuda:
+            return "torch", True
+        raise SettingsError("fit-codebook's k-means needs faiss, which is not installed: pip install kvcalib[faiss], "
+                            "or --kmeans torch") from None
+    gpu = cuda and faiss.get_num_gpus() > 0
+    if kmeans == "auto" and cuda and not gpu:
+        return "torch", True
+    return "faiss", gpu
 
 
 def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer", iters: int = 30,
@@ -71,16 +103,17 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
 def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8", v_config: str = "d4b8",
                  granularity: str = "layer", smooth: bool = True, hadamard: bool = True, iters: int = 30,
                  seed: int = 0, max_points_per_centroid: int = 256, sink_tokens: int = 0,
-                 exclude_sinks: bool = False, device: str | None = None) -> Path:
+                 exclude_sinks: bool = False, device: str | None = None, kmeans: str = "auto") -> Path:
     """Fit λ and faiss k-means codebooks for keys and values of every layer; save them as an artifact.
 
     The cache keeps the first `sink_tokens` tokens of a sequence in float16; with `exclude_sinks`
     those positions of every calibration sequence are also left out of λ and the codebooks. `device`:
-    k-means on the GPU (faiss-gpu, where installed) unless it is `cpu`."""
-    import faiss
-
+    where the keys and values are transformed and k-means runs (`kmeans_library`: `kmeans` auto, faiss or
+    torch)."""
     config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
-    gpu = resolve_device(device).startswith("cuda")
+    dev = resolve_device(device)
+    library, gpu = kmeans_library(kmeans, dev)
+    on = torch.device(dev) if library == "torch" else torch.device("cpu")  # faiss takes host arrays
     if iters < 1 or max_points_per_centroid < 1:
         raise SettingsError("--iters and --max-points-per-centroid must be positive")
     out = ensure_writable_dir(out)
@@ -101,17 +134,18 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     desc = f"fit-codebook K {config.k} V {config.v}" + ("" if size == 1 else f", rank {rank} of {size}")
     # under torchrun each rank fits its share of the layers (`kvcalib.parallel`); rank 0 writes the artifact
     for i in tqdm(share(list(range(shape.num_layers)), rank, size), desc=desc, unit="layer", position=rank):
-        data = _without_sinks(acts.layer(i, ("k", "v", "positions")), sink_tokens if exclude_sinks else 0)
+        data = _without_sinks(acts.layer(i, ("k", "v", "positions"), device=on), sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
         layer, seconds, points = {}, {}, {}
         if lam is not None:
             layer[f"layers.{i}.k_smooth"] = lam
         for which, x in _sources(data, lam, hadamard).items():
-            fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid, gpu)
+            fits = _fits(x, heads, config.k if which == "k" else config.v, iters, seed, max_points_per_centroid, gpu,
+                         library)
             seconds[which] = sum(f.seconds for f in fits)
             points[which] = fits[-1].training_points
             layer[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
-        fitted[i] = (layer, seconds, points)
+        fitted[i] = ({name: t.cpu() for name, t in layer.items()}, seconds, points)
     fitted = merged(fitted, size)
     tensors: dict[str, torch.Tensor] = {}
     for i in range(shape.num_layers):  # in layer order, whichever rank fitted each
@@ -123,8 +157,16 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     extra = {
         "activations": str(activations),
         "calibration": acts.manifest["settings"],
-        "kmeans": {"library": f"faiss {faiss.__version__}", "gpu": gpu and faiss.get_num_gpus() > 0,
-                   "training_points_per_codebook": training_points},
+        "kmeans": {"library": _library_version(library), "gpu": gpu, "training_points_per_codebook": training_points},
     }
     return on_rank0(lambda: save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds}),
                     rank, size) or out
+
+
+def _library_version(library: str) -> str:
+    """The k-means library and its version, as the artifact records it."""
+    if library == "torch":
+        return f"torch {torch.__version__} (kvcalib.vq.kmeans_torch)"
+    import faiss
+
+    return f"faiss {faiss.__version__}"
