@@ -287,9 +287,10 @@ class Activations:
     def layer(self, i: int, names: tuple[str, ...] | None = None, device=None,
               samples: int | None = None) -> dict[str, torch.Tensor]:
         """Layer i over its first `samples` samples (default all; only the shards holding them are read):
-        `names` of q, k, v, positions (default all), on `device` (default the CPU). Each shard is read, checked and copied into the result before the next is read, so the host
-        holds the result (none of it with a `device` other than the CPU) and one shard (a chunk is at
-        most about 1 GiB over every layer: `chunk_samples`), never every shard and their concatenation."""
+        `names` of q, k, v, positions (default all), on `device` (default the CPU). Each shard is read,
+        checked and copied into the result before the next is read, so the host holds the result (none of
+        it with a `device` other than the CPU) and one shard (a chunk is at most about 1 GiB over every
+        layer: `chunk_samples`), never every shard and their concatenation."""
         if not 0 <= i < self.num_layers:
             raise ArtifactError(f"layer {i} is not in {self.directory} ({self.num_layers} layers)")
         out: dict[str, torch.Tensor] = {}
