@@ -195,12 +195,14 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, d
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tokenizer", default=None, type=click.Path(),
               help="A directory holding a saved tokenizer [default: the embedded model's].")
+@click.option("--weights", type=click.Choice(["written", "generated"]), default="written", show_default=True,
+              help="generated: no weights on disk; --model DIR draws the same ones onto its devices as it loads.")
 @click.option("--out", required=True, type=click.Path(), help="Model directory to write.")
-def make_model_cmd(shape, dtype, seed, tokenizer, out) -> None:
+def make_model_cmd(shape, dtype, seed, tokenizer, weights, out) -> None:
     """Write a random-initialised model of a real model's shape (benchmarks and tests, never accuracy)."""
     from .random_model import make_model
 
-    click.echo(f"model written to {make_model(shape, out, dtype, seed, tokenizer=tokenizer)}")
+    click.echo(f"model written to {make_model(shape, out, dtype, seed, tokenizer=tokenizer, weights=weights)}")
 
 
 @cli.command("oscar-artifact")

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import torch
 
 from .errors import ModelLoadError, SettingsError
+from .random_weights import GENERATED, generated_model
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ def _resolve(spec: str) -> tuple[str, dict]:
                 _check_gguf(ggufs[0], spec)
                 return str(path), {"gguf_file": ggufs[0].name}
             raise ModelLoadError(f"model directory {spec} has no config.json (and not exactly one .gguf file)")
+        if (path / GENERATED).exists():  # `make-model --weights generated`: drawn at load (kvcalib.random_model)
+            return str(path), {"generated": True}
         if not any(path.glob("*.safetensors")):
             raise ModelLoadError(f"model directory {spec} has no .safetensors weights; kvcalib never loads pickle-based "
                                  ".bin or .pt files (loading them can run code): convert the weights to safetensors")
@@ -202,7 +205,10 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
         # `--device-map auto` spreads the layers over every GPU (accelerate, within `max_memory`).
         placement = ({"device_map": "auto"} | ({"max_memory": dict(max_memory)} if max_memory else {})
                      if device == "auto-map" else {"device_map": {"": device}})
-        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement, **kwargs)
+        if kwargs.pop("generated", False):
+            model = generated_model(Path(target), dtype, device, dict(max_memory) if max_memory else None)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if "trust_remote_code" in str(err):
             raise ModelLoadError(_remote_code_message(spec)) from err

@@ -14,21 +14,24 @@ norm weights 1, biases 0. Each tensor has its own generator, seeded by `--seed` 
 the bytes depend on nothing else. They are written one shard at a time (at most `SHARD_BYTES` each, with
 transformers' `model.safetensors.index.json`), so a 70B model (141 GB in bfloat16) never needs more host
 memory than a shard; the directory is written under a temporary name and renamed once complete.
+
+`--weights generated` writes no weights: the directory holds the config, the tokenizer and
+`kvcalib-weights.json` (seed, dtype), and `--model DIR` draws the same tensors when it loads
+(`generated_model`), each straight onto the device that holds it (`--device-map auto` included). For a model
+no disk holds beside its activations: a 70B model is 139 GB in bfloat16, the lent two-GPU machine's disk 137 GB.
 """
 
 from __future__ import annotations
 
 import json
-import zlib
 from pathlib import Path
 
 import torch
 
 from .atomic import atomic_path, ensure_writable_dir
 from .errors import SettingsError
+from .random_weights import DTYPES, GENERATED, SHARD_BYTES, initial
 
-SHARD_BYTES = 2 * 2**30
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 _LLAMA_31 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0,
                  max_position_embeddings=131072, initializer_range=0.02, tie_word_embeddings=False,
@@ -60,18 +63,8 @@ def _config_fields(shape: str) -> dict:
     return fields
 
 
-def _initial(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
-    """The tensor `name` as transformers initialises it, from its own generator (float32)."""
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if "norm" in name.split(".")[-2]:  # RMSNorm / LayerNorm weights
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=gen) * std
-
-
 def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
-               shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None) -> Path:
+               shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None, weights: str = "written") -> Path:
     """Write the random model of module docstring to `out`; returns it. `tokenizer`: a directory holding a
     saved tokenizer to use instead of the embedded model's (a machine without the GGUF, e.g. one reached
     by carrying a few MB: `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)` where the GGUF is)."""
@@ -82,6 +75,8 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
 
     if dtype not in DTYPES:
         raise SettingsError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if weights not in ("written", "generated"):
+        raise SettingsError(f"--weights must be written or generated, got {weights!r}")
     fields = _config_fields(shape)
     out = ensure_writable_dir(out)
     if tokenizer is None:
@@ -118,9 +113,12 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
     with atomic_path(out) as tmp:
         tmp.mkdir()
         weight_map = {}
+        if weights == "generated":
+            (tmp / GENERATED).write_text(json.dumps({"format": 1, "seed": seed, "dtype": dtype}, indent=2) + "\n")
+            shards = []
         for i, shard in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({name: _initial(name, dims, std, seed).to(DTYPES[dtype]) for name, dims in shard}, tmp / file,
+            save_file({name: initial(name, dims, std, seed).to(DTYPES[dtype]) for name, dims in shard}, tmp / file,
                       metadata={"format": "pt"})
             weight_map |= {name: file for name, _ in shard}
         if len(shards) > 1:

@@ -97,3 +97,42 @@ def test_a_saved_tokenizer_replaces_the_embedded_one(shape_file, tmp_path):
     for name in files:
         assert (embedded / name).read_bytes() == (carried / name).read_bytes(), name
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_generated_weights_load_as_the_written_ones_bit_for_bit(shape_file, tmp_path, dtype):
+    """`--weights generated` writes no weights and `--model DIR` draws the written model's tensors at load:
+    the same state, tensor for tensor, on one device and spread by `--device-map auto` (the CPU here), with
+    fewer threads than tensors (each tensor its own generator: the threads change nothing)."""
+    from kvcalib.models import _load_cached
+    from kvcalib.random_weights import GENERATED, generated_model
+
+    written = make_model(str(shape_file), tmp_path / "w", dtype=dtype, seed=4)
+    generated = make_model(str(shape_file), tmp_path / "g", dtype=dtype, seed=4, weights="generated")
+    assert not list(generated.glob("*.safetensors")) and (generated / GENERATED).exists()
+    want = load_model(str(written), device="cpu", dtype=torch.float32).model.state_dict()
+    _load_cached.cache_clear()
+    for got in (load_model(str(generated), device="cpu", dtype=torch.float32).model.state_dict(),
+                load_model(str(generated), device_map="auto", dtype=torch.float32).model.state_dict(),
+                generated_model(generated, torch.float32, "cpu", threads=2).state_dict()):
+        _load_cached.cache_clear()
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+    other = make_model(str(shape_file), tmp_path / "o", dtype=dtype, seed=5, weights="generated")
+    assert not torch.equal(load_model(str(other), device="cpu", dtype=torch.float32).model.state_dict()["lm_head.weight"],
+                           want["lm_head.weight"])
+    _load_cached.cache_clear()
+
+
+@pytest.mark.parametrize("content", ["{", '{"format": 1, "seed": "x", "dtype": "bfloat16"}', '{"format": 2, "seed": 0, "dtype": "bfloat16"}'])
+def test_a_damaged_generated_weights_file_is_refused_in_one_line(shape_file, tmp_path, capsys, content):
+    from kvcalib.random_weights import GENERATED
+
+    model = make_model(str(shape_file), tmp_path / "g", seed=0, weights="generated")
+    (model / GENERATED).write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["collect", "--model", str(model), "--num-samples", "1", "--seq-len", "8", "--device", "cpu",
+              "--out", str(tmp_path / "acts")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and GENERATED in err[0], err
+    assert not (tmp_path / "acts").exists()
