@@ -284,6 +284,25 @@ class Activations:
         settings = self.manifest["settings"]
         return settings["max_tokens"] is None or settings["max_tokens"] >= settings["num_samples"] * settings["seq_len"]
 
+    def layers(self, indices: list[int], names: tuple[str, ...] | None = None, device=None,
+               samples: int | None = None):
+        """Yield (i, `layer(i, ...)`) for each of `indices` in order, the next layer read ahead on a thread
+        while the caller works on this one: reading and checking shards (file reads, SHA-256, both outside
+        the GIL) overlaps the caller's k-means or training. Two layers are held at a time. An error in a
+        layer read ahead is raised when that layer is reached, as if it had been read then."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        if not indices:
+            return
+        with ThreadPoolExecutor(1) as pool:
+            read = lambda i: pool.submit(self.layer, i, names, device, samples)  # noqa: E731
+            ahead = read(indices[0])
+            for position, i in enumerate(indices):
+                data = ahead.result()
+                ahead = read(indices[position + 1]) if position + 1 < len(indices) else None
+                yield i, data
+                del data
+
     def layer(self, i: int, names: tuple[str, ...] | None = None, device=None,
               samples: int | None = None) -> dict[str, torch.Tensor]:
         """Layer i over its first `samples` samples (default all; only the shards holding them are read):

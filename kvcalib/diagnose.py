@@ -161,9 +161,10 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     rank, size = world()
     measured: dict[int, tuple[dict, dict, int, int]] = {}  # layer -> its report, what its plots need, samples, tokens
     # under torchrun each rank measures its share of the layers (`kvcalib.parallel`); rank 0 writes the report
-    for i in tqdm(share(list(range(acts.num_layers)), rank, size), unit="layer", position=rank,
-                  desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}"):
-        data = acts.layer(i, device=dev, samples=max_samples)  # shard by shard onto the device; only the shards used
+    mine = share(list(range(acts.num_layers)), rank, size)
+    # shard by shard onto the device, only the shards used, the next layer read while this one is measured
+    for i, data in tqdm(acts.layers(mine, device=dev, samples=max_samples), total=len(mine), unit="layer",
+                        position=rank, desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}"):
         samples = data["q"].shape[0] if max_samples is None else min(max_samples, data["q"].shape[0])
         tokens = data["q"].shape[2] // group_size * group_size
         if tokens == 0:

@@ -202,3 +202,25 @@ def test_a_layer_s_first_samples_read_only_the_shards_that_hold_them(run, monkey
         got = acts.layer(1, samples=n)
         assert len(read) == shards, (n, read)
         assert all(torch.equal(got[k], whole[k][:n]) for k in whole), n
+
+
+def test_layers_read_ahead_yield_each_layer_as_layer_does_and_raise_a_damaged_one_when_reached(run):
+    """`layers` reads the next layer on a thread while the caller works: the same tensors as `layer`, in the
+    order asked; a damaged shard of a later layer surfaces only when that layer is reached (the layers
+    before it are yielded intact), with `layer`'s error."""
+    out = run()
+    acts = Activations(out)
+    got = list(acts.layers([1, 0], ("k",)))
+    assert [i for i, _ in got] == [1, 0]
+    for i, data in got:
+        assert data.keys() == {"k"} and torch.equal(data["k"], acts.layer(i)["k"])
+    path = out / shard_name(1, 2)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    seen = []
+    with pytest.raises(ArtifactError, match="corrupted"):
+        for i, _ in acts.layers([0, 1]):
+            seen.append(i)
+    assert seen == [0]
+    assert list(acts.layers([])) == []

@@ -239,8 +239,7 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     start = time.perf_counter()
     with tqdm(total=len(mine) * config.steps, unit="step", position=rank,
               desc="train-adapters" if size == 1 else f"train-adapters, rank {rank} of {size}") as bar:
-        for i in mine:
-            raw = acts.layer(i, device=dev)  # shard by shard onto the device: the host holds one shard
+        for i, raw in acts.layers(mine, device=dev):  # onto the device, the next layer read while this one trains
             data = _layer_data(raw, config)
             n = data.q.shape[0]
             train, held = data.take(torch.arange(n - n_held)), data.take(torch.arange(n - n_held, n))

@@ -133,8 +133,11 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     fitted: dict[int, tuple[dict[str, torch.Tensor], dict[str, float], dict[str, int]]] = {}
     desc = f"fit-codebook K {config.k} V {config.v}" + ("" if size == 1 else f", rank {rank} of {size}")
     # under torchrun each rank fits its share of the layers (`kvcalib.parallel`); rank 0 writes the artifact
-    for i in tqdm(share(list(range(shape.num_layers)), rank, size), desc=desc, unit="layer", position=rank):
-        data = _without_sinks(acts.layer(i, ("k", "v", "positions"), device=on), sink_tokens if exclude_sinks else 0)
+    mine = share(list(range(shape.num_layers)), rank, size)
+    # the next layer is read (and checked) while this one's k-means runs
+    for i, data in tqdm(acts.layers(mine, ("k", "v", "positions"), device=on), total=len(mine), desc=desc,
+                        unit="layer", position=rank):
+        data = _without_sinks(data, sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
         layer, seconds, points = {}, {}, {}
         if lam is not None:
