@@ -69,6 +69,9 @@ def generated_model(directory: Path, dtype: torch.dtype, device: str,
         unsplit = model._no_split_modules
         memory = get_balanced_memory(model, max_memory=max_memory, no_split_module_classes=unsplit, dtype=dtype)
         device_map = infer_auto_device_map(model, max_memory=memory, no_split_module_classes=unsplit, dtype=dtype)
+        if "disk" in device_map.values():
+            raise SettingsError(f"the generated model of {directory} does not fit in the GPUs' and host memory "
+                                "(--max-memory): its weights are drawn into memory, never offloaded to disk")
     else:
         device_map = {"": device}
     std = getattr(config, "initializer_range", 0.02)

@@ -136,3 +136,16 @@ def test_a_damaged_generated_weights_file_is_refused_in_one_line(shape_file, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and GENERATED in err[0], err
     assert not (tmp_path / "acts").exists()
+
+
+def test_a_generated_model_that_would_need_disk_offload_is_refused_in_one_line(shape_file, tmp_path, monkeypatch):
+    """accelerate maps what fits in no memory to "disk"; drawn weights have no file to offload to."""
+    import accelerate
+
+    from kvcalib.errors import SettingsError
+    from kvcalib.random_weights import generated_model
+
+    model = make_model(str(shape_file), tmp_path / "g", seed=0, weights="generated")
+    monkeypatch.setattr(accelerate, "infer_auto_device_map", lambda *a, **k: {"model": "cpu", "lm_head": "disk"})
+    with pytest.raises(SettingsError, match="does not fit"):
+        generated_model(model, torch.float32, "auto-map")
