@@ -29,7 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .atomic import atomic_path, ensure_writable_dir, write_json
-from .collect import Activations
+from .collect import Activations, tokens_per_second
 from .errors import SettingsError
 from .methods import DEFAULTS
 from .methods.oscar import decode_keys, encode_keys
@@ -163,8 +163,9 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     # under torchrun each rank measures its share of the layers (`kvcalib.parallel`); rank 0 writes the report
     mine = share(list(range(acts.num_layers)), rank, size)
     # shard by shard onto the device, only the shards used, the next layer read while this one is measured
-    for i, data in tqdm(acts.layers(mine, device=dev, samples=max_samples), total=len(mine), unit="layer",
-                        position=rank, desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}"):
+    bar = tqdm(acts.layers(mine, device=dev, samples=max_samples), total=len(mine), unit="layer", position=rank,
+               desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}")
+    for i, data in bar:
         samples = data["q"].shape[0] if max_samples is None else min(max_samples, data["q"].shape[0])
         tokens = data["q"].shape[2] // group_size * group_size
         if tokens == 0:
@@ -174,6 +175,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
         kept = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
                 "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
         measured[i] = (_layer(data, bits, group_size, rule), kept, samples, tokens)
+        tokens_per_second(bar, samples * tokens)
     measured = merged(measured, size)
 
     def write() -> Path:

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from .. import vq
 from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
-from ..collect import Activations
+from ..collect import Activations, tokens_per_second
 from ..errors import SettingsError
 from ..models import AttentionShape, resolve_device
 from ..parallel import merged, on_rank0, share, world
@@ -135,8 +135,9 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     # under torchrun each rank fits its share of the layers (`kvcalib.parallel`); rank 0 writes the artifact
     mine = share(list(range(shape.num_layers)), rank, size)
     # the next layer is read (and checked) while this one's k-means runs
-    for i, data in tqdm(acts.layers(mine, ("k", "v", "positions"), device=on), total=len(mine), desc=desc,
-                        unit="layer", position=rank):
+    bar = tqdm(acts.layers(mine, ("k", "v", "positions"), device=on), total=len(mine), desc=desc, unit="layer",
+               position=rank)
+    for i, data in bar:
         data = _without_sinks(data, sink_tokens if exclude_sinks else 0)
         lam = smoothing_factors(data["k"]) if smooth else None
         layer, seconds, points = {}, {}, {}
@@ -149,6 +150,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
             points[which] = fits[-1].training_points
             layer[f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
         fitted[i] = ({name: t.cpu() for name, t in layer.items()}, seconds, points)
+        tokens_per_second(bar, acts.manifest["tokens_per_layer"])
     fitted = merged(fitted, size)
     tensors: dict[str, torch.Tensor] = {}
     for i in range(shape.num_layers):  # in layer order, whichever rank fitted each
