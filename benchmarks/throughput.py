@@ -3,6 +3,7 @@ the largest batch each cache holds at a given context, and decode tokens/s at th
 random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
 
     python benchmarks/throughput.py [--budget-gib 70] [--contexts 32768,131072] [--steps 64] [--caches all]
+                                    [--start-batch CACHE=B,...]
 
 Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
@@ -216,9 +217,18 @@ def main() -> None:
     parser.add_argument("--contexts", default="32768,131072")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--caches", default="all", help=f"comma-separated, of {', '.join(CACHES)}")
+    parser.add_argument("--start-batch", default=None, metavar="CACHE=B,...",
+                        help="measure CACHE first at batch B instead of the probes' batch (a batch an earlier run "
+                             "found: each measure is a compile); the budget check and re-measure still apply")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     caches = CACHES if args.caches == "all" else args.caches.split(",")
+    start = {}
+    for item in (args.start_batch.split(",") if args.start_batch else []):
+        name, _, value = item.partition("=")
+        if name not in CACHES or not value.isdigit() or int(value) < 1:
+            parser.error(f"--start-batch takes CACHE=B pairs, CACHE of {', '.join(CACHES)}; got {item!r}")
+        start[name] = int(value)
     contexts = [int(c) for c in args.contexts.split(",")]
     budget = args.budget_gib * GIB
     bandwidth = copy_bandwidth()
@@ -242,6 +252,9 @@ def main() -> None:
             batch = int((budget - weights - fixed) // per_slot)
             print(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
                   f"at B=1/2 -> batch {batch}", flush=True)
+            if name in start:
+                batch = start[name]
+                print(f"{ctx} {name}: starting at B={batch} (--start-batch)", flush=True)
             res = measure(name, lm, batch, ctx, args.steps)
             for _ in range(2):  # the compiled step may hold more than the eager probe saw: fit it in the budget
                 over = res["peak"][0] - budget
