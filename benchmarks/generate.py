@@ -132,8 +132,13 @@ def timed_steps(step, first: int, steps: int) -> tuple[list[float], list[int]]:
     return seconds, tokens
 
 
+def one_token(t: int) -> torch.Tensor:
+    """A decode step's input: token `t` as a (1, 1) batch on the GPU."""
+    return torch.tensor([[t]], device="cuda")
+
+
 def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], steps: int):
-    """Yield (context, {"seconds", "tokens", "cache_bytes"}) for each prompt, on one path. A kvcalib static
+    """Yield (context, path, {"seconds", "tokens", "cache_bytes"}) for each prompt, on one path. A kvcalib static
     cache is made once, for the longest prompt, and each prompt is prefilled into its slot, as a server
     holds one cache for the longest context it serves: its step is compiled and captured once. fp16's
     StaticCache is made (and its forward compiled) per prompt with `max_cache_len` = prompt + steps, the
@@ -142,7 +147,6 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()  # each path compiles afresh (no shapes marked dynamic by an earlier path)
-    one = lambda t: torch.tensor([[t]], device="cuda")  # noqa: E731
     warm = 3 if path != "fp16-static-compile" else 6  # compile and capture happen in the warm-up
     name, how = path.split("-", 1)
     static = name != "fp16" and how != "dynamic"
@@ -170,7 +174,7 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
                 def step(t):
                     p = torch.tensor([at[0]], device="cuda")
                     at[0] += 1
-                    return int(forward(one(t), past_key_values=cache, cache_position=p, position_ids=p[None],
+                    return int(forward(one_token(t), past_key_values=cache, cache_position=p, position_ids=p[None],
                                        use_cache=True).logits[0, -1].argmax())
 
                 cache_bytes = lambda: fp16_bytes(at[0], model.config)  # noqa: E731  (held, not allocated)
@@ -187,13 +191,12 @@ def run_path(path: str, model, lm: LoadedModel, prompts: list[torch.Tensor], ste
             del cache
             gc.collect()
             torch.cuda.empty_cache()
-        yield ctx, {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
+        yield ctx, path, {"seconds": seconds, "tokens": [first] + warm_tokens[1:] + tokens[1:], "cache_bytes": held}
 
 
 def eager(path: str, model, lm: LoadedModel, prompt: torch.Tensor):
     """An eager path (`EAGER`) with `prompt` prefilled: (cache, first token, step(token) -> token, bytes held(),
     the attention implementation its steps run under: SDPA for fp16, `kvcalib_runtime` for a KvcalibCache)."""
-    one = lambda t: torch.tensor([[t]], device="cuda")  # noqa: E731
     if path == "fp16-eager":
         model.set_attn_implementation("sdpa")
         cache = DynamicCache(config=model.config)
@@ -203,7 +206,7 @@ def eager(path: str, model, lm: LoadedModel, prompt: torch.Tensor):
         cache_bytes = lambda: cache.stored_bits() / 8  # noqa: E731
     implementation = model.config._attn_implementation
     first = int(model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].argmax())
-    step = lambda t: int(model(one(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
+    step = lambda t: int(model(one_token(t), past_key_values=cache, use_cache=True).logits[0, -1].argmax())  # noqa: E731
     return cache, first, step, cache_bytes, implementation
 
 
@@ -283,11 +286,10 @@ def main() -> None:
     prompts = [torch.randint(0, 128256, (1, ctx), device="cuda") for ctx in contexts]
     results: dict[tuple[int, str], dict] = {}
     together = [p for p in paths if p in EAGER]
-    runs = [(p, run_path(p, model, lm, prompts, args.steps)) for p in paths if p not in EAGER]
-    runs = ([(None, run_eager_together(together, model, lm, prompts, args.steps))] if together else []) + [
-        (p, ((ctx, p, res) for ctx, res in gen)) for p, gen in runs]
-    for _, gen in runs:
-        for ctx, path, res in gen:
+    runs = ([run_eager_together(together, model, lm, prompts, args.steps)] if together else []) + [
+        run_path(p, model, lm, prompts, args.steps) for p in paths if p not in EAGER]
+    for run in runs:
+        for ctx, path, res in run:
             results[ctx, path] = res
             base = results.get((ctx, "fp16-eager"), {}).get("tokens")
             print(row(ctx, path, res, base, weight_bytes, bandwidth), flush=True)  # kept if the run is cut short
