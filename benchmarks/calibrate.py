@@ -129,27 +129,28 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
-    steps = {
-        "collect": ["collect", "--model", args.model, "--num-samples", str(args.num_samples), "--seq-len",
-                    str(args.seq_len), *place, "--out", acts,
-                    *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])],
-        "fit-codebook d4b8": ["fit-codebook", "--activations", acts, "--k-config", "d4b8", "--v-config", "d4b8",
-                              "--device", args.device, "--out", str(work / "vq-d4b8")],
-        "fit-codebook d8b12": ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config", "d8b12",
-                               "--device", args.device, "--out", str(work / "vq-d8b12")],
-        "train-adapters (layers 0-1)": ["train-adapters", "--activations", acts, "--layers", "0-1", "--device",
-                                        args.device, "--out", str(work / "kvlinc")],
-        "diagnose": ["diagnose", "--activations", acts, "--device", args.device, "--out", str(work / "diagnose")],
-        "eval (KIVI-2, 4 windows)": ["eval", "--model", args.model, "--method", "kivi", "--num-samples", "4",
-                                     "--seq-len", str(args.seq_len), *place],
+    steps = {  # key (`STEPS`, --steps): (the table's name for it, the command)
+        "collect": ("collect", ["collect", "--model", args.model, "--num-samples", str(args.num_samples), "--seq-len",
+                                str(args.seq_len), *place, "--out", acts,
+                                *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]),
+        "fit-d4b8": ("fit-codebook d4b8", ["fit-codebook", "--activations", acts, "--k-config", "d4b8", "--v-config",
+                                           "d4b8", "--device", args.device, "--out", str(work / "vq-d4b8")]),
+        "fit-d8b12": ("fit-codebook d8b12", ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config",
+                                             "d8b12", "--device", args.device, "--out", str(work / "vq-d8b12")]),
+        "train": ("train-adapters (layers 0-1)", ["train-adapters", "--activations", acts, "--layers", "0-1",
+                                                  "--device", args.device, "--out", str(work / "kvlinc")]),
+        "diagnose": ("diagnose", ["diagnose", "--activations", acts, "--device", args.device, "--out",
+                                  str(work / "diagnose")]),
+        "eval": ("eval (KIVI-2, 4 windows)", ["eval", "--model", args.model, "--method", "kivi", "--num-samples", "4",
+                                              "--seq-len", str(args.seq_len), *place]),
     }
+    assert tuple(steps) == STEPS
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     rows, pipeline = [], 0.0
-    for key, (name, argv) in zip(STEPS, steps.items()):
-        if key not in chosen:
-            continue
+    for key in (k for k in STEPS if k in chosen):  # in the pipeline's order, whatever the order given
+        name, argv = steps[key]
         res = run(launch + argv, env)
-        if not name.startswith("eval"):
+        if key != "eval":
             pipeline += res["seconds"]
         rows.append(f"| {name} | {res['seconds']:.1f} | {res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
         print(rows[-1], flush=True)

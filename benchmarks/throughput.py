@@ -128,19 +128,18 @@ def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tupl
         decoder = Decoder(lm.model, cache)
         step = lambda t: decoder.step(t).argmax(-1)  # noqa: E731
         kinds = [0, cache.method.block - 1]  # host residual counts before the step: append only; flush
+    workspace = 0
     with torch.no_grad():  # (with autograd on, a step keeps every layer's activations: 64 GiB of fp16 at 128k)
         step(tokens)  # the first step loads the kernels
-    workspace = 0
-    for count in kinds:
-        if count is not None:
-            cache.residual_counts = [count] * batch  # `advance` picks the flush step from these
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        with torch.no_grad():
+        for count in kinds:
+            if count is not None:
+                cache.residual_counts = [count] * batch  # `advance` picks the flush step from these
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             step(tokens)
-        torch.cuda.synchronize()
-        workspace += torch.cuda.max_memory_allocated() - before
+            torch.cuda.synchronize()
+            workspace += torch.cuda.max_memory_allocated() - before
     del cache, step
     return cache_bytes, workspace
 

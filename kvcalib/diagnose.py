@@ -166,11 +166,11 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     bar = tqdm(acts.layers(mine, device=dev, samples=max_samples), total=len(mine), unit="layer", position=rank,
                desc="diagnose" if size == 1 else f"diagnose, rank {rank} of {size}")
     for i, data in bar:
-        samples = data["q"].shape[0] if max_samples is None else min(max_samples, data["q"].shape[0])
+        samples = data["q"].shape[0]  # at most max_samples: `layers` read no more
         tokens = data["q"].shape[2] // group_size * group_size
         if tokens == 0:
             raise SettingsError(f"the collection keeps {data['q'].shape[2]} tokens per sample, fewer than --group-size {group_size}")
-        data = {k: (t[:samples, ..., :tokens, :] if t.dim() == 4 else t[:samples, :tokens]).to(dev) for k, t in data.items()}
+        data = {k: t[..., :tokens, :] if t.dim() == 4 else t[:, :tokens] for k, t in data.items()}  # already on dev
         # What the plots need, small enough to keep for every layer until the plotted ones are chosen.
         kept = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
                 "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}

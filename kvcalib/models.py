@@ -203,11 +203,12 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
         tokenizer = AutoTokenizer.from_pretrained(target, **{k: v for k, v in kwargs.items() if k != "use_safetensors"})
         # Weights go straight to their device shard by shard (never the whole model through host memory);
         # `--device-map auto` spreads the layers over every GPU (accelerate, within `max_memory`).
-        placement = ({"device_map": "auto"} | ({"max_memory": dict(max_memory)} if max_memory else {})
-                     if device == "auto-map" else {"device_map": {"": device}})
+        memory = dict(max_memory) if max_memory else None
         if kwargs.pop("generated", False):
-            model = generated_model(Path(target), dtype, device, dict(max_memory) if max_memory else None)
+            model = generated_model(Path(target), dtype, device, memory)
         else:
+            placement = ({"device_map": "auto"} | ({"max_memory": memory} if memory else {})
+                         if device == "auto-map" else {"device_map": {"": device}})
             model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if "trust_remote_code" in str(err):

@@ -113,6 +113,14 @@ def inertia(points: torch.Tensor, codebook: torch.Tensor) -> float:
     return (points.double() - nearest_centroids).pow(2).sum().item()
 
 
+def _check_training(points: torch.Tensor, config: VQConfig) -> None:
+    """Refuse fewer points than centroids; warn below faiss's 39 per centroid (its own warning, printed
+    here once per call for both k-means)."""
+    config.check_points(points.shape[0])
+    if points.shape[0] < 39 * config.centroids:
+        log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / config.centroids)
+
+
 @dataclass
 class KMeansFit:
     codebook: torch.Tensor  # (2^M, N) float32
@@ -130,9 +138,7 @@ def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_po
     import faiss
 
     k = config.centroids
-    config.check_points(points.shape[0])
-    if points.shape[0] < 39 * k:
-        log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / k)
+    _check_training(points, config)
     x = np.ascontiguousarray(points.float().cpu().numpy())
     # min_points_per_centroid=1: the warning above replaces faiss's own, printed once per call.
     gpu = faiss.get_num_gpus() > 0 if gpu is None else gpu and faiss.get_num_gpus() > 0
@@ -160,9 +166,7 @@ def kmeans_torch(points: torch.Tensor, config: VQConfig, iters: int, seed: int, 
     sum is a product of its points with a one-hot matrix, chunk by chunk, never atomic additions: the
     same points on the same device give the same codebook, bit for bit."""
     k = config.centroids
-    config.check_points(points.shape[0])
-    if points.shape[0] < 39 * k:
-        log.warning("%s: only %.1f training points per centroid", config, points.shape[0] / k)
+    _check_training(points, config)
     start = time.perf_counter()
     g = torch.Generator().manual_seed(seed)
     n = points.shape[0]

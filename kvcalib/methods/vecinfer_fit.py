@@ -45,9 +45,12 @@ def _fits(x: torch.Tensor, heads: list[int | None], config: vq.VQConfig, iters: 
           max_points_per_centroid: int, gpu: bool | None = None, library: str = "faiss") -> list:
     """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None]);
     `library` faiss (`vq.kmeans`, `gpu` as it takes it) or torch (`vq.kmeans_torch`, on x's device)."""
-    if library == "torch":
-        return [vq.kmeans_torch(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid) for h in heads]
-    return [vq.kmeans(_subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid, gpu) for h in heads]
+    def fit(points: torch.Tensor) -> vq.KMeansFit:
+        if library == "torch":
+            return vq.kmeans_torch(points, config, iters, seed, max_points_per_centroid)
+        return vq.kmeans(points, config, iters, seed, max_points_per_centroid, gpu)
+
+    return [fit(_subvectors(x, h, config.dim)) for h in heads]
 
 
 KMEANS = ("auto", "faiss", "torch")

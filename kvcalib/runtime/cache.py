@@ -266,7 +266,7 @@ def kernel_basis(residual: torch.Tensor, held: torch.Tensor, new: int, flushed: 
     rotating the whole window at every step and layer cost the eager step a product per layer."""
     if not rotated:
         return residual
-    if flushed or held is residual:  # `held is residual`: the window append_block has just handed over
+    if flushed:  # the window left over (append_block has just handed it over unrotated)
         return rotate(residual.float()).half()
     fresh = residual[..., residual.shape[-2] - new :, :]
     return torch.cat([held, rotate(fresh.float()).half()], dim=-2)
