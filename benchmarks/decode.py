@@ -173,7 +173,8 @@ def main() -> None:
                     kn = kf.norm(dim=-1) if norms else None
                     if norms:
                         kf = kf / kn[..., None]
-                    layers[name].append(pack(kf, vf, k[:, :, length:], v[:, :, length:], group, min(group, D), kn))
+                    layers[name].append(pack(kf, vf, k[:, :, length:], v[:, :, length:], group, min(group, D), kn,
+                                             rotated_keys=norms, rotated_values=norms))  # OScaR's rotated blocks
                     if name == "KIVI-2 G=128":
                         plain.append((quantize(kf, 2, group, "tokens"), quantize(vf, 2, min(group, D), "channels")))
                     del kf, vf

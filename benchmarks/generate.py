@@ -81,16 +81,15 @@ def kvcalib_method(name: str, lm: LoadedModel):
 def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
     """Bytes a 2-bit cache of `CACHES` holds for `tokens`: flushed blocks (2-bit codes of keys and values,
     fp16 scale and zero per key group of G tokens and channel, and per value group of min(G, d) channels
-    and token; OScaR's fp16 norm per token), the float16 residual (OScaR and KVLinC keep a rotated copy
-    of what they rotate), and KVLinC's float32 S and P (rank x (d + 1) per KV head)."""
+    and token; OScaR's fp16 norm per token), the float16 residual keys and values (held as they came in:
+    the kernel rotates for the blocks stored rotated), and KVLinC's float32 S and P (rank x (d + 1) per KV head)."""
     method, settings = CACHES[name]
     d, g, r = config.head_dim, settings.group_size, settings.residual
     flushed = tokens // r * r
     per_token_bits = d * (2 + 32 / g) + d * 2 + (d // min(g, d)) * 32 + (16 if method == "oscar" else 0)
-    residual_copies = {"kivi": 2, "oscar": 4, "kvlinc": 3}[method]  # keys, values, and the rotated ones
     state = KVLINC_RANK * (d + 1) * 4 if method == "kvlinc" else 0
     rows = config.num_hidden_layers * config.num_key_value_heads
-    return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * residual_copies * d * 2 + state)
+    return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * 2 * d * 2 + state)
 
 
 def fp16_bytes(tokens: int, config: LlamaConfig) -> float:

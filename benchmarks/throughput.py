@@ -170,7 +170,7 @@ def fill(cache, one, batch: int, ctx: int) -> None:
         return
     for src, dst in zip(one.layers, cache.layers):
         pairs = [(getattr(src.packed, f), getattr(dst.packed, f)) for f in PACKED + ("knorm",)]
-        pairs += [(src.kraw, dst.kraw), (src.vraw, dst.vraw)] + list(zip(src.mutable(), dst.mutable()))
+        pairs += list(zip(src.mutable(), dst.mutable()))
         for a, b in pairs:  # (counts, KVLinC's state: `StaticLayer.mutable`)
             if a is not None:
                 b.copy_(a.expand_as(b))

@@ -9,13 +9,18 @@
 // Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
 // Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/int2_layout.py):
-//   q        (B, HKV*GQ, D)            QT (half or bf16), already rotated when keys are (OScaR)
+//   q        (B, HKV*GQ, D)            QT (half or bf16), in the model's basis
 //   kcodes   (B, HKV, CAPW, D)  int32  row n: the D words of tokens 16n..16n+15, tensor-core order
 //   kscale,kzero (B, HKV, CAPG, D) fp16   group g covers tokens G*g..G*g+G-1
 //   knorm    (B, HKV, CAPT)     fp16   only when HAS_NORM
 //   vcodes   (B, HKV, CAPT, D/16) int32 tokens 16n..16n+15: D words, tensor-core order
 //   vscale,vzero (B, HKV, CAPT, D/GV) fp16  per 16-token block stored as (D/GV, 16)
-//   kres,vres (B, HKV, CAPR, D) fp16   residual window
+//   kres,vres (B, HKV, CAPR, D) fp16   residual window, in the model's basis
+// Rotated methods (OScaR's keys and values, KVLinC's values) store the flushed blocks in the
+// normalized Hadamard basis (kvcalib/hadamard.py): with ROT_K the packed blocks rotate q into the keys'
+// basis (q.k = qH.kH), with ROT_V they rotate their partial output back (H = H^-1) before writing it.
+// The residual window is held as it came in, so its blocks need neither, every partial and the merged
+// output are in the model's basis, and the runtime rotates nothing per step (`warp_hadamard`).
 // lengths, residuals (B,) int32 or null: per-sequence T and r read on the device (a static cache)
 // Parallel split (flash-decoding): block (split, kv head, batch) handles SPLIT_LEN flushed tokens for
 // all GQ query heads sharing that KV head, so each packed byte is read once per block. Partial
@@ -27,7 +32,7 @@
 //
 // Compile-time parameters (#define, set by kvcalib/runtime/int2_kernel.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
-// HAS_NORM, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
+// HAS_NORM, ROT_K, ROT_V, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
 // is a whole number of, `int2_kernel.split_unit`); TILES may be set to
 // override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
 // cores whatever QT is.
@@ -46,6 +51,33 @@ __device__ __forceinline__ float to_float(const __half x) { return __half2float(
 __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void from_float(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+
+// y = x H over one vector of D floats held by a warp (lane l holds elements l + 32 e, e < D/32), with H
+// the normalized Sylvester-Hadamard matrix of kvcalib/hadamard.py, H[j][c] = (-1)^popcount(j & c) / sqrt(D):
+// the butterflies of the fast transform, strides 1..16 across lanes by shuffles, 32 and 64 within a
+// lane's registers; float32 sums of +-x, then one scaling (D is a power of two: 64 or 128).
+#define HADAMARD_SCALE (D == 64 ? 0.125f : 0.0883883476483184405f)  // 1 / sqrt(D)
+__device__ __forceinline__ void warp_hadamard(float* x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int s = 1; s < 32; s *= 2)
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const float o = __shfl_xor_sync(0xffffffff, x[e], s);
+      x[e] = (lane & s) ? o - x[e] : x[e] + o;
+    }
+#pragma unroll
+  for (int s = 1; s < D / 32; s *= 2)
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e)
+      if (!(e & s)) {
+        const float a = x[e], b = x[e + s];
+        x[e] = a + b;
+        x[e + s] = a - b;
+      }
+#pragma unroll
+  for (int e = 0; e < D / 32; ++e) x[e] *= HADAMARD_SCALE;
+}
 
 // Online-softmax step over one tile of scores s[h][t] (log2 units, -inf for absent tokens):
 // warp w owns heads w, w+4, ...; turns scores into probabilities in place, stores the rescale
@@ -668,7 +700,25 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     if (s < stages) issue_stage(ring[s], &bar[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
     commit_stage();
   }
-  // q's fragments while the first stages are in flight (the first wait_stage's barrier publishes them)
+  // q's fragments while the first stages are in flight (the first wait_stage's barrier publishes them):
+  // entry i holds head h = (i % 32) / 4 at channels c, c + 1, c + 8, c + 9 (c = 16 (i / 32) + 2 (i % 4)).
+#if ROT_K
+  // rotated into the keys' basis: warp w takes heads w, w + 4 whole, one float per lane and 32 channels
+  __half* qhalf = reinterpret_cast<__half*>(qraw);
+  for (int i = threadIdx.x; i < KS * 32; i += NT)
+    if ((i % 32) / 4 >= GQ) qraw[i] = make_uint2(0u, 0u);
+  for (int h = warp; h < GQ; h += WARPS) {
+    float x[D / 32];
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) x[e] = to_float(q[(bh * GQ + h) * D + lane + 32 * e]);
+    warp_hadamard(x);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const int c = lane + 32 * e, w = c % 16;
+      qhalf[4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2] = __float2half_rn(x[e]);
+    }
+  }
+#else
   for (int i = threadIdx.x; i < KS * 32; i += NT) {
     const int ks = i / 32, h = (i % 32) / 4, c = 16 * ks + 2 * (i % 4);
     float r[4] = {0.f, 0.f, 0.f, 0.f};
@@ -676,6 +726,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       for (int e = 0; e < 4; ++e) r[e] = to_float(q[(bh * GQ + h) * D + c + 8 * (e / 2) + e % 2]);
     qraw[i] = make_uint2(pack_half2(r[0], r[1]), pack_half2(r[2], r[3]));
   }
+#endif
   for (int s = 0; s < stages; ++s) {
     wait_stage(&bar[s % NSTAGE], s / NSTAGE);
     __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
@@ -739,6 +790,11 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       if (head < GQ) wacc[warp][head][ch] = acc[u][i];
     }
   __syncthreads();
+#if ROT_V
+  // the combined rows, still in the values' basis, wait past the warps' accumulators for the rotation
+  float (*comb)[D] = reinterpret_cast<float (*)[D]>(&wacc[WARPS][0][0]);
+  static_assert(sizeof(float) * (WARPS + 1) * GQ * D <= sizeof(Stage) * NSTAGE, "ring too small for the rotation");
+#endif
   for (int i = threadIdx.x; i < GQ * D; i += NT) {
     const int h = i / D, c = i % D;
     float M = NEG_INF;
@@ -751,12 +807,28 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       den += f * wl[w][h];
     }
     const long row = ((long)b * hkv * GQ + (long)kvh * GQ + h) * num_parts + split;
+#if ROT_V
+    comb[h][c] = num;
+#else
     part_acc[row * D + c] = num;
+#endif
     if (c == 0) {
       part_ml[row * 2] = M;
       part_ml[row * 2 + 1] = den;
     }
   }
+#if ROT_V
+  __syncthreads();
+  for (int h = warp; h < GQ; h += WARPS) {  // back into the model's basis, where the residual's partials are
+    float x[D / 32];
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) x[e] = comb[h][lane + 32 * e];
+    warp_hadamard(x);
+    const long row = ((long)b * hkv * GQ + (long)kvh * GQ + h) * num_parts + split;
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) part_acc[row * D + lane + 32 * e] = x[e];
+  }
+#endif
 }
 
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)

@@ -20,9 +20,13 @@ fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n holds tokens 16n..16n+1
 scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
 lane reads the scales of its two tokens as one half2.
 
+A method that stores blocks in the Hadamard basis (OScaR, KVLinC) says so in `PackedLayer.rotated_keys`
+and `rotated_values`; the query, the float16 residual window, the correction terms and the output stay
+in the model's basis (the kernel rotates the query for the flushed blocks and their partial output back).
+
 `reference_decode` dequantizes and attends in float64: the reference the kernel
 (`kvcalib.runtime.int2_kernel.fused_decode`) is tested against; both take KVLinC's correction terms
-(numerator (B, Hq, D) and denominator (B, Hq), in exp units) when given.
+(numerator (B, Hq, D) and denominator (B, Hq), in exp units, in the model's basis) when given.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .hadamard import rotate
 from .quant import Quantized, dequantize_codes, quantize, unpack_bits
 
 TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `pack` allocates
@@ -146,13 +151,25 @@ class PackedLayer:
     group_size: int
     value_group_size: int
     knorm: torch.Tensor | None = None  # (B, Hkv, CAPT) fp16, OScaR
+    # The flushed keys (values) are stored in the normalized Hadamard basis (OScaR's keys and values,
+    # KVLinC's values); the query, the residual window and the output are in the model's basis.
+    rotated_keys: bool = False
+    rotated_values: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.kcodes.shape[-1]
 
-    def flushed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized flushed keys and values (float32), norms applied."""
+    def flushed_kv(self, model_basis: bool = False, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized flushed keys and values in `dtype`, norms applied: in the basis they are stored in,
+        or with `model_basis` rotated back where they are stored rotated (in `dtype`)."""
+        k, v = (x.to(dtype) for x in self._flushed_stored())
+        if model_basis:
+            k = rotate(k) if self.rotated_keys else k
+            v = rotate(v) if self.rotated_values else v
+        return k, v
+
+    def _flushed_stored(self) -> tuple[torch.Tensor, torch.Tensor]:
         t, g, d = self.length, self.group_size, self.head_dim
         kc = from_tensor_core_order(self.kcodes[:, :, : t // 16], "k")
         vc = from_tensor_core_order(self.vcodes[:, :, :t].reshape(*self.vcodes.shape[:2], t // 16, d), "v")
@@ -176,16 +193,18 @@ def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
 
 
 def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm: torch.Tensor | None,
-                 residual_k: torch.Tensor, residual_v: torch.Tensor) -> PackedLayer:
+                 residual_k: torch.Tensor, residual_v: torch.Tensor, rotated_keys: bool = False,
+                 rotated_values: bool = False) -> PackedLayer:
     """`layer` with more flushed tokens (2-bit `Quantized` keys and values of kvcalib.quant, optional
-    per-token key norms), growing its buffers by doubling; the residual window is replaced."""
+    per-token key norms), growing its buffers by doubling; the residual window is replaced. The
+    `rotated_*` flags describe a new layer's blocks (`PackedLayer`)."""
     t = kq.length
     kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
     if layer is None:
         empty = lambda x: x.new_zeros(*x.shape[:2], 0, *x.shape[3:])  # noqa: E731
         layer = PackedLayer(empty(kcodes), empty(kq.scale), empty(kq.zero), empty(vcodes), empty(vscale),
                             empty(vzero), residual_k, residual_v, 0, 0, kq.group_size, vq.group_size,
-                            None if knorm is None else empty(knorm.half()))
+                            None if knorm is None else empty(knorm.half()), rotated_keys, rotated_values)
     new_len = layer.length + t
     g = layer.group_size
     layer.kcodes = grow(layer.kcodes, kcodes, layer.length // 16)
@@ -203,8 +222,9 @@ def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm:
 
 def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Tensor, group_size: int,
          value_group_size: int, knorm: torch.Tensor | None = None, capacity: int | None = None,
-         residual_capacity: int = 128) -> PackedLayer:
-    """Quantize flushed k, v (B, Hkv, T, D) to INT2 in buffers of `capacity` tokens (default T)."""
+         residual_capacity: int = 128, rotated_keys: bool = False, rotated_values: bool = False) -> PackedLayer:
+    """Quantize flushed k, v (B, Hkv, T, D) to INT2 in buffers of `capacity` tokens (default T); k and v are
+    taken as stored (in the Hadamard basis where `rotated_*` says so), the residual in the model's basis."""
     b, h, t, d = k.shape
     cap = capacity or max(t, TILE)
     kq = quantize(k, 2, group_size, "tokens")
@@ -224,16 +244,18 @@ def pack(k: torch.Tensor, v: torch.Tensor, k_res: torch.Tensor, v_res: torch.Ten
         vscale=buffer(vscale, 2, cap), vzero=buffer(vzero, 2, cap),
         kres=buffer(k_res.half(), 2, residual_capacity), vres=buffer(v_res.half(), 2, residual_capacity),
         length=t, residual=k_res.shape[2], group_size=group_size, value_group_size=value_group_size,
-        knorm=None if knorm is None else buffer(knorm.half(), 2, cap),
+        knorm=None if knorm is None else buffer(knorm.half(), 2, cap), rotated_keys=rotated_keys,
+        rotated_values=rotated_values,
     )
 
 
 def reference_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                      correction: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """q (B, Hq, D) -> (B, Hq, D) float64, straight from the definition."""
-    k, v = layer.flushed_kv()
-    k = torch.cat([k.double(), layer.kres[:, :, : layer.residual].double()], dim=2)
-    v = torch.cat([v.double(), layer.vres[:, :, : layer.residual].double()], dim=2)
+    """q (B, Hq, D) -> (B, Hq, D) float64, straight from the definition, in the model's basis (rotated
+    blocks rotated back in float64)."""
+    k, v = layer.flushed_kv(model_basis=True, dtype=torch.float64)
+    k = torch.cat([k, layer.kres[:, :, : layer.residual].double()], dim=2)
+    v = torch.cat([v, layer.vres[:, :, : layer.residual].double()], dim=2)
     b, hq, d = q.shape
     g = hq // k.shape[1]
     qd = q.double().reshape(b, -1, g, d)

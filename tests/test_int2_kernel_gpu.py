@@ -24,13 +24,15 @@ FLOOR = 1e-4  # flash-attention's absolute term
 CORRECTION_TOL = {torch.float16: 4 * 2.0**-11, torch.bfloat16: 4 * 2.0**-8}
 
 
-def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256):
+def _layer(b, hkv, d, length, residual, group, vgroup, norms, extra=256, rotated=(False, False)):
+    """Flushed keys and values as stored (`rotated`: keys, values in the Hadamard basis, as OScaR stores
+    both and KVLinC its values), the residual in the model's basis."""
     torch.manual_seed(length * 7 + residual)
     k = torch.randn(b, hkv, length, d, device=DEV) * (1 + 4 * torch.rand(1, 1, 1, d, device=DEV))
     v = torch.randn(b, hkv, length, d, device=DEV)
     kn = (0.5 + torch.rand(b, hkv, length, device=DEV)) if norms else None
     layer = pack(k, v, torch.randn(b, hkv, residual, d, device=DEV), torch.randn(b, hkv, residual, d, device=DEV),
-                 group, vgroup, kn, capacity=length + extra)
+                 group, vgroup, kn, capacity=length + extra, rotated_keys=rotated[0], rotated_values=rotated[1])
     # Poison the unused capacity: the kernel must never read past `length` / `residual`.
     for buf, filled in ((layer.kcodes, length // 16), (layer.vcodes, length)):
         buf[:, :, filled:] = torch.randint(-2**31, 2**31 - 1, buf[:, :, filled:].shape, device=DEV, dtype=torch.int32)
@@ -44,8 +46,9 @@ def _row_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa(q, layer, scaling):
-    """The peer: SDPA in q's dtype over the dequantized cache (flushed blocks, then the residual)."""
-    k, v = layer.flushed_kv()
+    """The peer: SDPA in q's dtype over the dequantized cache (flushed blocks in the model's basis, then
+    the residual), what a user who dequantizes gets."""
+    k, v = layer.flushed_kv(model_basis=True)
     k = torch.cat([k.to(q.dtype), layer.kres[:, :, : layer.residual].to(q.dtype)], 2)
     v = torch.cat([v.to(q.dtype), layer.vres[:, :, : layer.residual].to(q.dtype)], 2)
     return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scaling, enable_gqa=True)[:, :, 0]
@@ -69,7 +72,8 @@ def _check(q, layer, correction=None, loader="auto"):
 
 def _long_layer(b, hkv, length, group, inputs, norms, d=128, residual=127):
     """Keys, values: unit randn ("diffuse": near-uniform attention, what many heads of a long context
-    do), or with 8 outlier channels at 5x and a sink token aligned with the queries ("peaked")."""
+    do), or with 8 outlier channels at 5x and a sink token aligned with the queries ("peaked"). With
+    norms the layout is OScaR's: unit keys times norms, keys and values stored in the Hadamard basis."""
     k = torch.randn(b, hkv, length, d, device=DEV)
     v = torch.randn(b, hkv, length, d, device=DEV)
     if inputs == "peaked":
@@ -79,7 +83,7 @@ def _long_layer(b, hkv, length, group, inputs, norms, d=128, residual=127):
     if norms:
         k = k / kn[..., None]
     return pack(k, v, torch.randn(b, hkv, residual, d, device=DEV), torch.randn(b, hkv, residual, d, device=DEV),
-                group, min(group, d), kn)
+                group, min(group, d), kn, rotated_keys=norms, rotated_values=norms)
 
 
 @pytest.mark.parametrize("b,length,group,gqa,norms", [
@@ -94,7 +98,7 @@ def test_long_context_decode_is_as_exact_as_sdpa_in_every_row(b, length, group, 
     layer = _long_layer(b, hkv, length, group, inputs, norms)
     q = torch.randn(b, hkv * gqa, 128, device=DEV)
     if inputs == "peaked":  # every query leans towards its sink: q.k_sink / sqrt(d) ~ 9, about the mass of the rest
-        k0, _ = layer.flushed_kv()
+        k0, _ = layer.flushed_kv(model_basis=True)
         q = q + 0.05 * k0[:, :, 0].repeat_interleave(gqa, dim=1)
         del k0
     _check(q.to(dtype), layer)
@@ -118,7 +122,7 @@ def test_fused_kivi_decode_matches_float64_reference(d, gqa, length, residual, b
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("loader", ["auto", "cp.async"])
 def test_fused_decode_handles_group_sizes_and_oscar_norms(group, norms, d, loader):
-    layer = _layer(2, 2, d, 2048, 50, group=group, vgroup=min(group, d), norms=norms)
+    layer = _layer(2, 2, d, 2048, 50, group=group, vgroup=min(group, d), norms=norms, rotated=(norms, norms))
     q = torch.randn(2, 8, d, device=DEV).half()
     _check(q, layer, loader=loader)
 
@@ -129,11 +133,12 @@ def test_every_residual_length_from_0_to_127():
         _check(torch.randn(1, 8, 128, device=DEV).half(), layer)
 
 
-def test_kvlinc_correction_terms_enter_numerator_and_denominator():
-    layer = _layer(3, 2, 128, 1024, 30, 128, 128, norms=False)
+@pytest.mark.parametrize("rotated_values", [False, True])  # KVLinC stores values rotated; its terms are in the model's basis
+def test_kvlinc_correction_terms_enter_numerator_and_denominator(rotated_values):
+    layer = _layer(3, 2, 128, 1024, 30, 128, 128, norms=False, rotated=(False, rotated_values))
     q = torch.randn(3, 8, 128, device=DEV).half()
     # Terms as large as the attention's own sum of exp(q.k/sqrt(d)), so they visibly move the output.
-    k, _ = layer.flushed_kv()
+    k, _ = layer.flushed_kv(model_basis=True)
     z = torch.logsumexp(torch.einsum("bkgd,bktd->bkgt", q.float().reshape(3, 2, 4, 128), k) * 128**-0.5, -1).exp()
     z = z.reshape(3, 8)
     num = torch.randn(3, 8, 128, device=DEV) * z[..., None]
@@ -143,6 +148,28 @@ def test_kvlinc_correction_terms_enter_numerator_and_denominator():
     corrected = fused_decode(q, layer, 128**-0.5, (num, den), checked=True)
     assert not torch.allclose(plain, corrected, atol=1e-2), "correction had no effect"
     assert err < CORRECTION_TOL[q.dtype]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+@pytest.mark.parametrize("rotated", [(True, True), (False, True), (True, False)], ids=["oscar", "kvlinc", "keys"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("length,residual", [(0, 40), (256, 0), (4224, 77)])
+def test_blocks_stored_in_the_hadamard_basis_are_read_in_it(d, gqa, rotated, dtype, length, residual):
+    """The query and the output stay in the model's basis; the kernel rotates the query for rotated keys
+    and the blocks' partial outputs back from rotated values (`warp_hadamard`), while the residual's
+    blocks read the model's basis as it is: every row within the rule against the reference in the model's
+    basis. The same codes read as if stored unrotated are a different cache: no row is then anywhere near
+    the reference (a kernel that skipped a rotation, or rotated the residual too, fails here)."""
+    import dataclasses
+
+    layer = _layer(2, 2, d, length, residual, group=32, vgroup=min(32, d), norms=rotated[0], rotated=rotated)
+    q = torch.randn(2, 2 * gqa, d, device=DEV).to(dtype)
+    _check(q, layer)
+    if length:
+        plain = dataclasses.replace(layer, rotated_keys=False, rotated_values=False)
+        wrong = _row_errors(fused_decode(q, plain, d**-0.5, checked=True), reference_decode(q, layer, d**-0.5))
+        assert wrong.min() > 0.05, wrong.min().item()  # diffuse rows of random values: O(1) apart, not 1e-3
 
 
 def test_output_is_fully_rewritten_on_fresh_inputs_each_call():
@@ -176,7 +203,8 @@ def test_rows_with_device_counts_each_split_their_own_length_over_the_launch(gro
 
     d, hkv, cap = 128, 2, 33280
     flushed, residual = [0, 256, 4224, cap], [3, 0, 127, 64]
-    layer = _layer(len(flushed), hkv, d, cap, 128, group=group, vgroup=min(group, d), norms=norms, extra=0)
+    layer = _layer(len(flushed), hkv, d, cap, 128, group=group, vgroup=min(group, d), norms=norms, extra=0,
+                   rotated=(norms, norms))
     for i, (n, r) in enumerate(zip(flushed, residual)):  # poison each row past its own counts
         layer.kcodes[i, :, n // 16 :] = -1
         layer.vcodes[i, :, n:] = -1
@@ -191,7 +219,8 @@ def test_rows_with_device_counts_each_split_their_own_length_over_the_launch(gro
         row = PackedLayer(layer.kcodes[i : i + 1], layer.kscale[i : i + 1], layer.kzero[i : i + 1],
                           layer.vcodes[i : i + 1], layer.vscale[i : i + 1], layer.vzero[i : i + 1],
                           layer.kres[i : i + 1], layer.vres[i : i + 1], n, r, group, min(group, d),
-                          None if layer.knorm is None else layer.knorm[i : i + 1])
+                          None if layer.knorm is None else layer.knorm[i : i + 1], layer.rotated_keys,
+                          layer.rotated_values)
         ref = reference_decode(q[i : i + 1], row, d**-0.5)
         err = _row_errors(out[i : i + 1], ref)
         bound = 2 * _row_errors(_sdpa(q[i : i + 1], row, d**-0.5), ref) + FLOOR
@@ -235,5 +264,5 @@ def test_stream_read_floor_reads_every_word_exactly_once(n16, blocks):
 def test_four_tile_stages_ending_mid_stage(length, group, d, norms, loader):
     # G >= 128 with one value group per token: stages of 256 tokens, four tiles per warp; these
     # lengths leave the last stage half full (warps without tokens) or a single key group.
-    layer = _layer(2, 2, d, length, 9, group=group, vgroup=d, norms=norms, extra=0)
+    layer = _layer(2, 2, d, length, 9, group=group, vgroup=d, norms=norms, extra=0, rotated=(norms, norms))
     _check(torch.randn(2, 8, d, device=DEV).half(), layer, loader=loader)

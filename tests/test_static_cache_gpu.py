@@ -23,7 +23,6 @@ import dataclasses
 import pytest
 import torch
 
-from kvcalib.hadamard import rotate
 from kvcalib.int2_layout import PackedLayer, reference_decode
 from kvcalib.methods import MethodSettings, build_method
 from kvcalib.methods.kvlinc import Adapter
@@ -47,7 +46,8 @@ def _row_view(layer: StaticLayer, b: int) -> PackedLayer:
     one = lambda t: t[b : b + 1].contiguous()  # noqa: E731
     return PackedLayer(one(p.kcodes), one(p.kscale), one(p.kzero), one(p.vcodes), one(p.vscale), one(p.vzero),
                        one(p.kres), one(p.vres), int(layer.flushed[b]), int(layer.residual[b]), p.group_size,
-                       p.value_group_size, one(p.knorm) if p.knorm is not None else None)
+                       p.value_group_size, one(p.knorm) if p.knorm is not None else None, p.rotated_keys,
+                       p.rotated_values)
 
 
 def _tokens(b, h, t, d, seed):
@@ -124,9 +124,9 @@ def test_a_refilled_slot_gives_the_new_sequence_exactly_what_a_fresh_cache_gives
 @pytest.mark.parametrize("name,d", [("oscar", 64), ("oscar", 128), ("kvlinc", 128), ("kvlinc-oscar", 128)])
 def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_state(name, d):
     """OScaR (keys and values in the Hadamard basis, per-token key norms) and KVLinC (values rotated, S and
-    P): each row's output of the static layer's `attend`, taken back into the kernel's basis, against the
-    float64 reference over that row's buffers (its norms, rotated residual and counts), with the query as
-    the layer rotates it and the correction terms in float64 from the row's S and P. Without correction the
+    P): each row's output of the static layer's `attend` against the float64 reference over that row's
+    buffers (its norms, rotated blocks, residual and counts), all in the model's basis, with the
+    correction terms in float64 from the row's S and P. Without correction the
     fused kernel's bound (twice SDPA's error + 1e-4); with it the bound of tests/test_int2_kernel_gpu.py
     (a few units of float16 output rounding). What the buffers and states hold is pinned on the CPU
     (tests/test_static_cache.py) and against `KvcalibCache` here, at every step."""
@@ -146,11 +146,6 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
     k_new, v_new = _tokens(b, h, steps, d, seed=299)
     g = torch.Generator(device=DEV).manual_seed(300)  # seeded: the rows checked do not depend on earlier tests
     q = torch.randn(b, 8, steps, d, device=DEV, generator=g).half()  # the kernel tests' regime
-    # Rotated values: `attend` rounds the output to float16 a second time, in the model's basis, after the
-    # kernel rounded it in the rotated one; taken back here, that rounding adds at most u/2 = 2^-12 to a
-    # row's relative error (round to nearest, each element within u/2 of itself), which SDPA in the
-    # rotated basis does not pay. (Without it, one OScaR d=64 row in 4192 sat at 1.03x the bound.)
-    twice = 2.0**-12 if method.rotated_values else 0.0
     opts = AttentionOptions(scaling=d**-0.5)
     worst, corrected = 0.0, 0
     for s in range(steps):
@@ -158,8 +153,7 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
         q1 = q[:, :, s : s + 1]
         out = static.attend(q1, None, None, opts, prefill=False)[:, :, 0]
         assert torch.isfinite(out).all()
-        out = rotate(out.float()) if method.rotated_values else out  # back into the values' stored basis
-        qk = (rotate(q1[:, :, 0].float()).half() if method.rotated_keys else q1[:, :, 0])
+        qk = q1[:, :, 0]
         for i in range(b):
             dyn = dynamic[i]
             dyn.append(k_new[i : i + 1, :, s : s + 1], v_new[i : i + 1, :, s : s + 1])
@@ -180,12 +174,12 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
                 st = static.state
                 num = (fq.reshape(1, h, 4, 1, -1) @ st.s[i : i + 1].double().unsqueeze(2)).reshape(1, 8, -1)
                 den = (fq.reshape(1, h, 4, 1, -1) @ st.p[i : i + 1].double()[:, :, None, :, None]).reshape(1, 8)
-                terms = (rotate(num) if method.rotated_values else num, den)
+                terms = (num, den)
                 corrected += 1
             ref = reference_decode(qk[i : i + 1], row, d**-0.5, terms)
             err = _row_errors(out[i : i + 1], ref)
             if terms is None:
-                bound = 2 * _row_errors(_sdpa(qk[i : i + 1], row, d**-0.5), ref) + FLOOR + twice
+                bound = 2 * _row_errors(_sdpa(qk[i : i + 1], row, d**-0.5), ref) + FLOOR
             else:
                 bound = torch.full_like(err, 2 * CORRECTION_TOL[torch.float16])
             assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
@@ -302,10 +296,8 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         eager, comp = step(layers[0], *args), compiled(layers[1], *args)
         for (buf, _), (other, _) in zip(layers[0]._buffers(), layers[1]._buffers()):
             assert torch.equal(buf, other), s
-        for a, b in zip([layers[0].kraw, layers[0].vraw, layers[0].packed.kres, layers[0].packed.vres,
-                         layers[0].flushed, layers[0].residual],
-                        [layers[1].kraw, layers[1].vraw, layers[1].packed.kres, layers[1].packed.vres,
-                         layers[1].flushed, layers[1].residual]):
+        for a, b in zip([layers[0].packed.kres, layers[0].packed.vres, layers[0].flushed, layers[0].residual],
+                        [layers[1].packed.kres, layers[1].packed.vres, layers[1].flushed, layers[1].residual]):
             assert torch.equal(a, b), s
         if layers[0].state is None:
             assert torch.equal(eager, comp), s

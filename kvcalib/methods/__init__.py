@@ -71,8 +71,8 @@ class Method:
         return 0
 
     # ---- what the runtime (kvcalib.runtime.cache) reads of a method: declarations, never its class ----
-    rotated_keys = False  # keys are stored in the Hadamard basis: queries (and residual keys) meet them there
-    rotated_values = False  # values are stored in the Hadamard basis: attention outputs are rotated back
+    rotated_keys = False  # flushed keys are stored in the Hadamard basis: the fused kernel rotates queries for them
+    rotated_values = False  # flushed values are stored in the Hadamard basis: the kernel rotates their sums back
 
     def int2_spec(self) -> Int2Spec | None:
         """The flushed blocks as the INT2 kernel would read them (`kvcalib.int2_layout`), or None."""
@@ -83,8 +83,8 @@ class Method:
         raise NotImplementedError(f"{self.name} has no INT2 layout")
 
     def correction(self, layer: int, q: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Terms added to attention's unnormalised sums (numerator (B, Hq, T, d) in the basis values are
-        stored in, denominator (B, Hq, T), exp units), or None: KVLinC's φ_q(q)·S and φ_q(q)·P."""
+        """Terms added to attention's unnormalised sums (numerator (B, Hq, T, d) in the model's basis
+        (values as held), denominator (B, Hq, T), exp units), or None: KVLinC's φ_q(q)·S and φ_q(q)·P."""
         return None
 
     # ---- decoding (kvcalib.runtime.cache): a state kept beside the compressed blocks, None at first ----

@@ -31,7 +31,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
-from ..hadamard import rotate
 from ..int2_layout import PackedLayer, append_block
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
@@ -114,22 +113,19 @@ class CompressedLayer(CacheLayerMixin):
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
             if self.use_fused and supports(self.method.int2_spec(), k16.shape[-1], k16.device):
-                self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res)
+                self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res,
+                                          self.method.rotated_keys, self.method.rotated_values)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
-        if self.fused is not None:  # the kernel's residual: each token in the basis it reads, rotated once, here
-            new = key_states.shape[-2]
-            self.fused.kres = kernel_basis(self.k_res, self.fused.kres, new, bool(flush), self.method.rotated_keys)
-            self.fused.vres = kernel_basis(self.v_res, self.fused.vres, new, bool(flush), self.method.rotated_values)
-            self.fused.residual = self.k_res.shape[2]
+        if self.fused is not None:  # the kernel reads the residual as it came in (int2_layout: model's basis)
+            self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
         if self.fused is not None:  # rare on the fused path: several new positions onto a filled cache
-            k, v = self.fused.flushed_kv()  # in the basis the blocks are stored in
-            self.k_blocks = [rotate(k) if self.method.rotated_keys else k]
-            self.v_blocks = [rotate(v) if self.method.rotated_values else v]
+            k, v = self.fused.flushed_kv(model_basis=True)
+            self.k_blocks, self.v_blocks = [k], [v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
 
@@ -246,9 +242,8 @@ def _watch_padding(model: torch.nn.Module) -> None:
 
 def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
     """Attention of the newest positions over the compressed cache: the fused kernel for one new
-    token where it reads the method's blocks (queries and residual keys met in the basis the method
-    stores keys in, outputs rotated back from the values' basis, the method's correction terms
-    entering at the merge), otherwise the method's torch reference over the dequantized cache."""
+    token where it reads the method's blocks (`fused_attend`), otherwise the method's torch reference
+    over the dequantized cache."""
     method, fused = layer.method, layer.fused
     gqa = q.shape[1] // layer.k_res.shape[1]
     if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
@@ -257,38 +252,19 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
 
-def kernel_basis(residual: torch.Tensor, held: torch.Tensor, new: int, flushed: bool, rotated: bool) -> torch.Tensor:
-    """The float16 `residual` window (B, Hkv, R, D) in the basis the fused kernel reads it in: itself where
-    the method stores that part unrotated; else rotated into the Hadamard basis (where residual keys meet
-    the rotated query and residual values sum with the rotated blocks), each token once: after a flush the
-    window left over (at most R tokens, once per block), otherwise only the `new` tokens, onto `held`
-    (the window as the kernel held it before them). The static cache rotates at append the same way;
-    rotating the whole window at every step and layer cost the eager step a product per layer."""
-    if not rotated:
-        return residual
-    if flushed:  # the window left over (append_block has just handed it over unrotated)
-        return rotate(residual.float()).half()
-    fresh = residual[..., residual.shape[-2] - new :, :]
-    return torch.cat([held, rotate(fresh.float()).half()], dim=-2)
-
-
 def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLayer, scaling: float, state: Any,
                  counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, whose residual is
-    already in the basis the method stores keys and values in: the query rotated into the keys' basis,
-    the method's correction terms entering at the merge, the output rotated back from the values' basis;
-    (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's per-sequence counts on the device."""
-    q1 = q[:, :, 0]
-    if method.rotated_keys:  # q·k is taken in the Hadamard basis the keys are stored in
-        q1 = rotate(q1.float())
+    """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, with the method's
+    correction terms entering at the merge; (B, Hq, 1, D) in the compute dtype. Everything here is in the
+    model's basis: where the method stores blocks rotated, the kernel rotates the query for them and their
+    partial outputs back (`kvcalib.int2_layout`). `counts`: a static cache's per-sequence counts on the device."""
     terms = method.correction(layer, q, state)
     if terms is not None:
-        num, den = terms[0][:, :, 0], terms[1][:, :, 0]  # the single new position
-        terms = (rotate(num) if method.rotated_values else num, den)
+        terms = (terms[0][:, :, 0], terms[1][:, :, 0])  # the single new position
+    q1 = q[:, :, 0]
     # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
     q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-    out = fused_decode(q1, packed, scaling, terms, counts=counts).to(compute_dtype(q))
-    return (rotate(out) if method.rotated_values else out).unsqueeze(2)
+    return fused_decode(q1, packed, scaling, terms, counts=counts).to(compute_dtype(q)).unsqueeze(2)
 
 
 def register_attention() -> None:

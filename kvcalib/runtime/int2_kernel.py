@@ -70,7 +70,9 @@ def _sm_count(device: int) -> int:
 def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
                  correction: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False,
                  loader: str = "auto", counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype.
+    """The CuPy kernels; q (B, Hq, D) fp16/bf16 on CUDA -> (B, Hq, D) in q's dtype, both in the model's
+    basis whatever basis `layer` stores its blocks in (`PackedLayer.rotated_keys`/`rotated_values`: the
+    kernel rotates the query and the blocks' partial outputs itself), `correction` as well.
 
     `loader`: "auto" streams the packed cache with the bulk-copy engine on sm_90 and later, with
     cp.async before; "cp.async" forces the latter (the tests run both on one GPU).
@@ -86,7 +88,7 @@ def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,
     return torch.ops.kvcalib.int2_decode(
         q, layer.kcodes, layer.kscale, layer.kzero, layer.knorm, layer.vcodes, layer.vscale, layer.vzero,
         layer.kres, layer.vres, num, den, flushed, residual, layer.length, layer.residual, layer.group_size,
-        layer.value_group_size, scaling, loader, checked)
+        layer.value_group_size, layer.rotated_keys, layer.rotated_values, scaling, loader, checked)
 
 
 @torch.library.custom_op("kvcalib::int2_decode", mutates_args=())
@@ -94,7 +96,8 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
                  knorm: torch.Tensor | None, vcodes: torch.Tensor, vscale: torch.Tensor, vzero: torch.Tensor,
                  kres: torch.Tensor, vres: torch.Tensor, num: torch.Tensor | None, den: torch.Tensor | None,
                  flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
-                 group_size: int, value_group_size: int, scaling: float, loader: str, checked: bool) -> torch.Tensor:
+                 group_size: int, value_group_size: int, rotated_keys: bool, rotated_values: bool, scaling: float,
+                 loader: str, checked: bool) -> torch.Tensor:
     """`fused_decode` with the PackedLayer spelled out as the op's arguments (a custom op takes tensors
     and scalars only); it checks the inputs and launches on torch's current stream."""
     import cupy
@@ -102,7 +105,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
     from kernels_cupy.loader import kernel, launch, torch_stream
 
     layer = PackedLayer(kcodes, kscale, kzero, vcodes, vscale, vzero, kres, vres, length, residual_len, group_size,
-                        value_group_size, knorm)
+                        value_group_size, knorm, rotated_keys, rotated_values)
     counts = (flushed, residual) if flushed is not None else None
 
     b, hq, d = q.shape
@@ -121,7 +124,8 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
     if layer.length % spec.block or layer.vcodes.shape[2] % 16:
         raise ValueError("fused decode needs whole key groups of >= 16 tokens and capacity in multiples of 16 tokens")
     defines = {"D": d, "G": layer.group_size, "GV": layer.value_group_size, "GQ": hq // hkv,
-               "HAS_NORM": int(layer.knorm is not None), "BLOCKS_PER_SM": BLOCKS_PER_SM,
+               "HAS_NORM": int(layer.knorm is not None), "ROT_K": int(rotated_keys), "ROT_V": int(rotated_values),
+               "BLOCKS_PER_SM": BLOCKS_PER_SM,
                "CP_ASYNC_LOADER": int(loader == "cp.async"), "SPLIT_UNIT": split_unit(layer.group_size),
                "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16"}
     if counts is not None and any(c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device

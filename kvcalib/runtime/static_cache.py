@@ -30,10 +30,9 @@ never the whole batch's.
 Methods: those whose flushed blocks the fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
 at 2 bits with power-of-two key groups of >= 16 tokens); others are refused with the reason. What a
 method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
-- a rotated basis (OScaR's keys and values, KVLinC's values): the residual the kernel reads holds each
-  token rotated once, at append, and the residual as it came in is kept beside it (R tokens, a few % of
-  the cache's bytes), so that the flush compresses the very float16 tokens `KvcalibCache` compresses;
-  the query is rotated into the keys' basis and the output rotated back from the values';
+- a rotated basis (OScaR's keys and values, KVLinC's values): the flushed blocks are stored rotated
+  (`PackedLayer.rotated_keys`/`rotated_values`) and the kernel rotates the query for them and their
+  partial outputs back; the residual is held as it came in, which is what the flush compresses;
 - per-token key norms (OScaR): a norm buffer beside the codes, written by the same masked flush;
 - a decoding state (KVLinC's S and P, `Method.empty_state`): allocated once per slot, updated at the
   flush in place where a window filled (`torch.where`), read for the correction terms every step.
@@ -48,7 +47,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
-from ..hadamard import hadamard, rotate
+from ..hadamard import hadamard
 from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
@@ -102,14 +101,12 @@ class StaticLayer(CacheLayerMixin):
             vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
             kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
             length=capacity, residual=r, group_size=g, value_group_size=gv,
-            knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None)
-        # The residual as it came in, where the kernel reads it rotated (module docstring): what the flush compresses.
-        self.kraw = zeros(batch, kv_heads, r, head_dim) if method.rotated_keys else self.packed.kres
-        self.vraw = zeros(batch, kv_heads, r, head_dim) if method.rotated_values else self.packed.vres
+            knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
+            rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
         self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
-        if method.rotated_keys or method.rotated_values:  # made now, read by a compiled step as an input
+        if method.rotated_keys or method.rotated_values:  # made now, read by a compiled flush as an input
             hadamard(head_dim, torch.float32, self.flushed.device)
         self.is_initialized = True
         self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
@@ -148,12 +145,6 @@ class StaticLayer(CacheLayerMixin):
         """(this layer's state tensor, the same field of `state`), field by field."""
         return list(zip(_tensors(self.state), _tensors(state)))
 
-    def _kernel_basis(self, k16: torch.Tensor, v16: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float16 tokens (..., D) in the basis the kernel reads them in (rotated once, here)."""
-        m = self.method
-        return (rotate(k16.float()).half() if m.rotated_keys else k16,
-                rotate(v16.float()).half() if m.rotated_values else v16)
-
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
         t, r = k.shape[2], self.packed.residual
@@ -168,9 +159,7 @@ class StaticLayer(CacheLayerMixin):
             if state is not None:
                 for mine, new in self._state_fields(state):
                     mine[slot] = new[0]
-        kr, vr = k16[0, :, n:], v16[0, :, n:]
-        self.kraw[slot, :, : t - n], self.vraw[slot, :, : t - n] = kr, vr  # the kernel's own buffers if not rotated
-        self.packed.kres[slot, :, : t - n], self.packed.vres[slot, :, : t - n] = self._kernel_basis(kr, vr)
+        self.packed.kres[slot, :, : t - n], self.packed.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
@@ -180,17 +169,13 @@ class StaticLayer(CacheLayerMixin):
         r = self.packed.residual
         rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
                 self.residual.long().view(b, 1))
-        k1, v1 = k[:, :, 0].half(), v[:, :, 0].half()
-        kb, vb = self._kernel_basis(k1, v1)
-        for buf, x in ((self.packed.kres, kb), (self.packed.vres, vb)) + (
-                ((self.kraw, k1),) if self.method.rotated_keys else ()) + (
-                ((self.vraw, v1),) if self.method.rotated_values else ()):
-            buf.index_put_(rows, x)  # in place under Inductor too (`_masked_write`)
+        for buf, x in ((self.packed.kres, k), (self.packed.vres, v)):
+            buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
         self.residual += 1
         if not flush:
             return
         full = self.residual == r
-        parts, state = self._flush(self.kraw, self.vraw, self.state)
+        parts, state = self._flush(self.packed.kres, self.packed.vres, self.state)
         for (buf, unit), part in zip(self._buffers(), parts):
             _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
         if state is not None:
