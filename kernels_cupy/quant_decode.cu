@@ -35,10 +35,17 @@
 // HAS_NORM, ROT_K, ROT_V, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
 // is a whole number of, `int2_kernel.split_unit`); TILES may be set to
 // override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
-// cores whatever QT is.
+// cores whatever QT is (a rotated one, ROT_K, to a pair of fp16 numbers, hi + lo).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+
+#ifndef ROT_K
+#define ROT_K 0
+#endif
+#ifndef ROT_V
+#define ROT_V 0
+#endif
 
 #define NT 128       // threads per block
 #define PER_WORD 16  // 2-bit codes per 32-bit word
@@ -302,8 +309,10 @@ __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
 // tokens: four when G >= 128 with one value group per token (256-token stages, a ring of two in
 // 48 KB; 128k B=1 50.5 -> 41.6 us, B=8 77% -> 93% of copy), two when G >= 32 (with four, a warp's
 // tiles would span two key groups, or the ring would not fit), one when G = 16.
+// A rotated query (ROT_K) keeps two tiles there: its remainder fragments (2 KB) and a ring of two 4-tile
+// stages do not fit 48 KB together, and the remainder's mma would spill registers at four.
 #ifndef TILES
-#define TILES (G >= 128 && GV >= D ? 4 : G >= 32 ? 2 : 1)
+#define TILES (G >= 128 && GV >= D && !ROT_K ? 4 : G >= 32 ? 2 : 1)
 #endif
 #define ST (16 * WARPS * TILES)
 #define SHARED_Q (G >= ST)  // a stage lies in one key group: its q~ is computed once per block
@@ -318,7 +327,7 @@ struct __align__(16) Stage {
 // Static shared memory stays under 48 KB: the ring, q's fragments, q~ fragments, shares of k0, one
 // mbarrier per stage, the warps' maxima and sums.
 constexpr bool ring_fits(int n) {
-  return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 8 * n +
+  return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS) + (ROT_K ? 1 : 0)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 8 * n +
              2 * WARPS * 8 * 4 <= 48 * 1024;
 }
 constexpr int NSTAGE = ring_fits(4) ? 4 : ring_fits(3) ? 3 : 2;
@@ -439,9 +448,11 @@ __device__ __forceinline__ void finish_stages() { cp_async_wait_all(); }
 // {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
 // g + 8; heads 2t, 2t + 1): k0 = sum_c q_c z_c - sum_c off(token row) q~_c, on the tensor cores
 // exactly as the scores are. Over the N k-slices from `first` (all KS, or a warp's share of them).
+// With ROT_K, qlo holds the rotated query's fp16 remainder (q = qraw + qlo to ~2^-22): its terms are
+// summed too, on the tensor cores, so the rotation costs the scores no fp16 rounding of q.
 template <int N>
-__device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, const __half* z, uint2* frag,
-                                          float* k0, int first) {
+__device__ __forceinline__ void key_group(const uint2* qraw, const uint2* qlo, const __half* s, const __half* z,
+                                          uint2* frag, float* k0, int first) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain
   k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
@@ -456,8 +467,14 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
                                            : qt;
     if (KEY_SCHEME == 3)  // every token row: sum_c (z_c + 1.5 s_c) q_c
       mma16816(k0, centred_zeros(z + c, s + c), q.x, q.y);
-    else if (KEY_SCHEME == 4)  // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q if exact)
-      mma16816(k0, EXACT_KEY_ZEROS ? zero_and_scale_rows(z + c, s + c) : shifted_zeros(z + c, s + c), q.x, q.y);
+    else if (KEY_SCHEME == 4) {  // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q if exact)
+      const uint4 a = EXACT_KEY_ZEROS ? zero_and_scale_rows(z + c, s + c) : shifted_zeros(z + c, s + c);
+      mma16816(k0, a, q.x, q.y);
+#if ROT_K
+      const uint2 ql = qlo[ks * 32 + lane];
+      mma16816(k1, a, ql.x, ql.y);
+#endif
+    }
     else  // every token row: sum_c z_c q_c
       mma16816(k0, rows_of_pairs(z + c), q.x, q.y);
     if (KEY_SCHEME < 2)  // -sum_c off q~_c
@@ -471,7 +488,7 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const __half* s, co
 // The scores sc (log2 units) of a warp's TILES tiles at stage rows row0, row0 + 1, ...: sc[j][0..1]
 // token g of tile j, heads 2t, 2t + 1; sc[j][2..3] token g + 8. Two mma chains per tile.
 __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uint2* qf, const uint2* qraw,
-                                            const float* k0, const unsigned* kexp, float scale_log2, float (*sc)[4]) {
+                                            const uint2* qlo, const float* k0, const unsigned* kexp, float scale_log2, float (*sc)[4]) {
   const int lane = threadIdx.x % 32;
   float sc2[TILES][4];
 #pragma unroll
@@ -498,6 +515,11 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
 #endif
       mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
       mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
+#if ROT_K  // the rotated query's remainder on the same (exact) operands
+      const uint2 la = qlo[(2 * i) * 32 + lane], lb = qlo[(2 * i + 1) * 32 + lane];
+      mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), la.x, la.y);
+      mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), lb.x, lb.y);
+#endif
     }
   }
 #pragma unroll
@@ -668,6 +690,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     return;
   }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
+  __shared__ uint2 qlo[ROT_K ? KS * 32 : 1];  // ROT_K: the same of the rotated q's fp16 remainder
   // q~ fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
   __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
 #if SHARED_Q
@@ -703,10 +726,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   // q's fragments while the first stages are in flight (the first wait_stage's barrier publishes them):
   // entry i holds head h = (i % 32) / 4 at channels c, c + 1, c + 8, c + 9 (c = 16 (i / 32) + 2 (i % 4)).
 #if ROT_K
-  // rotated into the keys' basis: warp w takes heads w, w + 4 whole, one float per lane and 32 channels
+  // rotated into the keys' basis: warp w takes heads w, w + 4 whole, one float per lane and 32 channels;
+  // q = hi + lo, two fp16 numbers (score_tiles sums both: an fp16 q alone would err by its rounding, ~2^-12
+  // per channel, which took rows of peaked attention past twice SDPA's error)
+  static_assert(KEY_SCHEME == 4, "ROT_K's remainder terms are written for key scheme 4");
   __half* qhalf = reinterpret_cast<__half*>(qraw);
+  __half* qlhalf = reinterpret_cast<__half*>(qlo);
   for (int i = threadIdx.x; i < KS * 32; i += NT)
-    if ((i % 32) / 4 >= GQ) qraw[i] = make_uint2(0u, 0u);
+    if ((i % 32) / 4 >= GQ) qraw[i] = qlo[i] = make_uint2(0u, 0u);
   for (int h = warp; h < GQ; h += WARPS) {
     float x[D / 32];
 #pragma unroll
@@ -715,7 +742,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int c = lane + 32 * e, w = c % 16;
-      qhalf[4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2] = __float2half_rn(x[e]);
+      const int at = 4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2;
+      const __half hi = __float2half_rn(x[e]);
+      qhalf[at] = hi;
+      qlhalf[at] = __float2half_rn(x[e] - __half2float(hi));
     }
   }
 #else
@@ -741,7 +771,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     if ((start + s * ST) / G != group) {  // the whole block enters a new key group: each warp takes KS/WARPS slices
       group = (start + s * ST) / G;
       float part[4];
-      key_group<KS / WARPS>(qraw, st.ks[0], st.kz[0], qfrag[0], part, warp * (KS / WARPS));
+      key_group<KS / WARPS>(qraw, qlo, st.ks[0], st.kz[0], qfrag[0], part, warp * (KS / WARPS));
       k0part[warp][lane] = make_float4(part[0], part[1], part[2], part[3]);
       __syncthreads();  // every slice of q~ and every share of k0 in place
       k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
@@ -757,14 +787,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     if (tok0 / G != group) {  // a warp's tiles share one key group
       group = tok0 / G;
       const int kg = group - (start + s * ST) / G;  // the group's row in the stage
-      key_group<KS>(qraw, st.ks[kg], st.kz[kg], qfrag[warp], k0, 0);
+      key_group<KS>(qraw, qlo, st.ks[kg], st.kz[kg], qfrag[warp], k0, 0);
     }
     const uint2* qf = qfrag[warp];
 #endif
     const int row0 = TILES * warp;
     float sc[TILES][4];
     float pr[TILES][4];
-    score_tiles(st, row0, qf, qraw, k0, kexp, scale_log2, sc);
+    score_tiles(st, row0, qf, qraw, qlo, k0, kexp, scale_log2, sc);
     softmax_tiles(sc, m, l, pr, acc, voff, vzp);
     value_tiles(st, row0, pr, kexp, acc, voff, vzp);
   }
