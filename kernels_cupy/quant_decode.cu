@@ -46,6 +46,11 @@
 #ifndef ROT_V
 #define ROT_V 0
 #endif
+// A rotated query is a pair of fp16 numbers, hi + lo (packed_partial): with GQ <= 4 the remainders ride in
+// the mma's idle columns 4..7 (head h's at column h + 4, summed into column h after the products: no
+// extra instruction but one shuffle), with more heads they take an mma of their own per k-slice.
+#define LO_COLUMNS (ROT_K && GQ <= 4)
+#define LO_MMA (ROT_K && GQ > 4)
 
 #define NT 128       // threads per block
 #define PER_WORD 16  // 2-bit codes per 32-bit word
@@ -309,10 +314,11 @@ __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
 // tokens: four when G >= 128 with one value group per token (256-token stages, a ring of two in
 // 48 KB; 128k B=1 50.5 -> 41.6 us, B=8 77% -> 93% of copy), two when G >= 32 (with four, a warp's
 // tiles would span two key groups, or the ring would not fit), one when G = 16.
-// A rotated query (ROT_K) keeps two tiles there: its remainder fragments (2 KB) and a ring of two 4-tile
-// stages do not fit 48 KB together, and the remainder's mma would spill registers at four.
+// A rotated query with its remainders in an mma of their own (LO_MMA) keeps two tiles there: their
+// fragments (2 KB) and a ring of two 4-tile stages do not fit 48 KB together, and the extra mma would
+// spill registers at four.
 #ifndef TILES
-#define TILES (G >= 128 && GV >= D && !ROT_K ? 4 : G >= 32 ? 2 : 1)
+#define TILES (G >= 128 && GV >= D && !LO_MMA ? 4 : G >= 32 ? 2 : 1)
 #endif
 #define ST (16 * WARPS * TILES)
 #define SHARED_Q (G >= ST)  // a stage lies in one key group: its q~ is computed once per block
@@ -327,7 +333,7 @@ struct __align__(16) Stage {
 // Static shared memory stays under 48 KB: the ring, q's fragments, q~ fragments, shares of k0, one
 // mbarrier per stage, the warps' maxima and sums.
 constexpr bool ring_fits(int n) {
-  return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS) + (ROT_K ? 1 : 0)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 8 * n +
+  return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS) + (LO_MMA ? 1 : 0)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 8 * n +
              2 * WARPS * 8 * 4 <= 48 * 1024;
 }
 constexpr int NSTAGE = ring_fits(4) ? 4 : ring_fits(3) ? 3 : 2;
@@ -448,8 +454,9 @@ __device__ __forceinline__ void finish_stages() { cp_async_wait_all(); }
 // {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
 // g + 8; heads 2t, 2t + 1): k0 = sum_c q_c z_c - sum_c off(token row) q~_c, on the tensor cores
 // exactly as the scores are. Over the N k-slices from `first` (all KS, or a warp's share of them).
-// With ROT_K, qlo holds the rotated query's fp16 remainder (q = qraw + qlo to ~2^-22): its terms are
-// summed too, on the tensor cores, so the rotation costs the scores no fp16 rounding of q.
+// With LO_MMA, qlo holds the rotated query's fp16 remainders (q = qraw + qlo to ~2^-22): their terms are
+// summed too, on the tensor cores, so the rotation costs the scores no fp16 rounding of q (with
+// LO_COLUMNS they sit in qraw's columns 4..7 and every product takes them along).
 template <int N>
 __device__ __forceinline__ void key_group(const uint2* qraw, const uint2* qlo, const __half* s, const __half* z,
                                           uint2* frag, float* k0, int first) {
@@ -470,7 +477,7 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const uint2* qlo, c
     else if (KEY_SCHEME == 4) {  // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q if exact)
       const uint4 a = EXACT_KEY_ZEROS ? zero_and_scale_rows(z + c, s + c) : shifted_zeros(z + c, s + c);
       mma16816(k0, a, q.x, q.y);
-#if ROT_K
+#if LO_MMA
       const uint2 ql = qlo[ks * 32 + lane];
       mma16816(k1, a, ql.x, ql.y);
 #endif
@@ -515,7 +522,7 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
 #endif
       mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
       mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
-#if ROT_K  // the rotated query's remainder on the same (exact) operands
+#if LO_MMA  // the rotated query's remainders on the same (exact) operands
       const uint2 la = qlo[(2 * i) * 32 + lane], lb = qlo[(2 * i + 1) * 32 + lane];
       mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), la.x, la.y);
       mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), lb.x, lb.y);
@@ -525,7 +532,11 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
     for (int i = 0; i < 4; ++i) {
-      float x = (sc[j][i] + sc2[j][i]) * scale_log2;
+      float x = sc[j][i] + sc2[j][i];
+#if LO_COLUMNS  // head h's remainder terms sit in column h + 4, two lanes over (columns 4..7 repeat 0..3 after)
+      x += __shfl_xor_sync(0xffffffff, x, 2);
+#endif
+      x *= scale_log2;
 #if HAS_NORM
       x *= __half2float(st.kn[16 * (row0 + j) + lane / 4 + 8 * (i / 2)]);
 #endif
@@ -690,7 +701,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     return;
   }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
-  __shared__ uint2 qlo[ROT_K ? KS * 32 : 1];  // ROT_K: the same of the rotated q's fp16 remainder
+  __shared__ uint2 qlo[LO_MMA ? KS * 32 : 1];  // LO_MMA: the same of the rotated q's fp16 remainders
   // q~ fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
   __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
 #if SHARED_Q
@@ -731,9 +742,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   // per channel, which took rows of peaked attention past twice SDPA's error)
   static_assert(KEY_SCHEME == 4, "ROT_K's remainder terms are written for key scheme 4");
   __half* qhalf = reinterpret_cast<__half*>(qraw);
-  __half* qlhalf = reinterpret_cast<__half*>(qlo);
-  for (int i = threadIdx.x; i < KS * 32; i += NT)
-    if ((i % 32) / 4 >= GQ) qraw[i] = qlo[i] = make_uint2(0u, 0u);
+  __half* qlhalf = reinterpret_cast<__half*>(LO_COLUMNS ? qraw : qlo);
+  const int lo_head = LO_COLUMNS ? 4 : 0;  // column of head 0's remainders
+  for (int i = threadIdx.x; i < KS * 32; i += NT) {
+    const int h = (i % 32) / 4;
+    if (h >= GQ && !(LO_COLUMNS && h >= 4 && h < 4 + GQ)) qraw[i] = make_uint2(0u, 0u);
+    if (LO_MMA && h >= GQ) qlo[i] = make_uint2(0u, 0u);
+  }
   for (int h = warp; h < GQ; h += WARPS) {
     float x[D / 32];
 #pragma unroll
@@ -742,10 +757,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int c = lane + 32 * e, w = c % 16;
-      const int at = 4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2;
+      const int at = 4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2;  // head h, channel c
       const __half hi = __float2half_rn(x[e]);
       qhalf[at] = hi;
-      qlhalf[at] = __float2half_rn(x[e] - __half2float(hi));
+      qlhalf[at + 16 * lo_head] = __float2half_rn(x[e] - __half2float(hi));  // 16 halves per head of an entry row
     }
   }
 #else
