@@ -6,13 +6,17 @@ Directory layout (all names fixed):
 |---------------------------------------|----------------------------------------------------------|
 | `plan.json`                           | the settings and model fingerprint; written first        |
 | `layer{i:03d}-chunk{c:04d}.safetensors` | `q` (S, Hq, m, d), `k`/`v` (S, Hkv, m, d) float16, `positions` (S, m) int32 |
-| `manifest.json`                       | plan + token counts + sha256 of every shard; written last |
+| `manifest.json`                       | plan + token counts + sha256 of every shard and of each tensor in it; written last |
 
 S is the number of samples in the chunk and m the number of token positions kept per sample (all
 `seq_len` of them unless `max_tokens` caps the tokens stored per layer; then each sample keeps the
-same seeded random subset of positions in every layer, in order). Samples run one at a time and a
-chunk is written as soon as it is done, so host memory stays bounded by one chunk: at most 1 GiB of
-activations, or one sample where a sample is larger (`chunk_samples`), whatever the number of samples. Every shard is
+same seeded random subset of positions in every layer, in order). Samples run one at a time, each
+layer's activations copied from the device straight into its chunk's buffers, and a chunk is written
+on threads (`ShardWriter`: straight from those buffers, hashed as it is written) while the next one is
+recorded, so host memory stays bounded by two chunks: each at most 1 GiB of activations, or one sample
+where a sample is larger (`chunk_samples`), whatever the number of samples. The manifest holds each
+shard's SHA-256 and each of its tensors' (`tensor_sha256`), so a reader of keys and values reads and
+checks those bytes alone (`Activations.layer(i, names)`). Every shard is
 written under a temporary name and renamed, so a file with a shard name is always complete;
 re-running into the same directory with the same settings skips the chunks already written (after
 checking each against the manifest of the earlier run, if it finished, so a damaged shard is
@@ -33,6 +37,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,7 +52,7 @@ from .data import DEFAULT_DATASET, token_windows
 from .errors import ArtifactError, SettingsError
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
 from .parallel import barrier, on_rank0, placement, share, world
-from .tensorfile import check_finite, read_tensors, tensor_bytes
+from .tensorfile import HEADER, check_finite, read_header, read_into, read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +107,58 @@ def tokens_per_second(bar: tqdm, tokens_per_unit: int) -> None:
         bar.set_postfix_str(f"{done * tokens_per_unit / elapsed:.0f} tokens/s", refresh=False)
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+def shard_sums(path: Path) -> tuple[str, dict[str, str]]:
+    """A shard's SHA-256 and its header's and tensors' (`kvcalib.tensorfile.write_tensors`'s hashes), read
+    from the file in one pass."""
+    with open(path, "rb") as f:
+        entries, start = read_header(f, str(path), os.fstat(f.fileno()).st_size)
+        f.seek(0)
+        raw = memoryview(f.read())
+    sums = {HEADER: hashlib.sha256(raw[:start]).hexdigest()}
+    for name, (_dtype, _shape, begin, end) in entries.items():
+        sums[name] = hashlib.sha256(raw[start + begin : start + end]).hexdigest()
+    return hashlib.sha256(raw).hexdigest(), sums
+
+
+WRITERS = 4  # threads writing and hashing shards (file writes and SHA-256 run outside the GIL)
+
+
+class ShardWriter:
+    """Writes a recorded chunk's shards on threads while the next chunk is recorded: `write` returns at
+    once, after waiting for the chunk before it, so at most two chunks are in host memory (the one being
+    written and the one being recorded). Each shard goes through `atomic_path` (complete or absent); its
+    hashes land in `sums`. An error in a write (a full disk) is raised by the next `write` or at exit."""
+
+    def __init__(self, sums: dict[str, tuple[str, dict[str, str]]]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.sums, self.pending = sums, []
+        self.pool = ThreadPoolExecutor(min(WRITERS, os.cpu_count() or 1))
+
+    def _one(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            self.sums[path.name] = write_tensors(f, tensors)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
+
+    def write(self, shards: dict[Path, dict[str, torch.Tensor]]) -> None:
+        self.wait()
+        self.pending = [self.pool.submit(self._one, path, tensors) for path, tensors in shards.items()]
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, kind, *_) -> None:
+        try:
+            if kind is None:
+                self.wait()
+        finally:
+            for future in self.pending:
+                future.cancel()
+            self.pool.shutdown(wait=True)
 
 
 def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET,
@@ -214,38 +269,40 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
     on = next(lm.model.parameters()).device
     bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), unit="sample",
                desc="collect" if size == 1 else f"collect, rank {rank} of {size}", position=rank)
-    for chunk in todo:
-        samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
-        store: dict[int, dict[str, list[torch.Tensor]]] = {i: {"q": [], "k": [], "v": []} for i in range(shape.num_layers)}
-        positions = [_positions(config, s) for s in samples]
-        for s, pos in zip(samples, positions):
-            def record(layer: int, q, k, v, opts: AttentionOptions, pos=pos):
-                for name, x in (("q", q), ("k", k), ("v", v)):
-                    store[layer][name].append(x[0, :, pos.to(x.device), :].half().cpu())
-                return mixed_attention(q, k, v, opts)
+    heads = {"q": shape.num_heads, "k": shape.num_kv_heads, "v": shape.num_kv_heads}
+    sums: dict[str, tuple[str, dict[str, str]]] = {}  # shard -> its hashes, for the shards this process writes
+    with ShardWriter(sums) as writer:
+        for chunk in todo:
+            samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
+            positions = [_positions(config, s) for s in samples]
+            # the chunk's buffers, filled in place as each sample runs (the device-to-host copy is the only one)
+            store = {i: {name: torch.empty(len(samples), h, config.kept_per_sample(), shape.head_dim, dtype=torch.float16)
+                         for name, h in heads.items()} for i in range(shape.num_layers)}
+            for j, (s, pos) in enumerate(zip(samples, positions)):
+                def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos):
+                    for name, x in (("q", q), ("k", k), ("v", v)):
+                        store[layer][name][j].copy_(x[0, :, pos.to(x.device), :].half())
+                    return mixed_attention(q, k, v, opts)
 
-            with torch.no_grad(), intercept(lm.model, record):
-                lm.model(windows[s : s + 1].to(on), use_cache=False)
-            tokens_per_second(bar, config.seq_len)
-            bar.update(1)
-        pos_tensor = torch.stack(positions).to(torch.int32)
-        for layer, tensors in store.items():
-            if (out / shard_name(layer, chunk)).exists():
-                continue
-            data = {name: torch.stack(xs) for name, xs in tensors.items()}
-            data["positions"] = pos_tensor
-            with atomic_path(out / shard_name(layer, chunk)) as tmp:
-                tmp.write_bytes(tensor_bytes(data))
+                with torch.no_grad(), intercept(lm.model, record):
+                    lm.model(windows[s : s + 1].to(on), use_cache=False)
+                tokens_per_second(bar, config.seq_len)
+                bar.update(1)
+            pos_tensor = torch.stack(positions).to(torch.int32)
+            writer.write({out / shard_name(layer, chunk): {**tensors, "positions": pos_tensor}
+                          for layer, tensors in store.items() if not (out / shard_name(layer, chunk)).exists()})
+            del store
     bar.close()
 
     def finish() -> None:
-        """The manifest over every rank's shards, written by rank 0 once all have written theirs."""
+        """The manifest over every rank's shards, written by rank 0 once all have written theirs: the hashes
+        this process took while writing, the others' (other ranks', an earlier run's) read from the files."""
         manifest = dict(plan)
         manifest["num_chunks"] = num_chunks
-        manifest["shards"] = {
-            shard_name(i, c): _sha256(out / shard_name(i, c))
-            for i in range(shape.num_layers) for c in range(num_chunks)
-        }
+        names = [shard_name(i, c) for i in range(shape.num_layers) for c in range(num_chunks)]
+        known = {name: sums[name] if name in sums else shard_sums(out / name) for name in names}
+        manifest["shards"] = {name: known[name][0] for name in names}
+        manifest["tensor_sha256"] = {name: known[name][1] for name in names}
         write_json(out / "manifest.json", manifest)
 
     barrier(size)
@@ -316,20 +373,13 @@ class Activations:
         done = 0
         settings = self.manifest["settings"]
         total = settings["num_samples"] if samples is None else min(samples, settings["num_samples"])
+        per_tensor = self.manifest.get("tensor_sha256", {})
         for c in range(self.manifest["num_chunks"]):
             if samples is not None and done == total:
                 break  # the shards past the first `samples` samples are not read
             name = shard_name(i, c)
             path = self.directory / name
-            try:
-                raw = path.read_bytes()
-            except OSError as err:
-                raise ArtifactError(f"activation shard {path} is missing: {err.strerror}") from err
-            if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][name]:
-                raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); run `kvcalib collect` "
-                                    f"into {self.directory} again with the same settings: it records that shard anew")
-            part = read_tensors(raw, f"activation shard {path}")
-            del raw
+            part = self._read_shard(path, per_tensor.get(name), names, out, done, total)
             check_finite(part, f"activation shard {path}")
             if not out:
                 out = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
@@ -341,10 +391,54 @@ class Activations:
                 raise ArtifactError(f"{self.directory}: layer {i}'s shards hold more samples than its manifest says; "
                                     "run `kvcalib collect` into it again")
             for key, t in out.items():
-                t[done : done + n].copy_(part[key][:n])
+                if part[key].data_ptr() != t[done:].data_ptr():  # not already read in place
+                    t[done : done + n].copy_(part[key][:n])
             done += n
             del part
         if done != total:
             raise ArtifactError(f"{self.directory}: layer {i}'s shards hold {done} samples, its manifest says "
                                 f"{settings['num_samples']}; run `kvcalib collect` into it again")
         return out
+
+    def _read_shard(self, path: Path, sums: dict[str, str] | None, names, out: dict[str, torch.Tensor], done: int,
+                    total: int) -> dict[str, torch.Tensor]:
+        """One shard's tensors, checked: with per-tensor hashes (`sums`) only those `names` asks for, else the
+        whole file (a collection made before per-tensor hashes)."""
+        try:
+            return self._read_tensors(path, sums, names, out, done, total) if sums else self._read_whole(path)
+        except OSError as err:
+            raise ArtifactError(f"activation shard {path} is missing: {err.strerror}") from err
+
+    def _read_whole(self, path: Path) -> dict[str, torch.Tensor]:
+        raw = path.read_bytes()
+        if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][path.name]:
+            raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); run `kvcalib collect` "
+                                f"into {self.directory} again with the same settings: it records that shard anew")
+        return read_tensors(raw, f"activation shard {path}")
+
+    def _read_tensors(self, path: Path, sums: dict[str, str], names, out: dict[str, torch.Tensor], done: int,
+                      total: int) -> dict[str, torch.Tensor]:
+        """The tensors of one shard that `names` asks for (all by default), each read and checked against its
+        own hash and nothing else read: in place into `out` (rows `done` on) where it is a CPU result the whole
+        shard fits, else into a buffer of its own."""
+        what = f"activation shard {path}"
+        with open(path, "rb") as f:
+            entries, start = read_header(f, what, os.fstat(f.fileno()).st_size, sums.get(HEADER))
+            if set(entries) != set(sums) - {HEADER}:
+                raise ArtifactError(f"{what} is corrupted: it holds {sorted(entries)}, its manifest {sorted(set(sums) - {HEADER})}")
+            part = {}
+            for key, entry in entries.items():
+                if names is not None and key not in names:
+                    continue
+                dtype, shape = entry[0], entry[1]
+                dest = out.get(key)
+                if (dest is not None and dest.device.type == "cpu" and dest.dtype == dtype
+                        and tuple(dest.shape[1:]) == shape[1:] and done + shape[0] <= total):
+                    buf = dest[done : done + shape[0]]
+                else:
+                    buf = torch.empty(shape, dtype=dtype)
+                read_into(f, start, entry, buf, what, sums[key])
+                part[key] = buf
+        if not part:
+            raise ArtifactError(f"{what} holds none of {sorted(names)}")
+        return part

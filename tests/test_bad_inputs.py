@@ -128,9 +128,13 @@ def _nan_activations(ctx: Ctx) -> Path:
         tensors["k"][0, 0, 3, 1] = float("nan")
         return tensor_bytes(tensors)
 
+    from kvcalib.collect import shard_sums
+
     path, shard, sha = _acts_with_shard(ctx, "nan-acts", poison)
     manifest = json.loads((path / "manifest.json").read_text())
-    manifest["shards"][shard.name] = sha  # a collection that is intact on disk, but holds NaN
+    # a collection that is intact on disk (its file's and its tensors' hashes), but holds NaN
+    manifest["shards"][shard.name], manifest["tensor_sha256"][shard.name] = shard_sums(shard)
+    assert manifest["shards"][shard.name] == sha
     (path / "manifest.json").write_text(json.dumps(manifest))
     return path
 
@@ -376,7 +380,7 @@ EXPECT = {
     "Inf in an artifact": "holds NaN or Inf",
     "fit without a collection": "not a finished activation collection",
     "NaN in activations": "holds NaN or Inf",
-    "collection damaged mid-shard": "checksum mismatch",
+    "collection damaged mid-shard": "layer000-chunk0000.safetensors is corrupted",
     "collection from a newer format version": "written by a newer kvcalib",
     "interrupted collection used before it is resumed": "(it resumes)",
     "second collect into a directory being collected": "another process is writing",

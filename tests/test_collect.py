@@ -161,15 +161,15 @@ def test_a_layer_read_by_name_onto_a_device_equals_the_whole_layer(run, monkeypa
     import kvcalib.collect as module
 
     alive, most = [], [0]
-    real = module.read_tensors
+    real = module.Activations._read_shard
 
-    def counted(raw, what):  # every shard parsed so far whose tensors are still referenced
-        part = real(raw, what)
+    def counted(self, *args):  # every shard read so far whose tensors are still referenced
+        part = real(self, *args)
         alive[:] = [r for r in alive if r() is not None] + [weakref.ref(part["k"])]
         most[0] = max(most[0], len(alive))
         return part
 
-    monkeypatch.setattr(module, "read_tensors", counted)
+    monkeypatch.setattr(module.Activations, "_read_shard", counted)
     acts.layer(1)
     assert most[0] == 1
 
@@ -195,8 +195,8 @@ def test_a_layer_s_first_samples_read_only_the_shards_that_hold_them(run, monkey
     acts = Activations(run())
     whole = acts.layer(1)
     read = []
-    real = module.read_tensors
-    monkeypatch.setattr(module, "read_tensors", lambda raw, what: read.append(what) or real(raw, what))
+    real = module.Activations._read_shard
+    monkeypatch.setattr(module.Activations, "_read_shard", lambda self, path, *a: read.append(path) or real(self, path, *a))
     for n, shards in ((1, 1), (3, 2), (4, 2), (5, 3), (9, 3)):
         read.clear()
         got = acts.layer(1, samples=n)
@@ -224,3 +224,62 @@ def test_layers_read_ahead_yield_each_layer_as_layer_does_and_raise_a_damaged_on
             seen.append(i)
     assert seen == [0]
     assert list(acts.layers([])) == []
+
+
+def _flip_in(path, tensor: str) -> None:
+    """Flip one byte inside `tensor`'s bytes of the shard at `path` (its header and other tensors untouched)."""
+    from kvcalib.tensorfile import read_header
+
+    raw = bytearray(path.read_bytes())
+    with open(path, "rb") as f:
+        entries, start = read_header(f, str(path), len(raw))
+    begin, end = entries[tensor][2:]
+    raw[start + (begin + end) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def test_the_manifest_holds_each_shard_s_and_each_tensor_s_hash_as_the_files_give_them(run):
+    """collect hashes while it writes (one pass, `write_tensors`); the hashes must be those of the bytes that
+    landed: the file's, and its header's and each tensor's byte range's."""
+    import hashlib
+
+    from kvcalib.collect import shard_sums
+
+    out = run()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["shards"]) == set(manifest["tensor_sha256"]) and len(manifest["shards"]) == 2 * 3
+    for name, sha in manifest["shards"].items():
+        assert sha == hashlib.sha256((out / name).read_bytes()).hexdigest()
+        assert shard_sums(out / name) == (sha, manifest["tensor_sha256"][name])
+        assert set(manifest["tensor_sha256"][name]) == {"__header__", "q", "k", "v", "positions"}
+
+
+def test_a_layer_read_by_name_reads_and_checks_only_those_tensors(run):
+    """With per-tensor hashes a reader of keys (fit-codebook) reads the keys' bytes and checks them alone: a
+    damaged query tensor does not stop it, and is refused, with the shard named, where queries are read."""
+    out = run()
+    whole = Activations(out).layer(1)
+    _flip_in(out / shard_name(1, 1), "q")
+    acts = Activations(out)
+    some = acts.layer(1, ("k", "positions"))
+    assert torch.equal(some["k"], whole["k"]) and torch.equal(some["positions"], whole["positions"])
+    with pytest.raises(ArtifactError, match=r"layer001-chunk0001.*checksum mismatch"):
+        acts.layer(1)
+    _flip_in(out / shard_name(1, 2), "k")
+    with pytest.raises(ArtifactError, match=r"layer001-chunk0002.*checksum mismatch"):
+        acts.layer(1, ("k",))
+
+
+def test_a_collection_without_per_tensor_hashes_is_read_and_checked_whole(run):
+    """A manifest from before per-tensor hashes (only each file's): the same tensors, each shard checked as
+    one file, so a damaged byte anywhere in it is refused whichever tensors are asked for."""
+    out = run()
+    whole = Activations(out).layer(1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["tensor_sha256"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    got = Activations(out).layer(1)
+    assert all(torch.equal(got[k], whole[k]) for k in whole)
+    _flip_in(out / shard_name(1, 0), "q")
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        Activations(out).layer(1, ("k",))

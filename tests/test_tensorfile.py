@@ -1,0 +1,60 @@
+"""kvcalib.tensorfile: shards written straight from tensor memory are safetensors' own bytes, and read back
+tensor by tensor against their own hashes."""
+
+import hashlib
+import io
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from kvcalib.errors import ArtifactError
+from kvcalib.tensorfile import HEADER, read_header, read_into, write_tensors
+
+MIXED = {"q": torch.randn(2, 3, 5, 4).half(), "positions": torch.arange(10).reshape(2, 5).int(),
+         "a": torch.randn(3).double(), "b": torch.randn(3).bfloat16(), "c": torch.arange(3), "empty": torch.zeros(0, 4),
+         "scalar": torch.tensor(2.0), "mask": torch.ones(3, dtype=torch.bool)}
+
+
+def _written(tensors):
+    f = io.BytesIO()
+    sha, sums = write_tensors(f, tensors)
+    return f.getvalue(), sha, sums
+
+
+def test_written_bytes_are_safetensors_save_s_and_the_hashes_are_the_bytes():
+    """Same layout (dtype order, then name), same header and padding as the library's `save`; the file's hash
+    and each range's hash computed while writing are those of the bytes written."""
+    raw, sha, sums = _written(MIXED)
+    assert raw == save(MIXED)
+    assert sha == hashlib.sha256(raw).hexdigest()
+    f = io.BytesIO(raw)
+    entries, start = read_header(f, "x", len(raw), sums[HEADER])
+    assert sums[HEADER] == hashlib.sha256(raw[:start]).hexdigest()
+    for name, (_dtype, _shape, begin, end) in entries.items():
+        assert sums[name] == hashlib.sha256(raw[start + begin : start + end]).hexdigest()
+    for name, t in MIXED.items():
+        out = torch.empty_like(t)
+        read_into(f, start, entries[name], out, "x", sums[name])
+        assert torch.equal(out, t), name
+
+
+def test_a_damaged_tensor_header_or_truncation_is_refused_in_one_line():
+    raw, _sha, sums = _written({"k": torch.randn(4, 8).half(), "v": torch.randn(4, 8).half()})
+    entries, start = read_header(io.BytesIO(raw), "x", len(raw), sums[HEADER])
+    bad = bytearray(raw)
+    bad[start + entries["v"][2] + 3] ^= 1
+    f = io.BytesIO(bytes(bad))
+    read_into(f, start, entries["k"], torch.empty(4, 8, dtype=torch.float16), "x", sums["k"])  # k is intact
+    with pytest.raises(ArtifactError, match="checksum mismatch"):
+        read_into(f, start, entries["v"], torch.empty(4, 8, dtype=torch.float16), "x", sums["v"])
+    bad = bytearray(raw)
+    bad[12] ^= 1  # inside the header's JSON
+    with pytest.raises(ArtifactError, match="header"):
+        read_header(io.BytesIO(bytes(bad)), "x", len(bad), sums[HEADER])
+    cut = raw[: start + entries["v"][2] + 5]
+    entries_cut, start_cut = read_header(io.BytesIO(raw), "x", len(raw))
+    with pytest.raises(ArtifactError, match="ends inside a tensor"):
+        read_into(io.BytesIO(cut), start_cut, entries_cut["v"], torch.empty(4, 8, dtype=torch.float16), "x", sums["v"])
+    with pytest.raises(ArtifactError, match="header"):
+        read_header(io.BytesIO(raw[:6]), "x", 6)
