@@ -121,6 +121,7 @@ def shard_sums(path: Path) -> tuple[str, dict[str, str]]:
 
 
 WRITERS = 4  # threads writing and hashing shards (file writes and SHA-256 run outside the GIL)
+READERS = 4  # threads reading and checking a layer's shards (`Activations.layer`), as many shards in flight
 
 
 class ShardWriter:
@@ -363,27 +364,32 @@ class Activations:
     def layer(self, i: int, names: tuple[str, ...] | None = None, device=None,
               samples: int | None = None) -> dict[str, torch.Tensor]:
         """Layer i over its first `samples` samples (default all; only the shards holding them are read):
-        `names` of q, k, v, positions (default all), on `device` (default the CPU). Each shard is read,
-        checked and copied into the result before the next is read, so the host holds the result (none of
-        it with a `device` other than the CPU) and one shard (a chunk is at most about 1 GiB over every
-        layer: `chunk_samples`), never every shard and their concatenation."""
+        `names` of q, k, v, positions (default all), on `device` (default the CPU). The first shard is read
+        alone (it gives the shapes); the others on READERS threads, each read, checked and copied into the
+        result (read straight into it where the result is on the CPU) in order, at most READERS in flight:
+        the host holds the result (none of it with a `device` other than the CPU) and at most READERS
+        shards (a chunk is at most about 1 GiB over every layer: `chunk_samples`), never every shard and
+        their concatenation."""
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
         if not 0 <= i < self.num_layers:
             raise ArtifactError(f"layer {i} is not in {self.directory} ({self.num_layers} layers)")
-        out: dict[str, torch.Tensor] = {}
-        done = 0
         settings = self.manifest["settings"]
         total = settings["num_samples"] if samples is None else min(samples, settings["num_samples"])
         per_tensor = self.manifest.get("tensor_sha256", {})
-        for c in range(self.manifest["num_chunks"]):
-            if samples is not None and done == total:
-                break  # the shards past the first `samples` samples are not read
-            name = shard_name(i, c)
-            path = self.directory / name
-            part = self._read_shard(path, per_tensor.get(name), names, out, done, total)
+        out: dict[str, torch.Tensor] = {}
+
+        def read(c: int, start: int) -> dict[str, torch.Tensor]:
+            path = self.directory / shard_name(i, c)
+            part = self._read_shard(path, per_tensor.get(path.name), names, out, start, total)
             check_finite(part, f"activation shard {path}")
-            if not out:
-                out = {key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
-                       for key, t in part.items() if names is None or key in names}
+            return part
+
+        done = 0
+
+        def place(part: dict[str, torch.Tensor]) -> None:
+            nonlocal done
             n = next(iter(part.values())).shape[0]
             if samples is not None:
                 n = min(n, total - done)  # the last shard read may hold samples past the first `samples`
@@ -394,7 +400,21 @@ class Activations:
                 if part[key].data_ptr() != t[done:].data_ptr():  # not already read in place
                     t[done : done + n].copy_(part[key][:n])
             done += n
-            del part
+
+        first = read(0, 0)
+        out.update({key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
+                    for key, t in first.items() if names is None or key in names})
+        chunk = next(iter(first.values())).shape[0]  # every shard but the last holds a whole chunk
+        place(first)
+        del first
+        wanted = self.manifest["num_chunks"] if samples is None else min(self.manifest["num_chunks"], -(-total // chunk))
+        with ThreadPoolExecutor(READERS) as pool:
+            pending, c = deque(), 1
+            while c < wanted or pending:
+                while c < wanted and len(pending) < READERS:
+                    pending.append(pool.submit(read, c, c * chunk))
+                    c += 1
+                place(pending.popleft().result())
         if done != total:
             raise ArtifactError(f"{self.directory}: layer {i}'s shards hold {done} samples, its manifest says "
                                 f"{settings['num_samples']}; run `kvcalib collect` into it again")

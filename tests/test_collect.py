@@ -146,8 +146,8 @@ def test_chunks_are_sized_to_a_host_memory_bound_and_recorded_resolved(run, tmp_
 
 def test_a_layer_read_by_name_onto_a_device_equals_the_whole_layer(run, monkeypatch):
     """`layer(i, names, device)` fills its result shard by shard: the same values as a plain concatenation
-    of the shards (3 chunks here, of 2, 2 and 1 samples), only the names asked for; and no shard is held
-    beside another (each is read after the previous one is released)."""
+    of the shards (3 chunks here, of 2, 2 and 1 samples), only the names asked for; and no more shards are
+    held at once than the READERS in flight."""
     out = run()
     acts = Activations(out)
     shards = [load_file(str(out / shard_name(1, c))) for c in range(3)]
@@ -170,8 +170,13 @@ def test_a_layer_read_by_name_onto_a_device_equals_the_whole_layer(run, monkeypa
         return part
 
     monkeypatch.setattr(module.Activations, "_read_shard", counted)
-    acts.layer(1)
-    assert most[0] == 1
+    acts.layer(1, device="meta")  # a result off the CPU: each shard is read into a buffer of its own
+    assert 1 <= most[0] <= module.READERS
+    monkeypatch.setattr(module, "READERS", 1)  # one in flight: never two shards' buffers at once
+    alive.clear()
+    most[0] = 0
+    again = acts.layer(1)
+    assert most[0] == 1 and all(torch.equal(again[k], whole[k]) for k in whole)
 
 
 def test_a_layer_whose_shards_disagree_with_the_manifest_is_refused(run):

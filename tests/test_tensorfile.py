@@ -58,3 +58,30 @@ def test_a_damaged_tensor_header_or_truncation_is_refused_in_one_line():
         read_into(io.BytesIO(cut), start_cut, entries_cut["v"], torch.empty(4, 8, dtype=torch.float16), "x", sums["v"])
     with pytest.raises(ArtifactError, match="header"):
         read_header(io.BytesIO(raw[:6]), "x", 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_finiteness_check_agrees_with_isfinite_on_every_16_bit_pattern(dtype):
+    """`check_finite` tests exponent bits on an integer view (benchmarks/shard_io.py: 25x isfinite on float16):
+    against torch.isfinite on all 65536 values, one at a time, so a wrong mask or bound shows on its value."""
+    from kvcalib.tensorfile import _finite
+
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    assert torch.equal(torch.isfinite(every), torch.tensor([_finite(every[i : i + 1]) for i in range(2**16)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_finiteness_check_finds_one_nan_or_inf_among_finite_extremes(dtype):
+    from kvcalib.tensorfile import _finite
+
+    info = torch.finfo(dtype)
+    x = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 2, 0.0, -0.0, 1.0], dtype=dtype)
+    assert _finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[3] = bad
+        assert not _finite(y)
+        with pytest.raises(ArtifactError, match="NaN or Inf in y"):
+            from kvcalib.tensorfile import check_finite
+
+            check_finite({"y": y}, "z")
