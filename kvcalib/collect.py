@@ -253,7 +253,7 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                 raise SettingsError(f"{out} holds a collection made with other settings or another model; use a new --out")
         else:
             write_json(plan_path, plan)
-        for stale in out.glob(".tmp-*"):
+        for stale in [*out.glob(".tmp-*"), *out.glob(".sums-*.json")]:  # an earlier run's temporaries
             stale.unlink()
         earlier = _earlier_checksums(out)
         for i in range(shape.num_layers):
@@ -294,17 +294,25 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                           for layer, tensors in store.items() if not (out / shard_name(layer, chunk)).exists()})
             del store
     bar.close()
+    if size > 1:  # the hashes this rank took, for rank 0's manifest (else it reads these shards back)
+        write_json(out / f".sums-{rank}.json", sums)
 
     def finish() -> None:
         """The manifest over every rank's shards, written by rank 0 once all have written theirs: the hashes
-        this process took while writing, the others' (other ranks', an earlier run's) read from the files."""
+        each rank took while writing (the other ranks' from their `.sums-RANK.json`), an earlier run's shards'
+        read from the files."""
         manifest = dict(plan)
         manifest["num_chunks"] = num_chunks
         names = [shard_name(i, c) for i in range(shape.num_layers) for c in range(num_chunks)]
-        known = {name: sums[name] if name in sums else shard_sums(out / name) for name in names}
+        taken = dict(sums)
+        for other in sorted(out.glob(".sums-*.json")):  # the other ranks' (`size` > 1)
+            taken.update({name: tuple(pair) for name, pair in json.loads(other.read_text()).items()})
+        known = {name: taken[name] if name in taken else shard_sums(out / name) for name in names}
         manifest["shards"] = {name: known[name][0] for name in names}
         manifest["tensor_sha256"] = {name: known[name][1] for name in names}
         write_json(out / "manifest.json", manifest)
+        for other in out.glob(".sums-*.json"):
+            other.unlink()
 
     barrier(size)
     on_rank0(finish, rank, size)
