@@ -63,7 +63,8 @@ def write_before(directory: Path, data) -> dict[str, str]:
 def write_now(directory: Path, data) -> tuple[dict[str, str], dict[str, dict[str, str]]]:
     sums: dict = {}
     with ShardWriter(sums) as writer:
-        writer.write({directory / name: tensors for name, tensors in data.items()})
+        for name, tensors in data.items():
+            writer.write(directory / name, tensors)
     return {n: s[0] for n, s in sums.items()}, {n: s[1] for n, s in sums.items()}
 
 

@@ -11,10 +11,11 @@ Directory layout (all names fixed):
 S is the number of samples in the chunk and m the number of token positions kept per sample (all
 `seq_len` of them unless `max_tokens` caps the tokens stored per layer; then each sample keeps the
 same seeded random subset of positions in every layer, in order). Samples run one at a time, each
-layer's activations copied from the device straight into its chunk's buffers, and a chunk is written
-on threads (`ShardWriter`: straight from those buffers, hashed as it is written) while the next one is
-recorded, so host memory stays bounded by two chunks: each at most 1 GiB of activations, or one sample
-where a sample is larger (`chunk_samples`), whatever the number of samples. The manifest holds each
+layer's activations copied from the device straight into its chunk's buffers; a layer's shard is handed
+to writer threads as soon as the chunk's last sample has passed that layer (`ShardWriter`: written
+straight from those buffers, hashed as it is written), while the forward goes on. Host memory stays
+bounded by one chunk (at most 1 GiB of activations, or one sample where a sample is larger:
+`chunk_samples`) plus WRITE_AHEAD bytes being written, whatever the number of samples. The manifest holds each
 shard's SHA-256 and each of its tensors' (`tensor_sha256`), so a reader of keys and values reads and
 checks those bytes alone (`Activations.layer(i, names)`). Every shard is
 written under a temporary name and renamed, so a file with a shard name is always complete;
@@ -121,43 +122,51 @@ def shard_sums(path: Path) -> tuple[str, dict[str, str]]:
 
 
 WRITERS = 4  # threads writing and hashing shards (file writes and SHA-256 run outside the GIL)
+WRITE_AHEAD = 2**29  # bytes of shards handed to the writers and not yet written, at most (beyond one shard)
 READERS = 4  # threads reading and checking a layer's shards (`Activations.layer`), as many shards in flight
 
 
 class ShardWriter:
-    """Writes a recorded chunk's shards on threads while the next chunk is recorded: `write` returns at
-    once, after waiting for the chunk before it, so at most two chunks are in host memory (the one being
-    written and the one being recorded). Each shard goes through `atomic_path` (complete or absent); its
-    hashes land in `sums`. An error in a write (a full disk) is raised by the next `write` or at exit."""
+    """Writes shards on threads while the caller goes on recording: `write` hands a shard over and returns,
+    waiting first, while more than WRITE_AHEAD bytes are handed over and not yet written, for the oldest
+    (so host memory holds at most that much beyond what is being recorded). Each shard goes through
+    `atomic_path` (complete or absent); its hashes land in `sums`. An error in a write (a full disk) is
+    raised by a later `write` or at exit."""
 
     def __init__(self, sums: dict[str, tuple[str, dict[str, str]]]):
+        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        self.sums, self.pending = sums, []
+        self.sums, self.pending, self.held = sums, deque(), 0
         self.pool = ThreadPoolExecutor(min(WRITERS, os.cpu_count() or 1))
 
     def _one(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             self.sums[path.name] = write_tensors(f, tensors)
 
-    def wait(self) -> None:
-        pending, self.pending = self.pending, []
-        for future in pending:
-            future.result()
+    def _oldest(self) -> None:
+        future, size = self.pending.popleft()
+        self.held -= size
+        future.result()
 
-    def write(self, shards: dict[Path, dict[str, torch.Tensor]]) -> None:
-        self.wait()
-        self.pending = [self.pool.submit(self._one, path, tensors) for path, tensors in shards.items()]
+    def write(self, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+        while self.pending and self.pending[0][0].done():
+            self._oldest()  # written: raise its error, if any, now
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        while self.pending and self.held + size > WRITE_AHEAD:
+            self._oldest()
+        self.pending.append((self.pool.submit(self._one, path, tensors), size))
+        self.held += size
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, kind, *_) -> None:
         try:
-            if kind is None:
-                self.wait()
+            while kind is None and self.pending:
+                self._oldest()
         finally:
-            for future in self.pending:
+            for future, _ in self.pending:
                 future.cancel()
             self.pool.shutdown(wait=True)
 
@@ -276,23 +285,25 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
         for chunk in todo:
             samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
             positions = [_positions(config, s) for s in samples]
-            # the chunk's buffers, filled in place as each sample runs (the device-to-host copy is the only one)
-            store = {i: {name: torch.empty(len(samples), h, config.kept_per_sample(), shape.head_dim, dtype=torch.float16)
-                         for name, h in heads.items()} for i in range(shape.num_layers)}
+            pos_tensor = torch.stack(positions).to(torch.int32)
+            store: dict[int, dict[str, torch.Tensor]] = {}  # a layer's buffers, from its first sample to its write
             for j, (s, pos) in enumerate(zip(samples, positions)):
-                def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos):
+                def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos, last=j == len(samples) - 1):
+                    if layer not in store:  # filled in place as each sample runs: the device-to-host copy is the only one
+                        store[layer] = {name: torch.empty(len(samples), h, config.kept_per_sample(), shape.head_dim,
+                                                          dtype=torch.float16) for name, h in heads.items()}
                     for name, x in (("q", q), ("k", k), ("v", v)):
                         store[layer][name][j].copy_(x[0, :, pos.to(x.device), :].half())
+                    if last:  # the layer's shard is complete: written while the forward goes on
+                        tensors, path = store.pop(layer), out / shard_name(layer, chunk)
+                        if not path.exists():
+                            writer.write(path, {**tensors, "positions": pos_tensor})
                     return mixed_attention(q, k, v, opts)
 
                 with torch.no_grad(), intercept(lm.model, record):
                     lm.model(windows[s : s + 1].to(on), use_cache=False)
                 tokens_per_second(bar, config.seq_len)
                 bar.update(1)
-            pos_tensor = torch.stack(positions).to(torch.int32)
-            writer.write({out / shard_name(layer, chunk): {**tensors, "positions": pos_tensor}
-                          for layer, tensors in store.items() if not (out / shard_name(layer, chunk)).exists()})
-            del store
     bar.close()
     if size > 1:  # the hashes this rank took, for rank 0's manifest (else it reads these shards back)
         write_json(out / f".sums-{rank}.json", sums)

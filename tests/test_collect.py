@@ -288,3 +288,39 @@ def test_a_collection_without_per_tensor_hashes_is_read_and_checked_whole(run):
     _flip_in(out / shard_name(1, 0), "q")
     with pytest.raises(ArtifactError, match="checksum mismatch"):
         Activations(out).layer(1, ("k",))
+
+
+def test_the_shard_writer_holds_at_most_its_write_ahead_and_raises_a_failed_write(tmp_path, monkeypatch):
+    """`ShardWriter` hands shards to threads and waits, before taking another, while more than WRITE_AHEAD bytes
+    are not yet written (writes slowed here so that they queue): what it holds stays within the bound, every
+    shard lands whole with the hashes of its bytes; a write that fails is raised to the recording side."""
+    import hashlib
+    import time
+
+    import kvcalib.collect as module
+
+    shard = {"k": torch.randn(2, 3, 8).half(), "positions": torch.arange(3, dtype=torch.int32)[None]}
+    size = sum(t.numel() * t.element_size() for t in shard.values())
+    monkeypatch.setattr(module, "WRITE_AHEAD", 3 * size)
+    real = module.ShardWriter._one
+
+    def slow(self, path, tensors):
+        time.sleep(0.02)
+        if path.name == "bad":
+            raise OSError(28, "No space left on device")
+        real(self, path, tensors)
+
+    monkeypatch.setattr(module.ShardWriter, "_one", slow)
+    sums, most = {}, 0
+    with module.ShardWriter(sums) as writer:
+        for n in range(12):
+            writer.write(tmp_path / f"s{n}", shard)
+            most = max(most, writer.held)
+    assert size <= most <= 3 * size
+    for n in range(12):
+        raw = (tmp_path / f"s{n}").read_bytes()
+        assert sums[f"s{n}"][0] == hashlib.sha256(raw).hexdigest()
+    with pytest.raises(OSError, match="No space left"):
+        with module.ShardWriter({}) as writer:
+            for name in ("a", "bad", "c", "d", "e", "f"):
+                writer.write(tmp_path / name, shard)
