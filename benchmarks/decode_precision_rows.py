@@ -16,6 +16,10 @@ computation (every sum exact, no tensor-core truncation):
   SDPA model:   fp16 dequantized keys and values, p16, out16.
 Prints, for the rows nearest the bound (fused ≤ 2 × SDPA + 1e-4), every column's row error
 ‖o − o_ref‖/‖o_ref‖, and the median and worst fused / SDPA ratio. Diagnostics only: records nothing.
+With `--norms` the layout is OScaR's (the test's): blocks stored in the Hadamard basis, query, residual and
+output in the model's. The emulations then run in the stored basis, the query and residual rotated into it
+and the output back, exactly (float64), and SDPA's model rounds keys and values in the model's basis,
+where a user who dequantizes holds them.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 import kernels_cupy.loader as loader
+from kvcalib.hadamard import rotate
 from kvcalib.int2_layout import _block_untranspose, from_tensor_core_order, reference_decode
 from kvcalib.runtime.int2_kernel import fused_decode, partition
 
@@ -43,6 +48,8 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
     t, gk, gv = layer.length, layer.group_size, layer.value_group_size
     b, hq, d = q.shape
     hkv = layer.kcodes.shape[1]
+    rot_k = rotate if layer.rotated_keys else (lambda x: x)  # model's basis <-> stored (H = H^-1), float64
+    rot_v = rotate if layer.rotated_values else (lambda x: x)
     outs: dict[str, list[torch.Tensor]] = {}
     for i in range(b):
         kc = from_tensor_core_order(layer.kcodes[i : i + 1, :, : t // 16], "k")[0].double()  # (H, T, D)
@@ -52,12 +59,12 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
         vs = _block_untranspose(layer.vscale[i : i + 1, :, :t])[0].double().repeat_interleave(gv, -1)
         vz = _block_untranspose(layer.vzero[i : i + 1, :, :t])[0].double().repeat_interleave(gv, -1)
         kn = layer.knorm[i, :, :t].double()[..., None] if layer.knorm is not None else 1.0
-        kr, vr = layer.kres[i, :, : layer.residual].double(), layer.vres[i, :, : layer.residual].double()
-        qd = q[i].double().reshape(hkv, hq // hkv, d)
+        kr, vr = rot_k(layer.kres[i, :, : layer.residual].double()), rot_v(layer.vres[i, :, : layer.residual].double())
+        qd = rot_k(q[i].double()).reshape(hkv, hq // hkv, d)
         keys = {
             "exact": (kc * ks + kz) * kn,
             "keys z+s": ((kc - 1) * ks + (kz + ks if exact_zeros else half(kz + ks))) * kn,
-            "sdpa": half((kc * ks + kz) * kn, q.dtype),
+            "sdpa": rot_k(half(rot_k((kc * ks + kz) * kn), q.dtype)),
         }
         scores = {n: torch.einsum("hgd,htd->hgt", qd, k) * scaling for n, k in keys.items()}
         rscore = torch.einsum("hgd,htd->hgt", qd, kr) * scaling
@@ -74,7 +81,7 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
             ("kernel model", scores["keys z+s"], "kernel", q.dtype),
             ("SDPA model", scores["sdpa"], "sdpa", q.dtype),
         ]:
-            res[name] = merged(score, rscore, value, odt, split_len, t, vc, vs, vz, vr)
+            res[name] = merged(score, rscore, value, odt, split_len, t, vc, vs, vz, vr, rot_v)
         for n, o in res.items():
             outs.setdefault(n, []).append(o.reshape(hq, d))
         del kc, ks, kz, vc, vs, vz, scores
@@ -82,9 +89,10 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
     return {n: torch.stack(o) for n, o in outs.items()}
 
 
-def merged(score, rscore, value, out_dtype, split_len, t, vc, vs, vz, vr) -> torch.Tensor:
+def merged(score, rscore, value, out_dtype, split_len, t, vc, vs, vz, vr, rot_v) -> torch.Tensor:
     """Per split: p relative to the split's max, the numerator by the value side `value`, then the
-    splits and the residual window merged exactly and the output rounded to `out_dtype`."""
+    splits and the residual window merged exactly, taken into the model's basis (`rot_v`) and the output
+    rounded to `out_dtype`."""
     nums, dens, maxes = [], [], []
     for s in range(0, t, split_len):
         sc = score[..., s : s + split_len]
@@ -98,7 +106,7 @@ def merged(score, rscore, value, out_dtype, split_len, t, vc, vs, vz, vr) -> tor
             if value == "p16":
                 num = torch.einsum("hgt,htd->hgd", p16, x * sc_v + z)
             elif value == "sdpa":
-                num = torch.einsum("hgt,htd->hgd", p16, half(x * sc_v + z, out_dtype))
+                num = torch.einsum("hgt,htd->hgd", p16, rot_v(half(rot_v(x * sc_v + z), out_dtype)))
             else:  # p~ = fp16(p16 s) times the centred codes, plus the zero point term
                 zc = z + 1.5 * sc_v if value == "p~" else half(z + 1.5 * sc_v)
                 num = torch.einsum("hgtd,htd->hgd", half(p16[..., None] * sc_v[:, None]), x - 1.5) \
@@ -114,7 +122,7 @@ def merged(score, rscore, value, out_dtype, split_len, t, vc, vs, vz, vr) -> tor
     mx = torch.stack(maxes).amax(0)
     num = sum(n * torch.exp(a - mx)[..., None] for n, a in zip(nums, maxes))
     den = sum(dn * torch.exp(a - mx) for dn, a in zip(dens, maxes))
-    o = num / den[..., None]
+    o = rot_v(num / den[..., None])
     return half(o, out_dtype) if out_dtype is not None else o
 
 
@@ -139,7 +147,7 @@ def main() -> None:
     layer = _long_layer(b, hkv, length, group, args.inputs, args.norms)
     q = torch.randn(b, hkv * gqa, 128, device="cuda")
     if args.inputs == "peaked":
-        k0, _ = layer.flushed_kv()
+        k0, _ = layer.flushed_kv(model_basis=True)  # as the test leans them
         q = q + 0.05 * k0[:, :, 0].repeat_interleave(gqa, dim=1)
         del k0
     q = q.to(dtype)

@@ -49,8 +49,10 @@
 // A rotated query is a pair of fp16 numbers, hi + lo (packed_partial): with GQ <= 4 the remainders ride in
 // the mma's idle columns 4..7 (head h's at column h + 4, summed into column h after the products: no
 // extra instruction but one shuffle), with more heads they take an mma of their own per k-slice.
+// (Key schemes other than 4, kept for A/B runs, take the remainders in the idle columns only; above 4
+// query heads they go without.)
 #define LO_COLUMNS (ROT_K && GQ <= 4)
-#define LO_MMA (ROT_K && GQ > 4)
+#define LO_MMA (ROT_K && GQ > 4 && KEY_SCHEME == 4)
 
 #define NT 128       // threads per block
 #define PER_WORD 16  // 2-bit codes per 32-bit word
@@ -740,7 +742,6 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   // rotated into the keys' basis: warp w takes heads w, w + 4 whole, one float per lane and 32 channels;
   // q = hi + lo, two fp16 numbers (score_tiles sums both: an fp16 q alone would err by its rounding, ~2^-12
   // per channel, which took rows of peaked attention past twice SDPA's error)
-  static_assert(KEY_SCHEME == 4, "ROT_K's remainder terms are written for key scheme 4");
   __half* qhalf = reinterpret_cast<__half*>(qraw);
   __half* qlhalf = reinterpret_cast<__half*>(LO_COLUMNS ? qraw : qlo);
   const int lo_head = LO_COLUMNS ? 4 : 0;  // column of head 0's remainders
@@ -760,7 +761,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
       const int at = 4 * ((c / 16) * 32 + 4 * h + (w % 8) / 2) + 2 * (w / 8) + w % 2;  // head h, channel c
       const __half hi = __float2half_rn(x[e]);
       qhalf[at] = hi;
-      qlhalf[at + 16 * lo_head] = __float2half_rn(x[e] - __half2float(hi));  // 16 halves per head of an entry row
+      if (LO_COLUMNS || LO_MMA)
+        qlhalf[at + 16 * lo_head] = __float2half_rn(x[e] - __half2float(hi));  // 16 halves per head of an entry row
     }
   }
 #else

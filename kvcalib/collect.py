@@ -279,7 +279,6 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
     on = next(lm.model.parameters()).device
     bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), unit="sample",
                desc="collect" if size == 1 else f"collect, rank {rank} of {size}", position=rank)
-    heads = {"q": shape.num_heads, "k": shape.num_kv_heads, "v": shape.num_kv_heads}
     sums: dict[str, tuple[str, dict[str, str]]] = {}  # shard -> its hashes, for the shards this process writes
     with ShardWriter(sums) as writer:
         for chunk in todo:
@@ -290,8 +289,8 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
             for j, (s, pos) in enumerate(zip(samples, positions)):
                 def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos, last=j == len(samples) - 1):
                     if layer not in store:  # filled in place as each sample runs: the device-to-host copy is the only one
-                        store[layer] = {name: torch.empty(len(samples), h, config.kept_per_sample(), shape.head_dim,
-                                                          dtype=torch.float16) for name, h in heads.items()}
+                        store[layer] = {name: torch.empty(len(samples), x.shape[1], len(pos), x.shape[-1],
+                                                          dtype=torch.float16) for name, x in (("q", q), ("k", k), ("v", v))}
                     for name, x in (("q", q), ("k", k), ("v", v)):
                         store[layer][name][j].copy_(x[0, :, pos.to(x.device), :].half())
                     if last:  # the layer's shard is complete: written while the forward goes on
@@ -399,17 +398,24 @@ class Activations:
         per_tensor = self.manifest.get("tensor_sha256", {})
         out: dict[str, torch.Tensor] = {}
 
-        def read(c: int, start: int) -> dict[str, torch.Tensor]:
+        num_chunks = self.manifest["num_chunks"]
+
+        def read(c: int, start: int, chunk: int | None) -> dict[str, torch.Tensor]:
             path = self.directory / shard_name(i, c)
-            part = self._read_shard(path, per_tensor.get(path.name), names, out, start, total)
+            # in place only where the shard holds the rows a whole chunk does (the last: what it has)
+            rows = chunk if c < num_chunks - 1 else None
+            part = self._read_shard(path, per_tensor.get(path.name), names, out, start, total, rows)
             check_finite(part, f"activation shard {path}")
+            if c < num_chunks - 1 and chunk is not None and _rows(part) != chunk:
+                raise ArtifactError(f"activation shard {path} holds {_rows(part)} samples where its chunk holds {chunk}; "
+                                    f"run `kvcalib collect` into {self.directory} again")
             return part
 
         done = 0
 
         def place(part: dict[str, torch.Tensor]) -> None:
             nonlocal done
-            n = next(iter(part.values())).shape[0]
+            n = _rows(part)
             if samples is not None:
                 n = min(n, total - done)  # the last shard read may hold samples past the first `samples`
             if done + n > total:
@@ -420,18 +426,18 @@ class Activations:
                     t[done : done + n].copy_(part[key][:n])
             done += n
 
-        first = read(0, 0)
+        first = read(0, 0, None)
+        chunk = _rows(first)  # every shard but the last holds a whole chunk
         out.update({key: torch.empty((total, *t.shape[1:]), dtype=t.dtype, device=device)
                     for key, t in first.items() if names is None or key in names})
-        chunk = next(iter(first.values())).shape[0]  # every shard but the last holds a whole chunk
         place(first)
         del first
-        wanted = self.manifest["num_chunks"] if samples is None else min(self.manifest["num_chunks"], -(-total // chunk))
+        wanted = num_chunks if samples is None else min(num_chunks, -(-total // chunk))
         with ThreadPoolExecutor(READERS) as pool:
             pending, c = deque(), 1
             while c < wanted or pending:
                 while c < wanted and len(pending) < READERS:
-                    pending.append(pool.submit(read, c, c * chunk))
+                    pending.append(pool.submit(read, c, c * chunk, chunk))
                     c += 1
                 place(pending.popleft().result())
         if done != total:
@@ -440,13 +446,22 @@ class Activations:
         return out
 
     def _read_shard(self, path: Path, sums: dict[str, str] | None, names, out: dict[str, torch.Tensor], done: int,
-                    total: int) -> dict[str, torch.Tensor]:
+                    total: int, rows: int | None = None) -> dict[str, torch.Tensor]:
         """One shard's tensors, checked: with per-tensor hashes (`sums`) only those `names` asks for, else the
-        whole file (a collection made before per-tensor hashes)."""
+        whole file (a collection made before per-tensor hashes). Each holds the same number of samples, at
+        least one (so a header cannot size the result past what the files hold)."""
         try:
-            return self._read_tensors(path, sums, names, out, done, total) if sums else self._read_whole(path)
+            part = self._read_tensors(path, sums, names, out, done, total, rows) if sums else self._read_whole(path)
         except OSError as err:
             raise ArtifactError(f"activation shard {path} is missing: {err.strerror}") from err
+        except ArtifactError as err:
+            raise ArtifactError(f"{err}; run `kvcalib collect` into {self.directory} again with the same settings: "
+                                "it records that shard anew") from None
+        counts = {t.shape[0] if t.dim() else 0 for t in part.values()}
+        if len(counts) != 1 or 0 in counts:
+            raise ArtifactError(f"activation shard {path} is corrupted: its tensors hold {sorted(counts)} samples; run "
+                                f"`kvcalib collect` into {self.directory} again with the same settings")
+        return part
 
     def _read_whole(self, path: Path) -> dict[str, torch.Tensor]:
         raw = path.read_bytes()
@@ -456,10 +471,10 @@ class Activations:
         return read_tensors(raw, f"activation shard {path}")
 
     def _read_tensors(self, path: Path, sums: dict[str, str], names, out: dict[str, torch.Tensor], done: int,
-                      total: int) -> dict[str, torch.Tensor]:
+                      total: int, rows: int | None) -> dict[str, torch.Tensor]:
         """The tensors of one shard that `names` asks for (all by default), each read and checked against its
         own hash and nothing else read: in place into `out` (rows `done` on) where it is a CPU result the whole
-        shard fits, else into a buffer of its own."""
+        shard fits and the shard holds the `rows` expected (None: any), else into a buffer of its own."""
         what = f"activation shard {path}"
         with open(path, "rb") as f:
             entries, start = read_header(f, what, os.fstat(f.fileno()).st_size, sums.get(HEADER))
@@ -471,13 +486,19 @@ class Activations:
                     continue
                 dtype, shape = entry[0], entry[1]
                 dest = out.get(key)
-                if (dest is not None and dest.device.type == "cpu" and dest.dtype == dtype
-                        and tuple(dest.shape[1:]) == shape[1:] and done + shape[0] <= total):
+                if (dest is not None and dest.device.type == "cpu" and dest.dtype == dtype and len(shape)
+                        and tuple(dest.shape[1:]) == shape[1:] and done + shape[0] <= total
+                        and (rows is None or shape[0] == rows)):
                     buf = dest[done : done + shape[0]]
                 else:
                     buf = torch.empty(shape, dtype=dtype)
                 read_into(f, start, entry, buf, what, sums[key])
                 part[key] = buf
         if not part:
-            raise ArtifactError(f"{what} holds none of {sorted(names)}")
+            raise ArtifactError(f"{what} holds none of {sorted(names) if names else 'its manifest tensors'}")
         return part
+
+
+def _rows(part: dict[str, torch.Tensor]) -> int:
+    """Samples a shard's tensors hold (`Activations._read_shard` has checked they agree)."""
+    return next(iter(part.values())).shape[0]

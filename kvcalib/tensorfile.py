@@ -40,12 +40,13 @@ def _check_header(raw: bytes, what: str) -> None:
 
 def _parsed(text: bytes, data: int, what: str) -> dict:
     """The header's JSON, each tensor's byte range checked against the `data` bytes after it."""
-    try:
+    try:  # JSON that nests too deep or holds an integer of thousands of digits raises the last two
         header = json.loads(text)
-        ranges = [tuple(entry["data_offsets"]) for name, entry in header.items() if name != "__metadata__"]
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError, KeyError):
+        ranges = [entry["data_offsets"] for name, entry in header.items() if name != "__metadata__"]
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, TypeError, KeyError, ValueError, RecursionError):
         raise ArtifactError(f"{what} is corrupted: its safetensors header is not valid JSON") from None
-    if any(len(r) != 2 or not all(isinstance(x, int) for x in r) or not 0 <= r[0] <= r[1] <= data for r in ranges):
+    if any(not isinstance(r, list) or len(r) != 2 or not all(type(x) is int for x in r) or not 0 <= r[0] <= r[1] <= data
+           for r in ranges):
         raise ArtifactError(f"{what} is corrupted: a tensor's byte range lies beyond the file's {data} data bytes")
     return header
 
@@ -145,9 +146,10 @@ def read_header(f: BinaryIO, what: str, size: int, sha256: str | None = None) ->
     for name, entry in _parsed(text, size - 8 - n, what).items():
         if name == "__metadata__":
             continue
-        dtype, shape = _DTYPES.get(entry.get("dtype")), entry.get("shape")
+        name_of_dtype, shape = entry.get("dtype"), entry.get("shape")
+        dtype = _DTYPES.get(name_of_dtype) if isinstance(name_of_dtype, str) else None
         begin, end = entry["data_offsets"]
-        if (dtype is None or not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape)
+        if (dtype is None or not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape)
                 or math.prod(shape) * dtype.itemsize != end - begin):
             raise ArtifactError(f"{what} is corrupted: tensor {name}'s dtype or shape disagrees with its byte range")
         entries[name] = (dtype, tuple(shape), begin, end)

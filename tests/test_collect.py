@@ -324,3 +324,38 @@ def test_the_shard_writer_holds_at_most_its_write_ahead_and_raises_a_failed_writ
         with module.ShardWriter({}) as writer:
             for name in ("a", "bad", "c", "d", "e", "f"):
                 writer.write(tmp_path / name, shard)
+
+
+def _rewrite(out, layer: int, chunk: int, change) -> None:
+    """Rewrite one shard as `change(tensors)` gives it, with its manifest hashes made to match (a collection
+    intact on disk whose shards disagree among themselves)."""
+    from kvcalib.collect import shard_sums
+    from kvcalib.tensorfile import write_tensors
+
+    path = out / shard_name(layer, chunk)
+    tensors = change({k: t.clone() for k, t in load_file(str(path)).items()})  # not the file's mapped pages
+    with open(path, "wb") as f:
+        write_tensors(f, {k: t.contiguous() for k, t in tensors.items()})
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"][path.name], manifest["tensor_sha256"][path.name] = shard_sums(path)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how,message", [
+    ("a first shard of one sample, then shards of two", "holds 2 samples where its chunk holds 1"),
+    ("keys of fewer samples than the positions", r"its tensors hold \[1, 2\] samples"),
+    ("a shard of no samples", r"its tensors hold \[0\] samples"),
+])
+def test_shards_that_disagree_on_their_samples_are_refused_though_their_hashes_hold(run, how, message):
+    """The layer is read shard by shard at offsets of whole chunks, in place: a collection whose shards do not
+    hold whole chunks (or whose tensors disagree within a shard) is refused in one line, never read past,
+    overlapped or left with rows unwritten."""
+    out = run()
+    if how.startswith("a first shard"):
+        _rewrite(out, 1, 0, lambda t: {k: x[:1] for k, x in t.items()})
+    elif how.startswith("keys"):
+        _rewrite(out, 1, 1, lambda t: {**t, "k": t["k"][:1]})
+    else:
+        _rewrite(out, 1, 2, lambda t: {k: x[:0] for k, x in t.items()})
+    with pytest.raises(ArtifactError, match=message):
+        Activations(out).layer(1)

@@ -85,3 +85,33 @@ def test_the_finiteness_check_finds_one_nan_or_inf_among_finite_extremes(dtype):
             from kvcalib.tensorfile import check_finite
 
             check_finite({"y": y}, "z")
+
+
+def _file(header, data: bytes = b"") -> bytes:
+    text = header if isinstance(header, bytes) else __import__("json").dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + data
+
+
+CRAFTED = {
+    "a dtype that is a list": _file({"a": {"dtype": ["F16"], "shape": [1], "data_offsets": [0, 2]}}, b"xx"),
+    "a dtype that is an object": _file({"a": {"dtype": {}, "shape": [1], "data_offsets": [0, 2]}}, b"xx"),
+    "an offset of 5000 digits": _file(b'{"a":{"dtype":"F16","shape":[1],"data_offsets":[0,' + b"9" * 5000 + b"]}}"),
+    "JSON nested 100000 deep": _file(b"[" * 100000 + b"]" * 100000),
+    "offsets that are a long string": _file({"a": {"dtype": "F16", "shape": [1], "data_offsets": "x" * 1000}}),
+    "offsets that are booleans": _file({"a": {"dtype": "F16", "shape": [1], "data_offsets": [False, True]}}, b"xx"),
+    "a shape of booleans": _file({"a": {"dtype": "F16", "shape": [True], "data_offsets": [0, 2]}}, b"xx"),
+    "a shape that disagrees with the range": _file({"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 2]}}, b"xx"),
+}
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_crafted_header_is_refused_as_corrupted_by_both_readers(case):
+    """Untrusted headers: every malformed one is an ArtifactError (one line at the CLI), never another
+    exception from the JSON parser, a type check or an allocation."""
+    from kvcalib.tensorfile import read_tensors
+
+    raw = CRAFTED[case]
+    with pytest.raises(ArtifactError, match="corrupted"):
+        read_header(io.BytesIO(raw), "x", len(raw))
+    with pytest.raises(ArtifactError, match="corrupted"):
+        read_tensors(raw, "x")
