@@ -17,6 +17,9 @@ import torch
 from .errors import SettingsError
 
 SHARD_BYTES = 2 * 2**30
+# float32 bytes drawn at a time for a generated model before they go to their devices: what a command on a
+# `--weights generated` model holds of them in host memory, beside its own (the largest tensor alone may pass it)
+GENERATE_BYTES = 2**29
 GENERATED = "kvcalib-weights.json"  # what a `--weights generated` directory holds instead of weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -28,7 +31,7 @@ def initial(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.T
     if "norm" in name.split(".")[-2]:  # RMSNorm / LayerNorm weights
         return torch.ones(shape)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=gen) * std
+    return torch.randn(shape, generator=gen).mul_(std)  # in place: the same values as `* std`, one buffer
 
 
 def generated_settings(directory: Path) -> dict:
@@ -52,7 +55,7 @@ def generated_model(directory: Path, dtype: torch.dtype, device: str,
     with `device` "auto-map" the layers spread as `from_pretrained(device_map="auto")` spreads them
     (accelerate's balanced map, within `max_memory`), several tensors drawn at a
     time on `threads` threads (each its own generator: the bytes do not depend on the threads), at most about
-    `SHARD_BYTES` of them in host memory at once. Buffers the model makes itself (RoPE's frequencies) are
+    `GENERATE_BYTES` of them (float32) in host memory at once. Buffers the model makes itself (RoPE's frequencies) are
     made for real and moved to their device."""
     import os
     from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +100,7 @@ def generated_model(directory: Path, dtype: torch.dtype, device: str,
         for name, dims in params:
             batch.append((name, dims))
             used += torch.Size(dims).numel() * 4
-            if used >= SHARD_BYTES:
+            if used >= GENERATE_BYTES:
                 flush()
                 used = 0
         flush()
