@@ -304,7 +304,7 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
                 tokens_per_second(bar, config.seq_len)
                 bar.update(1)
     bar.close()
-    if size > 1:  # the hashes this rank took, for rank 0's manifest (else it reads these shards back)
+    if rank:  # the hashes this rank took, for rank 0's manifest (else it reads these shards back)
         write_json(out / f".sums-{rank}.json", sums)
 
     def finish() -> None:
@@ -396,18 +396,17 @@ class Activations:
         settings = self.manifest["settings"]
         total = settings["num_samples"] if samples is None else min(samples, settings["num_samples"])
         per_tensor = self.manifest.get("tensor_sha256", {})
-        out: dict[str, torch.Tensor] = {}
-
         num_chunks = self.manifest["num_chunks"]
+        out: dict[str, torch.Tensor] = {}
 
         def read(c: int, start: int, chunk: int | None) -> dict[str, torch.Tensor]:
             path = self.directory / shard_name(i, c)
-            # in place only where the shard holds the rows a whole chunk does (the last: what it has)
+            # every shard but the last holds a whole chunk (the first read says how many: `chunk` None)
             rows = chunk if c < num_chunks - 1 else None
             part = self._read_shard(path, per_tensor.get(path.name), names, out, start, total, rows)
             check_finite(part, f"activation shard {path}")
-            if c < num_chunks - 1 and chunk is not None and _rows(part) != chunk:
-                raise ArtifactError(f"activation shard {path} holds {_rows(part)} samples where its chunk holds {chunk}; "
+            if rows is not None and _rows(part) != rows:
+                raise ArtifactError(f"activation shard {path} holds {_rows(part)} samples where its chunk holds {rows}; "
                                     f"run `kvcalib collect` into {self.directory} again")
             return part
 
@@ -466,8 +465,7 @@ class Activations:
     def _read_whole(self, path: Path) -> dict[str, torch.Tensor]:
         raw = path.read_bytes()
         if hashlib.sha256(raw).hexdigest() != self.manifest["shards"][path.name]:
-            raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch); run `kvcalib collect` "
-                                f"into {self.directory} again with the same settings: it records that shard anew")
+            raise ArtifactError(f"activation shard {path} is corrupted (checksum mismatch)")  # `_read_shard` adds the remedy
         return read_tensors(raw, f"activation shard {path}")
 
     def _read_tensors(self, path: Path, sums: dict[str, str], names, out: dict[str, torch.Tensor], done: int,
