@@ -51,13 +51,13 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
     assert torch.equal(vq_decode(q, layer, 128**-0.5, checked=True), out)
 
 
-def _check_rows(method, k16, v16, q, scale: float = 1.0):
+def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128):
     """Build the layer, run the kernel, hold every row to the rule against the float64 reference; returns
     the layer, the query in the codec basis and the kernel's output."""
     layer = _layer(method, k16, v16)
     qc = _q_codec(method, q * scale).float()
-    ref = reference_decode(qc, layer, 128**-0.5)
-    out = vq_decode(qc, layer, 128**-0.5, checked=True)
+    ref = reference_decode(qc, layer, d**-0.5)
+    out = vq_decode(qc, layer, d**-0.5, checked=True)
     assert torch.isfinite(out).all(), "unwritten or NaN output"
     err = _row_errors(out, ref)
     bound = 2 * _row_errors(_sdpa(qc, layer), ref) + FLOOR
@@ -96,3 +96,58 @@ def test_every_residual_length_from_0_to_127(sinks):
         k16 = torch.randn(2, 2, 256 + r, 128, device=DEV, generator=g).half()
         v16 = torch.randn(2, 2, 256 + r, 128, device=DEV, generator=g).half()
         _check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
+
+
+@pytest.mark.parametrize("d,heads,kv_heads,k_config,v_config", [
+    (64, 8, 1, "d4b8", "d8b12"), (64, 4, 4, "d8b12", "d4b8"), (128, 16, 2, "d8b12", "d8b12"), (128, 6, 2, "d2b8", "d4b8"),
+    (64, 4, 2, "d8b9", "d2b7")])
+@pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
+def test_head_dims_query_groups_and_odd_code_widths(d, heads, kv_heads, k_config, v_config, inputs):
+    """head_dim 64 and 128; 1 to 8 query heads per KV head (the remainders of q~ in idle columns up to 4,
+    in an mma of their own above); d8b9 keys and d2b7 values: 9- and 7-bit codes across byte and word
+    boundaries, rows of 9 and 7 bytes (copied a byte at a time)."""
+    method = _on_device(_method("head", k_config, v_config, 2, d=d, heads=heads, kv_heads=kv_heads))
+    g = torch.Generator(device=DEV).manual_seed(d + heads)
+    k16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
+    v16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
+    _check_rows(method, k16, v16, torch.randn(3, heads, d, device=DEV, generator=g), 3.0 if inputs == "peaked" else 1.0,
+                d=d)
+
+
+@pytest.mark.parametrize("capacity", [4096, 4101])
+def test_counts_read_on_the_device_give_each_sequence_its_own_attention(capacity):
+    """A captured step's launch: sized by the capacities, each sequence's flushed and residual counts read from
+    device memory; rows of odd capacity (4101 x 24 bytes) are copied 4 bytes at a time. Every sequence must get
+    the attention of its own prefix, as the float64 reference over that prefix alone gives it, and nothing
+    past its counts (poisoned) may move it."""
+    from kvcalib.vq_layout import VQLayer
+
+    method = _on_device(_method("layer", "d8b12", "d4b8", 3, d=128))
+    g = torch.Generator(device=DEV).manual_seed(capacity)
+    b = 4
+    k16 = torch.randn(b, 2, 4096 + 100, 128, device=DEV, generator=g).half()
+    v16 = torch.randn(b, 2, 4096 + 100, 128, device=DEV, generator=g).half()
+    full = _layer(method, k16, v16)
+    pad = lambda x, n, fill: torch.cat([x, torch.full_like(x[:, :, :1], fill).expand(-1, -1, n, -1)], 2)  # noqa: E731
+    full.kcodes = pad(full.kcodes[:, :, :4096], capacity - 4096, 255)
+    full.vcodes = pad(full.vcodes[:, :, :4096], capacity - 4096, 255)
+    lengths, residuals = [4096, 128, 0, 2944], [100, 0, 7, 127]
+    for i, (t, r) in enumerate(zip(lengths, residuals)):  # poison each sequence past its counts
+        full.kcodes[i, :, t:] = 255
+        full.vcodes[i, :, t:] = 255
+    full.kres = torch.cat([full.kres, full.kres[:, :, :28]], 2)
+    full.vres = torch.cat([full.vres, full.vres[:, :, :28]], 2)
+    for i, r in enumerate(residuals):
+        full.kres[i, :, r:], full.vres[i, :, r:] = float("nan"), float("nan")
+    q = _q_codec(method, torch.randn(b, 8, 128, device=DEV, generator=g)).float()
+    out = vq_decode(q, full, 128**-0.5, checked=True, lengths=torch.tensor(lengths, device=DEV, dtype=torch.int32),
+                    residuals=torch.tensor(residuals, device=DEV, dtype=torch.int32))
+    for i, (t, r) in enumerate(zip(lengths, residuals)):
+        one = VQLayer(full.kcodes[i : i + 1, :, :t], full.vcodes[i : i + 1, :, :t], full.kbook, full.vbook,
+                      full.ksink[i : i + 1, :, : min(3, t)], full.vsink[i : i + 1, :, : min(3, t)],
+                      full.kres[i : i + 1, :, :r], full.vres[i : i + 1, :, :r], t, r, min(3, t), full.k_bits,
+                      full.v_bits)
+        ref = reference_decode(q[i : i + 1].double(), one, 128**-0.5)
+        err = _row_errors(out[i : i + 1], ref)
+        bound = 2 * _row_errors(_sdpa(q[i : i + 1], one), ref) + FLOOR
+        assert (err <= bound).all(), f"sequence {i} (T={t}, r={r}): {err.max():.2e} > {bound.min():.2e}"

@@ -19,14 +19,15 @@ from kvcalib.vq_layout import append_block, reference_decode
 F64 = 1e-10
 
 
-def _method(granularity: str, k_config: str, v_config: str, sinks: int, d: int = 32) -> VecInfer:
-    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)
+def _method(granularity: str, k_config: str, v_config: str, sinks: int, d: int = 32, heads: int = 8,
+            kv_heads: int = 2) -> VecInfer:
+    shape = AttentionShape(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=d)
     config = VecInferConfig(k_config, v_config, granularity, sink_tokens=sinks)
     g = torch.Generator().manual_seed(0)
     groups = config.groups(shape)
     books = LayerCodebooks(k=torch.randn(groups, config.k.centroids, config.k.dim, generator=g).half(),
                            v=torch.randn(groups, config.v.centroids, config.v.dim, generator=g).half(),
-                           smooth=(0.5 + torch.rand(2, d, generator=g)).half())
+                           smooth=(0.5 + torch.rand(kv_heads, d, generator=g)).half())
     return VecInfer(config, [books], shape, residual=16)
 
 
@@ -53,7 +54,7 @@ def _layer(method: VecInfer, k16: torch.Tensor, v16: torch.Tensor):
 
 def _q_codec(method: VecInfer, q: torch.Tensor) -> torch.Tensor:
     """q̃ = (q λ) H in float64 (`queries_to_codec` computes in float32): q (B, Hq, d)."""
-    smooth = method.layers[0].smooth.double().repeat_interleave(q.shape[1] // 2, dim=0)
+    smooth = method.layers[0].smooth.double().repeat_interleave(q.shape[1] // method.layers[0].smooth.shape[0], dim=0)
     return rotate(q.double() * smooth)
 
 
@@ -109,12 +110,12 @@ def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own
 def test_the_kernel_refuses_codebooks_beyond_its_shared_memory_with_the_limit_named():
     """d8b16 keys: a 1 MiB codebook (65536 x 8 float16), more than a block's shared memory."""
     from kvcalib.errors import SettingsError
-    from kvcalib.runtime.vq_kernel import SHARED_LIMIT, check, shared_bytes
+    from kvcalib.runtime.vq_kernel import MIN_STAGES, SHARED_LIMIT, check, shared_bytes
 
     method = _method("layer", "d8b16", "d4b8", 0, d=32)
     g = torch.Generator().manual_seed(0)
     layer = _layer(method, torch.randn(1, 2, 20, 32, generator=g).half(), torch.randn(1, 2, 20, 32, generator=g).half())
-    need = shared_bytes(layer, 4) // 1024
+    need = shared_bytes(layer, 4, MIN_STAGES) // 1024
     assert need >= 1024 + 2  # both codebooks, float16: 1 MiB of keys, 2 KiB of values
     with pytest.raises(SettingsError, match=f"need {need} KiB of shared memory per block; the kernel holds up to {SHARED_LIMIT // 1024} KiB"):
         check(torch.zeros(1, 8, 32), layer)

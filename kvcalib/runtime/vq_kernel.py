@@ -1,8 +1,9 @@
 """The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu, issue 18): what it can read, and its launch.
 
-First version, correct before fast (the .cu file says what it does not do yet); not wired into the
-runtime caches. The layout it reads and the float64 reference it is tested against are `kvcalib.vq_layout`
-(tests/test_vq_kernel_gpu.py). The partials are combined by the INT2 kernel's `merge`.
+The layout it reads and the float64 reference it is tested against are `kvcalib.vq_layout`
+(tests/test_vq_kernel_gpu.py). The partials are combined by the INT2 kernel's `merge`. `lengths` and
+`residuals` (B,) int32 on the device make a launch that a CUDA graph can replay while the cache grows:
+it is then sized by the buffers' capacities, and each sequence's counts are read on the device.
 """
 
 from __future__ import annotations
@@ -11,34 +12,95 @@ import torch
 
 from ..errors import SettingsError
 from ..vq_layout import VQLayer
-from .int2_kernel import BLOCKS_PER_SM, MAX_GQA, MERGE_WARPS, _sm_count
+from .int2_kernel import MAX_GQA, MERGE_WARPS, _sm_count
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
-NT, NW = 128, 4  # threads and warps per block of `vq_partial`
+SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
+MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute; with more where they fit (4)
+TILES = 2  # 16-token tiles per warp and stage
+RT = 16  # float16 rows (sinks, residual) per extra block
+REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
+TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, BLOCKS_PER_SM)
 
 
-def shared_bytes(layer: VQLayer, gqa: int) -> int:
-    """Dynamic shared memory of one block: both codebooks (float16) and the warps' partials (float32)."""
-    books = 2 * (layer.kbook[0].numel() + layer.vbook[0].numel())
-    return books + 4 * NW * gqa * (2 + layer.head_dim)
+def _up16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _replicas(book: torch.Tensor) -> int:
+    """Copies of a book in shared memory (`centroid` in vq_decode.cu): 128 bytes of copies per entry when
+    that fits REPLICATED_BOOK (codes of up to 8 bits), else one."""
+    entries, n = book.shape[1], book.shape[2]
+    return 128 // (2 * n) if entries * 128 <= REPLICATED_BOOK and n <= 16 else 1
+
+
+def shared_bytes(layer: VQLayer, gqa: int, stages: int = 4, warps: int = 4, krepl: int = 1, vrepl: int = 1) -> int:
+    """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
+    (float16, in their copies), then a ring of `stages` stages of code rows, which the warps' combine and the
+    float16 rows' scratch reuse."""
+    d, rk, rv = layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1]
+    stage = 16 * warps * TILES
+    books = _up16(2 * layer.kbook[0].numel() * krepl) + _up16(2 * layer.vbook[0].numel() * vrepl)
+    ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
+    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT))
+
+
+def plan(layer: VQLayer, gqa: int) -> dict[str, int]:
+    """The launch's compile-time shape: the first of these whose block fits SHARED_LIMIT. Small books (up
+    to 8-bit codes) are held in conflict-free copies and two blocks of 4 warps share an SM; books too large
+    for two blocks get one block of 8 warps, so that an SM still has 8 warps to hide the gathers' latency;
+    then fewer stages, then single copies (`check` has refused what fits in none)."""
+    krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
+    two = shared_bytes(layer, gqa, 4, 4, krepl, vrepl) <= SM_SHARED // 2 - 1024
+    shapes = [(4 if two else 8, 4, krepl, vrepl), (4, 4, krepl, vrepl), (4, MIN_STAGES, krepl, vrepl),
+              (4, MIN_STAGES, 1, 1)]
+    for warps, stages, kr, vr in shapes:
+        p = {"WARPS": warps, "NSTAGE": stages, "KREPL": kr, "VREPL": vr, **TUNING}
+        smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"])
+        if smem <= SHARED_LIMIT:
+            break
+    p.setdefault("BLOCKS_PER_SM", max(1, min(2, SM_SHARED // (smem + 1024))))
+    p["SMEM"] = smem
+    return p
 
 
 def check(q: torch.Tensor, layer: VQLayer) -> None:
     """Refuse, in one line naming the limit, what the kernel cannot read."""
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
-    need = shared_bytes(layer, max(1, hq // hkv))
+    need = shared_bytes(layer, max(1, hq // hkv), MIN_STAGES)
     if need > SHARED_LIMIT:
         raise SettingsError(f"VecInfer codebooks of {tuple(layer.kbook.shape[1:])} (keys) and {tuple(layer.vbook.shape[1:])} "
                             f"(values) need {need // 1024} KiB of shared memory per block; the kernel holds up to "
                             f"{SHARED_LIMIT // 1024} KiB: choose fewer bits per code (e.g. d8b12, not d8b16)")
-    if not q.is_cuda or q.dtype != torch.float32 or d % 32 or hq % hkv or hq // hkv > MAX_GQA:
-        raise SettingsError("the VecInfer kernel takes float32 queries (B, Hq, D) on CUDA in the codec basis, D a "
-                            f"multiple of 32 and at most {MAX_GQA} query heads per KV head")
+    if not q.is_cuda or q.dtype != torch.float32 or d not in (64, 128) or hq % hkv or hq // hkv > MAX_GQA:
+        raise SettingsError("the VecInfer kernel takes float32 queries (B, Hq, D) on CUDA in the codec basis, D 64 or "
+                            f"128, and at most {MAX_GQA} query heads per KV head")
+    nk, nv = layer.kbook.shape[-1], layer.vbook.shape[-1]
+    if nk > d // 4 or nv > d // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
+        raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
+                            f"d/4 = {d // 4} and values' at most d/8 = {d // 8}; this cache has {nk} (keys), {nv} (values)")
 
 
-def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = False) -> torch.Tensor:
-    """q (B, Hq, D) float32 in the codec basis -> (B, Hq, D) float16."""
+def _unit(codes: torch.Tensor) -> int:
+    """Bytes a stage's rows can be copied in: rows of one (batch, KV head) start at multiples of this."""
+    stride = codes.shape[2] * codes.shape[3]
+    for unit in (16, 4):
+        if codes.data_ptr() % unit == 0 and stride % unit == 0:
+            return unit
+    return 1
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = False,
+              lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, Hq, D) float32 in the codec basis -> (B, Hq, D) float16. With `lengths` and `residuals` (B,) int32
+    on the device, each sequence's flushed and residual counts are read there (layer.length and
+    layer.residual are then unused) and the launch is sized by the buffers' capacities."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
@@ -47,38 +109,41 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
     gqa = hq // hkv
-    nk, nv = layer.kbook.shape[-1], layer.vbook.shape[-1]
-    mk, mv = layer.k_bits, layer.v_bits
-    defines = {"D": d, "NK": nk, "MK": mk, "RK": layer.kcodes.shape[-1], "NV": nv, "MV": mv,
-               "RV": layer.vcodes.shape[-1], "GQ": gqa}
-    # One wave of blocks over the flushed tokens (BLOCKS_PER_SM per SM), splits of whole 128-token tiles.
-    want = max(1, BLOCKS_PER_SM * _sm_count(q.device.index or 0) // (b * hkv))
-    split_len = max(128, -(-(-(-layer.length // want)) // 128) * 128)
-    num_splits = -(-layer.length // split_len)
-    parts = num_splits + 1  # the last: the residual window
+    tensors = [_aligned(x) for x in (q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.ksink,
+                                     layer.vsink, layer.kres, layer.vres)]
+    qc, kc, vc, kb, vb, ks, vs, kr, vr = tensors
+    p = plan(layer, gqa)
+    smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * TILES
+    defines = {"D": d, "NK": kb.shape[-1], "MK": layer.k_bits, "RK": kc.shape[-1], "NV": vb.shape[-1],
+               "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "TILES": TILES, "KUNIT": _unit(kc),
+               "VUNIT": _unit(vc), **{k: v for k, v in p.items() if k != "SMEM"}}
+    device = lengths is not None
+    capt = kc.shape[2]
+    length = capt if device else layer.length
+    extra_rows = ks.shape[2] + kr.shape[2] if device else layer.sinks + layer.residual
+    # One wave of blocks over the flushed tokens, splits of whole stages.
+    want = max(1, per_sm * _sm_count(q.device.index or 0) // (b * hkv))
+    split_len = max(stage, -(-(-(-length // want)) // stage) * stage)
+    num_splits = -(-length // split_len)
+    parts = num_splits + max(1, -(-extra_rows // RT))
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=torch.float16)
-    tensors = [q.contiguous(), layer.kcodes.contiguous(), layer.vcodes.contiguous(), layer.kbook.contiguous(),
-               layer.vbook.contiguous(), layer.ksink.contiguous(), layer.vsink.contiguous(), layer.kres.contiguous(),
-               layer.vres.contiguous()]
-    qc, kc, vc, kb, vb, ks, vs, kr, vr = tensors
-    ptr = lambda t: cupy.uint64(t.data_ptr() if t.numel() else 0)  # noqa: E731
+    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     i32 = cupy.int32
-    smem = shared_bytes(layer, gqa)
     partial = kernel("vq_decode.cu", defines, "vq_partial")
     partial.max_dynamic_shared_size_bytes = smem
     with torch_stream(q.device):
-        launch(partial, (parts, hkv, b), (NT,),
+        launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(ks), ptr(vs),
-                i32(layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr), i32(layer.residual), i32(kr.shape[2]),
-                i32(layer.length), i32(kc.shape[2]), i32(split_len), i32(num_splits),
-                cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml)), checked, smem)
-        merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": BLOCKS_PER_SM,
+                i32(ks.shape[2] if device else layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
+                i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
+                cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
+                ptr(residuals)), checked, smem)
+        merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": 4,
                          "CP_ASYNC_LOADER": 0, "QT": "__half", "SPLIT_UNIT": 128}
         warps = b * hq * d // 32
         launch(kernel("quant_decode.cu", merge_defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), cupy.uint64(0), cupy.uint64(0), i32(parts), i32(b * hq), ptr(out)),
                checked)
     return out
-

@@ -1,0 +1,77 @@
+"""A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu, issue 18): warps per block,
+pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.runtime.vq_kernel.plan`
+picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
+replays). Prints a table; `--results FILE` records it.
+
+    python benchmarks/vq_decode_plans.py [--configs d4b8,d8b12] [--batches 1,8] [--lengths 32768,131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import kvcalib.runtime.vq_kernel as vk
+from decode import D, HKV, HQ, RESIDUAL, timed, vq_bytes, vq_layer, worst_row
+from kvcalib.vq_layout import reference_decode
+from results import record
+
+PLANS = {  # name: TUNING
+    "chosen": {},
+    "4 warps, single books": {"WARPS": 4, "KREPL": 1, "VREPL": 1},
+    "4 warps, 3 blocks/SM": {"WARPS": 4, "BLOCKS_PER_SM": 3},
+    "8 warps": {"WARPS": 8},
+    "8 warps, single books": {"WARPS": 8, "KREPL": 1, "VREPL": 1},
+    "4 warps, 1 block/SM": {"WARPS": 4, "BLOCKS_PER_SM": 1, "NSTAGE": 2},
+    "8 warps, 2 stages": {"WARPS": 8, "NSTAGE": 2},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", default="d4b8,d8b12")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--results", default=None)
+    args = parser.parse_args()
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            copies = max(2, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))
+            torch.manual_seed(0)
+            res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda").half(),
+                    torch.randn(b, HKV, RESIDUAL, D, device="cuda").half()) for _ in range(copies)]
+            q = [torch.randn(b, HQ, D, device="cuda") for _ in range(copies)]
+            for config in args.configs.split(","):
+                layers = [vq_layer(b, length, config, k, v) for k, v in res]
+                ref = reference_decode(q[0], layers[0], D**-0.5)
+                for name, tuning in PLANS.items():
+                    vk.TUNING.clear()
+                    vk.TUNING.update(tuning)
+                    try:
+                        p = vk.plan(layers[0], HQ // HKV)
+                        if p["SMEM"] > vk.SHARED_LIMIT or p["SMEM"] * p["BLOCKS_PER_SM"] > vk.SM_SHARED:
+                            continue
+                        us = timed(lambda i: vk.vq_decode(q[i], layers[i], D**-0.5), copies)
+                        err = worst_row(vk.vq_decode(q[0], layers[0], D**-0.5, checked=True), ref)
+                    except Exception as e:  # a plan the device refuses: say so in the table
+                        rows.append(f"| {b} | {length} | {config} | {name} | failed: {type(e).__name__} | | | |")
+                        continue
+                    plan = ", ".join(f"{k}={v}" for k, v in p.items() if k != "SMEM")
+                    gbs = vq_bytes(layers[0], q[0]) / (us * 1e-6) / 1e9
+                    rows.append(f"| {b} | {length} | {config} | {name} | {us:.1f} | {gbs:.0f} | {plan}, {p['SMEM'] // 1024} KiB | {err:.1e} |")
+                vk.TUNING.clear()
+                del layers
+                torch.cuda.empty_cache()
+    lines = ["| B | L | config | plan | µs | GB/s | defines, shared memory | worst row err |",
+             "|---:|---:|---|---|---:|---:|---|---:|", *rows]
+    print("\n".join(lines))
+    if args.results:
+        record(f"VecInfer kernel launch plans, {torch.cuda.get_device_name()}", "\n".join(lines), sys.argv,
+               args.results)
+
+
+if __name__ == "__main__":
+    main()
