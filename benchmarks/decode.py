@@ -127,7 +127,8 @@ def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.T
     codes = [vq.pack_codes(torch.randint(0, c.centroids, (b, HKV, length, D // c.dim), device="cuda"), c.bits)
              for _ in "kv"]
     none = kres[:, :, :0]
-    return append_block(None, *codes, *books, c.bits, c.bits, none, none, kres, vres)
+    smooth = (0.5 + torch.rand(HKV, D, device="cuda")).half()  # the keys' λ: the kernel transforms q with it
+    return append_block(None, *codes, *books, c.bits, c.bits, none, none, kres, vres, smooth, True)
 
 
 def vq_bytes(layer, q) -> int:
@@ -200,7 +201,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             for config in filter(None, args.vecinfer.split(",")):
                 vls = [vq_layer(b, length, config, k[:, :, length:], v[:, :, length:]) for k, v in kv]
-                qf = [x[:, :, 0].float() for x in q]
+                qf = [x[:, :, 0] for x in q]
                 us = timed(lambda i: vq_decode(qf[i], vls[i], D**-0.5), copies)
                 err = worst_row(vq_decode(qf[0], vls[0], D**-0.5, checked=True), vq_reference(qf[0], vls[0], D**-0.5))
                 rows.append([b, length, f"fused VecInfer {config}", us, vq_bytes(vls[0], q[0]), err])

@@ -20,12 +20,11 @@ from results import record
 
 PLANS = {  # name: TUNING
     "chosen": {},
-    "4 warps, single books": {"WARPS": 4, "KREPL": 1, "VREPL": 1},
-    "4 warps, 3 blocks/SM": {"WARPS": 4, "BLOCKS_PER_SM": 3},
-    "8 warps": {"WARPS": 8},
-    "8 warps, single books": {"WARPS": 8, "KREPL": 1, "VREPL": 1},
-    "4 warps, 1 block/SM": {"WARPS": 4, "BLOCKS_PER_SM": 1, "NSTAGE": 2},
-    "8 warps, 2 stages": {"WARPS": 8, "NSTAGE": 2},
+    "4 warps, 2 stages": {"WARPS": 4},
+    "4 warps, 4 stages": {"WARPS": 4, "NSTAGE": 4},
+    "single books": {"KREPL": 1, "VREPL": 1},
+    "4 tiles per warp": {"TILES": 4},
+    "q~ in fp16 alone": {"LO_PAIR": 0},
 }
 
 
@@ -43,7 +42,7 @@ def main() -> None:
             torch.manual_seed(0)
             res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda").half(),
                     torch.randn(b, HKV, RESIDUAL, D, device="cuda").half()) for _ in range(copies)]
-            q = [torch.randn(b, HQ, D, device="cuda") for _ in range(copies)]
+            q = [torch.randn(b, HQ, D, device="cuda").half() for _ in range(copies)]
             for config in args.configs.split(","):
                 layers = [vq_layer(b, length, config, k, v) for k, v in res]
                 ref = reference_decode(q[0], layers[0], D**-0.5)

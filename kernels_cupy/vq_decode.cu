@@ -2,12 +2,17 @@
 // (quant_decode.cu) with a codebook gather where that kernel unpacks 2-bit codes.
 //
 // Reads the layout of kvcalib/vq_layout.py (its module docstring has the table), for one new query per
-// head, q~ = (q lambda) H in the codec basis (float32, (B, Hq, D)):
+// head q (B, Hq, D), QT (fp16 or bf16), in the model's basis:
 //   kcodes, vcodes (B, HKV, CAPT, RK | RV) uint8   each flushed token's codes, LSB-first bitstream rows
 //   kbook (G, 2^MK, NK), vbook (G, 2^MV, NV) fp16   codebooks, G = 1 (shared) or HKV (one per KV head)
+//   smooth (HKV, D) fp16 or null                    the keys' smoothing lambda
 //   ksink, vsink (B, HKV, CAPS, D) fp16             the first min(sinks, T) tokens, read instead of their codes
-//   kres, vres (B, HKV, CAPR, D) fp16               the residual window (keys in the codec basis)
+//   kres, vres (B, HKV, CAPR, D) fp16               the residual window
 //   lengths, residuals (B,) int32 or null            per-sequence T and r read on the device (a captured step)
+// The codes hold keys in the codec basis k~ = (k / lambda) H (H with HADAMARD, else the identity): the packed
+// blocks take q~ = (q lambda) H, computed here in float32 (`warp_hadamard`), so that q~ . k~ = q . k; the
+// sinks and the residual are held as they came in, in the model's basis, and meet q itself. Values are
+// coded as they are.
 //
 // Blocks (part, kv head, batch): parts below num_splits take split_len flushed tokens each (the packed
 // blocks), the others RT rows each of the float16 tokens: the sinks, then the residual window (the
@@ -36,10 +41,11 @@
 // as an fp16 pair hi + lo; P is rounded to fp16 for the values' mma (benchmarks/vq_lut_emulated.py: 0.27x
 // to 0.64x of SDPA's row error on diffuse rows, nothing on peaked ones).
 //
-// Defines: D, NK, MK, RK, NV, MV, RV, GQ (<= 8), WARPS, TILES, NSTAGE, BLOCKS_PER_SM, KUNIT, VUNIT (bytes
+// Defines: D, NK, MK, RK, NV, MV, RV, GQ (<= 8), QT, HADAMARD, WARPS, TILES, NSTAGE, BLOCKS_PER_SM, KUNIT, VUNIT (bytes
 // a stage's rows are copied in: 16 or 4 with cp.async, 1 with plain loads, as the rows' alignment allows),
 // KREPL, VREPL (copies of each book in shared memory: 1, or 128 / (2 NK) for conflict-free gathers).
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 #define NT (32 * WARPS)
 #define ST (16 * WARPS * TILES)  // tokens per stage
@@ -47,8 +53,11 @@
 #define CK (D / (4 * NK))        // key sub-vectors per lane and token
 #define CV (D / (8 * NV))        // value sub-vectors per lane and token
 #define RT 16                    // float16 rows per extra block
-#define LO_COLUMNS (GQ <= 4)
-#define LO_MMA (GQ > 4)
+#ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
+#define LO_PAIR 1
+#endif
+#define LO_COLUMNS (LO_PAIR && GQ <= 4)
+#define LO_MMA (LO_PAIR && GQ > 4)
 #define NEG_INF __int_as_float(0xff800000)
 // A lane's code bits start on a word boundary in every row (and on an 8-byte one where it loads word pairs).
 #define KALIGNED (RK % 8 == 0 && (CK * MK) % 64 == 0 || (RK % 4 == 0 && (CK * MK) % 32 == 0 && ((CK * MK + 31) / 32) % 2))
@@ -64,7 +73,36 @@
 #define EXTRA_BYTES (4 * (GQ * D + GQ * RT))
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define WORK_BYTES MAX2(RING_BYTES, MAX2(COMBINE_BYTES, EXTRA_BYTES))
-#define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES)
+#define QT_BYTES (4 * GQ * D)  // q~ of the block's heads, float32, while the fragments are taken
+#define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES + QT_BYTES)
+
+__device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
+
+// y = x H over one vector of D floats held by a warp (lane l holds elements l + 32 e), H the normalized
+// Sylvester-Hadamard matrix of kvcalib/hadamard.py (quant_decode.cu's `warp_hadamard`, the same butterflies).
+#define HADAMARD_SCALE (D == 64 ? 0.125f : 0.0883883476483184405f)  // 1 / sqrt(D)
+__device__ __forceinline__ void warp_hadamard(float* x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int s = 1; s < 32; s *= 2)
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const float o = __shfl_xor_sync(0xffffffff, x[e], s);
+      x[e] = (lane & s) ? o - x[e] : x[e] + o;
+    }
+#pragma unroll
+  for (int s = 1; s < D / 32; s *= 2)
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e)
+      if (!(e & s)) {
+        const float a = x[e], b = x[e + s];
+        x[e] = a + b;
+        x[e + s] = a - b;
+      }
+#pragma unroll
+  for (int e = 0; e < D / 32; ++e) x[e] *= HADAMARD_SCALE;
+}
 
 __device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, unsigned b1) {
   asm volatile(
@@ -208,7 +246,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, fl
 // The float16 rows (sinks, then the residual window): rows chunk RT .. chunk RT + RT - 1 of the
 // n = sinks + r of this (batch, kv head). Scores: warp per row, lanes over channels; values: thread per
 // (head, channel), coalesced rows.
-__device__ __forceinline__ void extra_body(const float* __restrict__ q, const __half* __restrict__ ksink,
+__device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __half* __restrict__ ksink,
                                            const __half* __restrict__ vsink, int sinks, int caps,
                                            const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
                                            int capr, float scale_log2, float* __restrict__ part_acc,
@@ -218,7 +256,7 @@ __device__ __forceinline__ void extra_body(const float* __restrict__ q, const __
   const long bh = (long)b * gridDim.y + kvh;
   float (*qs)[D] = reinterpret_cast<float (*)[D]>(smem);
   float (*s)[RT] = reinterpret_cast<float (*)[RT]>(smem + GQ * D);
-  for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i / D][i % D] = q[(bh * GQ + i / D) * D + i % D] * scale_log2;
+  for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
   __syncthreads();
   for (int tt = warp; tt < RT; tt += WARPS) {
     const int e = e0 + tt;
@@ -264,8 +302,9 @@ __device__ __forceinline__ void extra_body(const float* __restrict__ q, const __
 }
 
 extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
-    const float* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
+    const QT* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const __half* __restrict__ kbook, const __half* __restrict__ vbook, int kbook_groups, int vbook_groups,
+    const __half* __restrict__ smooth,
     const __half* __restrict__ ksink, const __half* __restrict__ vsink, int sinks, int caps,
     const __half* __restrict__ kres, const __half* __restrict__ vres, int r, int capr, int T, int capt,
     int split_len, int num_splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml,
@@ -313,6 +352,20 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
     copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
   }
+  // q~ = (q lambda) H of the block's heads, float32, to shared memory: warp w takes heads w, w + WARPS, ...
+  float (*qt)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES);
+  for (int h = warp; h < GQ; h += WARPS) {
+    float x[D / 32];
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const int c = lane + 32 * e;
+      x[e] = to_float(q[(bh * GQ + h) * D + c]) * (smooth != nullptr ? __half2float(smooth[kvh * D + c]) : 1.f);
+    }
+    if (HADAMARD) warp_hadamard(x);
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) qt[h][lane + 32 * e] = x[e];
+  }
+  __syncthreads();
   // q~'s B fragments, in registers: head g (column g), k-slice ks: codec channels t D/4 + 4 ks + {0, 1} and
   // + {2, 3} (the keys' permutation), as fp16 hi; the remainders lo in columns 4..7 (LO_COLUMNS: lanes of
   // g = 4 + h carry head h's) or in fragments of their own (LO_MMA).
@@ -326,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (h < GQ) f = *reinterpret_cast<const float4*>(q + (bh * GQ + h) * D + t * (D / 4) + 4 * ks);
+      if (h < GQ) f = *reinterpret_cast<const float4*>(&qt[h][t * (D / 4) + 4 * ks]);
       const float x[4] = {f.x, f.y, f.z, f.w};
       float hi[4], lo[4];
 #pragma unroll

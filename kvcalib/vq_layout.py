@@ -13,28 +13,30 @@ kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kerne
 | `vcodes` | uint8   | `(B, Hkv, CAPT, Rv)`   | the same for values                                            |
 | `kbook`  | float16 | `(G, 2^Mk, Nk)`        | key codebook, G = 1 (per layer) or Hkv (per KV head)           |
 | `vbook`  | float16 | `(G, 2^Mv, Nv)`        | value codebook                                                 |
-| `ksink`  | float16 | `(B, Hkv, S, d)`       | the first S tokens' keys in float16, in the codec basis        |
+| `smooth` | float16 | `(Hkv, d)` or None     | the keys' smoothing λ                                          |
+| `ksink`  | float16 | `(B, Hkv, S, d)`       | the first S tokens' keys in float16, as they came in           |
 | `vsink`  | float16 | `(B, Hkv, S, d)`       | their values in float16                                        |
-| `kres`   | float16 | `(B, Hkv, CAPR, d)`    | the residual window's keys, in the codec basis                 |
+| `kres`   | float16 | `(B, Hkv, CAPR, d)`    | the residual window's keys, as they came in                    |
 | `vres`   | float16 | `(B, Hkv, CAPR, d)`    | its values                                                     |
 
 `length` flushed tokens (their first `sinks` read from `ksink`/`vsink` instead of their codes, which are
 stored all the same, as the method counts them), `residual` tokens in the window.
 
-The codec basis: VecInfer codes k̃ = (k / λ) H (`keys_to_codec`), and a query meets the keys there as
-q̃ = (q λ) H (`queries_to_codec`), so q̃ · k̃ = q · k. The layout holds every key in that basis (the
-residual's and the sinks' once, when they are stored, rounded to float16 after the transform, as the
-static cache holds OScaR's residual), and the caller hands the kernel q̃: the query's transform is one
-small product per step, the keys' none. Values are coded as they are: the output needs no transform back.
+Two bases. VecInfer codes k̃ = (k / λ) H (`keys_to_codec`; H the Hadamard rotation when `hadamard`, else
+the identity), and a query meets the coded keys as q̃ = (q λ) H (`queries_to_codec`), so q̃ · k̃ = q · k.
+The kernel takes q as the model gives it (float16 or bfloat16) and computes q̃ itself, in float32; the
+sinks and the residual are held as they came in, in the model's basis, and meet q itself: the runtime
+transforms nothing per step. Values are coded as they are: the output needs no transform back.
 
 What the kernel computes, per query head h of KV head j, with c = d / Nk key sub-vectors:
-- the table LUT[i, e] = q̃_h[i Nk : (i + 1) Nk] · kbook[g, e] (g = 0, or j per head), once;
-- the score of a flushed token t: scale Σ_i LUT[i, code_i(t)], or q̃_h · ksink[t] for t < sinks;
-  of a residual token: q̃_h · kres[t];
+- the table LUT[i, e] = q̃_h[i Nk : (i + 1) Nk] · kbook[g, e] (g = 0, or j per head), once (the kernel
+  takes these products on the tensor cores, per token, from the gathered centroids: the same sums);
+- the score of a flushed token t: scale Σ_i LUT[i, code_i(t)], or q_h · ksink[t] for t < sinks;
+  of a residual token: q_h · kres[t];
 - softmax over all of them; the output sums, per value sub-vector i, p_t vbook[g, code_i(t)] (or
   p_t vsink[t]) and p_t vres[t].
-`reference_decode` is that computation in float64; `VecInfer.decode` over the dequantized cache gives
-the same up to float64 round-off (tests/test_vq_layout.py).
+`reference_decode` is that computation in float64; attention over the dequantized cache, keys taken back to
+the model's basis, gives the same up to float64 round-off (tests/test_vq_layout.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,21 @@ from dataclasses import dataclass
 import torch
 
 from . import vq
+from .hadamard import rotate
 from .int2_layout import grow
+
+
+@dataclass(frozen=True)
+class VQBooks:
+    """What a method's flushed blocks are, as the VecInfer kernel sees them (`Method.vq_books`): one layer's
+    codebooks and the keys' transform."""
+
+    kbook: torch.Tensor  # (G, 2^Mk, Nk) float16
+    vbook: torch.Tensor  # (G, 2^Mv, Nv) float16
+    k_bits: int
+    v_bits: int
+    smooth: torch.Tensor | None  # (Hkv, d) float16
+    hadamard: bool
 
 
 @dataclass
@@ -53,15 +69,17 @@ class VQLayer:
     vcodes: torch.Tensor  # (B, Hkv, CAPT, Rv) uint8
     kbook: torch.Tensor  # (G, 2^Mk, Nk) float16
     vbook: torch.Tensor  # (G, 2^Mv, Nv) float16
-    ksink: torch.Tensor  # (B, Hkv, S, d) float16, codec basis
+    ksink: torch.Tensor  # (B, Hkv, S, d) float16, model's basis
     vsink: torch.Tensor
-    kres: torch.Tensor  # (B, Hkv, CAPR, d) float16, codec basis
+    kres: torch.Tensor  # (B, Hkv, CAPR, d) float16, model's basis
     vres: torch.Tensor
     length: int  # flushed tokens
     residual: int  # tokens in the residual window
     sinks: int  # leading flushed tokens read from ksink / vsink
     k_bits: int
     v_bits: int
+    smooth: torch.Tensor | None = None  # (Hkv, d) float16: the keys' λ
+    hadamard: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -78,14 +96,16 @@ class VQLayer:
 
 def append_block(layer: VQLayer | None, kcodes: torch.Tensor, vcodes: torch.Tensor, kbook: torch.Tensor,
                  vbook: torch.Tensor, k_bits: int, v_bits: int, sink_k: torch.Tensor, sink_v: torch.Tensor,
-                 residual_k: torch.Tensor, residual_v: torch.Tensor) -> VQLayer:
+                 residual_k: torch.Tensor, residual_v: torch.Tensor, smooth: torch.Tensor | None = None,
+                 hadamard: bool = True) -> VQLayer:
     """`layer` with more flushed tokens: packed code rows (B, Hkv, T, R) of `kvcalib.vq`, and the float16
-    sink tokens among them (keys in the codec basis; (B, Hkv, 0, d) when none); buffers grow by doubling
-    and the residual window (keys in the codec basis) is replaced."""
+    sink tokens among them ((B, Hkv, 0, d) when none); buffers grow by doubling and the residual window is
+    replaced. Sinks and residual in the model's basis; `smooth` and `hadamard` (the keys' transform) are
+    taken when the layer is created."""
     if layer is None:
         empty = lambda x: x.new_zeros(*x.shape[:2], 0, x.shape[3])  # noqa: E731
-        layer = VQLayer(empty(kcodes), empty(vcodes), kbook, vbook, empty(residual_k), empty(residual_v),
-                        residual_k, residual_v, 0, 0, 0, k_bits, v_bits)
+        layer = VQLayer(empty(kcodes), empty(vcodes), kbook, vbook, empty(residual_k).half(), empty(residual_v).half(),
+                        residual_k, residual_v, 0, 0, 0, k_bits, v_bits, smooth, hadamard)
     layer.kcodes = grow(layer.kcodes, kcodes, layer.length)
     layer.vcodes = grow(layer.vcodes, vcodes, layer.length)
     if sink_k.shape[2]:
@@ -97,25 +117,47 @@ def append_block(layer: VQLayer | None, kcodes: torch.Tensor, vcodes: torch.Tens
     return layer
 
 
-def reference_decode(q_codec: torch.Tensor, layer: VQLayer, scaling: float) -> torch.Tensor:
-    """Attention of one query per head, q̃ (B, Hq, d) in the codec basis, over `layer`: (B, Hq, d) float64,
+def flushed_kv(layer: VQLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flushed tokens dequantized (B, Hkv, length, d) float32, keys back in the model's basis, the sinks
+    as held: the cache a reference path reads when a step cannot use the kernel."""
+    books_k, books_v = layer.kbook.float(), layer.vbook.float()
+    k, v = vq.decode(layer.codes("k"), books_k), vq.decode(layer.codes("v"), books_v)
+    if layer.hadamard:
+        k = rotate(k)
+    if layer.smooth is not None:
+        k = k * layer.smooth.float()[:, None, :]
+    k[:, :, : layer.sinks], v[:, :, : layer.sinks] = layer.ksink.float(), layer.vsink.float()
+    return k, v
+
+
+def query_to_codec(q: torch.Tensor, layer: VQLayer) -> torch.Tensor:
+    """q̃ = (q λ) H in float64 for queries q (B, Hq, d): query head h reads KV head h // (Hq / Hkv)."""
+    q = q.double()
+    if layer.smooth is not None:
+        q = q * layer.smooth.double().repeat_interleave(q.shape[1] // layer.smooth.shape[0], dim=0)
+    return rotate(q) if layer.hadamard else q
+
+
+def reference_decode(q: torch.Tensor, layer: VQLayer, scaling: float) -> torch.Tensor:
+    """Attention of one query per head, q (B, Hq, d) in the model's basis, over `layer`: (B, Hq, d) float64,
     by the kernel's computation (module docstring) in float64."""
-    b, hq, d = q_codec.shape
+    b, hq, d = q.shape
     hkv, t, s = layer.kres.shape[1], layer.length, layer.sinks
     gqa = hq // hkv
-    q = q_codec.double().reshape(b, hkv, gqa, d)
+    qm = q.double().reshape(b, hkv, gqa, d)
+    qc = query_to_codec(q, layer).reshape(b, hkv, gqa, d)
     kbook, vbook = layer.kbook.double(), layer.vbook.double()
     nk = kbook.shape[-1]
     # The books of each KV head: one shared (G = 1) or its own.
     kb = kbook.expand(hkv, *kbook.shape[1:]) if kbook.shape[0] == 1 else kbook
     vb = vbook.expand(hkv, *vbook.shape[1:]) if vbook.shape[0] == 1 else vbook
-    lut = torch.einsum("bjgcn,jen->bjgce", q.reshape(b, hkv, gqa, d // nk, nk), kb)  # (B, Hkv, GQA, c, 2^Mk)
+    lut = torch.einsum("bjgcn,jen->bjgce", qc.reshape(b, hkv, gqa, d // nk, nk), kb)  # (B, Hkv, GQA, c, 2^Mk)
     kc = layer.codes("k")  # (B, Hkv, T, c)
     index = kc.permute(0, 1, 3, 2)[:, :, None].expand(b, hkv, gqa, d // nk, t)
     flushed = lut.gather(-1, index).sum(3)  # (B, Hkv, GQA, T)
     if s:
-        flushed[..., :s] = torch.einsum("bjgd,bjtd->bjgt", q, layer.ksink[:, :, :s].double())
-    residual = torch.einsum("bjgd,bjtd->bjgt", q, layer.kres[:, :, : layer.residual].double())
+        flushed[..., :s] = torch.einsum("bjgd,bjtd->bjgt", qm, layer.ksink[:, :, :s].double())
+    residual = torch.einsum("bjgd,bjtd->bjgt", qm, layer.kres[:, :, : layer.residual].double())
     scores = torch.cat([flushed, residual], -1) * scaling
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
     p = p / p.sum(-1, keepdim=True)

@@ -7,7 +7,7 @@ from kvcalib.methods import MethodSettings, apply_residual_mode, build_method
 from kvcalib.models import LoadedModel, attention_shape
 import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
-from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method
+from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method, _vecinfer_with_sinks
 
 pytest.importorskip("cupy", reason="the fused path needs cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
@@ -29,22 +29,30 @@ def _model(head_dim: int):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar"])
+@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar", "vecinfer+sinks"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, name, batch, monkeypatch):
-    """Every single-token step of a fused cache, against the method's torch reference (`Method.decode`)
-    over the very same held cache: flushed blocks, float16 residual, KVLinC states."""
+    """Every single-token step of a fused cache (the INT2 kernel, or the VecInfer kernel for vecinfer),
+    against the method's torch reference (`Method.decode`) over the very same held cache: flushed blocks,
+    float16 sinks and residual, KVLinC states."""
     model = _model(head_dim)
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     shape = attention_shape(model.config)
     settings = MethodSettings(bits=2, group_size=16, residual=32)
-    method = _kvlinc_with_adapters(shape, 16, 32, "cuda") if name.endswith("adapters") else build_method(name, shape, settings)
+    if name.endswith("adapters"):
+        method = _kvlinc_with_adapters(shape, 16, 32, "cuda")
+    elif name.startswith("vecinfer"):
+        method = _vecinfer_with_sinks(shape, 3, 32)
+        for books in method.layers:
+            books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
+    else:
+        method = build_method(name, shape, settings)
     errors = []
     fused_decode_step = cache_module.decode
 
     def checked(layer, q, opts):
         out = fused_decode_step(layer, q, opts)
-        if layer.fused is not None:
+        if layer.fused is not None or layer.vq is not None:
             ref = layer.method.decode(layer.layer, q, *layer.held(torch.float32), opts, layer.state)
             errors.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
         return out
@@ -57,7 +65,7 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         for t in range(40, ids.shape[1]):
             logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             assert torch.isfinite(logits).all()
-    assert cache.layers[0].fused.length == 128
+    assert (cache.layers[0].vq if name.startswith("vecinfer") else cache.layers[0].fused).length == 128
     assert len(errors) == 2 * 110  # every decode step of both layers ran fused
     # The kernel rounds q to fp16 for the tensor cores, P to fp16 and its output to fp16, each a
     # relative u16 = 2^-11 = 4.9e-4, amplified by softmax over logits of a few units: 10 u16.
@@ -99,6 +107,8 @@ def test_a_left_padded_batch_decodes_each_sequence_exactly_as_alone_on_the_gpu(n
     tokens, logits, cache = _greedy(model, method, ids, mask, 40)
     if method.int2_spec() is not None:  # methods the INT2 kernel reads (not fp16, VecInfer, TurboQuant)
         assert any(row.fused is not None for row in cache.layers[0].rows), "the fused kernel never ran"
+    if base.startswith("vecinfer"):  # the VecInfer kernel's
+        assert any(row.vq is not None for row in cache.layers[0].rows), "the VecInfer kernel never ran"
     for b, p in enumerate(prompts):
         alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 40)
         assert tokens[b].tolist() == alone_tokens[0].tolist()

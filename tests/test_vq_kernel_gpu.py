@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvcalib import vq
+from kvcalib.methods.vecinfer import keys_from_codec
 from kvcalib.vq_layout import reference_decode
 
 pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
@@ -17,19 +18,21 @@ if not torch.cuda.is_available():
 
 from kvcalib.runtime.vq_kernel import vq_decode  # noqa: E402  (after the skip: it needs cupy)
 from test_int2_kernel_gpu import FLOOR, _row_errors  # noqa: E402
-from test_vq_layout import _layer, _method, _q_codec  # noqa: E402
+from test_vq_layout import _layer, _method  # noqa: E402
 
 DEV = "cuda"
 
 
 def _sdpa(q: torch.Tensor, layer) -> torch.Tensor:
-    """The peer: SDPA in float16 over the same cache dequantized, in the codec basis."""
+    """The peer: SDPA in q's dtype (float16 or bfloat16) over the same cache dequantized, coded keys taken back
+    to the model's basis (in float32, then rounded to that dtype, as a dequantize-then-attend path holds them)."""
     k = vq.decode(layer.codes("k"), layer.kbook.float()) if layer.length else layer.kres[:, :, :0].float()
     v = vq.decode(layer.codes("v"), layer.vbook.float()) if layer.length else layer.vres[:, :, :0].float()
+    k = keys_from_codec(k, layer.smooth, layer.hadamard)
     k[:, :, : layer.sinks], v[:, :, : layer.sinks] = layer.ksink.float(), layer.vsink.float()
-    k = torch.cat([k, layer.kres[:, :, : layer.residual].float()], 2).half()
-    v = torch.cat([v, layer.vres[:, :, : layer.residual].float()], 2).half()
-    return torch.nn.functional.scaled_dot_product_attention(q.half()[:, :, None], k, v, scale=layer.head_dim**-0.5,
+    k = torch.cat([k, layer.kres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    v = torch.cat([v, layer.vres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=layer.head_dim**-0.5,
                                                             enable_gqa=True)[:, :, 0]
 
 
@@ -51,19 +54,19 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
     assert torch.equal(vq_decode(q, layer, 128**-0.5, checked=True), out)
 
 
-def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128):
-    """Build the layer, run the kernel, hold every row to the rule against the float64 reference; returns
-    the layer, the query in the codec basis and the kernel's output."""
+def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128, dtype=torch.float16):
+    """Build the layer, run the kernel on q (model's basis, `dtype`), hold every row to the rule against the
+    float64 reference of the same query; returns the layer, the query and the kernel's output."""
     layer = _layer(method, k16, v16)
-    qc = _q_codec(method, q * scale).float()
-    ref = reference_decode(qc, layer, d**-0.5)
-    out = vq_decode(qc, layer, d**-0.5, checked=True)
-    assert torch.isfinite(out).all(), "unwritten or NaN output"
+    qm = (q * scale).to(dtype)
+    ref = reference_decode(qm, layer, d**-0.5)
+    out = vq_decode(qm, layer, d**-0.5, checked=True)
+    assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or NaN output"
     err = _row_errors(out, ref)
-    bound = 2 * _row_errors(_sdpa(qc, layer), ref) + FLOOR
+    bound = 2 * _row_errors(_sdpa(qm, layer), ref) + FLOOR
     worst = int((err / bound).argmax())
     assert (err <= bound).all(), f"row {worst}: {err[worst]:.2e} > {bound[worst]:.2e}"
-    return layer, qc, out
+    return layer, qm, out
 
 
 def _on_device(method):
@@ -98,20 +101,22 @@ def test_every_residual_length_from_0_to_127(sinks):
         _check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
 
 
-@pytest.mark.parametrize("d,heads,kv_heads,k_config,v_config", [
-    (64, 8, 1, "d4b8", "d8b12"), (64, 4, 4, "d8b12", "d4b8"), (128, 16, 2, "d8b12", "d8b12"), (128, 6, 2, "d2b8", "d4b8"),
-    (64, 4, 2, "d8b9", "d2b7")])
+@pytest.mark.parametrize("d,heads,kv_heads,k_config,v_config,dtype", [
+    (64, 8, 1, "d4b8", "d8b12", torch.bfloat16), (64, 4, 4, "d8b12", "d4b8", torch.float16),
+    (128, 16, 2, "d8b12", "d8b12", torch.float16), (128, 6, 2, "d2b8", "d4b8", torch.bfloat16),
+    (64, 4, 2, "d8b9", "d2b7", torch.float16)])
 @pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
-def test_head_dims_query_groups_and_odd_code_widths(d, heads, kv_heads, k_config, v_config, inputs):
+def test_head_dims_query_groups_odd_code_widths_and_bfloat16(d, heads, kv_heads, k_config, v_config, dtype, inputs):
     """head_dim 64 and 128; 1 to 8 query heads per KV head (the remainders of q~ in idle columns up to 4,
     in an mma of their own above); d8b9 keys and d2b7 values: 9- and 7-bit codes across byte and word
-    boundaries, rows of 9 and 7 bytes (copied a byte at a time)."""
+    boundaries, rows of 9 and 28 bytes (copied a byte, 4 bytes at a time); bfloat16 queries and output,
+    held to SDPA in bfloat16."""
     method = _on_device(_method("head", k_config, v_config, 2, d=d, heads=heads, kv_heads=kv_heads))
     g = torch.Generator(device=DEV).manual_seed(d + heads)
     k16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
     v16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
     _check_rows(method, k16, v16, torch.randn(3, heads, d, device=DEV, generator=g), 3.0 if inputs == "peaked" else 1.0,
-                d=d)
+                d=d, dtype=dtype)
 
 
 @pytest.mark.parametrize("capacity", [4096, 4101])
@@ -139,15 +144,15 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention(capacity
     full.vres = torch.cat([full.vres, full.vres[:, :, :28]], 2)
     for i, r in enumerate(residuals):
         full.kres[i, :, r:], full.vres[i, :, r:] = float("nan"), float("nan")
-    q = _q_codec(method, torch.randn(b, 8, 128, device=DEV, generator=g)).float()
+    q = torch.randn(b, 8, 128, device=DEV, generator=g).half()
     out = vq_decode(q, full, 128**-0.5, checked=True, lengths=torch.tensor(lengths, device=DEV, dtype=torch.int32),
                     residuals=torch.tensor(residuals, device=DEV, dtype=torch.int32))
     for i, (t, r) in enumerate(zip(lengths, residuals)):
         one = VQLayer(full.kcodes[i : i + 1, :, :t], full.vcodes[i : i + 1, :, :t], full.kbook, full.vbook,
                       full.ksink[i : i + 1, :, : min(3, t)], full.vsink[i : i + 1, :, : min(3, t)],
                       full.kres[i : i + 1, :, :r], full.vres[i : i + 1, :, :r], t, r, min(3, t), full.k_bits,
-                      full.v_bits)
-        ref = reference_decode(q[i : i + 1].double(), one, 128**-0.5)
+                      full.v_bits, full.smooth, full.hadamard)
+        ref = reference_decode(q[i : i + 1], one, 128**-0.5)
         err = _row_errors(out[i : i + 1], ref)
         bound = 2 * _row_errors(_sdpa(q[i : i + 1], one), ref) + FLOOR
         assert (err <= bound).all(), f"sequence {i} (T={t}, r={r}): {err.max():.2e} > {bound.min():.2e}"

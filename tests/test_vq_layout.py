@@ -9,10 +9,10 @@ import torch
 
 from kvcalib.attention import AttentionOptions, mixed_attention
 from kvcalib.hadamard import rotate
-from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, keys_to_codec
+from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, queries_to_codec
 from kvcalib.models import AttentionShape
 from kvcalib import vq
-from kvcalib.vq_layout import append_block, reference_decode
+from kvcalib.vq_layout import append_block, query_to_codec, reference_decode
 
 # float64 sums of a few hundred terms: the two computations agree to ~1e-14 relative; 1e-10 is far above
 # that and far below a single wrong code (a centroid apart: ~1e-1).
@@ -33,44 +33,52 @@ def _method(granularity: str, k_config: str, v_config: str, sinks: int, d: int =
 
 def _layer(method: VecInfer, k16: torch.Tensor, v16: torch.Tensor):
     """The layout of a cache that was fed k16, v16 (B, Hkv, T, d): its full blocks coded, the first `sink`
-    tokens also kept, the rest in the residual; keys of sinks and residual in the codec basis."""
+    tokens also kept, the rest in the residual; sinks and residual as they came in (the model's basis)."""
     t, r, s = k16.shape[2], method.block, method.sink
     n = t // r * r
     books, c = method.layers[0], method.config
-    to_codec = lambda k: keys_to_codec(k, books.smooth, c.hadamard).half()  # noqa: E731
     layer = None
     for start in range(0, n, r):  # as a decoder flushes: block by block
         blk = slice(start, start + r)
         packed = method.compress(0, k16[:, :, blk], v16[:, :, blk])
         sink = slice(start, min(start + r, max(s, start)))
-        layer = append_block(layer, packed.k, packed.v, books.k, books.v, c.k.bits, c.v.bits,
-                             to_codec(k16[:, :, sink]), v16[:, :, sink], to_codec(k16[:, :, n:]), v16[:, :, n:])
+        layer = append_block(layer, packed.k, packed.v, books.k, books.v, c.k.bits, c.v.bits, k16[:, :, sink],
+                             v16[:, :, sink], k16[:, :, n:], v16[:, :, n:], books.smooth, c.hadamard)
     if layer is None:
         empty = torch.zeros(*k16.shape[:2], 0, 1, dtype=torch.uint8, device=k16.device)
         layer = append_block(None, empty, empty, books.k, books.v, c.k.bits, c.v.bits, k16[:, :, :0], v16[:, :, :0],
-                             to_codec(k16[:, :, n:]), v16[:, :, n:])
+                             k16[:, :, n:], v16[:, :, n:], books.smooth, c.hadamard)
     return layer
 
 
-def _q_codec(method: VecInfer, q: torch.Tensor) -> torch.Tensor:
-    """q̃ = (q λ) H in float64 (`queries_to_codec` computes in float32): q (B, Hq, d)."""
-    smooth = method.layers[0].smooth.double().repeat_interleave(q.shape[1] // method.layers[0].smooth.shape[0], dim=0)
-    return rotate(q.double() * smooth)
-
-
 def _expected(method: VecInfer, layer, q: torch.Tensor) -> torch.Tensor:
-    """Plain float64 attention of q (B, Hq, d) over the same cache dequantized, keys back in their own basis."""
+    """Plain float64 attention of q (B, Hq, d) over the same cache dequantized, coded keys back in the model's
+    basis."""
     books, c = method.layers[0], method.config
     d = layer.head_dim
-    k = vq.decode(layer.codes("k"), books.k.double()) if layer.length else layer.kres[:, :, :0].double()
-    v = vq.decode(layer.codes("v"), books.v.double()) if layer.length else layer.vres[:, :, :0].double()
+    # vq.decode returns float32: its centroids are float16 numbers, exact there; taken to float64 before the
+    # rotation back, so that the comparison holds to float64 round-off
+    k = vq.decode(layer.codes("k"), books.k.double()).double() if layer.length else layer.kres[:, :, :0].double()
+    v = vq.decode(layer.codes("v"), books.v.double()).double() if layer.length else layer.vres[:, :, :0].double()
+    k = keys_from_codec(k, books.smooth.double(), c.hadamard)
     k[:, :, : layer.sinks] = layer.ksink.double()
     v[:, :, : layer.sinks] = layer.vsink.double()
     k = torch.cat([k, layer.kres[:, :, : layer.residual].double()], 2)
     v = torch.cat([v, layer.vres[:, :, : layer.residual].double()], 2)
-    k = keys_from_codec(k, books.smooth.double(), c.hadamard)
     out = mixed_attention(q.double()[:, :, None], k, v, AttentionOptions(scaling=d**-0.5))
     return out[:, :, 0]
+
+
+def test_the_query_transform_matches_the_methods():
+    """`query_to_codec` (float64) is `queries_to_codec` of the method (float32) to float32 rounding: q̃ · k̃ = q · k
+    holds for the layout's reference as for the method's own path."""
+    method = _method("layer", "d4b6", "d4b6", 0)
+    g = torch.Generator().manual_seed(2)
+    layer = _layer(method, torch.randn(1, 2, 20, 32, generator=g).half(), torch.randn(1, 2, 20, 32, generator=g).half())
+    q = torch.randn(1, 8, 32, generator=g)
+    want = queries_to_codec(q[:, :, None], method.layers[0].smooth, True)[:, :, 0].double()
+    # float32 products and a 32-term float32 matmul: relative error a few units of 2^-24 times sqrt(32)
+    assert ((query_to_codec(q, layer) - want).abs().max() / want.abs().max()) < 1e-6
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])
@@ -85,7 +93,7 @@ def test_the_lookup_table_reference_is_attention_over_the_cache_it_reads(granula
     layer = _layer(method, k16, v16)
     assert layer.length == t // 16 * 16 and layer.residual == t % 16 and layer.sinks == min(sinks, layer.length)
     q = torch.randn(3, 8, 32, generator=g)
-    got, want = reference_decode(_q_codec(method, q), layer, 32**-0.5), _expected(method, layer, q)
+    got, want = reference_decode(q, layer, 32**-0.5), _expected(method, layer, q)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max() < F64
 
 
@@ -94,7 +102,7 @@ def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own
     g = torch.Generator().manual_seed(1)
     k16, v16 = torch.randn(2, 2, 40, 32, generator=g).half(), torch.randn(2, 2, 40, 32, generator=g).half()
     layer = _layer(method, k16, v16)
-    q = _q_codec(method, torch.randn(2, 8, 32, generator=g))
+    q = torch.randn(2, 8, 32, generator=g)
     before = reference_decode(q, layer, 32**-0.5)
     # Poison what lies past the counts: codes of capacity not yet filled, residual rows not yet written.
     layer.kcodes[:, :, layer.length :] = 255

@@ -30,6 +30,7 @@ from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
 from ..int2_layout import Int2Spec
+from ..vq_layout import VQBooks
 from ..models import AttentionShape, LoadedModel
 from ..quant import Quantized
 
@@ -81,6 +82,15 @@ class Method:
     def int2_parts(self, packed: Any) -> tuple[Quantized, Quantized, torch.Tensor | None]:
         """(keys, values, per-token key norms or None) of a flushed block in the layout of kvcalib.quant."""
         raise NotImplementedError(f"{self.name} has no INT2 layout")
+
+    def vq_books(self, layer: int) -> VQBooks | None:
+        """The flushed blocks as the VecInfer kernel would read them (`kvcalib.vq_layout`): the layer's
+        codebooks and the keys' transform, with `vq_parts` giving a block's code rows; or None."""
+        return None
+
+    def vq_parts(self, packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key codes, value codes) of a flushed block, `kvcalib.vq`'s packed rows (B, Hkv, T, R) uint8."""
+        raise NotImplementedError(f"{self.name} has no VecInfer layout")
 
     def correction(self, layer: int, q: torch.Tensor, state: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Terms added to attention's unnormalised sums (numerator (B, Hq, T, d) in the model's basis

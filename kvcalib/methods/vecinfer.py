@@ -17,10 +17,11 @@ This is our addition to the paper's method. The fit still sees them unless `--ex
 The most recent tokens stay float16 in a residual window flushed in blocks of R (R = 128 by
 default, `--residual`), as for KIVI. The evaluation reads decompressed keys back in the original
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
-the queries; `VecInfer.key_scores` is the lookup-table form a fused kernel would use, q̃ · codebookᵀ
-indexed by the codes, and is tested against dequantize-then-dot. The layout such a kernel reads, and the
-float64 reference of its whole computation (sinks and residual included), are `kvcalib.vq_layout` (issue 18;
-the kernel is not written yet).
+the queries; `VecInfer.key_scores` is the lookup-table form, q̃ · codebookᵀ indexed by the codes, and is
+tested against dequantize-then-dot. On CUDA the runtime decodes with the fused kernel
+(kernels_cupy/vq_decode.cu, `kvcalib.runtime.vq_kernel`), which the method declares by `vq_books` and
+`vq_parts`; the layout it reads, and the float64 reference of its whole computation (sinks and residual
+included), are `kvcalib.vq_layout`.
 
 Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
 float16 (G, 2^M, N) with G = 1 (granularity "layer") or the KV head count ("head"), and, when
@@ -40,6 +41,7 @@ from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
+from ..vq_layout import VQBooks
 from . import DEFAULTS, Method, MethodSettings
 
 log = logging.getLogger(__name__)
@@ -156,8 +158,8 @@ class VecInfer(Method):
 
     def key_scores(self, layer: int, q: torch.Tensor, packed: VecInferPacked) -> torch.Tensor:
         """q · k̂ᵀ (B, Hq, Tq, Tk), unscaled, by table lookup: LUT[j, e] = q̃_j · codebook[e] per sub-vector j,
-        score = Σ_j LUT[j, code_j]: the form a fused VecInfer kernel would compute (none exists yet; the runtime
-        decodes VecInfer with the torch reference over the dequantized cache)."""
+        score = Σ_j LUT[j, code_j]: what the fused VecInfer kernel computes (kernels_cupy/vq_decode.cu, which
+        takes the same sums on the tensor cores from the gathered centroids)."""
         books = self.layers[layer]
         n = self.config.k.dim
         hq, hkv = q.shape[1], self.shape.num_kv_heads
@@ -167,6 +169,13 @@ class VecInfer(Method):
         codes = self.codes(packed.k, "k").repeat_interleave(hq // hkv, dim=1).transpose(-1, -2)  # (B, Hq, c, Tk)
         index = codes.unsqueeze(-2).expand(*lut.shape[:-1], codes.shape[-1])
         return lut.gather(-1, index).sum(2)
+
+    def vq_books(self, layer: int) -> VQBooks:
+        books, c = self.layers[layer], self.config
+        return VQBooks(books.k, books.v, c.k.bits, c.v.bits, books.smooth if c.smooth else None, c.hadamard)
+
+    def vq_parts(self, packed: VecInferPacked) -> tuple[torch.Tensor, torch.Tensor]:
+        return packed.k, packed.v
 
     def part_bits(self, packed: VecInferPacked) -> tuple[int, int]:
         return 8 * packed.k.numel(), 8 * packed.v.numel()

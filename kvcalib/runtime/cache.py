@@ -13,10 +13,11 @@ model's attention runs through the registered attention function `kvcalib_runtim
   would alone (the mask reaches the cache through a forward pre-hook on the model);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
-  class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`): on
-  CUDA, where `kvcalib.runtime.int2_kernel.supports` the method's blocks (kivi, kvlinc, oscar today),
-  the fused kernel of `kernels_cupy/` reads them; elsewhere the torch reference (`Method.decode` over
-  the dequantized blocks and the float16 residual) runs.
+  class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
+  `vq_books`, `vq_parts`): on CUDA, where `kvcalib.runtime.int2_kernel.supports` the method's blocks
+  (kivi, kvlinc, oscar today) or `kvcalib.runtime.vq_kernel.supports` them (vecinfer), a fused kernel
+  of `kernels_cupy/` reads them; elsewhere the torch reference (`Method.decode` over the dequantized
+  blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
 
@@ -34,7 +35,12 @@ from ..errors import SettingsError
 from ..int2_layout import PackedLayer, append_block
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
+from ..vq_layout import VQLayer
+from ..vq_layout import append_block as vq_append
+from ..vq_layout import flushed_kv as vq_flushed_kv
 from .int2_kernel import fused_decode, supports
+from .vq_kernel import supports as vq_supports
+from .vq_kernel import vq_decode
 
 IMPLEMENTATION = "kvcalib_runtime"
 # The layer a cache update hands to the attention call that follows it, per thread. A threading.local
@@ -63,6 +69,7 @@ class CompressedLayer(CacheLayerMixin):
         self.state: Any = None
         self.length = 0
         self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
+        self.vq: VQLayer | None = None  # VecInfer's code rows in the VecInfer kernel's layout, CUDA only
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -112,19 +119,31 @@ class CompressedLayer(CacheLayerMixin):
             # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
+            books = self.method.vq_books(self.layer) if self.use_fused else None
             if self.use_fused and supports(self.method.int2_spec(), k16.shape[-1], k16.device):
                 self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res,
                                           self.method.rotated_keys, self.method.rotated_values)
+            elif vq_supports(books, k16.shape[-1], k16.device):
+                start = self.length - flush - self.k_res.shape[-2]  # the block's first position
+                sinks = min(max(self.method.sink - start, 0), flush)  # its tokens kept in float16 (keep_sinks)
+                self.vq = vq_append(self.vq, *self.method.vq_parts(packed), books.kbook.to(k16.device),
+                                    books.vbook.to(k16.device), books.k_bits, books.v_bits, k16[..., :sinks, :],
+                                    v16[..., :sinks, :], self.k_res, self.v_res,
+                                    None if books.smooth is None else books.smooth.to(k16.device), books.hadamard)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
-        if self.fused is not None:  # the kernel reads the residual as it came in (int2_layout: model's basis)
-            self.fused.kres, self.fused.vres, self.fused.residual = self.k_res, self.v_res, self.k_res.shape[2]
+        for kernel_layer in (self.fused, self.vq):  # the kernels read the residual as it came in (model's basis)
+            if kernel_layer is not None:
+                kernel_layer.kres, kernel_layer.vres, kernel_layer.residual = self.k_res, self.v_res, self.k_res.shape[2]
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
         if self.fused is not None:  # rare on the fused path: several new positions onto a filled cache
             k, v = self.fused.flushed_kv(model_basis=True)
+            self.k_blocks, self.v_blocks = [k], [v]
+        if self.vq is not None:
+            k, v = vq_flushed_kv(self.vq)
             self.k_blocks, self.v_blocks = [k], [v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
@@ -248,6 +267,10 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     gqa = q.shape[1] // layer.k_res.shape[1]
     if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
         return fused_attend(method, layer.layer, q, fused, opts.scaling, layer.state)
+    if layer.vq is not None and q.shape[-2] == 1 and vq_supports(method.vq_books(layer.layer), q.shape[-1], q.device,
+                                                                  gqa, opts):
+        q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
+        return vq_decode(q1, layer.vq, opts.scaling).to(compute_dtype(q)).unsqueeze(2)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import SettingsError
-from ..vq_layout import VQLayer
+from ..vq_layout import VQBooks, VQLayer
 from .int2_kernel import MAX_GQA, MERGE_WARPS, _sm_count
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
-MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute; with more where they fit (4)
+MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute (more measured no faster)
 TILES = 2  # 16-token tiles per warp and stage
 RT = 16  # float16 rows (sinks, residual) per extra block
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
-TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, BLOCKS_PER_SM)
+TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, TILES, BLOCKS_PER_SM, LO_PAIR)
 
 
 def _up16(n: int) -> int:
@@ -34,34 +34,55 @@ def _replicas(book: torch.Tensor) -> int:
     return 128 // (2 * n) if entries * 128 <= REPLICATED_BOOK and n <= 16 else 1
 
 
-def shared_bytes(layer: VQLayer, gqa: int, stages: int = 4, warps: int = 4, krepl: int = 1, vrepl: int = 1) -> int:
+def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krepl: int = 1, vrepl: int = 1,
+                 tiles: int = TILES) -> int:
     """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
     (float16, in their copies), then a ring of `stages` stages of code rows, which the warps' combine and the
-    float16 rows' scratch reuse."""
+    float16 rows' scratch reuse, then q~ of the block's heads (float32)."""
     d, rk, rv = layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1]
-    stage = 16 * warps * TILES
+    stage = 16 * warps * tiles
     books = _up16(2 * layer.kbook[0].numel() * krepl) + _up16(2 * layer.vbook[0].numel() * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
-    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT))
+    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT)) + 4 * gqa * d
 
 
 def plan(layer: VQLayer, gqa: int) -> dict[str, int]:
-    """The launch's compile-time shape: the first of these whose block fits SHARED_LIMIT. Small books (up
-    to 8-bit codes) are held in conflict-free copies and two blocks of 4 warps share an SM; books too large
-    for two blocks get one block of 8 warps, so that an SM still has 8 warps to hide the gathers' latency;
-    then fewer stages, then single copies (`check` has refused what fits in none)."""
+    """The launch's compile-time shape: 8 warps per block and a ring of 2 stages (256 tokens each), small
+    books (up to 8-bit codes) in conflict-free copies, as many blocks per SM (up to 2) as shared memory
+    holds; if that block does not fit SHARED_LIMIT, single copies, then 4 warps (`check` has refused what
+    fits in none). benchmarks/vq_decode_plans.py measured the alternatives (RESULTS.md)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
-    two = shared_bytes(layer, gqa, 4, 4, krepl, vrepl) <= SM_SHARED // 2 - 1024
-    shapes = [(4 if two else 8, 4, krepl, vrepl), (4, 4, krepl, vrepl), (4, MIN_STAGES, krepl, vrepl),
-              (4, MIN_STAGES, 1, 1)]
-    for warps, stages, kr, vr in shapes:
-        p = {"WARPS": warps, "NSTAGE": stages, "KREPL": kr, "VREPL": vr, **TUNING}
-        smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"])
+    for warps, kr, vr in [(8, krepl, vrepl), (8, 1, 1), (4, 1, 1)]:
+        p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": TILES, **TUNING}
+        smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
             break
     p.setdefault("BLOCKS_PER_SM", max(1, min(2, SM_SHARED // (smem + 1024))))
     p["SMEM"] = smem
     return p
+
+
+def supports(books: VQBooks | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
+    """Whether the runtime may lay a method's flushed blocks out for this kernel: VecInfer codes on CUDA (with
+    cupy), head_dim 64 or 128, sub-vectors the kernel reads (`check`), books that fit a block's shared memory,
+    at most 8 query heads per KV head; and, given the call's `kvcalib.attention.AttentionOptions`, plain
+    softmax attention (no softcap, no sliding window)."""
+    if books is None or device.type != "cuda" or head_dim not in (64, 128) or gqa > MAX_GQA:
+        return False
+    if opts is not None and (opts.softcap or opts.sliding_window):
+        return False
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    nk, nv = books.kbook.shape[-1], books.vbook.shape[-1]
+    if nk > head_dim // 4 or nv > head_dim // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
+        return False
+    rows = lambda n, bits: -(-(head_dim // n) * bits // 8)  # noqa: E731  bytes of a token's code row
+    probe = VQLayer(torch.empty(1, 1, 0, rows(nk, books.k_bits), dtype=torch.uint8),
+                    torch.empty(1, 1, 0, rows(nv, books.v_bits), dtype=torch.uint8), books.kbook, books.vbook,
+                    *[torch.empty(1, 1, 0, head_dim)] * 4, 0, 0, 0, books.k_bits, books.v_bits)
+    return shared_bytes(probe, gqa, MIN_STAGES) <= SHARED_LIMIT
 
 
 def check(q: torch.Tensor, layer: VQLayer) -> None:
@@ -73,9 +94,10 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
         raise SettingsError(f"VecInfer codebooks of {tuple(layer.kbook.shape[1:])} (keys) and {tuple(layer.vbook.shape[1:])} "
                             f"(values) need {need // 1024} KiB of shared memory per block; the kernel holds up to "
                             f"{SHARED_LIMIT // 1024} KiB: choose fewer bits per code (e.g. d8b12, not d8b16)")
-    if not q.is_cuda or q.dtype != torch.float32 or d not in (64, 128) or hq % hkv or hq // hkv > MAX_GQA:
-        raise SettingsError("the VecInfer kernel takes float32 queries (B, Hq, D) on CUDA in the codec basis, D 64 or "
-                            f"128, and at most {MAX_GQA} query heads per KV head")
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or d not in (64, 128) or hq % hkv \
+            or hq // hkv > MAX_GQA:
+        raise SettingsError("the VecInfer kernel takes float16 or bfloat16 queries (B, Hq, D) on CUDA, D 64 or 128, and "
+                            f"at most {MAX_GQA} query heads per KV head")
     nk, nv = layer.kbook.shape[-1], layer.vbook.shape[-1]
     if nk > d // 4 or nv > d // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
         raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
@@ -98,7 +120,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = False,
               lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> torch.Tensor:
-    """q (B, Hq, D) float32 in the codec basis -> (B, Hq, D) float16. With `lengths` and `residuals` (B,) int32
+    """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and `residuals` (B,) int32
     on the device, each sequence's flushed and residual counts are read there (layer.length and
     layer.residual are then unused) and the launch is sized by the buffers' capacities."""
     import cupy
@@ -112,10 +134,12 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     tensors = [_aligned(x) for x in (q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.ksink,
                                      layer.vsink, layer.kres, layer.vres)]
     qc, kc, vc, kb, vb, ks, vs, kr, vr = tensors
+    smooth = None if layer.smooth is None else layer.smooth.to(device=q.device, dtype=torch.float16).contiguous()
+    qt = "__half" if q.dtype == torch.float16 else "__nv_bfloat16"
     p = plan(layer, gqa)
-    smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * TILES
+    smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * p["TILES"]
     defines = {"D": d, "NK": kb.shape[-1], "MK": layer.k_bits, "RK": kc.shape[-1], "NV": vb.shape[-1],
-               "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "TILES": TILES, "KUNIT": _unit(kc),
+               "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "QT": qt, "HADAMARD": int(layer.hadamard), "KUNIT": _unit(kc),
                "VUNIT": _unit(vc), **{k: v for k, v in p.items() if k != "SMEM"}}
     device = lengths is not None
     capt = kc.shape[2]
@@ -128,20 +152,21 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     parts = num_splits + max(1, -(-extra_rows // RT))
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
-    out = torch.empty(b, hq, d, device=q.device, dtype=torch.float16)
+    out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     i32 = cupy.int32
     partial = kernel("vq_decode.cu", defines, "vq_partial")
     partial.max_dynamic_shared_size_bytes = smem
     with torch_stream(q.device):
         launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
-               (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(ks), ptr(vs),
+               (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(smooth), ptr(ks),
+                ptr(vs),
                 i32(ks.shape[2] if device else layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
                 i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
                 ptr(residuals)), checked, smem)
         merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": 4,
-                         "CP_ASYNC_LOADER": 0, "QT": "__half", "SPLIT_UNIT": 128}
+                         "CP_ASYNC_LOADER": 0, "QT": qt, "SPLIT_UNIT": 128}
         warps = b * hq * d // 32
         launch(kernel("quant_decode.cu", merge_defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), cupy.uint64(0), cupy.uint64(0), i32(parts), i32(b * hq), ptr(out)),
