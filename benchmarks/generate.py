@@ -14,7 +14,8 @@ Paths:
   cache's flush) before it is captured. Caches (`CACHES`), all 2-bit with R = 128: `kivi128`, `kivi32`
   (KIVI, key groups of 128 / 32 tokens), `oscar32` (OScaR, G = 32: Hadamard-rotated keys and values,
   per-token key norms), `kvlinc128` (KVLinC, G = 128, random adapters of the default rank 256 on every
-  layer: the correction's cost, not its accuracy).
+  layer: the correction's cost, not its accuracy); eager only, `vecinfer_d4b8` and `vecinfer_d8b12`
+  (VecInfer, per-layer random codebooks, R = 128, the fused VecInfer kernel; no static cache yet).
 
 Each kvcalib static path makes one cache for the longest context and prefills each context's prompt
 into its slot, its step compiled and captured once (as a server holds one cache for the longest context
@@ -55,9 +56,11 @@ from results import RESULTS, record
 CACHES = {"kivi128": ("kivi", MethodSettings(2, 128, 128)), "kivi32": ("kivi", MethodSettings(2, 32, 128)),
           "oscar32": ("oscar", MethodSettings(2, 32, 128)), "kvlinc128": ("kvlinc", MethodSettings(2, 128, 128))}
 KVLINC_RANK = 256  # kvcalib train-adapters' default
+VECINFER = {"vecinfer_d4b8": "d4b8", "vecinfer_d8b12": "d8b12"}  # random per-layer codebooks, R = 128; no static cache yet
 PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in CACHES
-                                                  for how in ("dynamic", "static", "captured", "static-compiled")]
-EAGER = ["fp16-eager"] + [f"{k}-dynamic" for k in CACHES]  # measured side by side (`run_eager_together`)
+                                                  for how in ("dynamic", "static", "captured", "static-compiled")] \
+    + [f"{k}-dynamic" for k in VECINFER]
+EAGER = ["fp16-eager"] + [f"{k}-dynamic" for k in [*CACHES, *VECINFER]]  # measured side by side (`run_eager_together`)
 
 
 def llama8b_config(context: int) -> LlamaConfig:
@@ -67,7 +70,17 @@ def llama8b_config(context: int) -> LlamaConfig:
 
 
 def kvcalib_method(name: str, lm: LoadedModel):
-    """The method of cache `name` (`CACHES`) for the model; KVLinC with seeded random adapters."""
+    """The method of cache `name` (`CACHES`, `VECINFER`) for the model; KVLinC with seeded random adapters,
+    VecInfer with seeded random codebooks and smoothing (the kernel's work does not depend on their values)."""
+    if name in VECINFER:
+        from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig
+
+        shape, g, config = attention_shape(lm.config), torch.Generator().manual_seed(0), VecInferConfig(VECINFER[name], VECINFER[name])
+        book = lambda c: torch.randn(1, c.centroids, c.dim, generator=g).half().cuda()  # noqa: E731
+        layers = [LayerCodebooks(book(config.k), book(config.v),
+                                 (0.5 + torch.rand(shape.num_kv_heads, shape.head_dim, generator=g)).half().cuda())
+                  for _ in range(shape.num_layers)]
+        return VecInfer(config, layers, shape, residual=128)
     method_name, settings = CACHES[name]
     method = build_method(method_name, attention_shape(lm.config), settings)
     if method_name == "kvlinc":

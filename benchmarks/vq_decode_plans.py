@@ -24,6 +24,9 @@ PLANS = {  # name: TUNING
     "4 warps, 4 stages": {"WARPS": 4, "NSTAGE": 4},
     "single books": {"KREPL": 1, "VREPL": 1},
     "4 tiles per warp": {"TILES": 4},
+    "16 warps": {"WARPS": 16},
+    "16 warps, 4 tiles": {"WARPS": 16, "TILES": 4},
+    "values gathered after the softmax": {"PREFETCH_V": 0},
     "q~ in fp16 alone": {"LO_PAIR": 0},
 }
 

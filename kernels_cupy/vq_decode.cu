@@ -56,6 +56,9 @@
 #ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
 #define LO_PAIR 1
 #endif
+#ifndef PREFETCH_V
+#define PREFETCH_V 1
+#endif
 #define LO_COLUMNS (LO_PAIR && GQ <= 4)
 #define LO_MMA (LO_PAIR && GQ > 4)
 #define NEG_INF __int_as_float(0xff800000)
@@ -301,6 +304,21 @@ __device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __hal
   }
 }
 
+// The value centroids of one tile (stage row `row`) this lane feeds to the values' mma: tokens 2t, 2t+1,
+// 2t+8, 2t+9, lane group g's D/8 channels (CV sub-vectors), as half2 words.
+__device__ __forceinline__ void value_centroids(const unsigned char* stage, const __half* vb, int row,
+                                                unsigned (*va)[D / 16]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int k4 = 0; k4 < 4; ++k4) {
+    unsigned code[CV];
+    const int tok = row + 2 * t + (k4 & 1) + 8 * (k4 >> 1);
+    codes_at<MV, CV, VALIGNED>(stage, tok * RV * 8 + g * CV * MV, code);
+#pragma unroll
+    for (int k = 0; k < CV; ++k) centroid<NV, VREPL>(vb, code[k], &va[k4][k * NV / 2]);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     const QT* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const __half* __restrict__ kbook, const __half* __restrict__ vbook, int kbook_groups, int vbook_groups,
@@ -442,24 +460,30 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
         sc[j][i] = tok < stop && tok >= sinks ? x * scale_log2 : NEG_INF;
       }
     }
+    // The values' centroids: gathered before the softmax (PREFETCH_V), so that their latency overlaps its
+    // shuffles, or after it, tile by tile (fewer registers live).
+#if PREFETCH_V
+    unsigned va[TILES][4][D / 16];  // tile j, tokens 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
+#pragma unroll
+    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vb, row0 + 16 * j, va[j]);
     softmax_tiles(sc, m, l, pr, acc);
+#else
+    softmax_tiles(sc, m, l, pr, acc);
+#endif
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       const unsigned pb0 = transpose8x8(pack_half2(pr[j][0], pr[j][1]));
       const unsigned pb1 = transpose8x8(pack_half2(pr[j][2], pr[j][3]));
-      unsigned va[4][D / 16];  // tokens 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
-#pragma unroll
-      for (int k4 = 0; k4 < 4; ++k4) {
-        unsigned code[CV];
-        const int tok = row0 + 16 * j + 2 * t + (k4 & 1) + 8 * (k4 >> 1);
-        codes_at<MV, CV, VALIGNED>(vs_, tok * RV * 8 + g * CV * MV, code);
-#pragma unroll
-        for (int k = 0; k < CV; ++k) centroid<NV, VREPL>(vb, code[k], &va[k4][k * NV / 2]);
-      }
+#if PREFETCH_V
+      unsigned (*vt)[D / 16] = va[j];
+#else
+      unsigned vt[4][D / 16];
+      value_centroids(vs_, vb, row0 + 16 * j, vt);
+#endif
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
-        const uint4 a = make_uint4(__byte_perm(va[0][u], va[1][u], 0x5410), __byte_perm(va[0][u], va[1][u], 0x7632),
-                                   __byte_perm(va[2][u], va[3][u], 0x5410), __byte_perm(va[2][u], va[3][u], 0x7632));
+        const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
+                                   __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
         mma16816(acc[u], a, pb0, pb1);
       }
     }
