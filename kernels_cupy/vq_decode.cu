@@ -56,8 +56,8 @@
 #ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
 #define LO_PAIR 1
 #endif
-#ifndef PREFETCH_V
-#define PREFETCH_V 1
+#ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
+#define PREFETCH_V 0
 #endif
 #define LO_COLUMNS (LO_PAIR && GQ <= 4)
 #define LO_MMA (LO_PAIR && GQ > 4)

@@ -47,12 +47,26 @@ def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krep
 
 
 def plan(layer: VQLayer, gqa: int) -> dict[str, int]:
-    """The launch's compile-time shape: 8 warps per block and a ring of 2 stages (256 tokens each), small
-    books (up to 8-bit codes) in conflict-free copies, as many blocks per SM (up to 2) as shared memory
-    holds; if that block does not fit SHARED_LIMIT, single copies, then 4 warps (`check` has refused what
-    fits in none). benchmarks/vq_decode_plans.py measured the alternatives (RESULTS.md)."""
+    """`_plan` of this layer's shapes, once per shapes (a decode step asks it per layer)."""
+    key = (layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], tuple(layer.kbook.shape),
+           tuple(layer.vbook.shape), gqa, tuple(sorted(TUNING.items())))
+    if key not in _PLANS:
+        _PLANS[key] = _plan(layer, gqa)
+    return _PLANS[key]
+
+
+_PLANS: dict[tuple, dict[str, int]] = {}
+
+
+def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
+    """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): a ring of
+    2 stages, 2 tiles per warp; small books (up to 8-bit codes) in conflict-free copies, 8 warps per block and
+    2 blocks per SM; books too large for two blocks (12-bit codes: 64 KiB each) one block of 16 warps, so that
+    an SM still holds 16 warps to hide the gathers' latency. If a block does not fit SHARED_LIMIT: 8 warps,
+    single copies, 4 warps (`check` has refused what fits in none)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
-    for warps, kr, vr in [(8, krepl, vrepl), (8, 1, 1), (4, 1, 1)]:
+    two = shared_bytes(layer, gqa, MIN_STAGES, 8, krepl, vrepl) <= SM_SHARED // 2 - 1024
+    for warps, kr, vr in [(8 if two else 16, krepl, vrepl), (8, krepl, vrepl), (8, 1, 1), (4, 1, 1)]:
         p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": TILES, **TUNING}
         smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
@@ -120,9 +134,9 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = False,
               lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> torch.Tensor:
-    """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and `residuals` (B,) int32
-    on the device, each sequence's flushed and residual counts are read there (layer.length and
-    layer.residual are then unused) and the launch is sized by the buffers' capacities."""
+    """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and
+    `residuals` (B,) int32 on the device, each sequence's flushed and residual counts are read there
+    (layer.length and layer.residual are then unused) and the launch is sized by the buffers' capacities."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
