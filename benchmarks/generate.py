@@ -14,8 +14,8 @@ Paths:
   cache's flush) before it is captured. Caches (`CACHES`), all 2-bit with R = 128: `kivi128`, `kivi32`
   (KIVI, key groups of 128 / 32 tokens), `oscar32` (OScaR, G = 32: Hadamard-rotated keys and values,
   per-token key norms), `kvlinc128` (KVLinC, G = 128, random adapters of the default rank 256 on every
-  layer: the correction's cost, not its accuracy); eager only, `vecinfer_d4b8` and `vecinfer_d8b12`
-  (VecInfer, per-layer random codebooks, R = 128, the fused VecInfer kernel; no static cache yet).
+  layer: the correction's cost, not its accuracy), `vecinfer_d4b8` and `vecinfer_d8b12` (VecInfer,
+  per-layer random codebooks and smoothing, R = 128, the fused VecInfer kernel).
 
 Each kvcalib static path makes one cache for the longest context and prefills each context's prompt
 into its slot, its step compiled and captured once (as a server holds one cache for the longest context
@@ -56,10 +56,9 @@ from results import RESULTS, record
 CACHES = {"kivi128": ("kivi", MethodSettings(2, 128, 128)), "kivi32": ("kivi", MethodSettings(2, 32, 128)),
           "oscar32": ("oscar", MethodSettings(2, 32, 128)), "kvlinc128": ("kvlinc", MethodSettings(2, 128, 128))}
 KVLINC_RANK = 256  # kvcalib train-adapters' default
-VECINFER = {"vecinfer_d4b8": "d4b8", "vecinfer_d8b12": "d8b12"}  # random per-layer codebooks, R = 128; no static cache yet
-PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in CACHES
-                                                  for how in ("dynamic", "static", "captured", "static-compiled")] \
-    + [f"{k}-dynamic" for k in VECINFER]
+VECINFER = {"vecinfer_d4b8": "d4b8", "vecinfer_d8b12": "d8b12"}  # random per-layer codebooks, R = 128
+PATHS = ["fp16-eager", "fp16-static-compile"] + [f"{k}-{how}" for k in [*CACHES, *VECINFER]
+                                                  for how in ("dynamic", "static", "captured", "static-compiled")]
 EAGER = ["fp16-eager"] + [f"{k}-dynamic" for k in [*CACHES, *VECINFER]]  # measured side by side (`run_eager_together`)
 
 
@@ -92,16 +91,23 @@ def kvcalib_method(name: str, lm: LoadedModel):
 
 
 def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
-    """Bytes a 2-bit cache of `CACHES` holds for `tokens`: flushed blocks (2-bit codes of keys and values,
+    """Bytes a cache of `CACHES` or `VECINFER` holds for `tokens`. VecInfer: code rows and the float16 residual.
+    The 2-bit caches: flushed blocks (2-bit codes of keys and values,
     fp16 scale and zero per key group of G tokens and channel, and per value group of min(G, d) channels
     and token; OScaR's fp16 norm per token), the float16 residual keys and values (held as they came in:
     the kernel rotates for the blocks stored rotated), and KVLinC's float32 S and P (rank x (d + 1) per KV head)."""
+    rows = config.num_hidden_layers * config.num_key_value_heads
+    if name in VECINFER:  # code rows of keys and values (ceil(codes x bits / 8) bytes each), float16 residual
+        from kvcalib import vq
+
+        c, d, r = vq.VQConfig.parse(VECINFER[name]), config.head_dim, 128
+        flushed = tokens // r * r
+        return rows * (flushed * 2 * -(-(d // c.dim) * c.bits // 8) + (tokens - flushed) * 2 * d * 2)
     method, settings = CACHES[name]
     d, g, r = config.head_dim, settings.group_size, settings.residual
     flushed = tokens // r * r
     per_token_bits = d * (2 + 32 / g) + d * 2 + (d // min(g, d)) * 32 + (16 if method == "oscar" else 0)
     state = KVLINC_RANK * (d + 1) * 4 if method == "kvlinc" else 0
-    rows = config.num_hidden_layers * config.num_key_value_heads
     return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * 2 * d * 2 + state)
 
 

@@ -7,7 +7,8 @@ random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
 
 Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
-- `{cache}-static-compiled`, a cache of generate.py's `CACHES` (`kivi128`, `kivi32`, `oscar32`, `kvlinc128`):
+- `{cache}-static-compiled`, a cache of generate.py's `CACHES` (`kivi128`, `kivi32`, `oscar32`, `kvlinc128`)
+  or `VECINFER` (`vecinfer_d4b8`, `vecinfer_d8b12`):
   StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`).
 
 Memory. Weights: allocated once the model is built. Cache: the bytes of the tensors it holds
@@ -45,14 +46,15 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, StaticCache
 
-from generate import CACHES as KVCALIB_CACHES
+from generate import CACHES as INT2_CACHES
+from generate import VECINFER
 from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, spoken, timed_steps
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
-CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in KVCALIB_CACHES]
+CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in [*INT2_CACHES, *VECINFER]]
 GIB = 2**30
 PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vres")
 

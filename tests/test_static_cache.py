@@ -1,5 +1,7 @@
 """The static cache's host-side rules, on any machine (its GPU behaviour: tests/test_static_cache_gpu.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from kvcalib.models import AttentionShape
 from kvcalib.int2_layout import kernel_parts
 from kvcalib.methods.kvlinc import Adapter, features
 from kvcalib.runtime.static_cache import StaticLayer, _masked_write, check_static
+from test_runtime_cache import _vecinfer_with_sinks
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
 CUDA = torch.device("cuda")  # `check_static` reads only the device's type: no GPU needed to ask it
@@ -27,15 +30,26 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
 
 
 @pytest.mark.parametrize("name,settings,reason", [
-    ("turboquant", MethodSettings(), "no fused INT2 layout"),
-    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2 layout"),
+    ("turboquant", MethodSettings(), "no fused INT2 or VecInfer layout"),
+    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2 or VecInfer layout"),
     ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
-    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2 layout"),
+    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2 or VecInfer layout"),
 ])
 def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settings, reason):
     method = build_method(name, SHAPE, settings)
     with pytest.raises(SettingsError, match=reason):
         check_static(method, SHAPE.head_dim, CUDA, 2)
+
+
+def test_a_static_cache_takes_vecinfer_without_sinks_and_books_that_fit_the_kernel():
+    check_static(_method("vecinfer"), SHAPE.head_dim, CUDA, 2)  # no error
+    with pytest.raises(SettingsError, match="without float16 sink tokens"):
+        check_static(_vecinfer_with_sinks(SHAPE, 3, 32), SHAPE.head_dim, CUDA, 2)
+    big = _method("vecinfer")
+    big.layers[0].k = torch.zeros(1, 2**16, 8, dtype=torch.float16)  # d8b16 keys: a 1 MiB book
+    big.config = dataclasses.replace(big.config, k_config="d8b16")
+    with pytest.raises(SettingsError, match="no fused INT2 or VecInfer layout"):
+        check_static(big, SHAPE.head_dim, CUDA, 2)
 
 
 @pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])
@@ -51,7 +65,9 @@ U16, U32 = 2.0**-11, 2.0**-24  # unit round-off of float16 and float32
 
 def _method(name: str, seed: int = 0):
     """KIVI, OScaR, or KVLinC with random adapters (rank 8) on layer 0, over channel-wise or OScaR-coded keys
-    (`kvlinc-oscar`): G = 16, R = 32."""
+    (`kvlinc-oscar`): G = 16, R = 32; or VecInfer with random codebooks (R = 32)."""
+    if name == "vecinfer":  # random d4b6 codebooks and smoothing, R = 32, no sinks
+        return _vecinfer_with_sinks(SHAPE, 0, 32)
     keys = "oscar" if name == "kvlinc-oscar" else None
     method = build_method(name.split("-")[0], SHAPE, MethodSettings(bits=2, group_size=16, residual=32, keys=keys))
     if name.startswith("kvlinc"):
@@ -74,7 +90,7 @@ def _expected_state(method, k: torch.Tensor, v: torch.Tensor, n: int):
     return state, mags
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer"])
 def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_in_the_kernels_basis(name):
     """Three sequences of different lengths, appended a token a step: after every step each slot holds
     bit for bit the method's `compress` of each of its full blocks (codes, scales, zeros, OScaR's key
@@ -90,7 +106,7 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
     vals = [torch.randn(1, 2, t + steps, 64, generator=g).half() for t in prompts]
     for i, t in enumerate(prompts):
         layer.prefill(i, seqs[i][:, :, :t], vals[i][:, :, :t])
-    p = layer.packed
+    p = layer.kernel_layer
     for s in range(steps + 1):
         if s:
             layer.append(torch.cat([x[:, :, t + s - 1 : t + s] for x, t in zip(seqs, prompts)]),
@@ -100,8 +116,15 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
             n, r = held // 32 * 32, held % 32
             assert (int(layer.flushed[i]), int(layer.residual[i])) == (n, r), (s, i)
             assert torch.equal(p.kres[i, :, :r], k[0, :, n:held]) and torch.equal(p.vres[i, :, :r], v[0, :, n:held])
-            assert (p.rotated_keys, p.rotated_values) == (method.rotated_keys, method.rotated_values)
-            if n:
+            if name == "vecinfer":  # VecInfer's code rows, what `KvcalibCache` hands its kernel
+                assert layer.packed is None and p is layer.vq
+            else:
+                assert (p.rotated_keys, p.rotated_values) == (method.rotated_keys, method.rotated_values)
+            if n and name == "vecinfer":
+                want = list(method.vq_parts(method.compress(0, k[:, :, :n].float(), v[:, :, :n].float())))
+                for (buf, unit), part in zip(layer._buffers(), want, strict=True):
+                    assert torch.equal(buf[i : i + 1, :, : n // unit], part), (s, i, unit)
+            elif n:
                 packed = method.compress(0, k[:, :, :n].float(), v[:, :, :n].float())
                 kq, vq, norms = method.int2_parts(packed)
                 want = [*kernel_parts(kq, vq)]
@@ -119,7 +142,7 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
     assert layer.flushed.tolist() == [32, 64, 96]
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer"])
 def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_bits(name):
     """What `torch.compile(fullgraph=True)` sees of the static cache's step: no host sync, no branch on
     a count (aot_eager: the traced, functionalised graph run by eager ops; the GPU tests run Inductor)."""
@@ -136,7 +159,7 @@ def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_
     for s in range(40):  # every slot flushes once
         layers[0].append(k[:, :, s : s + 1], v[:, :, s : s + 1])
         compiled(k[:, :, s : s + 1], v[:, :, s : s + 1])
-        for a, b in zip(layers[0].packed.__dict__.values(), layers[1].packed.__dict__.values()):
+        for a, b in zip(layers[0].kernel_layer.__dict__.values(), layers[1].kernel_layer.__dict__.values()):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, s
         for a, b in zip(layers[0].mutable(), layers[1].mutable()):
             assert torch.equal(a, b), s

@@ -36,6 +36,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the static cache runs only on a GPU", allow_module_level=True)
 
 from test_int2_kernel_gpu import CORRECTION_TOL, FLOOR, _row_errors, _sdpa  # noqa: E402  (after the skip: it needs cupy)
+from test_runtime_cache import _vecinfer_with_sinks  # noqa: E402
 
 DEV = "cuda"
 
@@ -187,6 +188,50 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
     assert worst > 0 and (corrected > 0) == name.startswith("kvlinc")
 
 
+def _vecinfer_on_device(shape: AttentionShape):
+    """VecInfer with random d4b6 codebooks and smoothing on the GPU, R = 32, no sinks (`check_static`)."""
+    method = _vecinfer_with_sinks(shape, 0, 32)
+    for books in method.layers:
+        books.k, books.v, books.smooth = books.k.to(DEV), books.v.to(DEV), books.smooth.to(DEV)
+    return method
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_vecinfer_layer_attends_each_slot_over_its_own_counts_within_the_kernel_bound(d):
+    """Slots of different lengths (a flush at the first step, at once, later), a token a step: each row of
+    the VecInfer kernel's output, counts read on the device, against the float64 reference over that slot's
+    own codes and residual, held to the kernel's rule (tests/test_vq_kernel_gpu.py)."""
+    from kvcalib.runtime.vq_kernel import vq_decode
+    from kvcalib.vq_layout import VQLayer, reference_decode as vq_reference
+    from test_vq_kernel_gpu import _sdpa as vq_sdpa
+
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)
+    method = _vecinfer_on_device(shape)
+    prompts, steps = [1, 31, 32, 69], 67
+    b, h = len(prompts), 2
+    static = StaticLayer(method, 0, b, capacity=160, kv_heads=h, head_dim=d, device=torch.device(DEV))
+    for i, t in enumerate(prompts):
+        static.prefill(i, *_tokens(1, h, t, d, seed=i))
+    k_new, v_new = _tokens(b, h, steps, d, seed=99)
+    q = torch.randn(b, steps, 8, d, device=DEV).half()
+    worst = 0.0
+    for s in range(steps):
+        static.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
+        out = vq_decode(q[:, s], static.vq, d**-0.5, checked=True, lengths=static.flushed, residuals=static.residual)
+        for i in range(b):
+            n, r = int(static.flushed[i]), int(static.residual[i])
+            p = static.vq
+            row = VQLayer(p.kcodes[i : i + 1, :, :n], p.vcodes[i : i + 1, :, :n], p.kbook, p.vbook, p.ksink[i : i + 1],
+                          p.vsink[i : i + 1], p.kres[i : i + 1, :, :r], p.vres[i : i + 1, :, :r], n, r, 0, p.k_bits,
+                          p.v_bits, p.smooth, p.hadamard)
+            ref = vq_reference(q[i : i + 1, s], row, d**-0.5)
+            err = _row_errors(out[i : i + 1], ref)
+            bound = 2 * _row_errors(vq_sdpa(q[i : i + 1, s], row), ref) + FLOOR
+            assert (err <= bound).all(), (s, i, err.max().item(), bound.min().item())
+            worst = max(worst, (err / bound).max().item())
+    assert worst > 0 and static.flushed.tolist() == [64, 96, 96, 128]
+
+
 def _model(layers: int = 2, head_dim: int = 64):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -203,13 +248,15 @@ def _model(layers: int = 2, head_dim: int = 64):
 
 
 SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
-METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar"]  # every method the static cache holds (`check_static`);
-# kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`)
+METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer"]  # every method the static cache holds
+# (`check_static`); kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`); vecinfer: random codebooks
 
 
 def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTINGS, rank: int = 16):
     """The method, KVLinC with random adapters of `rank` on every layer (its correction then moves the
     output: the states and terms are exercised, not zeros)."""
+    if name == "vecinfer":
+        return _vecinfer_on_device(shape)
     if name == "kvlinc-oscar":
         name, settings = "kvlinc", dataclasses.replace(settings, keys="oscar")
     method = build_method(name, shape, settings)

@@ -269,8 +269,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
         return fused_attend(method, layer.layer, q, fused, opts.scaling, layer.state)
     if layer.vq is not None and q.shape[-2] == 1 and vq_supports(method.vq_books(layer.layer), q.shape[-1], q.device,
                                                                   gqa, opts):
-        q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
-        return vq_decode(q1, layer.vq, opts.scaling).to(compute_dtype(q)).unsqueeze(2)
+        return vq_attend(q, layer.vq, opts.scaling)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
@@ -288,6 +287,16 @@ def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLaye
     # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
     q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
     return fused_decode(q1, packed, scaling, terms, counts=counts).to(compute_dtype(q)).unsqueeze(2)
+
+
+def vq_attend(q: torch.Tensor, layer: VQLayer, scaling: float,
+              counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One new query per head, q (B, Hq, 1, D), through the VecInfer kernel over `layer` (keys coded in the codec
+    basis, the query transformed by the kernel); (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's
+    per-sequence counts on the device."""
+    q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
+    lengths, residuals = counts if counts is not None else (None, None)
+    return vq_decode(q1, layer, scaling, lengths=lengths, residuals=residuals).to(compute_dtype(q)).unsqueeze(2)
 
 
 def register_attention() -> None:

@@ -51,8 +51,10 @@ from ..hadamard import hadamard
 from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
-from .cache import IMPLEMENTATION, fused_attend, hand_to_attention, register_attention
+from ..vq_layout import VQLayer
+from .cache import IMPLEMENTATION, fused_attend, hand_to_attention, register_attention, vq_attend
 from .int2_kernel import supports
+from .vq_kernel import supports as vq_supports
 
 
 def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -84,25 +86,39 @@ class StaticLayer(CacheLayerMixin):
     def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
                  device: torch.device):
         super().__init__()
-        spec = method.int2_spec()
-        g, gv, r = spec.group_size, spec.value_group_size, method.block
+        spec, books = method.int2_spec(), method.vq_books(layer)
+        r = method.block
         room = capacity + r
 
         def zeros(*shape, dtype=torch.float16):
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.method, self.layer, self.capacity = method, layer, capacity
-        probe = method.int2_parts(method.compress(layer, zeros(1, kv_heads, r, head_dim, dtype=torch.float32),
-                                                  zeros(1, kv_heads, r, head_dim, dtype=torch.float32)))
-        self.packed = PackedLayer(
-            kcodes=zeros(batch, kv_heads, room // 16, head_dim, dtype=torch.int32),
-            kscale=zeros(batch, kv_heads, room // g, head_dim), kzero=zeros(batch, kv_heads, room // g, head_dim),
-            vcodes=zeros(batch, kv_heads, room, head_dim // 16, dtype=torch.int32),
-            vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
-            kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
-            length=capacity, residual=r, group_size=g, value_group_size=gv,
-            knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
-            rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
+        blank = zeros(1, kv_heads, r, head_dim, dtype=torch.float32)
+        self.packed: PackedLayer | None = None  # INT2 blocks (`Method.int2_spec`) ...
+        self.vq: VQLayer | None = None  # ... or VecInfer code rows (`Method.vq_books`)
+        if spec is not None:
+            g, gv = spec.group_size, spec.value_group_size
+            probe = method.int2_parts(method.compress(layer, blank, blank))
+            self.packed = PackedLayer(
+                kcodes=zeros(batch, kv_heads, room // 16, head_dim, dtype=torch.int32),
+                kscale=zeros(batch, kv_heads, room // g, head_dim), kzero=zeros(batch, kv_heads, room // g, head_dim),
+                vcodes=zeros(batch, kv_heads, room, head_dim // 16, dtype=torch.int32),
+                vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
+                kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
+                length=capacity, residual=r, group_size=g, value_group_size=gv,
+                knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
+                rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
+        else:
+            kc, vc = method.vq_parts(method.compress(layer, blank, blank))
+            none = zeros(batch, kv_heads, 0, head_dim)
+            self.vq = VQLayer(zeros(batch, kv_heads, room, kc.shape[-1], dtype=torch.uint8),
+                              zeros(batch, kv_heads, room, vc.shape[-1], dtype=torch.uint8),
+                              books.kbook.to(device), books.vbook.to(device), none, none,
+                              zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, 0,
+                              books.k_bits, books.v_bits,
+                              None if books.smooth is None else books.smooth.to(device), books.hadamard)
+        self.kernel_layer = self.packed if self.packed is not None else self.vq  # the layout the kernel reads
         self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -126,6 +142,8 @@ class StaticLayer(CacheLayerMixin):
         empty state, a prompt's; the method's own rule, `Method.flush_state`)."""
         m = self.method
         packed = m.compress(self.layer, k16.float(), v16.float())
+        if self.vq is not None:  # code rows as they are (no decoding state: `check_static`)
+            return list(m.vq_parts(packed)), None
         kq, vq, norms = m.int2_parts(packed)
         kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
         parts = [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero] + ([norms] if norms is not None else [])
@@ -137,6 +155,8 @@ class StaticLayer(CacheLayerMixin):
 
     def _buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The packed buffers with the tokens each row along dim 2 stands for, in `_flush`'s order."""
+        if self.vq is not None:
+            return [(self.vq.kcodes, 1), (self.vq.vcodes, 1)]
         p, g = self.packed, self.packed.group_size
         norms = [(p.knorm, 1)] if p.knorm is not None else []
         return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
@@ -147,7 +167,7 @@ class StaticLayer(CacheLayerMixin):
 
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
-        t, r = k.shape[2], self.packed.residual
+        t, r = k.shape[2], self.kernel_layer.residual
         n = t // r * r
         k16, v16 = k.half(), v.half()
         for mine in _tensors(self.state):
@@ -159,23 +179,23 @@ class StaticLayer(CacheLayerMixin):
             if state is not None:
                 for mine, new in self._state_fields(state):
                     mine[slot] = new[0]
-        self.packed.kres[slot, :, : t - n], self.packed.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
+        self.kernel_layer.kres[slot, :, : t - n], self.kernel_layer.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
         `flush=False` where the caller knows no residual fills at this step (it appends only)."""
         b, h = k.shape[:2]
-        r = self.packed.residual
+        r = self.kernel_layer.residual
         rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
                 self.residual.long().view(b, 1))
-        for buf, x in ((self.packed.kres, k), (self.packed.vres, v)):
+        for buf, x in ((self.kernel_layer.kres, k), (self.kernel_layer.vres, v)):
             buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
         self.residual += 1
         if not flush:
             return
         full = self.residual == r
-        parts, state = self._flush(self.packed.kres, self.packed.vres, self.state)
+        parts, state = self._flush(self.kernel_layer.kres, self.kernel_layer.vres, self.state)
         for (buf, unit), part in zip(self._buffers(), parts):
             _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
         if state is not None:
@@ -204,6 +224,8 @@ class StaticLayer(CacheLayerMixin):
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
+        if self.vq is not None:
+            return vq_attend(query, self.vq, opts.scaling, counts=(self.flushed, self.residual))
         return fused_attend(self.method, self.layer, query, self.packed, opts.scaling, self.state,
                             counts=(self.flushed, self.residual))
 
@@ -314,14 +336,18 @@ class StaticKvcalibCache(Cache):
 def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
     """Refuse, with the reason, a method or device the static cache cannot serve (module docstring)."""
     spec = method.int2_spec()
+    int2 = spec is not None and supports(spec, head_dim, device, gqa)
+    # VecInfer's layers share one configuration: layer 0's books stand for all
+    vecinfer = spec is None and vq_supports(method.vq_books(0), head_dim, device, gqa)
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
-    elif spec is None or not supports(spec, head_dim, device, gqa):
-        why = f"--method {method.name} has no fused INT2 layout at these settings (`int2_kernel.supports`)"
+    elif not (int2 or vecinfer):
+        why = (f"--method {method.name} has no fused INT2 or VecInfer layout at these settings "
+               "(`int2_kernel.supports`, `vq_kernel.supports`)")
     elif method.window or method.sink:
         why = "it flushes blockwise, without float16 sink tokens"
-    elif method.block % 16 or method.block % spec.group_size:
+    elif int2 and (method.block % 16 or method.block % spec.group_size):
         why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
     if why:
         raise SettingsError(f"a static cache cannot hold this: {why}")

@@ -77,17 +77,13 @@ def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
 
 
 def supports(books: VQBooks | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
-    """Whether the runtime may lay a method's flushed blocks out for this kernel: VecInfer codes on CUDA (with
-    cupy), head_dim 64 or 128, sub-vectors the kernel reads (`check`), books that fit a block's shared memory,
+    """Whether the runtime may lay a method's flushed blocks out for this kernel: VecInfer codes on CUDA,
+    head_dim 64 or 128, sub-vectors the kernel reads (`check`), books that fit a block's shared memory,
     at most 8 query heads per KV head; and, given the call's `kvcalib.attention.AttentionOptions`, plain
     softmax attention (no softcap, no sliding window)."""
     if books is None or device.type != "cuda" or head_dim not in (64, 128) or gqa > MAX_GQA:
         return False
     if opts is not None and (opts.softcap or opts.sliding_window):
-        return False
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
         return False
     nk, nv = books.kbook.shape[-1], books.vbook.shape[-1]
     if nk > head_dim // 4 or nv > head_dim // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
@@ -136,15 +132,36 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
               lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and
     `residuals` (B,) int32 on the device, each sequence's flushed and residual counts are read there
-    (layer.length and layer.residual are then unused) and the launch is sized by the buffers' capacities."""
+    (layer.length and layer.residual are then unused) and the launch is sized by the buffers' capacities.
+    Through the custom op `kvcalib::vq_decode`, so that `torch.compile` keeps it whole."""
+    check(q, layer)
+    return _vq_decode(q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.smooth, layer.ksink, layer.vsink,
+                      layer.kres, layer.vres, lengths, residuals, layer.length, layer.residual, layer.sinks,
+                      layer.k_bits, layer.v_bits, layer.hadamard, scaling, checked)
+
+
+@torch.library.custom_op("kvcalib::vq_decode", mutates_args=())
+def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kbook: torch.Tensor, vbook: torch.Tensor,
+               smooth: torch.Tensor | None, ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor,
+               vres: torch.Tensor, lengths: torch.Tensor | None, residuals: torch.Tensor | None, length: int,
+               residual: int, sinks: int, k_bits: int, v_bits: int, hadamard: bool, scaling: float,
+               checked: bool) -> torch.Tensor:
+    """`vq_decode` with the VQLayer spelled out as the op's arguments (a custom op takes tensors and scalars
+    only); it launches on torch's current stream."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
+    layer = VQLayer(kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres, length, residual, sinks, k_bits, v_bits,
+                    smooth, hadamard)
     check(q, layer)
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
     gqa = hq // hkv
+    device = lengths is not None
+    if device and any(c is None or c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous()
+                      or c.device != q.device for c in (lengths, residuals)):
+        raise ValueError(f"counts must be two contiguous int32 tensors of shape ({b},) on {q.device}")
     tensors = [_aligned(x) for x in (q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.ksink,
                                      layer.vsink, layer.kres, layer.vres)]
     qc, kc, vc, kb, vb, ks, vs, kr, vr = tensors
@@ -153,9 +170,8 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     p = plan(layer, gqa)
     smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * p["TILES"]
     defines = {"D": d, "NK": kb.shape[-1], "MK": layer.k_bits, "RK": kc.shape[-1], "NV": vb.shape[-1],
-               "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "QT": qt, "HADAMARD": int(layer.hadamard), "KUNIT": _unit(kc),
-               "VUNIT": _unit(vc), **{k: v for k, v in p.items() if k != "SMEM"}}
-    device = lengths is not None
+               "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "QT": qt, "HADAMARD": int(layer.hadamard),
+               "KUNIT": _unit(kc), "VUNIT": _unit(vc), **{k: v for k, v in p.items() if k != "SMEM"}}
     capt = kc.shape[2]
     length = capt if device else layer.length
     extra_rows = ks.shape[2] + kr.shape[2] if device else layer.sinks + layer.residual
@@ -174,8 +190,7 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     with torch_stream(q.device):
         launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(smooth), ptr(ks),
-                ptr(vs),
-                i32(ks.shape[2] if device else layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
+                ptr(vs), i32(ks.shape[2] if device else layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
                 i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
                 ptr(residuals)), checked, smem)
@@ -186,3 +201,9 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
                (ptr(part_acc), ptr(part_ml), cupy.uint64(0), cupy.uint64(0), i32(parts), i32(b * hq), ptr(out)),
                checked)
     return out
+
+
+@_vq_decode.register_fake
+def _(q: torch.Tensor, *args) -> torch.Tensor:
+    b, hq, d = q.shape
+    return q.new_empty(b, hq, d)
