@@ -188,9 +188,9 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
     assert worst > 0 and (corrected > 0) == name.startswith("kvlinc")
 
 
-def _vecinfer_on_device(shape: AttentionShape):
-    """VecInfer with random d4b6 codebooks and smoothing on the GPU, R = 32, no sinks (`check_static`)."""
-    method = _vecinfer_with_sinks(shape, 0, 32)
+def _vecinfer_on_device(shape: AttentionShape, residual: int = 32):
+    """VecInfer with random d4b6 codebooks and smoothing on the GPU, no sinks (`check_static`)."""
+    method = _vecinfer_with_sinks(shape, 0, residual)
     for books in method.layers:
         books.k, books.v, books.smooth = books.k.to(DEV), books.v.to(DEV), books.smooth.to(DEV)
     return method
@@ -256,7 +256,7 @@ def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTING
     """The method, KVLinC with random adapters of `rank` on every layer (its correction then moves the
     output: the states and terms are exercised, not zeros)."""
     if name == "vecinfer":
-        return _vecinfer_on_device(shape)
+        return _vecinfer_on_device(shape, settings.residual)
     if name == "kvlinc-oscar":
         name, settings = "kvlinc", dataclasses.replace(settings, keys="oscar")
     method = build_method(name, shape, settings)
@@ -343,8 +343,8 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         eager, comp = step(layers[0], *args), compiled(layers[1], *args)
         for (buf, _), (other, _) in zip(layers[0]._buffers(), layers[1]._buffers()):
             assert torch.equal(buf, other), s
-        for a, b in zip([layers[0].packed.kres, layers[0].packed.vres, layers[0].flushed, layers[0].residual],
-                        [layers[1].packed.kres, layers[1].packed.vres, layers[1].flushed, layers[1].residual]):
+        for a, b in zip([layers[0].kernel_layer.kres, layers[0].kernel_layer.vres, layers[0].flushed, layers[0].residual],
+                        [layers[1].kernel_layer.kres, layers[1].kernel_layer.vres, layers[1].flushed, layers[1].residual]):
             assert torch.equal(a, b), s
         if layers[0].state is None:
             assert torch.equal(eager, comp), s
@@ -484,6 +484,7 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
             for x, y in zip(a.mutable(), b.mutable()):  # counts, KVLinC's S and P
                 assert torch.equal(x, y), run
             for (buf, unit), (ref_buf, _) in zip(a._buffers(), b._buffers()):
-                stored = buf.shape[2] - a.packed.residual // unit  # the slack block aside
+                stored = buf.shape[2] - a.kernel_layer.residual // unit  # the slack block aside
                 assert torch.equal(buf[:, :, :stored], ref_buf[:, :, :stored]), run
-            assert torch.equal(a.packed.kres, b.packed.kres) and torch.equal(a.packed.vres, b.packed.vres)
+            assert torch.equal(a.kernel_layer.kres, b.kernel_layer.kres)
+            assert torch.equal(a.kernel_layer.vres, b.kernel_layer.vres)
