@@ -9,7 +9,10 @@ Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
 - `{cache}-static-compiled`, a cache of generate.py's `CACHES` (`kivi128`, `kivi32`, `oscar32`, `kvlinc128`)
   or `VECINFER` (`vecinfer_d4b8`, `vecinfer_d8b12`):
-  StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`).
+  StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`);
+- `{vecinfer cache}-captured`: the same step captured without `torch.compile` (a VecInfer flush encodes every
+  slot's window by nearest centroid, a chunked torch loop that Inductor would unroll into thousands of ops at
+  large batches).
 
 Memory. Weights: allocated once the model is built. Cache: the bytes of the tensors it holds
 (`held_tensors`; `max_length` = context + the steps run; every buffer is allocated at creation), at batch
@@ -54,7 +57,8 @@ from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
-CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in [*INT2_CACHES, *VECINFER]]
+CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in [*INT2_CACHES, *VECINFER]] \
+    + [f"{name}-captured" for name in VECINFER]
 GIB = 2**30
 PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vres")
 
@@ -193,7 +197,7 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dic
     if name == "fp16-static-compile":
         step, warm = fp16_step(lm.model, cache, batch, ctx, compiled=True), 6
     else:
-        decoder = CapturedDecoder(lm.model, cache, compile=True)  # compiled and captured here
+        decoder = CapturedDecoder(lm.model, cache, compile=name.endswith("-static-compiled"))  # (compiled and) captured here
         step, warm = (lambda t: decoder.step(t).argmax(-1)), 3
     tokens = torch.randint(0, lm.model.config.vocab_size, (batch,), device="cuda")
     with torch.no_grad():
