@@ -26,7 +26,7 @@ PLANS = {  # name: TUNING
     "4 tiles per warp": {"TILES": 4},
     "16 warps": {"WARPS": 16},
     "16 warps, 4 tiles": {"WARPS": 16, "TILES": 4},
-    "values gathered after the softmax": {"PREFETCH_V": 0},
+    "values gathered before the softmax": {"PREFETCH_V": 1},
     "q~ in fp16 alone": {"LO_PAIR": 0},
 }
 

@@ -9,6 +9,7 @@
 //   ksink, vsink (B, HKV, CAPS, D) fp16             the first min(sinks, T) tokens, read instead of their codes
 //   kres, vres (B, HKV, CAPR, D) fp16               the residual window
 //   lengths, residuals (B,) int32 or null            per-sequence T and r read on the device (a captured step)
+// Limit: q~'s fp16 pair needs |q lambda H| below 65504 (a bfloat16 query beyond it gives inf scores).
 // The codes hold keys in the codec basis k~ = (k / lambda) H (H with HADAMARD, else the identity): the packed
 // blocks take q~ = (q lambda) H, computed here in float32 (`warp_hadamard`), so that q~ . k~ = q . k; the
 // sinks and the residual are held as they came in, in the model's basis, and meet q itself. Values are
@@ -336,12 +337,12 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
   // A captured step reads each sequence's counts on the device and spreads its own T over all the
   // splits, in whole stages (quant_decode.cu's `packed_partial` does the same).
-  if (lengths != nullptr) {
-    T = lengths[b];
+  if (lengths != nullptr) {  // both or neither (the host checks); clamped to the buffers, whatever a caller wrote
+    T = min(lengths[b], capt);
     const int units = (T + ST - 1) / ST;
     split_len = max(1, (units + num_splits - 1) / num_splits) * ST;
+    r = min(residuals[b], capr);
   }
-  if (residuals != nullptr) r = residuals[b];
   sinks = min(sinks, T);  // the first flushed tokens are the sinks
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;

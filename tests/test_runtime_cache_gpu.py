@@ -58,6 +58,9 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         return out
 
     monkeypatch.setattr(cache_module, "decode", checked)
+    launches = []  # the VecInfer kernel's calls: a step that fell back to the reference would compare it with itself
+    vq_decode = cache_module.vq_decode
+    monkeypatch.setattr(cache_module, "vq_decode", lambda *a, **k: launches.append(1) or vq_decode(*a, **k))
     cache = KvcalibCache(lm, method)
     ids = torch.randint(0, 1000, (batch, 150), device="cuda")
     with torch.no_grad():
@@ -67,9 +70,39 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
             assert torch.isfinite(logits).all()
     assert (cache.layers[0].vq if name.startswith("vecinfer") else cache.layers[0].fused).length == 128
     assert len(errors) == 2 * 110  # every decode step of both layers ran fused
+    assert len(launches) == (2 * 110 if name.startswith("vecinfer") else 0)
+
     # The kernel rounds q to fp16 for the tensor cores, P to fp16 and its output to fp16, each a
     # relative u16 = 2^-11 = 4.9e-4, amplified by softmax over logits of a few units: 10 u16.
     assert max(errors) < 10 * 2.0**-11, max(errors)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_vecinfer_kernels_layout_holds_what_the_reference_path_holds(batch):
+    """A VecInfer layer fed on the kernel's path and one fed the same tokens on the reference path (`use_fused`
+    False) hold the same cache: flushed keys back in the model's basis, the float16 sink tokens at their
+    offsets, the residual. The two dequantize in different launches (a block at a flush, all blocks at once),
+    so float32 products over d terms may round apart: within d x u32 of the row's magnitude (a misplaced sink
+    or block moves a whole token, O(1))."""
+    from kvcalib.models import AttentionShape
+    from kvcalib.runtime.cache import CompressedLayer
+
+    d = 64
+    method = _vecinfer_with_sinks(AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d), 3, 32)
+    books = method.layers[0]
+    books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    k = torch.randn(batch, 2, 150, d, device="cuda", generator=g).half()
+    v = torch.randn(batch, 2, 150, d, device="cuda", generator=g).half()
+    fused, plain = CompressedLayer(method, 0), CompressedLayer(method, 0, use_fused=False)
+    for layer in (fused, plain):
+        layer.append(k[:, :, :40], v[:, :, :40])
+        for t in range(40, 150):
+            layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert fused.vq is not None and fused.vq.length == 128 and fused.vq.sinks == 3 and plain.vq is None
+    for a, b in zip(fused.held(torch.float32), plain.held(torch.float32)):
+        bound = d * 2.0**-24 * b.abs().amax(-1, keepdim=True)
+        assert ((a - b).abs() <= bound).all(), (a - b).abs().max()
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -46,7 +46,9 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
     k16 = (torch.randn(2, 2, t, 128, device=DEV, generator=g) * (1 + 3 * torch.rand(1, 1, 1, 128, device=DEV, generator=g))).half()
     v16 = torch.randn(2, 2, t, 128, device=DEV, generator=g).half()
     layer, q, out = _check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
-    # Poison what lies past the counts: codes of capacity not yet filled, residual rows not yet written.
+    # Poison what lies past the counts: codes of capacity not yet filled (the rows between the length and the
+    # capacity, and 64 more), residual rows not yet written.
+    layer.kcodes[:, :, layer.length :], layer.vcodes[:, :, layer.length :] = 255, 255
     layer.kcodes = torch.cat([layer.kcodes, torch.full_like(layer.kcodes[:, :, :64], 255)], 2)
     layer.vcodes = torch.cat([layer.vcodes, torch.full_like(layer.vcodes[:, :, :64], 255)], 2)
     layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres[:, :, :8], float("nan"))], 2)
@@ -54,10 +56,14 @@ def test_vq_kernel_matches_the_float64_reference_row_by_row(granularity, k_confi
     assert torch.equal(vq_decode(q, layer, 128**-0.5, checked=True), out)
 
 
-def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128, dtype=torch.float16):
+def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128, dtype=torch.float16, pad: int = 0):
     """Build the layer, run the kernel on q (model's basis, `dtype`), hold every row to the rule against the
-    float64 reference of the same query; returns the layer, the query and the kernel's output."""
+    float64 reference of the same query; returns the layer, the query and the kernel's output. `pad`: rows of
+    poisoned codes added to the capacity (an odd capacity makes the rows' stride unaligned)."""
     layer = _layer(method, k16, v16)
+    if pad:
+        layer.kcodes = torch.cat([layer.kcodes, torch.full_like(layer.kcodes[:, :, :pad], 255)], 2)
+        layer.vcodes = torch.cat([layer.vcodes, torch.full_like(layer.vcodes[:, :, :pad], 255)], 2)
     qm = (q * scale).to(dtype)
     ref = reference_decode(qm, layer, d**-0.5)
     out = vq_decode(qm, layer, d**-0.5, checked=True)
@@ -71,7 +77,8 @@ def _check_rows(method, k16, v16, q, scale: float = 1.0, d: int = 128, dtype=tor
 
 def _on_device(method):
     method.layers[0].k, method.layers[0].v = method.layers[0].k.to(DEV), method.layers[0].v.to(DEV)
-    method.layers[0].smooth = method.layers[0].smooth.to(DEV)
+    if method.layers[0].smooth is not None:
+        method.layers[0].smooth = method.layers[0].smooth.to(DEV)
     method.block = method.residual = 128
     return method
 
@@ -104,19 +111,33 @@ def test_every_residual_length_from_0_to_127(sinks):
 @pytest.mark.parametrize("d,heads,kv_heads,k_config,v_config,dtype", [
     (64, 8, 1, "d4b8", "d8b12", torch.bfloat16), (64, 4, 4, "d8b12", "d4b8", torch.float16),
     (128, 16, 2, "d8b12", "d8b12", torch.float16), (128, 6, 2, "d2b8", "d4b8", torch.bfloat16),
-    (64, 4, 2, "d8b9", "d2b7", torch.float16)])
+    (128, 10, 2, "d4b8", "d8b12", torch.float16), (64, 4, 2, "d8b9", "d2b7", torch.float16)])
 @pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
 def test_head_dims_query_groups_odd_code_widths_and_bfloat16(d, heads, kv_heads, k_config, v_config, dtype, inputs):
     """head_dim 64 and 128; 1 to 8 query heads per KV head (the remainders of q~ in idle columns up to 4,
-    in an mma of their own above); d8b9 keys and d2b7 values: 9- and 7-bit codes across byte and word
-    boundaries, rows of 9 and 28 bytes (copied a byte, 4 bytes at a time); bfloat16 queries and output,
-    held to SDPA in bfloat16."""
+    in an mma of their own above: GQA 1, 3, 4, 5, 8); d8b9 keys and d2b7 values: 9- and 7-bit codes across
+    byte and word boundaries; a capacity of one odd row more, so that rows of 9 and 28 bytes are copied a byte
+    and 4 bytes at a time (24-byte rows 4 bytes at a time); bfloat16 queries and output, held to SDPA in
+    bfloat16."""
     method = _on_device(_method("head", k_config, v_config, 2, d=d, heads=heads, kv_heads=kv_heads))
     g = torch.Generator(device=DEV).manual_seed(d + heads)
     k16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
     v16 = torch.randn(3, kv_heads, 3000, d, device=DEV, generator=g).half()
-    _check_rows(method, k16, v16, torch.randn(3, heads, d, device=DEV, generator=g), 3.0 if inputs == "peaked" else 1.0,
-                d=d, dtype=dtype)
+    layer, _, _ = _check_rows(method, k16, v16, torch.randn(3, heads, d, device=DEV, generator=g),
+                              3.0 if inputs == "peaked" else 1.0, d=d, dtype=dtype, pad=1)
+    assert layer.kcodes.shape[2] % 2 == 1
+
+
+@pytest.mark.parametrize("smooth,hadamard", [(False, False), (False, True), (True, False)])
+def test_without_smoothing_or_rotation(smooth, hadamard):
+    """The keys' transform off in part or whole (`fit-codebook --no-smooth`, `--no-hadamard`): the kernel then
+    multiplies by no lambda (a null pointer) and rotates nothing (HADAMARD=0)."""
+    method = _on_device(_method("layer", "d4b8", "d8b12", 1, d=128, smooth=smooth, hadamard=hadamard))
+    g = torch.Generator(device=DEV).manual_seed(7)
+    k16 = torch.randn(2, 2, 2000, 128, device=DEV, generator=g).half()
+    v16 = torch.randn(2, 2, 2000, 128, device=DEV, generator=g).half()
+    layer, _, _ = _check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g), 3.0)
+    assert (layer.smooth is None) == (not smooth) and layer.hadamard == hadamard
 
 
 @pytest.mark.parametrize("capacity", [4096, 4101])

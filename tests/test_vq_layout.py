@@ -20,14 +20,14 @@ F64 = 1e-10
 
 
 def _method(granularity: str, k_config: str, v_config: str, sinks: int, d: int = 32, heads: int = 8,
-            kv_heads: int = 2) -> VecInfer:
+            kv_heads: int = 2, smooth: bool = True, hadamard: bool = True) -> VecInfer:
     shape = AttentionShape(num_layers=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=d)
-    config = VecInferConfig(k_config, v_config, granularity, sink_tokens=sinks)
+    config = VecInferConfig(k_config, v_config, granularity, smooth=smooth, hadamard=hadamard, sink_tokens=sinks)
     g = torch.Generator().manual_seed(0)
     groups = config.groups(shape)
     books = LayerCodebooks(k=torch.randn(groups, config.k.centroids, config.k.dim, generator=g).half(),
                            v=torch.randn(groups, config.v.centroids, config.v.dim, generator=g).half(),
-                           smooth=(0.5 + torch.rand(kv_heads, d, generator=g)).half())
+                           smooth=(0.5 + torch.rand(kv_heads, d, generator=g)).half() if smooth else None)
     return VecInfer(config, [books], shape, residual=16)
 
 
@@ -104,9 +104,11 @@ def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own
     layer = _layer(method, k16, v16)
     q = torch.randn(2, 8, 32, generator=g)
     before = reference_decode(q, layer, 32**-0.5)
-    # Poison what lies past the counts: codes of capacity not yet filled, residual rows not yet written.
-    layer.kcodes[:, :, layer.length :] = 255
-    layer.vcodes[:, :, layer.length :] = 255
+    # Poison what lies past the counts: codes of capacity not yet filled (capacity grown past the length
+    # first, so that there are such rows), residual rows not yet written.
+    assert layer.length == 32
+    layer.kcodes = torch.cat([layer.kcodes, torch.full_like(layer.kcodes, 255)], 2)
+    layer.vcodes = torch.cat([layer.vcodes, torch.full_like(layer.vcodes, 255)], 2)
     layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres, float("nan"))], 2)
     layer.vres = torch.cat([layer.vres, torch.full_like(layer.vres, float("nan"))], 2)
     assert torch.equal(reference_decode(q, layer, 32**-0.5), before)

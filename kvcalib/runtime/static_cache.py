@@ -142,7 +142,7 @@ class StaticLayer(CacheLayerMixin):
         empty state, a prompt's; the method's own rule, `Method.flush_state`)."""
         m = self.method
         packed = m.compress(self.layer, k16.float(), v16.float())
-        if self.vq is not None:  # code rows as they are (no decoding state: `check_static`)
+        if self.vq is not None:  # code rows as they are (VecInfer keeps no decoding state: `check_static`)
             return list(m.vq_parts(packed)), None
         kq, vq, norms = m.int2_parts(packed)
         kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
@@ -347,6 +347,8 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) 
                "(`int2_kernel.supports`, `vq_kernel.supports`)")
     elif method.window or method.sink:
         why = "it flushes blockwise, without float16 sink tokens"
+    elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
+        why = f"--method {method.name} keeps a decoding state, which the VecInfer kernel's layout does not hold"
     elif int2 and (method.block % 16 or method.block % spec.group_size):
         why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
     if why:

@@ -109,6 +109,15 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
         raise SettingsError("the VecInfer kernel takes float16 or bfloat16 queries (B, Hq, D) on CUDA, D 64 or 128, and "
                             f"at most {MAX_GQA} query heads per KV head")
     nk, nv = layer.kbook.shape[-1], layer.vbook.shape[-1]
+    rows = lambda n, bits: -(-(d // n) * bits // 8)  # noqa: E731  bytes of a token's code row
+    if (layer.kbook.shape[1] != 1 << layer.k_bits or layer.vbook.shape[1] != 1 << layer.v_bits
+            or layer.kbook.shape[0] not in (1, hkv) or layer.vbook.shape[0] not in (1, hkv) or d % nk or d % nv
+            or layer.kcodes.shape[-1] != rows(nk, layer.k_bits) or layer.vcodes.shape[-1] != rows(nv, layer.v_bits)
+            or layer.kres.shape[-1] != d or layer.vres.shape[-1] != d
+            or (layer.smooth is not None and tuple(layer.smooth.shape) != (hkv, d))):
+        raise SettingsError("the VecInfer layout does not match itself: books of 2^bits entries, one or one per KV "
+                            "head, sub-vectors dividing D, code rows of ceil(D / N x bits / 8) bytes, residual and "
+                            "smoothing of the query's D (kvcalib/vq_layout.py)")
     if nk > d // 4 or nv > d // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
         raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
                             f"d/4 = {d // 4} and values' at most d/8 = {d // 8}; this cache has {nk} (keys), {nv} (values)")
@@ -159,6 +168,8 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     hkv = layer.kres.shape[1]
     gqa = hq // hkv
     device = lengths is not None
+    if (lengths is None) != (residuals is None):
+        raise ValueError("counts on the device are both lengths and residuals, or neither")
     if device and any(c is None or c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous()
                       or c.device != q.device for c in (lengths, residuals)):
         raise ValueError(f"counts must be two contiguous int32 tensors of shape ({b},) on {q.device}")
@@ -169,6 +180,8 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     qt = "__half" if q.dtype == torch.float16 else "__nv_bfloat16"
     p = plan(layer, gqa)
     smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * p["TILES"]
+    if smem > SHARED_LIMIT:  # only a benchmark's TUNING gets here (`check` refused the rest)
+        raise SettingsError(f"this launch plan needs {smem // 1024} KiB of shared memory, over {SHARED_LIMIT // 1024} KiB")
     defines = {"D": d, "NK": kb.shape[-1], "MK": layer.k_bits, "RK": kc.shape[-1], "NV": vb.shape[-1],
                "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "QT": qt, "HADAMARD": int(layer.hadamard),
                "KUNIT": _unit(kc), "VUNIT": _unit(vc), **{k: v for k, v in p.items() if k != "SMEM"}}
@@ -190,7 +203,7 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     with torch_stream(q.device):
         launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(smooth), ptr(ks),
-                ptr(vs), i32(ks.shape[2] if device else layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
+                ptr(vs), i32(layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
                 i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
                 ptr(residuals)), checked, smem)
