@@ -112,11 +112,12 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
     rows = lambda n, bits: -(-(d // n) * bits // 8)  # noqa: E731  bytes of a token's code row
     if (layer.kbook.shape[1] != 1 << layer.k_bits or layer.vbook.shape[1] != 1 << layer.v_bits
             or layer.kbook.shape[0] not in (1, hkv) or layer.vbook.shape[0] not in (1, hkv) or d % nk or d % nv
-            or layer.kcodes.shape[-1] != rows(nk, layer.k_bits) or layer.vcodes.shape[-1] != rows(nv, layer.v_bits)
+            or (layer.kcodes.shape[2] and layer.kcodes.shape[-1] != rows(nk, layer.k_bits))
+            or (layer.vcodes.shape[2] and layer.vcodes.shape[-1] != rows(nv, layer.v_bits))
             or layer.kres.shape[-1] != d or layer.vres.shape[-1] != d
             or (layer.smooth is not None and tuple(layer.smooth.shape) != (hkv, d))):
         raise SettingsError("the VecInfer layout does not match itself: books of 2^bits entries, one or one per KV "
-                            "head, sub-vectors dividing D, code rows of ceil(D / N x bits / 8) bytes, residual and "
+                            "head, sub-vectors dividing D, code rows (if any) of ceil(D / N x bits / 8) bytes, residual and "
                             "smoothing of the query's D (kvcalib/vq_layout.py)")
     if nk > d // 4 or nv > d // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
         raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
