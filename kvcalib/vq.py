@@ -163,8 +163,8 @@ def kmeans_torch(points: torch.Tensor, config: VQConfig, iters: int, seed: int, 
     assignment (`nearest`) and cluster means, and an empty cluster re-seeded by splitting the largest
     one (faiss picks a large one at random; here the largest, first by index). The seeds of the sampling
     are faiss's in kind, not in value: the codebooks differ from faiss's as two seeds' do. A cluster's
-    sum is a product of its points with a one-hot matrix, chunk by chunk, never atomic additions: the
-    same points on the same device give the same codebook, bit for bit."""
+    sum is `cluster_sums`': a difference of a float64 running sum over the points sorted by cluster, never
+    atomic additions: the same points on the same device give the same codebook, bit for bit."""
     k = config.centroids
     _check_training(points, config)
     start = time.perf_counter()
@@ -174,18 +174,28 @@ def kmeans_torch(points: torch.Tensor, config: VQConfig, iters: int, seed: int, 
     x = points if m == n else points[torch.randperm(n, generator=g)[:m].to(points.device)]
     x = x.float().contiguous()
     centroids = x[torch.randperm(m, generator=g)[:k].to(x.device)].clone()
-    rows = max(1, _DISTANCE_ENTRIES // k)
     for _ in range(iters):
         assign = nearest(x, centroids)
         counts = torch.bincount(assign, minlength=k)
-        sums = torch.zeros_like(centroids)
-        for first in range(0, m, rows):
-            one_hot = torch.nn.functional.one_hot(assign[first : first + rows], k).float()
-            sums += one_hot.T @ x[first : first + rows]
+        sums = cluster_sums(x, assign, counts)
         filled = counts > 0
         centroids = torch.where(filled[:, None], sums / counts.clamp(min=1)[:, None].float(), centroids)
         _split_into_empty(centroids, counts.cpu())
     return KMeansFit(codebook=centroids.cpu(), seconds=time.perf_counter() - start, training_points=m)
+
+
+def cluster_sums(x: torch.Tensor, assign: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Per cluster, the sum of its points x (P, N) (assign (P,) the cluster of each, counts its bincount), in
+    float64 then rounded to x's dtype: the points sorted by cluster (a stable sort), a running sum, and the
+    difference at each cluster's two ends. Deterministic on every device (no atomic additions), and linear in
+    the points: a one-hot product (what this replaced) costs points x clusters, 150x this at 4096 clusters
+    and 262k points on a 2-core CPU. The running sum reaches P max|x| before the differences: float64 keeps their error near
+    P max|x| 2^-53, far below the float32 result's rounding."""
+    order = torch.argsort(assign, stable=True)
+    running = torch.cumsum(x[order].double(), 0)
+    running = torch.cat([running.new_zeros(1, x.shape[1]), running])
+    ends = torch.cumsum(counts, 0)
+    return (running[ends] - running[ends - counts]).to(x.dtype)
 
 
 def _split_into_empty(centroids: torch.Tensor, counts: torch.Tensor) -> None:

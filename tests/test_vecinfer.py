@@ -448,3 +448,25 @@ def test_eval_with_a_corrupted_or_missing_artifact_gives_one_line(acts, tmp_path
         lines = capsys.readouterr().err.strip().splitlines()
         assert exc.value.code == 2 and lines[-1].startswith("kvcalib: error: ") and message in lines[-1]
         assert "Traceback" not in "\n".join(lines)
+
+
+def test_cluster_sums_are_the_float64_sums_of_each_clusters_points_rounded_once():
+    """`cluster_sums` against the one-hot product in float64 (exact to 2^-53 relative here), clusters empty and
+    full: each sum within one float32 rounding of the exact one (|s| 2^-24) plus the running sum's float64
+    error (P max|x| 2^-53); bit for bit the same on a second call."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(20000, 8, generator=g) * 3
+    assign = torch.randint(0, 300, (20000,), generator=g)
+    assign[assign == 17] = 18  # an empty cluster
+    counts = torch.bincount(assign, minlength=512)  # and 212 more, past the largest index
+    want = torch.nn.functional.one_hot(assign, 512).double().T @ x.double()
+    got = vq.cluster_sums(x, assign, counts)
+    bound = want.abs() * 2.0**-24 + x.shape[0] * x.abs().max().double() * 2.0**-53
+    assert ((got.double() - want).abs() <= bound).all()
+    assert not got[17].any() and not got[300:].any()
+    assert torch.equal(got, vq.cluster_sums(x, assign, counts))
+    # A planted error: the unsorted points (each sum taken over the wrong rows) are far outside the bound.
+    running = torch.cat([torch.zeros(1, 8, dtype=torch.float64), torch.cumsum(x.double(), 0)])
+    ends = torch.cumsum(counts, 0)
+    wrong = (running[ends] - running[ends - counts]).float()
+    assert not ((wrong.double() - want).abs() <= bound).all()
