@@ -1,6 +1,7 @@
 """Compile `.cu` files of this folder with cupy.RawModule, once per (source, #defines, options).
 
-Kernels are specialised by `#define`s prepended to the source (head_dim, group sizes, ...). CuPy
+Kernels are specialised by `#define`s prepended to the source (head_dim, group sizes, ...); a file's
+`#include "name"` of this folder (decode_common.cuh) is inlined first (`source_of`). CuPy
 caches the compiled binary on disk as well; this cache keeps the loaded module per process.
 `launch` runs a kernel and, when `checked` (tests), synchronises and raises on any CUDA error;
 `torch_stream` is CuPy's handle on torch's current stream, so the kernels order with torch's work.
@@ -19,10 +20,25 @@ _BY_SOURCE: dict[str, cupy.RawModule] = {}
 _BY_DEFINES: dict[tuple, cupy.RawModule] = {}  # fast path for the decode loop: no file read, no hashing
 
 
+def source_of(filename: str) -> str:
+    """A kernel file's text with each `#include "name"` of this folder inlined (once per name), so that the
+    source hash covers what the compiler reads and NVRTC needs no include path."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        lines = (Path(__file__).parent / name).read_text().splitlines(keepends=True)
+        return "".join(expand(line.split('"')[1]) if line.startswith('#include "') else line for line in lines)
+
+    return expand(filename)
+
+
 def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:
     fast = (filename, tuple(sorted(defines.items())))
     if fast not in _BY_DEFINES:
-        source = (Path(__file__).parent / filename).read_text()
+        source = source_of(filename)
         code = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source
         key = hashlib.sha256((code + "\0".join(OPTIONS)).encode()).hexdigest()
         if key not in _BY_SOURCE:

@@ -37,8 +37,7 @@
 // override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
 // cores whatever QT is (a rotated one, ROT_K, to a pair of fp16 numbers, hi + lo).
 
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "decode_common.cuh"
 
 #ifndef ROT_K
 #define ROT_K 0
@@ -61,37 +60,8 @@
 #define REP (NT / D)  // threads per channel in the value phase
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h INFINITY
 
-__device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ void from_float(__half* p, float x) { *p = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-
-// y = x H over one vector of D floats held by a warp (lane l holds elements l + 32 e, e < D/32), with H
-// the normalized Sylvester-Hadamard matrix of kvcalib/hadamard.py, H[j][c] = (-1)^popcount(j & c) / sqrt(D):
-// the butterflies of the fast transform, strides 1..16 across lanes by shuffles, 32 and 64 within a
-// lane's registers; float32 sums of +-x, then one scaling (D is a power of two: 64 or 128).
-#define HADAMARD_SCALE (D == 64 ? 0.125f : 0.0883883476483184405f)  // 1 / sqrt(D)
-__device__ __forceinline__ void warp_hadamard(float* x) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int s = 1; s < 32; s *= 2)
-#pragma unroll
-    for (int e = 0; e < D / 32; ++e) {
-      const float o = __shfl_xor_sync(0xffffffff, x[e], s);
-      x[e] = (lane & s) ? o - x[e] : x[e] + o;
-    }
-#pragma unroll
-  for (int s = 1; s < D / 32; s *= 2)
-#pragma unroll
-    for (int e = 0; e < D / 32; ++e)
-      if (!(e & s)) {
-        const float a = x[e], b = x[e + s];
-        x[e] = a + b;
-        x[e + s] = a - b;
-      }
-#pragma unroll
-  for (int e = 0; e < D / 32; ++e) x[e] *= HADAMARD_SCALE;
-}
 
 // Online-softmax step over one tile of scores s[h][t] (log2 units, -inf for absent tokens):
 // warp w owns heads w, w+4, ...; turns scores into probabilities in place, stores the rescale
@@ -166,20 +136,6 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 #define WARPS (NT / 32)
 #define KS (D / 16)   // 16-channel k-slices of a key, 16-channel row blocks of the output
 #define WPL (D / 32)  // words per lane per 16-token block
-
-__device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-}
-
-// The transpose of an 8x8 fp16 matrix held one half2 per lane (row lane/4, columns 2(lane%4)+{0,1}).
-__device__ __forceinline__ unsigned transpose8x8(unsigned x) {
-  unsigned y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
 
 // (a & b) | c in one LOP3: with both constants in registers (the ISA takes one immediate) the
 // compiler would otherwise split it into an AND and an OR.
@@ -266,10 +222,6 @@ __device__ __forceinline__ uint4 neg_offsets() {
                      : make_uint4(0xE400E400u, 0xDC00DC00u, 0xD400D400u, 0xCC00CC00u);
 }
 
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
 // Value scheme 3's zero points z + 1.5 s (the middle of each token group's range) for the tokens
 // whose half2 pairs sit at z, s and z + 8, s + 8, broadcast over rows as rows_of_pairs does.

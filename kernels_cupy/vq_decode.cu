@@ -45,8 +45,7 @@
 // Defines: D, NK, MK, RK, NV, MV, RV, GQ (<= 8), QT, HADAMARD, WARPS, TILES, NSTAGE, BLOCKS_PER_SM, KUNIT, VUNIT (bytes
 // a stage's rows are copied in: 16 or 4 with cp.async, 1 with plain loads, as the rows' alignment allows),
 // KREPL, VREPL (copies of each book in shared memory: 1, or 128 / (2 NK) for conflict-free gathers).
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "decode_common.cuh"
 
 #define NT (32 * WARPS)
 #define ST (16 * WARPS * TILES)  // tokens per stage
@@ -80,49 +79,6 @@
 #define QT_BYTES (4 * GQ * D)  // q~ of the block's heads, float32, while the fragments are taken
 #define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES + QT_BYTES)
 
-__device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
-
-// y = x H over one vector of D floats held by a warp (lane l holds elements l + 32 e), H the normalized
-// Sylvester-Hadamard matrix of kvcalib/hadamard.py (quant_decode.cu's `warp_hadamard`, the same butterflies).
-#define HADAMARD_SCALE (D == 64 ? 0.125f : 0.0883883476483184405f)  // 1 / sqrt(D)
-__device__ __forceinline__ void warp_hadamard(float* x) {
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int s = 1; s < 32; s *= 2)
-#pragma unroll
-    for (int e = 0; e < D / 32; ++e) {
-      const float o = __shfl_xor_sync(0xffffffff, x[e], s);
-      x[e] = (lane & s) ? o - x[e] : x[e] + o;
-    }
-#pragma unroll
-  for (int s = 1; s < D / 32; s *= 2)
-#pragma unroll
-    for (int e = 0; e < D / 32; ++e)
-      if (!(e & s)) {
-        const float a = x[e], b = x[e + s];
-        x[e] = a + b;
-        x[e + s] = a - b;
-      }
-#pragma unroll
-  for (int e = 0; e < D / 32; ++e) x[e] *= HADAMARD_SCALE;
-}
-
-__device__ __forceinline__ void mma16816(float* c, const uint4 a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ unsigned transpose8x8(unsigned x) {
-  unsigned y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-__device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const unsigned*>(&v);
-}
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
