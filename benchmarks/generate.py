@@ -102,7 +102,7 @@ def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
 
         c, d, r = vq.VQConfig.parse(VECINFER[name]), config.head_dim, 128
         flushed = tokens // r * r
-        return rows * (flushed * 2 * -(-(d // c.dim) * c.bits // 8) + (tokens - flushed) * 2 * d * 2)
+        return rows * (flushed * 2 * c.row_bytes(d) + (tokens - flushed) * 2 * d * 2)
     method, settings = CACHES[name]
     d, g, r = config.head_dim, settings.group_size, settings.residual
     flushed = tokens // r * r

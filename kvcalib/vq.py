@@ -66,6 +66,10 @@ class VQConfig:
     def centroids(self) -> int:
         return 1 << self.bits
 
+    def row_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's codes for a head of `head_dim`: its head_dim / dim codes as one bitstream."""
+        return -(-(head_dim // self.dim) * self.bits // 8)
+
     def check(self, head_dim: int) -> None:
         if head_dim % self.dim:
             raise SettingsError(f"{self}: sub-vectors of {self.dim} elements do not tile head_dim {head_dim}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SettingsError
+from ..vq import VQConfig
 from ..vq_layout import VQBooks, VQLayer
 from .int2_kernel import MAX_GQA, MERGE_WARPS, _sm_count
 
@@ -39,11 +40,24 @@ def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krep
     """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
     (float16, in their copies), then a ring of `stages` stages of code rows, which the warps' combine and the
     float16 rows' scratch reuse, then q~ of the block's heads (float32)."""
-    d, rk, rv = layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1]
+    return _shared_bytes(layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], layer.kbook[0].numel(),
+                         layer.vbook[0].numel(), gqa, stages, warps, krepl, vrepl, tiles)
+
+
+def _shared_bytes(d: int, rk: int, rv: int, kbook: int, vbook: int, gqa: int, stages: int, warps: int, krepl: int,
+                  vrepl: int, tiles: int) -> int:
+    """`shared_bytes` from the numbers it reads: head_dim, the code rows' bytes, each book's float16 numbers."""
     stage = 16 * warps * tiles
-    books = _up16(2 * layer.kbook[0].numel() * krepl) + _up16(2 * layer.vbook[0].numel() * vrepl)
+    books = _up16(2 * kbook * krepl) + _up16(2 * vbook * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
     return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT)) + 4 * gqa * d
+
+
+def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
+    """Sub-vectors the kernel gathers: 2, 4 or a multiple of 8 channels, keys' at most d/4 (a lane's share of
+    a key), values' at most d/8 (of a value)."""
+    return (nk <= d // 4 and nv <= d // 8 and nk % 2 == 0 and nv % 2 == 0 and (nk <= 4 or nk % 8 == 0)
+            and (nv <= 4 or nv % 8 == 0))
 
 
 def plan(layer: VQLayer, gqa: int) -> dict[str, int]:
@@ -86,13 +100,12 @@ def supports(books: VQBooks | None, head_dim: int, device: torch.device, gqa: in
     if opts is not None and (opts.softcap or opts.sliding_window):
         return False
     nk, nv = books.kbook.shape[-1], books.vbook.shape[-1]
-    if nk > head_dim // 4 or nv > head_dim // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
+    if not _reads_subvectors(head_dim, nk, nv):
         return False
-    rows = lambda n, bits: -(-(head_dim // n) * bits // 8)  # noqa: E731  bytes of a token's code row
-    probe = VQLayer(torch.empty(1, 1, 0, rows(nk, books.k_bits), dtype=torch.uint8),
-                    torch.empty(1, 1, 0, rows(nv, books.v_bits), dtype=torch.uint8), books.kbook, books.vbook,
-                    *[torch.empty(1, 1, 0, head_dim)] * 4, 0, 0, 0, books.k_bits, books.v_bits)
-    return shared_bytes(probe, gqa, MIN_STAGES) <= SHARED_LIMIT
+    rk, rv = VQConfig(nk, books.k_bits).row_bytes(head_dim), VQConfig(nv, books.v_bits).row_bytes(head_dim)
+    need = _shared_bytes(head_dim, rk, rv, books.kbook[0].numel(), books.vbook[0].numel(), gqa, MIN_STAGES, 4, 1, 1,
+                         TILES)  # `check`'s measure: the smallest block
+    return need <= SHARED_LIMIT
 
 
 def check(q: torch.Tensor, layer: VQLayer) -> None:
@@ -109,7 +122,7 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
         raise SettingsError("the VecInfer kernel takes float16 or bfloat16 queries (B, Hq, D) on CUDA, D 64 or 128, and "
                             f"at most {MAX_GQA} query heads per KV head")
     nk, nv = layer.kbook.shape[-1], layer.vbook.shape[-1]
-    rows = lambda n, bits: -(-(d // n) * bits // 8)  # noqa: E731  bytes of a token's code row
+    rows = lambda n, bits: VQConfig(n, bits).row_bytes(d)  # noqa: E731
     if (layer.kbook.shape[1] != 1 << layer.k_bits or layer.vbook.shape[1] != 1 << layer.v_bits
             or layer.kbook.shape[0] not in (1, hkv) or layer.vbook.shape[0] not in (1, hkv) or d % nk or d % nv
             or (layer.kcodes.shape[2] and layer.kcodes.shape[-1] != rows(nk, layer.k_bits))
@@ -119,7 +132,7 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
         raise SettingsError("the VecInfer layout does not match itself: books of 2^bits entries, one or one per KV "
                             "head, sub-vectors dividing D, code rows (if any) of ceil(D / N x bits / 8) bytes, residual and "
                             "smoothing of the query's D (kvcalib/vq_layout.py)")
-    if nk > d // 4 or nv > d // 8 or nk % 2 or nv % 2 or (nk > 4 and nk % 8) or (nv > 4 and nv % 8):
+    if not _reads_subvectors(d, nk, nv):
         raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
                             f"d/4 = {d // 4} and values' at most d/8 = {d // 8}; this cache has {nk} (keys), {nv} (values)")
 
@@ -143,8 +156,8 @@ def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = F
     """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and
     `residuals` (B,) int32 on the device, each sequence's flushed and residual counts are read there
     (layer.length and layer.residual are then unused) and the launch is sized by the buffers' capacities.
-    Through the custom op `kvcalib::vq_decode`, so that `torch.compile` keeps it whole."""
-    check(q, layer)
+    Through the custom op `kvcalib::vq_decode`, so that `torch.compile` keeps it whole; the op checks its
+    inputs (`check`)."""
     return _vq_decode(q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.smooth, layer.ksink, layer.vsink,
                       layer.kres, layer.vres, lengths, residuals, layer.length, layer.residual, layer.sinks,
                       layer.k_bits, layer.v_bits, layer.hadamard, scaling, checked)
