@@ -22,7 +22,7 @@ kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kerne
 `length` flushed tokens (their first `sinks` read from `ksink`/`vsink` instead of their codes, which are
 stored all the same, as the method counts them), `residual` tokens in the window.
 
-Two bases. VecInfer codes k̃ = (k / λ) H (`keys_to_codec`; H the Hadamard rotation when `hadamard`, else
+Two bases. VecInfer codes k̃ = (k / λ) H (`keys_to_codec` below; H the Hadamard rotation when `hadamard`, else
 the identity), and a query meets the coded keys as q̃ = (q λ) H (`queries_to_codec`), so q̃ · k̃ = q · k.
 The kernel takes q as the model gives it (float16 or bfloat16) and computes q̃ itself, in float32; the
 sinks and the residual are held as they came in, in the model's basis, and meet q itself: the runtime
@@ -48,6 +48,31 @@ import torch
 from . import vq
 from .hadamard import rotate
 from .int2_layout import grow
+
+
+# The codec's bases (module docstring): VecInfer's method codes keys with these, the layout holds them so.
+def keys_to_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
+    """k̃ = (k / λ) H for keys (B, Hkv, T, d)."""
+    k = k.float()
+    if smooth is not None:
+        k = k / smooth.float()[:, None, :]
+    return rotate(k) if hadamard else k
+
+
+def keys_from_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
+    """Inverse of `keys_to_codec`: H is symmetric and orthogonal, so H⁻¹ = H."""
+    if hadamard:
+        k = rotate(k)
+    return k * smooth.float()[:, None, :] if smooth is not None else k
+
+
+def queries_to_codec(q: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool,
+                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q̃ = (q λ) H for queries (B, Hq, T, d) in `dtype`; query head h reads KV head h // (Hq / Hkv)."""
+    q = q.to(dtype)
+    if smooth is not None:
+        q = q * smooth.to(dtype).repeat_interleave(q.shape[1] // smooth.shape[0], dim=0)[:, None, :]
+    return rotate(q) if hadamard else q
 
 
 @dataclass(frozen=True)
@@ -120,22 +145,10 @@ def append_block(layer: VQLayer | None, kcodes: torch.Tensor, vcodes: torch.Tens
 def flushed_kv(layer: VQLayer) -> tuple[torch.Tensor, torch.Tensor]:
     """The flushed tokens dequantized (B, Hkv, length, d) float32, keys back in the model's basis, the sinks
     as held: the cache a reference path reads when a step cannot use the kernel."""
-    books_k, books_v = layer.kbook.float(), layer.vbook.float()
-    k, v = vq.decode(layer.codes("k"), books_k), vq.decode(layer.codes("v"), books_v)
-    if layer.hadamard:
-        k = rotate(k)
-    if layer.smooth is not None:
-        k = k * layer.smooth.float()[:, None, :]
+    k = keys_from_codec(vq.decode(layer.codes("k"), layer.kbook.float()), layer.smooth, layer.hadamard)
+    v = vq.decode(layer.codes("v"), layer.vbook.float())
     k[:, :, : layer.sinks], v[:, :, : layer.sinks] = layer.ksink.float(), layer.vsink.float()
     return k, v
-
-
-def query_to_codec(q: torch.Tensor, layer: VQLayer) -> torch.Tensor:
-    """q̃ = (q λ) H in float64 for queries q (B, Hq, d): query head h reads KV head h // (Hq / Hkv)."""
-    q = q.double()
-    if layer.smooth is not None:
-        q = q * layer.smooth.double().repeat_interleave(q.shape[1] // layer.smooth.shape[0], dim=0)
-    return rotate(q) if layer.hadamard else q
 
 
 def reference_decode(q: torch.Tensor, layer: VQLayer, scaling: float) -> torch.Tensor:
@@ -145,7 +158,7 @@ def reference_decode(q: torch.Tensor, layer: VQLayer, scaling: float) -> torch.T
     hkv, t, s = layer.kres.shape[1], layer.length, layer.sinks
     gqa = hq // hkv
     qm = q.double().reshape(b, hkv, gqa, d)
-    qc = query_to_codec(q, layer).reshape(b, hkv, gqa, d)
+    qc = queries_to_codec(q[:, :, None], layer.smooth, layer.hadamard, torch.float64).reshape(b, hkv, gqa, d)
     kbook, vbook = layer.kbook.double(), layer.vbook.double()
     nk = kbook.shape[-1]
     # The books of each KV head: one shared (G = 1) or its own.

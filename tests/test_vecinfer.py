@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from kvcalib import vq
+from kvcalib import vq, vq_layout
 from kvcalib.cli import main
 from kvcalib.collect import collect
 from kvcalib.errors import KvcalibError, SettingsError
@@ -142,7 +142,7 @@ def test_smoothing_and_rotation_leave_q_dot_k_unchanged(head_dim, smooth, hadama
 @pytest.mark.parametrize("head_dim", [16, 96])
 @pytest.mark.parametrize("smooth", [True, False])
 def test_a_hadamard_with_one_flipped_sign_breaks_the_score_and_round_trip_bounds(head_dim, smooth, monkeypatch):
-    monkeypatch.setattr(vecinfer, "rotate", _flipped_rotate)
+    monkeypatch.setattr(vq_layout, "rotate", _flipped_rotate)  # where the codec's transforms live
     q, k = _queries_and_outlier_keys(head_dim)
     scores, keys = _codec_errors_over_bounds(q, k, smoothing_factors(k) if smooth else None, True)
     assert scores > 10 and keys > 10

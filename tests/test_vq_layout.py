@@ -12,7 +12,7 @@ from kvcalib.hadamard import rotate
 from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, queries_to_codec
 from kvcalib.models import AttentionShape
 from kvcalib import vq
-from kvcalib.vq_layout import append_block, query_to_codec, reference_decode
+from kvcalib.vq_layout import append_block, reference_decode
 
 # float64 sums of a few hundred terms: the two computations agree to ~1e-14 relative; 1e-10 is far above
 # that and far below a single wrong code (a centroid apart: ~1e-1).
@@ -69,16 +69,15 @@ def _expected(method: VecInfer, layer, q: torch.Tensor) -> torch.Tensor:
     return out[:, :, 0]
 
 
-def test_the_query_transform_matches_the_methods():
-    """`query_to_codec` (float64) is `queries_to_codec` of the method (float32) to float32 rounding: q̃ · k̃ = q · k
-    holds for the layout's reference as for the method's own path."""
+def test_the_references_float64_query_transform_is_the_methods_float32_one_to_its_rounding():
+    """`queries_to_codec` in float64 (the reference's) against float32 (the method's): q̃ · k̃ = q · k holds for
+    the layout's reference as for the method's own path."""
     method = _method("layer", "d4b6", "d4b6", 0)
-    g = torch.Generator().manual_seed(2)
-    layer = _layer(method, torch.randn(1, 2, 20, 32, generator=g).half(), torch.randn(1, 2, 20, 32, generator=g).half())
-    q = torch.randn(1, 8, 32, generator=g)
-    want = queries_to_codec(q[:, :, None], method.layers[0].smooth, True)[:, :, 0].double()
+    q = torch.randn(1, 8, 1, 32, generator=torch.Generator().manual_seed(2))
+    smooth = method.layers[0].smooth
+    want = queries_to_codec(q, smooth, True).double()
     # float32 products and a 32-term float32 matmul: relative error a few units of 2^-24 times sqrt(32)
-    assert ((query_to_codec(q, layer) - want).abs().max() / want.abs().max()) < 1e-6
+    assert ((queries_to_codec(q, smooth, True, torch.float64) - want).abs().max() / want.abs().max()) < 1e-6
 
 
 @pytest.mark.parametrize("granularity", ["layer", "head"])

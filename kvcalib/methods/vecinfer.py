@@ -20,8 +20,9 @@ space (undoing the rotation and smoothing), which is mathematically the same as 
 the queries; `VecInfer.key_scores` is the lookup-table form, q̃ · codebookᵀ indexed by the codes, and is
 tested against dequantize-then-dot. On CUDA the runtime decodes with the fused kernel
 (kernels_cupy/vq_decode.cu, `kvcalib.runtime.vq_kernel`), which the method declares by `vq_books` and
-`vq_parts`; the layout it reads, and the float64 reference of its whole computation (sinks and residual
-included), are `kvcalib.vq_layout`.
+`vq_parts`; the layout it reads, the float64 reference of its whole computation (sinks and residual
+included) and the transforms into and out of the codec basis (`keys_to_codec`, `keys_from_codec`,
+`queries_to_codec`, which this module uses) are `kvcalib.vq_layout`.
 
 Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
 float16 (G, 2^M, N) with G = 1 (granularity "layer") or the KV head count ("head"), and, when
@@ -41,7 +42,7 @@ from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
-from ..vq_layout import VQBooks
+from ..vq_layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from . import DEFAULTS, Method, MethodSettings
 
 log = logging.getLogger(__name__)
@@ -89,29 +90,6 @@ def smoothing_factors(k: torch.Tensor) -> torch.Tensor:
     # A channel that is zero everywhere gets λ = 1 instead of a division by zero.
     peak = k.float().abs().amax(dim=(0, 2))
     return torch.where(peak > 0, peak.sqrt(), 1.0).half()
-
-
-def keys_to_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
-    """k̃ = (k / λ) H for keys (B, Hkv, T, d)."""
-    k = k.float()
-    if smooth is not None:
-        k = k / smooth.float()[:, None, :]
-    return rotate(k) if hadamard else k
-
-
-def keys_from_codec(k: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
-    """Inverse of `keys_to_codec`: H is symmetric and orthogonal, so H⁻¹ = H."""
-    if hadamard:
-        k = rotate(k)
-    return k * smooth.float()[:, None, :] if smooth is not None else k
-
-
-def queries_to_codec(q: torch.Tensor, smooth: torch.Tensor | None, hadamard: bool) -> torch.Tensor:
-    """q̃ = (q λ) H for queries (B, Hq, T, d); query head h reads KV head h // (Hq / Hkv)."""
-    q = q.float()
-    if smooth is not None:
-        q = q * smooth.float().repeat_interleave(q.shape[1] // smooth.shape[0], dim=0)[:, None, :]
-    return rotate(q) if hadamard else q
 
 
 @dataclass
