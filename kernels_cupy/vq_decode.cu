@@ -23,23 +23,27 @@
 //
 // Packed blocks. Both codebooks of the block's KV head sit in shared memory; code rows stream through a
 // ring of NSTAGE stages (cp.async, ST tokens each). A warp takes TILES tiles of 16 tokens per stage:
-//   scores  S^T (16 tokens x 8 heads)  = K (16 x D) . Q~^T   on mma.m16n8k16 (f16 in, f32 accumulate),
-//   output  O^T (D x 8 heads)         += V^T (D x 16 tokens) . P^T,
-// heads GQ..7 idle (or, with GQ <= 4, the fp16 remainders of q~: LO_COLUMNS). The A operands are the
-// codebook's centroids themselves, gathered from shared memory straight into the mma fragments: the
-// channels of a key and of a value are permuted so that each lane's share of a token is whole sub-vectors.
-//   Keys: lane (g, t) holds, of tokens g and g + 8, the fragment columns 2t, 2t+1, 2t+8, 2t+9 of every
-//   16-channel k-slice: D/4 numbers per token. Column k of slice ks stands for codec channel
-//   (k % 8) / 2 * D/4 + 4 ks + 2 (k / 8) + k % 2, so lane t's D/4 numbers are the codec channels
-//   t D/4 .. (t + 1) D/4 - 1: CK = D / (4 NK) whole sub-vectors, one gather of NK fp16 each, whose
-//   half2 words are the fragment's registers as they are. q~'s B fragments follow the same permutation.
+//   scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  on mma.m16n8k16 (f16 in, f32 accumulate),
+//   output  O^T (D x 8 heads)            += V^T (D x 16 tokens) . P^T,
+// Q~'s row h is head h's fp16 hi and row 8 + h its remainder lo (rows of heads >= GQ zero), so that a lane
+// adds the two accumulators of its head and q~ is carried as an fp16 pair for every GQ <= 8. The centroids
+// are gathered from shared memory straight into the mma fragments: the channels of a key and of a value
+// are permuted so that each lane's share of a token is whole sub-vectors.
+//   Keys (the B operand, one 8-token mma per half tile): lane (g, t) holds, of tokens g and g + 8, the
+//   fragment rows 2t, 2t+1, 2t+8, 2t+9 of every 16-channel k-slice: D/4 numbers per token. Row k of slice
+//   ks stands for codec channel (k % 8) / 2 * D/4 + 4 ks + 2 (k / 8) + k % 2, so lane t's D/4 numbers
+//   are the codec channels t D/4 .. (t + 1) D/4 - 1: CK = D / (4 NK) whole sub-vectors, one gather of NK
+//   fp16 each, whose half2 words are the fragment's registers as they are. Q~'s A fragments follow the
+//   same permutation. The scores come out as lane (g, t): head g, tokens 2t, 2t+1, 2t+8, 2t+9, which is
+//   P^T's B fragment for the values as it is (no transpose).
 //   Values: lane (g, t) holds output rows g and g + 8 of every 16-row block u, of tokens 2t, 2t+1, 2t+8,
 //   2t+9. Row g of block u stands for codec channel g D/8 + 2u, row g + 8 for g D/8 + 2u + 1: lane group
 //   g's channels are g D/8 .. (g + 1) D/8 - 1, CV = D / (8 NV) whole sub-vectors per token; a byte
 //   permute pairs two tokens' halves into each register. The partial is written back in codec order.
-// Each (token, sub-vector) is gathered once per KV head, shared by its GQ query heads. The products are
-// exact (fp16 x fp16 into fp32): the scores err only by q~'s rounding, which LO_COLUMNS / LO_MMA carry
-// as an fp16 pair hi + lo; P is rounded to fp16 for the values' mma (benchmarks/vq_lut_emulated.py: 0.27x
+// A gather is one byte permute (8-bit codes) or shift and mask, one shift-add onto this lane's copy of the
+// book, one shared load. Each (token, sub-vector) is gathered once per KV head, shared by its GQ query
+// heads. The products are exact (fp16 x fp16 into fp32): the scores err only by q~'s rounding, which the
+// hi + lo pair carries; P is rounded to fp16 for the values' mma (benchmarks/vq_lut_emulated.py: 0.27x
 // to 0.64x of SDPA's row error on diffuse rows, nothing on peaked ones).
 //
 // Defines: D, NK, MK, RK, NV, MV, RV, GQ (<= 8), QT, HADAMARD, WARPS, TILES, NSTAGE, BLOCKS_PER_SM, KUNIT, VUNIT (bytes
@@ -59,8 +63,6 @@
 #ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
 #define PREFETCH_V 0
 #endif
-#define LO_COLUMNS (LO_PAIR && GQ <= 4)
-#define LO_MMA (LO_PAIR && GQ > 4)
 #define NEG_INF __int_as_float(0xff800000)
 // A lane's code bits start on a word boundary in every row (and on an 8-byte one where it loads word pairs).
 #define KALIGNED (RK % 8 == 0 && (CK * MK) % 64 == 0 || (RK % 4 == 0 && (CK * MK) % 32 == 0 && ((CK * MK + 31) / 32) % 2))
@@ -73,7 +75,7 @@
 #define VSTAGE_BYTES ((ST * RV + 15) / 16 * 16 + 16)
 #define RING_BYTES (NSTAGE * (KSTAGE_BYTES + VSTAGE_BYTES))
 #define COMBINE_BYTES (4 * WARPS * GQ * D)
-#define EXTRA_BYTES (4 * (GQ * D + GQ * RT))
+#define EXTRA_BYTES (4 * (GQ * D + GQ * RT) + 4 * RT * D)
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define WORK_BYTES MAX2(RING_BYTES, MAX2(COMBINE_BYTES, EXTRA_BYTES))
 #define QT_BYTES (4 * GQ * D)  // q~ of the block's heads, float32, while the fragments are taken
@@ -82,6 +84,7 @@
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
@@ -102,19 +105,38 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned cha
   }
 }
 
-// A codebook of E entries of N float16 numbers to shared memory, in REPL copies (`centroid`): 16 bytes a
-// load where the sizes allow (the host aligns the books).
+// A codebook of E entries of N float16 numbers to shared memory, in REPL copies (`centroid`). One copy: a
+// flat cp.async of 16-byte pieces (the caller commits it with the first stage of code rows). More: entry
+// e's REPL copies fill the 128 bytes at 128 e, written as 16-byte pieces in order (conflict-free stores)
+// from registers loaded first, all loads in flight at once (an 8-byte cp.async per copy cost one
+// shared-memory wavefront per lane). The host aligns the books to 16 bytes; N is 2, 4 or a multiple of 8.
 template <int E, int N, int REPL>
 __device__ __forceinline__ void copy_book(__half* dst, const __half* src) {
-  if constexpr (REPL == 1 && E * N % 8 == 0) {
-    for (int i = threadIdx.x; i < E * N / 8; i += NT) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  } else if constexpr (REPL > 1 && N % 8 == 0) {
-    for (int i = threadIdx.x; i < E * REPL * N / 8; i += NT) {  // 16-byte piece i of the copies
-      const int e = i / (REPL * N / 8), piece = i % (N / 8);
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src + e * N)[piece];
-    }
+  if constexpr (REPL == 1) {
+    static_assert(E * N * 2 % 16 == 0, "a single book is copied in 16-byte pieces");
+    for (int i = threadIdx.x; i < E * N * 2 / 16; i += NT) cp_async(dst + 8 * i, src + 8 * i, 16);
   } else {
-    for (int i = threadIdx.x; i < E * REPL * N; i += NT) dst[i] = src[(i / (REPL * N)) * N + i % N];
+    static_assert(REPL * 2 * N == 128, "copies of an entry fill 128 bytes");
+    constexpr int PIECES = E * 8, PER = (PIECES + NT - 1) / NT;
+    uint4 x[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+      const int i = threadIdx.x + k * NT, e = i / 8, c = i % 8;
+      if (i < PIECES) {
+        if (N == 2) {
+          const unsigned w = reinterpret_cast<const unsigned*>(src)[e];
+          x[k] = make_uint4(w, w, w, w);
+        } else if (N == 4) {
+          const uint2 w = reinterpret_cast<const uint2*>(src)[e];
+          x[k] = make_uint4(w.x, w.y, w.x, w.y);
+        } else {
+          x[k] = reinterpret_cast<const uint4*>(src + e * N)[c % (N / 8)];
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k)
+      if (threadIdx.x + k * NT < PIECES) reinterpret_cast<uint4*>(dst)[threadIdx.x + k * NT] = x[k];
   }
 }
 
@@ -149,17 +171,28 @@ __device__ __forceinline__ void codes_at(const unsigned char* stage, int bit, un
   for (int k = 0; k < COUNT; ++k) {
     constexpr int M = (1 << BITS) - 1;
     const int at = k * BITS, wi = at / 32, off = at % 32;
-    const unsigned v = off + BITS <= 32 ? c[wi] >> off : __funnelshift_r(c[wi], c[wi + 1], off);
-    out[k] = v & M;
+    if (BITS == 8) {  // a byte: one PRMT
+      out[k] = __byte_perm(c[wi], 0u, 0x4440 + off / 8);
+    } else {
+      const unsigned v = off + BITS <= 32 ? c[wi] >> off : __funnelshift_r(c[wi], c[wi + 1], off);
+      out[k] = v & M;
+    }
   }
 }
 
-// The N / 2 half2 words of centroid `code` of a codebook in shared memory. A book held in REPL = 128 / (2N)
-// copies (`copy_book`) stores entry e's copies side by side, copy i in banks 2N/4 i ..: lane L reads copy
-// L % REPL, so the lanes that share one shared-memory wavefront (16 at 8 bytes, 8 at 16) never meet in a bank.
+// A book held in REPL = 128 / (2N) copies (`copy_book`) stores entry e's copies side by side, copy i in
+// banks 2N/4 i ..: lane L reads copy L % REPL, so the lanes that share one shared-memory wavefront (16 at
+// 8 bytes, 8 at 16) never meet in a bank. `lane_book` is this lane's copy: the book plus (L % REPL) 2N bytes.
 template <int N, int REPL>
-__device__ __forceinline__ void centroid(const __half* book, unsigned code, unsigned* out) {
-  const unsigned* p = reinterpret_cast<const unsigned*>(book + (code * REPL + (REPL > 1 ? threadIdx.x % REPL : 0)) * N);
+__device__ __forceinline__ const unsigned char* lane_book(const __half* book) {
+  return reinterpret_cast<const unsigned char*>(book) + (REPL > 1 ? threadIdx.x % REPL * 2 * N : 0);
+}
+
+// The N / 2 half2 words of centroid `code` of this lane's copy of a book: one shift-add of the code, then
+// the loads.
+template <int N, int REPL>
+__device__ __forceinline__ void centroid(const unsigned char* book, unsigned code, unsigned* out) {
+  const unsigned* p = reinterpret_cast<const unsigned*>(book + code * (REPL * 2 * N));
   if (N == 2) {
     out[0] = p[0];
   } else if (N == 4) {
@@ -174,38 +207,39 @@ __device__ __forceinline__ void centroid(const __half* book, unsigned code, unsi
   }
 }
 
-// Online softmax over a warp's tiles of scores (log2 units, -inf for absent tokens): probabilities to p
-// (the scores' layout), running max m and this lane's share l of the sum per head column 2t + e; the
-// output accumulators are rescaled when the running max moves (quant_decode.cu `softmax_tiles`).
-__device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, float (*p)[4], float (*acc)[4]) {
-  float mx[2] = {NEG_INF, NEG_INF};
+// Online softmax over a warp's tiles of scores (log2 units, -inf for absent tokens): lane (g, t) holds head
+// g's scores of tokens 2t, 2t+1, 2t+8, 2t+9 of each tile. Probabilities to p (the same layout), the running
+// max m and this lane's share l of head g's sum; the output accumulators (columns: heads 2t, 2t+1) are
+// rescaled when a running max moves, each by its own head's factor (two shuffles, rarely taken).
+__device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, float& l, float (*p)[4], float (*acc)[4]) {
+  float mx = NEG_INF;
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
-    for (int i = 0; i < 4; ++i) mx[i & 1] = fmaxf(mx[i & 1], sc[j][i]);
-  for (int e = 0; e < 2; ++e)
-    for (int o = 4; o < 32; o *= 2) mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffff, mx[e], o));
-  float alpha[2];
-  for (int e = 0; e < 2; ++e) {
-    const float m_new = fmaxf(m[e], mx[e]);
-    alpha[e] = m_new == NEG_INF ? 1.f : exp2f(m[e] - m_new);  // m = -inf before: 0 (nothing to rescale)
-    m[e] = m_new;
-    float sum = 0.f;
+    for (int i = 0; i < 4; ++i) mx = fmaxf(mx, sc[j][i]);
+  for (int o = 1; o < 4; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+  const float m_new = fmaxf(m, mx);
+  const float alpha = m_new == NEG_INF ? 1.f : exp2f(m - m_new);  // m = -inf before: 0 (nothing to rescale)
+  m = m_new;
+  float sum = 0.f;
 #pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      p[j][e] = m_new == NEG_INF ? 0.f : exp2f(sc[j][e] - m_new);
-      p[j][2 + e] = m_new == NEG_INF ? 0.f : exp2f(sc[j][2 + e] - m_new);
-      sum += p[j][e] + p[j][2 + e];
+  for (int j = 0; j < TILES; ++j)
+    for (int i = 0; i < 4; ++i) {
+      p[j][i] = m_new == NEG_INF ? 0.f : exp2f(sc[j][i] - m_new);
+      sum += p[j][i];
     }
-    l[e] = l[e] * alpha[e] + sum;
-  }
-  if (__any_sync(0xffffffff, alpha[0] != 1.f || alpha[1] != 1.f))
+  l = l * alpha + sum;
+  if (__any_sync(0xffffffff, alpha != 1.f)) {
+    const int t = threadIdx.x % 4;
+    const float a0 = __shfl_sync(0xffffffff, alpha, 8 * t), a1 = __shfl_sync(0xffffffff, alpha, 8 * t + 4);
     for (int u = 0; u < KS; ++u)
-      for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
+      for (int i = 0; i < 4; ++i) acc[u][i] *= i & 1 ? a1 : a0;
+  }
 }
 
 // The float16 rows (sinks, then the residual window): rows chunk RT .. chunk RT + RT - 1 of the
-// n = sinks + r of this (batch, kv head). Scores: warp per row, lanes over channels; values: thread per
-// (head, channel), coalesced rows.
+// n = sinks + r of this (batch, kv head). The block first copies the chunk's key and value rows to shared
+// memory (every load in flight at once: a chain of dependent loads cost a block tens of microseconds),
+// then scores (warp per row, lanes over channels) and values (thread per (head, channel)).
 __device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __half* __restrict__ ksink,
                                            const __half* __restrict__ vsink, int sinks, int caps,
                                            const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
@@ -216,20 +250,37 @@ __device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __hal
   const long bh = (long)b * gridDim.y + kvh;
   float (*qs)[D] = reinterpret_cast<float (*)[D]>(smem);
   float (*s)[RT] = reinterpret_cast<float (*)[RT]>(smem + GQ * D);
+  uint4* rows = reinterpret_cast<uint4*>(smem + GQ * D + GQ * RT);  // keys then values, RT x D fp16 each
+  constexpr int PIECES = 2 * RT * D / 8;                              // 16-byte pieces of both
+  uint4 x[(PIECES + NT - 1) / NT];
+#pragma unroll
+  for (int k = 0; k < (PIECES + NT - 1) / NT; ++k) {
+    const int i = threadIdx.x + k * NT, tt = i % (RT * D / 8) / (D / 8), e = e0 + tt;
+    x[k] = make_uint4(0u, 0u, 0u, 0u);
+    if (i < PIECES && e < n) {
+      const bool val = i >= RT * D / 8;
+      const __half* row = e < sinks ? (val ? vsink : ksink) + (bh * caps + e) * D
+                                    : (val ? vres : kres) + (bh * capr + e - sinks) * D;
+      x[k] = reinterpret_cast<const uint4*>(row)[i % (D / 8)];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < (PIECES + NT - 1) / NT; ++k)
+    if (threadIdx.x + k * NT < PIECES) rows[threadIdx.x + k * NT] = x[k];
+  const __half* kx = reinterpret_cast<const __half*>(rows);
+  const __half* vx = kx + RT * D;
   for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
   __syncthreads();
   for (int tt = warp; tt < RT; tt += WARPS) {
-    const int e = e0 + tt;
-    const __half* kp = e < sinks ? ksink + (bh * caps + e) * D : kres + (bh * capr + e - sinks) * D;
     float kv[D / 32];
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) kv[i] = e < n ? __half2float(kp[lane + 32 * i]) : 0.f;
+    for (int i = 0; i < D / 32; ++i) kv[i] = __half2float(kx[tt * D + lane + 32 * i]);
     for (int h = 0; h < GQ; ++h) {
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
       for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (lane == 0) s[h][tt] = e < n ? v : NEG_INF;
+      if (lane == 0) s[h][tt] = e0 + tt < n ? v : NEG_INF;
     }
   }
   __syncthreads();
@@ -249,21 +300,18 @@ __device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __hal
     }
   }
   __syncthreads();
-  for (int x = threadIdx.x; x < GQ * D; x += NT) {
-    const int h = x / D, c = x % D;
+  for (int i = threadIdx.x; i < GQ * D; i += NT) {  // rows past n hold zeros and p = 0
+    const int h = i / D, c = i % D;
     float acc = 0.f;
-    for (int tt = 0; tt < RT && e0 + tt < n; ++tt) {
-      const int e = e0 + tt;
-      const __half* vp = e < sinks ? vsink + (bh * caps + e) * D : vres + (bh * capr + e - sinks) * D;
-      acc += s[h][tt] * __half2float(vp[c]);
-    }
+#pragma unroll
+    for (int tt = 0; tt < RT; ++tt) acc += s[h][tt] * __half2float(vx[tt * D + c]);
     part_acc[((bh * GQ + h) * num_parts + part) * D + c] = acc;
   }
 }
 
 // The value centroids of one tile (stage row `row`) this lane feeds to the values' mma: tokens 2t, 2t+1,
 // 2t+8, 2t+9, lane group g's D/8 channels (CV sub-vectors), as half2 words.
-__device__ __forceinline__ void value_centroids(const unsigned char* stage, const __half* vb, int row,
+__device__ __forceinline__ void value_centroids(const unsigned char* stage, const unsigned char* vb, int row,
                                                 unsigned (*va)[D / 16]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
@@ -304,6 +352,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   const long bh = (long)b * hkv + kvh;
   __half* kb = reinterpret_cast<__half*>(smem);
   __half* vb = reinterpret_cast<__half*>(smem + KBOOK_BYTES);
+  const unsigned char* kbl = lane_book<NK, KREPL>(kb);  // this lane's copies of the books
+  const unsigned char* vbl = lane_book<NV, VREPL>(vb);
   unsigned char* work = smem + KBOOK_BYTES + VBOOK_BYTES;
   if (part >= num_splits) {
     extra_body(q, ksink, vsink, sinks, caps, kres, vres, r, capr, scale_log2, part_acc, part_ml, part - num_splits,
@@ -316,6 +366,22 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   vcodes += bh * capt * RV;
   auto kstage = [&](int s) { return work + (s % NSTAGE) * (KSTAGE_BYTES + VSTAGE_BYTES); };
   auto vstage = [&](int s) { return work + (s % NSTAGE) * (KSTAGE_BYTES + VSTAGE_BYTES) + KSTAGE_BYTES; };
+  // q (times the keys' lambda) of the block's heads to registers first, so that its loads' latency
+  // overlaps the copies: warp w takes heads w, w + WARPS, ...
+  constexpr int QH = (GQ + WARPS - 1) / WARPS;
+  float x[QH][D / 32];
+#pragma unroll
+  for (int i = 0; i < QH; ++i)
+#pragma unroll
+    for (int e = 0; e < D / 32; ++e) {
+      const int h = warp + i * WARPS, c = lane + 32 * e;
+      x[i][e] = h < GQ ? to_float(q[(bh * GQ + h) * D + c]) * (smooth != nullptr ? __half2float(smooth[kvh * D + c]) : 1.f)
+                       : 0.f;
+    }
+  if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
+    copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
+    copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
+  }
   for (int s = 0; s < NSTAGE - 1; ++s) {
     if (s < stages) {
       copy_rows<RK, KUNIT>(kstage(s), kcodes, start + s * ST, stop);
@@ -323,55 +389,38 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   }
-  if (stages > 0) {  // the books, while the first stages are in flight
-    copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
-    copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
-  }
-  // q~ = (q lambda) H of the block's heads, float32, to shared memory: warp w takes heads w, w + WARPS, ...
+  // q~ = (q lambda) H, float32, to shared memory.
   float (*qt)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES);
-  for (int h = warp; h < GQ; h += WARPS) {
-    float x[D / 32];
 #pragma unroll
-    for (int e = 0; e < D / 32; ++e) {
-      const int c = lane + 32 * e;
-      x[e] = to_float(q[(bh * GQ + h) * D + c]) * (smooth != nullptr ? __half2float(smooth[kvh * D + c]) : 1.f);
-    }
-    if (HADAMARD) warp_hadamard(x);
+  for (int i = 0; i < QH; ++i) {
+    const int h = warp + i * WARPS;
+    if (h >= GQ) break;
+    if (HADAMARD) warp_hadamard(x[i]);
 #pragma unroll
-    for (int e = 0; e < D / 32; ++e) qt[h][lane + 32 * e] = x[e];
+    for (int e = 0; e < D / 32; ++e) qt[h][lane + 32 * e] = x[i][e];
   }
   __syncthreads();
-  // q~'s B fragments, in registers: head g (column g), k-slice ks: codec channels t D/4 + 4 ks + {0, 1} and
-  // + {2, 3} (the keys' permutation), as fp16 hi; the remainders lo in columns 4..7 (LO_COLUMNS: lanes of
-  // g = 4 + h carry head h's) or in fragments of their own (LO_MMA).
-  uint2 qb[KS];
-#if LO_MMA
-  uint2 ql[KS];
-#endif
-  {
-    const int h = LO_COLUMNS && g >= 4 ? g - 4 : g;
-    const bool lo_lane = LO_COLUMNS && g >= 4;
+  // q~'s A fragments, in registers: row g is head g's fp16 hi, row g + 8 its remainder lo (zero without
+  // LO_PAIR; both zero for g >= GQ); k-slice ks: codec channels t D/4 + 4 ks + {0, 1} and + {2, 3} (the
+  // keys' permutation).
+  uint4 qa[KS];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (h < GQ) f = *reinterpret_cast<const float4*>(&qt[h][t * (D / 4) + 4 * ks]);
-      const float x[4] = {f.x, f.y, f.z, f.w};
-      float hi[4], lo[4];
+  for (int ks = 0; ks < KS; ++ks) {
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GQ) f = *reinterpret_cast<const float4*>(&qt[g][t * (D / 4) + 4 * ks]);
+    const float x[4] = {f.x, f.y, f.z, f.w};
+    float hi[4], lo[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        hi[i] = __half2float(__float2half_rn(x[i]));
-        lo[i] = x[i] - hi[i];
-      }
-      if (lo_lane) qb[ks] = make_uint2(pack_half2(lo[0], lo[1]), pack_half2(lo[2], lo[3]));
-      else qb[ks] = make_uint2(pack_half2(hi[0], hi[1]), pack_half2(hi[2], hi[3]));
-#if LO_MMA
-      ql[ks] = make_uint2(pack_half2(lo[0], lo[1]), pack_half2(lo[2], lo[3]));
-#endif
+    for (int i = 0; i < 4; ++i) {
+      hi[i] = __half2float(__float2half_rn(x[i]));
+      lo[i] = LO_PAIR ? x[i] - hi[i] : 0.f;
     }
+    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
+                        pack_half2(lo[2], lo[3]));
   }
   float acc[KS][4];  // O^T: rows g D/8 + 2u (+1), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  float m = NEG_INF, l = 0.f;  // head g's running max and this lane's share of its sum
 
   for (int s = 0; s < stages; ++s) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2));
@@ -396,24 +445,17 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
         unsigned code[CK];
         codes_at<MK, CK, KALIGNED>(ks_, (row0 + 16 * j + g + 8 * rr) * RK * 8 + t * CK * MK, code);
 #pragma unroll
-        for (int k = 0; k < CK; ++k) centroid<NK, KREPL>(kb, code[k], &ka[rr][k * NK / 2]);
+        for (int k = 0; k < CK; ++k) centroid<NK, KREPL>(kbl, code[k], &ka[rr][k * NK / 2]);
       }
-      float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};  // two chains
+      float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const uint4 a = make_uint4(ka[0][2 * ks], ka[1][2 * ks], ka[0][2 * ks + 1], ka[1][2 * ks + 1]);
-        mma16816(ks % 2 ? c1 : c0, a, qb[ks].x, qb[ks].y);
-#if LO_MMA
-        mma16816(ks % 2 ? c0 : c1, a, ql[ks].x, ql[ks].y);
-#endif
-      }
+      for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float x = c0[i] + c1[i];
-#if LO_COLUMNS  // head h's remainder terms sit in column h + 4, two lanes over
-        x += __shfl_xor_sync(0xffffffff, x, 2);
-#endif
-        const int tok = tok0 + 16 * j + g + 8 * (i / 2);
+        for (int rr = 0; rr < 2; ++rr) mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
+        const int tok = tok0 + 16 * j + 8 * (i / 2) + 2 * t + i % 2;
+        const float x = c[i / 2][i % 2] + c[i / 2][2 + i % 2];
         sc[j][i] = tok < stop && tok >= sinks ? x * scale_log2 : NEG_INF;
       }
     }
@@ -422,20 +464,19 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #if PREFETCH_V
     unsigned va[TILES][4][D / 16];  // tile j, tokens 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
 #pragma unroll
-    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vb, row0 + 16 * j, va[j]);
+    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vbl, row0 + 16 * j, va[j]);
     softmax_tiles(sc, m, l, pr, acc);
 #else
     softmax_tiles(sc, m, l, pr, acc);
 #endif
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
-      const unsigned pb0 = transpose8x8(pack_half2(pr[j][0], pr[j][1]));
-      const unsigned pb1 = transpose8x8(pack_half2(pr[j][2], pr[j][3]));
+      const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);  // P^T's B fragment
 #if PREFETCH_V
       unsigned (*vt)[D / 16] = va[j];
 #else
       unsigned vt[4][D / 16];
-      value_centroids(vs_, vb, row0 + 16 * j, vt);
+      value_centroids(vs_, vbl, row0 + 16 * j, vt);
 #endif
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
@@ -446,17 +487,15 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
-  for (int e = 0; e < 2; ++e)
-    for (int o = 4; o < 32; o *= 2) l[e] += __shfl_xor_sync(0xffffffff, l[e], o);
+  for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
   // ---- combine the warps (in the ring's memory, now idle) and write one partial, in codec order ----
   __syncthreads();
   __shared__ float wm[WARPS][8], wl[WARPS][8];
   float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(work);
-  if (g == 0)
-    for (int e = 0; e < 2; ++e) {
-      wm[warp][2 * t + e] = m[e];
-      wl[warp][2 * t + e] = l[e];
-    }
+  if (t == 0) {
+    wm[warp][g] = m;
+    wl[warp][g] = l;
+  }
   for (int u = 0; u < KS; ++u)
     for (int i = 0; i < 4; ++i) {
       const int head = 2 * t + (i & 1), ch = g * (D / 8) + 2 * u + i / 2;

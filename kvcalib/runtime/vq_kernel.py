@@ -39,7 +39,8 @@ def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krep
                  tiles: int = TILES) -> int:
     """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
     (float16, in their copies), then a ring of `stages` stages of code rows, which the warps' combine and the
-    float16 rows' scratch reuse, then q~ of the block's heads (float32)."""
+    float16 rows' scratch (q, scores, the chunk's key and value rows) reuse, then q~ of the block's heads
+    (float32)."""
     return _shared_bytes(layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], layer.kbook[0].numel(),
                          layer.vbook[0].numel(), gqa, stages, warps, krepl, vrepl, tiles)
 
@@ -50,7 +51,7 @@ def _shared_bytes(d: int, rk: int, rv: int, kbook: int, vbook: int, gqa: int, st
     stage = 16 * warps * tiles
     books = _up16(2 * kbook * krepl) + _up16(2 * vbook * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
-    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT)) + 4 * gqa * d
+    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT) + 4 * RT * d) + 4 * gqa * d
 
 
 def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
