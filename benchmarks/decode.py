@@ -128,7 +128,10 @@ def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.T
              for _ in "kv"]
     none = kres[:, :, :0]
     smooth = (0.5 + torch.rand(HKV, D, device="cuda")).half()  # the keys' λ: the kernel transforms q with it
-    return append_block(None, *codes, *books, c.bits, c.bits, none, none, kres, vres, smooth, True)
+    # The residual window in buffers of its own, as a cache holds it (a strided view of the fp16 tensors
+    # would make every call copy it first).
+    return append_block(None, *codes, *books, c.bits, c.bits, none, none, kres.contiguous(), vres.contiguous(),
+                        smooth, True)
 
 
 def vq_bytes(layer, q) -> int:
