@@ -60,6 +60,10 @@
 #ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
 #define LO_PAIR 1
 #endif
+#ifndef RESCALE_SLACK  // 0: the exact running max (A/B)
+#define RESCALE_SLACK 8.f
+#endif
+#define BULK_ROWS (KUNIT == 16 && VUNIT == 16)  // rows 16-byte aligned: bulk copies (else cp.async)
 #ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
 #define PREFETCH_V 0
 #endif
@@ -86,6 +90,27 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
   else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+}
+
+// The tensor memory accelerator's bulk copies (BULK_ROWS): one thread copies a stage's rows (one contiguous
+// run of bytes each for keys and values) and the block waits on the stage's mbarrier; cp.async by every
+// thread cost ~45 address instructions per warp and stage and 3.5x the ideal shared-memory wavefronts.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)));
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phase) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
 // Copies the code rows of tokens [t0, min(t0 + ST, stop)) (one contiguous run of bytes) into a stage.
@@ -123,10 +148,10 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* src) {
     for (int k = 0; k < PER; ++k) {
       const int i = threadIdx.x + k * NT, e = i / 8, c = i % 8;
       if (i < PIECES) {
-        if (N == 2) {
+        if constexpr (N == 2) {
           const unsigned w = reinterpret_cast<const unsigned*>(src)[e];
           x[k] = make_uint4(w, w, w, w);
-        } else if (N == 4) {
+        } else if constexpr (N == 4) {
           const uint2 w = reinterpret_cast<const uint2*>(src)[e];
           x[k] = make_uint4(w.x, w.y, w.x, w.y);
         } else {
@@ -217,8 +242,10 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, fl
   for (int j = 0; j < TILES; ++j)
     for (int i = 0; i < 4; ++i) mx = fmaxf(mx, sc[j][i]);
   for (int o = 1; o < 4; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-  const float m_new = fmaxf(m, mx);
-  const float alpha = m_new == NEG_INF ? 1.f : exp2f(m - m_new);  // m = -inf before: 0 (nothing to rescale)
+  // The max moves only when a score passes it by more than RESCALE_SLACK (log2 units): probabilities
+  // then stay below 2^RESCALE_SLACK, well inside P's fp16, and the accumulators are rescaled rarely.
+  const float m_new = mx > m + RESCALE_SLACK ? mx : m;
+  const float alpha = m_new == m ? 1.f : exp2f(m - m_new);  // m = -inf before: 0 (nothing to rescale)
   m = m_new;
   float sum = 0.f;
 #pragma unroll
@@ -378,6 +405,32 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       x[i][e] = h < GQ ? to_float(q[(bh * GQ + h) * D + c]) * (smooth != nullptr ? __half2float(smooth[kvh * D + c]) : 1.f)
                        : 0.f;
     }
+#if BULK_ROWS
+  __shared__ __align__(8) unsigned long long bars[NSTAGE];  // stage s's rows land on bars[s % NSTAGE]
+  // A stage's rows: whole 16-byte units (they stay inside the capacity: the host checked its stride).
+  auto issue = [&](int s, unsigned extra) {
+    const int t0 = start + s * ST, n = min(ST, stop - t0);
+    const unsigned kbytes = (n * RK + 15) / 16 * 16, vbytes = (n * RV + 15) / 16 * 16;
+    mbar_expect(&bars[s % NSTAGE], kbytes + vbytes + extra);
+    bulk_copy(kstage(s), kcodes + (long)t0 * RK, kbytes, &bars[s % NSTAGE]);
+    bulk_copy(vstage(s), vcodes + (long)t0 * RV, vbytes, &bars[s % NSTAGE]);
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSTAGE; ++i) mbar_init(&bars[i]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    if (stages > 0) {  // single books ride on stage 0's barrier
+      constexpr unsigned KB1 = KREPL == 1 ? (1 << MK) * NK * 2 : 0, VB1 = VREPL == 1 ? (1 << MV) * NV * 2 : 0;
+      issue(0, KB1 + VB1);
+      if (KB1) bulk_copy(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0), KB1, &bars[0]);
+      if (VB1) bulk_copy(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0), VB1, &bars[0]);
+      for (int s = 1; s < NSTAGE - 1 && s < stages; ++s) issue(s, 0);
+    }
+  }
+  if (stages > 0) {  // replicated books, from registers
+    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
+    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
+  }
+#else
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
     copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
     copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
@@ -389,6 +442,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     }
     asm volatile("cp.async.commit_group;\n" ::);
   }
+#endif
   // q~ = (q lambda) H, float32, to shared memory.
   float (*qt)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES);
 #pragma unroll
@@ -423,14 +477,20 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   float m = NEG_INF, l = 0.f;  // head g's running max and this lane's share of its sum
 
   for (int s = 0; s < stages; ++s) {
+    const int next = s + NSTAGE - 1;
+#if BULK_ROWS
+    mbar_wait(&bars[s % NSTAGE], (s / NSTAGE) & 1);
+    __syncthreads();  // stage s (and the books) landed for every thread; stage s - 1 is no longer read
+    if (threadIdx.x == 0 && next < stages) issue(next, 0);
+#else
     asm volatile("cp.async.wait_group %0;\n" ::"n"(NSTAGE - 2));
     __syncthreads();  // stage s (and the books) landed for every thread; stage s - 1 is no longer read
-    const int next = s + NSTAGE - 1;
     if (next < stages) {
       copy_rows<RK, KUNIT>(kstage(next), kcodes, start + next * ST, stop);
       copy_rows<RV, VUNIT>(vstage(next), vcodes, start + next * ST, stop);
     }
     asm volatile("cp.async.commit_group;\n" ::);
+#endif
     const int row0 = 16 * TILES * warp;                   // the warp's first token in the stage
     const int tok0 = start + s * ST + row0;
     if (tok0 >= stop) continue;
