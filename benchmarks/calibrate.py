@@ -80,9 +80,19 @@ def peak_rss(pids: set[int], peaks: dict[int, int]) -> None:
 
 
 def run(argv: list[str], env: dict[str, str]) -> dict:
-    """Run one command; its wall time, the largest host RSS of its processes, its peak GPU memory."""
+    """Run one command; its wall time, the largest host RSS of its processes, its peak GPU memory. Its stderr
+    (progress bars, messages) passes through as it comes, so that a run cut short shows where it was."""
+    print(f"started: kvcalib {' '.join(argv[argv.index('kvcalib') + 1:])}", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def relay() -> None:
+        while chunk := os.read(proc.stderr.fileno(), 65536):
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+
+    relayer = threading.Thread(target=relay, daemon=True)
+    relayer.start()
     rss: dict[int, int] = {}
     gpu = [0]
     done = threading.Event()
@@ -96,11 +106,12 @@ def run(argv: list[str], env: dict[str, str]) -> dict:
 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
-    _, err = proc.communicate()
+    proc.wait()
+    relayer.join()
     done.set()
     watcher.join()
     if proc.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed ({proc.returncode}):\n{err[-3000:]}")
+        sys.exit(f"{' '.join(argv)} failed ({proc.returncode}; its messages are above)")
     return {"seconds": time.perf_counter() - start, "rss": max(rss.values(), default=0), "gpu": gpu[0]}
 
 

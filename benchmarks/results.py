@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-HISTORY = Path(__file__).with_name("history")
+HISTORY = Path(__file__).with_name("history")  # RESULTS.md's; another file's history is the folder beside it
 
 
 def _commit() -> str:
@@ -42,8 +42,9 @@ def record(title: str, table: str, argv: list[str], path: str | Path = RESULTS) 
         return
     following = re.compile(r"^#{2,3} ", re.M).search(text, old.end())
     end = following.start() if following else len(text)
-    HISTORY.mkdir(exist_ok=True)
-    archive = HISTORY / f"{old.group(1)}.md"
+    history = path.with_name("history")  # HISTORY for RESULTS.md; a scratch file's own, never the repository's
+    history.mkdir(exist_ok=True)
+    archive = history / f"{old.group(1)}.md"
     with open(archive, "a") as f:
         f.write(("" if archive.exists() and archive.stat().st_size else f"# Benchmark history, {old.group(1)}\n") +
                 "\n" + text[old.start():end].rstrip("\n") + "\n")
