@@ -30,7 +30,7 @@ import torch
 
 from .atomic import atomic_path, ensure_writable_dir
 from .errors import SettingsError
-from .random_weights import DTYPES, GENERATED, SHARD_BYTES, initial
+from .random_weights import DTYPES, FORMAT, GENERATED, SHARD_BYTES, initial
 
 
 _LLAMA_31 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -114,7 +114,7 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
         tmp.mkdir()
         weight_map = {}
         if weights == "generated":
-            (tmp / GENERATED).write_text(json.dumps({"format": 1, "seed": seed, "dtype": dtype}, indent=2) + "\n")
+            (tmp / GENERATED).write_text(json.dumps({"format": FORMAT, "seed": seed, "dtype": dtype}, indent=2) + "\n")
             shards = []
         for i, shard in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"

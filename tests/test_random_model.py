@@ -31,7 +31,8 @@ def test_a_made_model_loads_collects_and_draws_its_weights_as_transformers_does(
     weights = dict(lm.model.named_parameters())
     assert (weights["model.norm.weight"] == 1).all() and (weights["model.layers.0.input_layernorm.weight"] == 1).all()
     w = weights["model.layers.1.mlp.down_proj.weight"].double()
-    # A sample standard deviation of n normal draws is within 6 standard errors, std / sqrt(2n), of std.
+    # A sample standard deviation of n normal draws is within 6 standard errors, std / sqrt(2n), of std (the
+    # Irwin-Hall draw's negative excess kurtosis, -0.3, makes its standard error smaller still).
     assert abs(w.std().item() - 0.02) < 6 * 0.02 / math.sqrt(2 * w.numel())
     acts = collect(tmp_path / "acts", lm, dataset=str(text_file), num_samples=2, seq_len=32)
     assert Activations(acts).num_layers == 2
@@ -124,7 +125,8 @@ def test_generated_weights_load_as_the_written_ones_bit_for_bit(shape_file, tmp_
     _load_cached.cache_clear()
 
 
-@pytest.mark.parametrize("content", ["{", '{"format": 1, "seed": "x", "dtype": "bfloat16"}', '{"format": 2, "seed": 0, "dtype": "bfloat16"}'])
+@pytest.mark.parametrize("content", ["{", '{"format": 2, "seed": "x", "dtype": "bfloat16"}', '{"format": 3, "seed": 0, "dtype": "bfloat16"}',
+                                     '{"format": 1, "seed": 0, "dtype": "bfloat16"}'])  # 1: torch's CPU generator
 def test_a_damaged_generated_weights_file_is_refused_in_one_line(shape_file, tmp_path, capsys, content):
     from kvcalib.random_weights import GENERATED
 
@@ -149,3 +151,46 @@ def test_a_generated_model_that_would_need_disk_offload_is_refused_in_one_line(s
     monkeypatch.setattr(accelerate, "infer_auto_device_map", lambda *a, **k: {"model": "cpu", "lm_head": "disk"})
     with pytest.raises(SettingsError, match="does not fit"):
         generated_model(model, torch.float32, "auto-map")
+
+
+def _mix32(v: int) -> int:
+    m = 0xFFFFFFFF
+    v ^= v >> 16
+    v = (v * 0x7FEB352D) & m
+    v ^= v >> 15
+    v = (v * 0x2C1B3C6D) & m
+    return v ^ (v >> 16)
+
+
+@pytest.mark.parametrize("chunk", [1 << 18, 1000])
+def test_the_draw_is_its_documented_integer_rule_whatever_the_chunking(chunk, monkeypatch):
+    """`initial`'s element i from the counters 2i and 2i + 1 (plain Python integers here, the rule as its
+    docstring states it), the same with any chunking of the tensor; the four 16-bit sums have the variance
+    that the scale assumes, so the std is the one asked for."""
+    import zlib
+
+    import kvcalib.random_weights as rw
+
+    monkeypatch.setattr(rw, "DRAW_CHUNK", chunk)
+    name, shape, std, seed = "model.layers.3.self_attn.k_proj.weight", (300, 70), 0.02, 9
+    got = rw.initial(name, shape, std, seed).flatten()
+    key = _mix32((seed * 1_000_003 + zlib.crc32(name.encode())) & 0xFFFFFFFF)
+    scale = torch.tensor(std / ((4 * (65536**2 - 1) / 12) ** 0.5), dtype=torch.float32)
+    for i in [0, 1, 999, 1000, 12345, got.numel() - 1]:
+        a, b = _mix32((2 * i + key) & 0xFFFFFFFF), _mix32((2 * i + 1 + key) & 0xFFFFFFFF)
+        total = (a & 0xFFFF) + (a >> 16) + (b & 0xFFFF) + (b >> 16) - 131070
+        assert got[i].item() == (torch.tensor(float(total)) * scale).item(), i
+    assert torch.equal(got, rw.initial(name, shape, std, seed, "cpu").flatten())
+    assert not torch.equal(got, rw.initial(name, shape, std, seed + 1).flatten())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's draw against the CPU's")
+def test_a_gpu_draws_the_same_bytes_as_the_cpu():
+    """A generated model's GPU tensors are drawn on the GPU (integer operations and one float32 product: the
+    same bits as the CPU's draw, which `make-model --weights written` saves)."""
+    from kvcalib.random_weights import initial
+
+    for name, shape in [("model.layers.0.mlp.up_proj.weight", (1024, 4096)), ("lm_head.weight", (3, 5))]:
+        cpu = initial(name, shape, 0.02, 7)
+        assert torch.equal(initial(name, shape, 0.02, 7, "cuda").cpu(), cpu), name
+        assert torch.equal(initial(name, shape, 0.02, 7, "cuda").cpu().to(torch.bfloat16), cpu.to(torch.bfloat16))
