@@ -185,12 +185,15 @@ def test_the_draw_is_its_documented_integer_rule_whatever_the_chunking(chunk, mo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU's draw against the CPU's")
-def test_a_gpu_draws_the_same_bytes_as_the_cpu():
+def test_a_gpu_draws_the_same_bytes_as_the_cpu(monkeypatch):
     """A generated model's GPU tensors are drawn on the GPU (integer operations and one float32 product: the
-    same bits as the CPU's draw, which `make-model --weights written` saves)."""
-    from kvcalib.random_weights import initial
+    same bits as the CPU's draw, which `make-model --weights written` saves), in chunks of any size."""
+    import kvcalib.random_weights as rw
 
     for name, shape in [("model.layers.0.mlp.up_proj.weight", (1024, 4096)), ("lm_head.weight", (3, 5))]:
-        cpu = initial(name, shape, 0.02, 7)
-        assert torch.equal(initial(name, shape, 0.02, 7, "cuda").cpu(), cpu), name
-        assert torch.equal(initial(name, shape, 0.02, 7, "cuda").cpu().to(torch.bfloat16), cpu.to(torch.bfloat16))
+        cpu = rw.initial(name, shape, 0.02, 7)
+        assert torch.equal(rw.initial(name, shape, 0.02, 7, "cuda").cpu(), cpu), name
+        assert torch.equal(rw.initial(name, shape, 0.02, 7, "cuda").cpu().to(torch.bfloat16), cpu.to(torch.bfloat16))
+        monkeypatch.setattr(rw, "DRAW_CHUNK_GPU", 1000)
+        assert torch.equal(rw.initial(name, shape, 0.02, 7, "cuda").cpu(), cpu), name
+        monkeypatch.undo()
