@@ -9,9 +9,9 @@ heads, RoPE with its Llama-3 scaling, context 128k). The tokenizer is the embedd
 saved beside the weights, so the vocabulary is its (49152 tokens, where Llama 3.1 has 128256: the
 embedding and output matrices are smaller, every layer is the real one).
 
-Weights are drawn as transformers initialises these models: normal with std `initializer_range` (0.02),
-norm weights 1, biases 0. Each tensor has its own generator, seeded by `--seed` and the tensor's name, so
-the bytes depend on nothing else. They are written one shard at a time (at most `SHARD_BYTES` each, with
+Weights are drawn with the scale transformers initialises these models with: std `initializer_range` (0.02),
+norm weights 1, biases 0 (`kvcalib/random_weights.py`: a counter-based near-normal draw). Each tensor is keyed
+by `--seed` and its name, so the bytes depend on nothing else, not even the device that draws them. They are written one shard at a time (at most `SHARD_BYTES` each, with
 transformers' `model.safetensors.index.json`), so a 70B model (141 GB in bfloat16) never needs more host
 memory than a shard; the directory is written under a temporary name and renamed once complete.
 
