@@ -22,7 +22,8 @@
 // part writes m = -inf, which merge skips.
 //
 // Packed blocks. Both codebooks of the block's KV head sit in shared memory; code rows stream through a
-// ring of NSTAGE stages (cp.async, ST tokens each). A warp takes TILES tiles of 16 tokens per stage:
+// ring of NSTAGE stages of ST tokens (bulk copies on an mbarrier per stage; cp.async where the rows are not
+// 16-byte aligned). A warp takes TILES tiles of 16 tokens per stage:
 //   scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  on mma.m16n8k16 (f16 in, f32 accumulate),
 //   output  O^T (D x 8 heads)            += V^T (D x 16 tokens) . P^T,
 // Q~'s row h is head h's fp16 hi and row 8 + h its remainder lo (rows of heads >= GQ zero), so that a lane
@@ -88,7 +89,6 @@
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   if (bytes == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-  else if (bytes == 8) asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
   else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 }
 
@@ -265,8 +265,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, fl
 
 // The float16 rows (sinks, then the residual window): rows chunk RT .. chunk RT + RT - 1 of the
 // n = sinks + r of this (batch, kv head). The block first copies the chunk's key and value rows to shared
-// memory (every load in flight at once: a chain of dependent loads cost a block tens of microseconds),
-// then scores (warp per row, lanes over channels) and values (thread per (head, channel)).
+// memory, every load in flight at once (they were read in a chain, a load's latency per row), then scores (warp per row, lanes over channels) and values (thread per (head, channel)).
 __device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __half* __restrict__ ksink,
                                            const __half* __restrict__ vsink, int sinks, int caps,
                                            const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
@@ -391,6 +390,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   const int stages = max(0, (stop - start + ST - 1) / ST);
   kcodes += bh * capt * RK;
   vcodes += bh * capt * RV;
+  const __half* kbook_h = kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0);  // this KV head's books
+  const __half* vbook_h = vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0);
   auto kstage = [&](int s) { return work + (s % NSTAGE) * (KSTAGE_BYTES + VSTAGE_BYTES); };
   auto vstage = [&](int s) { return work + (s % NSTAGE) * (KSTAGE_BYTES + VSTAGE_BYTES) + KSTAGE_BYTES; };
   // q (times the keys' lambda) of the block's heads to registers first, so that its loads' latency
@@ -421,19 +422,19 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     if (stages > 0) {  // single books ride on stage 0's barrier
       constexpr unsigned KB1 = KREPL == 1 ? (1 << MK) * NK * 2 : 0, VB1 = VREPL == 1 ? (1 << MV) * NV * 2 : 0;
       issue(0, KB1 + VB1);
-      if (KB1) bulk_copy(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0), KB1, &bars[0]);
-      if (VB1) bulk_copy(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0), VB1, &bars[0]);
+      if (KB1) bulk_copy(kb, kbook_h, KB1, &bars[0]);
+      if (VB1) bulk_copy(vb, vbook_h, VB1, &bars[0]);
       for (int s = 1; s < NSTAGE - 1 && s < stages; ++s) issue(s, 0);
     }
   }
   if (stages > 0) {  // replicated books, from registers
-    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
-    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
+    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
+    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
   }
 #else
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
-    copy_book<(1 << MK), NK, KREPL>(kb, kbook + (kbook_groups > 1 ? (long)kvh * (1 << MK) * NK : 0));
-    copy_book<(1 << MV), NV, VREPL>(vb, vbook + (vbook_groups > 1 ? (long)kvh * (1 << MV) * NV : 0));
+    copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
+    copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
   }
   for (int s = 0; s < NSTAGE - 1; ++s) {
     if (s < stages) {
@@ -525,10 +526,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     unsigned va[TILES][4][D / 16];  // tile j, tokens 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
 #pragma unroll
     for (int j = 0; j < TILES; ++j) value_centroids(vs_, vbl, row0 + 16 * j, va[j]);
-    softmax_tiles(sc, m, l, pr, acc);
-#else
-    softmax_tiles(sc, m, l, pr, acc);
 #endif
+    softmax_tiles(sc, m, l, pr, acc);
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);  // P^T's B fragment

@@ -38,14 +38,14 @@ def split_unit(group: int) -> int:
     return TILE * group // math.gcd(TILE, group)
 
 
-def _splits(length: int, blocks_per_split_unit: int, group: int, sms: int, reserved: int = 0) -> tuple[int, int]:
-    """Split the flushed tokens into at most one wave of blocks (BLOCKS_PER_SM resident per SM),
-    `reserved` of the wave's slots going to the residual blocks; splits align to
-    128 tokens and to key groups. With device counts the kernel re-splits each row's own length over
-    the same number of splits (quant_decode.cu, `packed_partial`)."""
-    unit = split_unit(group)
+def splits(length: int, blocks_per_split: int, unit: int, slots: int, reserved: int = 0) -> tuple[int, int]:
+    """(splits, tokens per split) of `length` flushed tokens: at most one wave of `slots` resident blocks,
+    `blocks_per_split` of them per split (batch x KV heads), `reserved` of the wave's slots going to the
+    float16 rows' blocks; splits of whole `unit`s (quant_decode.cu: 128 tokens and whole key groups;
+    vq_decode.cu: whole stages). With device counts a kernel re-splits each row's own length over the same
+    number of splits (`packed_partial`, `vq_partial`)."""
     units = max(1, -(-length // unit))
-    want = max(1, (BLOCKS_PER_SM * sms - reserved) // blocks_per_split_unit)
+    want = max(1, (slots - reserved) // blocks_per_split)
     per = -(-units // min(units, want))
     split_len = per * unit
     return max(1, -(-length // split_len)) if length else 0, split_len
@@ -59,7 +59,7 @@ def partition(layer: PackedLayer, device: int) -> tuple[int, int, int]:
     # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
     # run as packed blocks finish.
     reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
-    return residual_blocks, *_splits(layer.length, b * hkv, layer.group_size, sms, reserved)
+    return residual_blocks, *splits(layer.length, b * hkv, split_unit(layer.group_size), BLOCKS_PER_SM * sms, reserved)
 
 
 @functools.lru_cache(maxsize=8)

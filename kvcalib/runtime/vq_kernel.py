@@ -13,7 +13,7 @@ import torch
 from ..errors import SettingsError
 from ..vq import VQConfig
 from ..vq_layout import VQBooks, VQLayer
-from .int2_kernel import MAX_GQA, MERGE_WARPS, _sm_count
+from .int2_kernel import BLOCKS_PER_SM, MAX_GQA, MERGE_WARPS, _sm_count, splits
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
@@ -203,10 +203,9 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     capt = kc.shape[2]
     length = capt if device else layer.length
     extra_rows = ks.shape[2] + kr.shape[2] if device else layer.sinks + layer.residual
-    # One wave of blocks over the flushed tokens, splits of whole stages.
-    want = max(1, per_sm * _sm_count(q.device.index or 0) // (b * hkv))
-    split_len = max(stage, -(-(-(-length // want)) // stage) * stage)
-    num_splits = -(-length // split_len)
+    # One wave of blocks over the flushed tokens, splits of whole stages (the float16 rows' blocks reserve no
+    # slots here: reserving them took a split from each sequence, RESULTS.md).
+    num_splits, split_len = splits(length, b * hkv, stage, per_sm * _sm_count(q.device.index or 0))
     parts = num_splits + max(1, -(-extra_rows // RT))
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
@@ -222,7 +221,7 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
                 i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
                 ptr(residuals)), checked, smem)
-        merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": 4,
+        merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": BLOCKS_PER_SM,
                          "CP_ASYNC_LOADER": 0, "QT": qt, "SPLIT_UNIT": 128}
         warps = b * hq * d // 32
         launch(kernel("quant_decode.cu", merge_defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
