@@ -35,7 +35,7 @@ _M32 = 0xFFFFFFFF
 _IRWIN_HALL_STD = (4 * (65536**2 - 1) / 12) ** 0.5  # std of the sum of four uniform 16-bit integers
 _IRWIN_HALL_MEAN = 4 * 65535 // 2
 DRAW_CHUNK = 1 << 18  # elements drawn at a time on a CPU (int64 counters of 4 MiB: in cache)
-DRAW_CHUNK_GPU = 1 << 24  # on a GPU (launches, not cache, bound it: 2^18 drew a 70B model's 72 GB in 45 s)
+DRAW_CHUNK_GPU = 1 << 24  # on a GPU, where cache does not matter and each chunk costs launches (2^18: 72 GB in 45 s)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
