@@ -1,4 +1,4 @@
-// Device helpers both decode kernels use (quant_decode.cu, vq_decode.cu): query element conversion, the
+// Device helpers both decode kernels use (quant_decode.cu, vq_decode.cu): element conversions, the
 // warp's Hadamard transform of a D-vector, and the tensor-core pieces (mma, 8x8 transpose, half2 packing).
 // Included textually: kernels_cupy/loader.py inlines `#include "..."` of this folder before hashing and
 // compiling, so a change here changes every including kernel's cache key. Needs D defined (64 or 128).
@@ -7,6 +7,8 @@
 
 __device__ __forceinline__ float to_float(const __half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(const __nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void from_float(__half* p, float x) { *p = __float2half_rn(x); }
+__device__ __forceinline__ void from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 
 // y = x H over one vector of D floats held by a warp (lane l holds elements l + 32 e, e < D/32), with H
 // the normalized Sylvester-Hadamard matrix of kvcalib/hadamard.py, H[j][c] = (-1)^popcount(j & c) / sqrt(D):

@@ -60,9 +60,6 @@
 #define REP (NT / D)  // threads per channel in the value phase
 #define NEG_INF __int_as_float(0xff800000)  // NVRTC has no math.h INFINITY
 
-__device__ __forceinline__ void from_float(__half* p, float x) { *p = __float2half_rn(x); }
-__device__ __forceinline__ void from_float(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
-
 // Online-softmax step over one tile of scores s[h][t] (log2 units, -inf for absent tokens):
 // warp w owns heads w, w+4, ...; turns scores into probabilities in place, stores the rescale
 // factor of the old accumulator in alpha[h].

@@ -9,19 +9,24 @@
 //   ksink, vsink (B, HKV, CAPS, D) fp16             the first min(sinks, T) tokens, read instead of their codes
 //   kres, vres (B, HKV, CAPR, D) fp16               the residual window
 //   lengths, residuals (B,) int32 or null            per-sequence T and r read on the device (a captured step)
-// Limit: q~'s fp16 pair needs |q lambda H| below 65504 (a bfloat16 query beyond it gives inf scores).
+// and writes out (B, Hq, D) QT, through part_acc, part_ml (the partials) and counters (B x HKV int32, zero
+// before a launch and left zero after it).
+// Limit: q~'s fp16 pair needs |q lambda H| / sqrt(D) below 65504 (a bfloat16 query beyond it gives inf scores).
 // The codes hold keys in the codec basis k~ = (k / lambda) H (H with HADAMARD, else the identity): the packed
 // blocks take q~ = (q lambda) H, computed here in float32 (`warp_hadamard`), so that q~ . k~ = q . k; the
 // sinks and the residual are held as they came in, in the model's basis, and meet q itself. Values are
 // coded as they are.
 //
-// Blocks (part, kv head, batch): parts below num_splits take split_len flushed tokens each (the packed
-// blocks), the others RT rows each of the float16 tokens: the sinks, then the residual window (the
-// extra blocks, `extra_body`). Every part writes one partial as `merge` of quant_decode.cu reads it: the
-// unnormalised sum of exp2(s - m) v, m and the sum of exp2(s - m), s the score in log2 units; an empty
-// part writes m = -inf, which merge skips.
+// Blocks (part, kv head, batch): part p takes split_len flushed tokens (the packed split p, if p < num_splits)
+// and rows_per_part rows of the float16 tokens, the sinks then the residual window (rows p rows_per_part ..,
+// if any). Their first RT rows are bulk-copied at the block's start and they are attended after the packed
+// tokens (`rows_partial`): every block takes a share, where blocks of their own queued behind the packed
+// blocks' wave and the ones that got the rows finished last. Every part writes one partial: the unnormalised sum of
+// exp2(s - m) v, m and the sum of exp2(s - m), s the score in log2 units (m = -inf for an empty part); the
+// last part of a (batch, KV head) to finish merges them all into out (`merge_parts`), counted on
+// counters[b HKV + kv head], which that part sets back to zero.
 //
-// Packed blocks. Both codebooks of the block's KV head sit in shared memory; code rows stream through a
+// Packed tokens. Both codebooks of the block's KV head sit in shared memory; code rows stream through a
 // ring of NSTAGE stages of ST tokens (bulk copies on an mbarrier per stage; cp.async where the rows are not
 // 16-byte aligned). A warp takes TILES tiles of 16 tokens per stage:
 //   scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  on mma.m16n8k16 (f16 in, f32 accumulate),
@@ -79,12 +84,14 @@
 #define KSTAGE_BYTES ((ST * RK + 15) / 16 * 16 + 16)  // + 16: the code reader loads a word past a row
 #define VSTAGE_BYTES ((ST * RV + 15) / 16 * 16 + 16)
 #define RING_BYTES (NSTAGE * (KSTAGE_BYTES + VSTAGE_BYTES))
-#define COMBINE_BYTES (4 * WARPS * GQ * D)
-#define EXTRA_BYTES (4 * (GQ * D + GQ * RT) + 4 * RT * D)
+#define COMBINE_BYTES (4 * (WARPS + 1) * GQ * D)  // the warps' and the float16 rows' accumulators
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
-#define WORK_BYTES MAX2(RING_BYTES, MAX2(COMBINE_BYTES, EXTRA_BYTES))
+#define WORK_BYTES MAX2(RING_BYTES, COMBINE_BYTES)  // the ring, then the combine, then the merge's weights
+#define MIN2(a, b) ((a) < (b) ? (a) : (b))
 #define QT_BYTES (4 * GQ * D)  // q~ of the block's heads, float32, while the fragments are taken
-#define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES + QT_BYTES)
+#define QS_BYTES (4 * GQ * D)  // q of the block's heads times the scale, float32, for the float16 rows
+#define ROWS_BYTES (4 * RT * D)  // a chunk of float16 key rows, then its value rows
+#define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES + QT_BYTES + QS_BYTES + ROWS_BYTES)
 
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -263,75 +270,169 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, fl
   }
 }
 
-// The float16 rows (sinks, then the residual window): rows chunk RT .. chunk RT + RT - 1 of the
-// n = sinks + r of this (batch, kv head). The block first copies the chunk's key and value rows to shared
-// memory, every load in flight at once (they were read in a chain, a load's latency per row), then scores (warp per row, lanes over channels) and values (thread per (head, channel)).
-__device__ __forceinline__ void extra_body(const QT* __restrict__ q, const __half* __restrict__ ksink,
+// Bulk-copies (thread 0) float16 rows e0 .. e0 + nr - 1 (0 < nr <= RT) of the sinks-then-residual sequence of
+// this (batch, KV head), keys to rows[0 ..], values to rows[RT D ..], on the mbarrier `bar`: up to two
+// contiguous runs each (the sinks' part, the residual's), whole rows of 2 D bytes. PREFETCH: only warm L2
+// with them (a later chunk of the block's).
+template <bool PREFETCH>
+__device__ __forceinline__ void issue_rows(__half* rows, const __half* __restrict__ ksink,
                                            const __half* __restrict__ vsink, int sinks, int caps,
-                                           const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
-                                           int capr, float scale_log2, float* __restrict__ part_acc,
-                                           float* __restrict__ part_ml, int chunk, float* smem) {
-  const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, num_parts = gridDim.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, e0 = chunk * RT, n = sinks + r;
-  const long bh = (long)b * gridDim.y + kvh;
-  float (*qs)[D] = reinterpret_cast<float (*)[D]>(smem);
-  float (*s)[RT] = reinterpret_cast<float (*)[RT]>(smem + GQ * D);
-  uint4* rows = reinterpret_cast<uint4*>(smem + GQ * D + GQ * RT);  // keys then values, RT x D fp16 each
-  constexpr int PIECES = 2 * RT * D / 8;                              // 16-byte pieces of both
-  uint4 x[(PIECES + NT - 1) / NT];
+                                           const __half* __restrict__ kres, const __half* __restrict__ vres, int capr,
+                                           long bh, int e0, int nr, unsigned long long* bar) {
+  const int ns = max(0, min(e0 + nr, sinks) - e0);  // rows from the sinks, then nr - ns from the residual
+  const long f = bh * capr + max(e0, sinks) - sinks;
+  const __half* src[4] = {ksink + (bh * caps + e0) * D, vsink + (bh * caps + e0) * D, kres + f * D, vres + f * D};
+  __half* dst[4] = {rows, rows + RT * D, rows + ns * D, rows + RT * D + ns * D};
+  const int n[4] = {ns, ns, nr - ns, nr - ns};
+  if (!PREFETCH) mbar_expect(bar, 2u * nr * D * 2);
 #pragma unroll
-  for (int k = 0; k < (PIECES + NT - 1) / NT; ++k) {
-    const int i = threadIdx.x + k * NT, tt = i % (RT * D / 8) / (D / 8), e = e0 + tt;
-    x[k] = make_uint4(0u, 0u, 0u, 0u);
-    if (i < PIECES && e < n) {
-      const bool val = i >= RT * D / 8;
-      const __half* row = e < sinks ? (val ? vsink : ksink) + (bh * caps + e) * D
-                                    : (val ? vres : kres) + (bh * capr + e - sinks) * D;
-      x[k] = reinterpret_cast<const uint4*>(row)[i % (D / 8)];
+  for (int i = 0; i < 4; ++i) {
+    if (n[i] == 0) continue;
+    if (PREFETCH)
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src[i]), "r"(n[i] * D * 2) : "memory");
+    else
+      bulk_copy(dst[i], src[i], n[i] * D * 2, bar);
+  }
+}
+
+// The block's float16 rows r0 .. r0 + nrows - 1 against q itself (model's basis, times the scale: qs), in
+// chunks of RT through `rows` (the first chunk's copy was issued at the block's start, on `bar`; thread 0
+// issues each next one). Per chunk: scores with a warp per row (lanes over channels), a warp per head's
+// online softmax, the values with a thread per (head, channel). Leaves m and the sum in wm[h], wl[h] and the
+// accumulators in wacc (m = -inf when nrows = 0). Every thread calls it (nrows is the block's).
+__device__ __forceinline__ void rows_partial(int r0, int nrows, const __half* __restrict__ ksink,
+                                             const __half* __restrict__ vsink, int sinks, int caps,
+                                             const __half* __restrict__ kres, const __half* __restrict__ vres,
+                                             int capr, long bh, __half* rows, const float (*qs)[D], float* wm,
+                                             float* wl, float (*wacc)[D], unsigned long long* bar) {
+  __shared__ float s[8][RT], alpha[8];  // the chunk's scores, then its probabilities; the heads' rescale
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x < GQ) wm[threadIdx.x] = NEG_INF, wl[threadIdx.x] = 0.f;
+  const __half* kx = rows;
+  const __half* vx = rows + RT * D;
+  for (int c0 = 0, phase = 0; c0 < nrows; c0 += RT, phase ^= 1) {
+    const int nr = min(RT, nrows - c0);
+    mbar_wait(bar, phase);
+    __syncthreads();  // the chunk landed; the previous chunk's m and sum are written
+    for (int tt = warp; tt < nr; tt += WARPS) {
+      float kv[D / 32];
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) kv[i] = __half2float(kx[tt * D + lane + 32 * i]);
+      for (int h = 0; h < GQ; ++h) {
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
+        for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
+        if (lane == 0) s[h][tt] = v;
+      }
+    }
+    __syncthreads();
+    for (int h = warp; h < GQ; h += WARPS) {  // RT <= 32: a lane per row
+      const float x = lane < nr ? s[h][lane] : NEG_INF;
+      float mx = x;
+      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+      const float m_new = fmaxf(wm[h], mx);  // finite: nr >= 1
+      const float p = exp2f(x - m_new);
+      float sum = p;
+      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+      __syncwarp();
+      if (lane < nr) s[h][lane] = p;
+      if (lane == 0) {
+        const float a = exp2f(wm[h] - m_new);  // 0 for the first chunk (wm = -inf)
+        alpha[h] = a;
+        wm[h] = m_new;
+        wl[h] = wl[h] * a + sum;
+      }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < GQ * D; i += NT) {  // rows past nr are never read (they hold no copy)
+      const int h = i / D, c = i % D;
+      float a = 0.f;
+      for (int tt = 0; tt < nr; ++tt) a += s[h][tt] * __half2float(vx[tt * D + c]);
+      wacc[h][c] = (c0 == 0 ? 0.f : wacc[h][c] * alpha[h]) + a;
+    }
+    if (c0 + RT < nrows) {
+      __syncthreads();  // this chunk's rows are read
+      if (threadIdx.x == 0)
+        issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0 + RT,
+                          min(RT, nrows - c0 - RT), bar);
     }
   }
-#pragma unroll
-  for (int k = 0; k < (PIECES + NT - 1) / NT; ++k)
-    if (threadIdx.x + k * NT < PIECES) rows[threadIdx.x + k * NT] = x[k];
-  const __half* kx = reinterpret_cast<const __half*>(rows);
-  const __half* vx = kx + RT * D;
-  for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i / D][i % D] = to_float(q[(bh * GQ + i / D) * D + i % D]) * scale_log2;
-  __syncthreads();
-  for (int tt = warp; tt < RT; tt += WARPS) {
-    float kv[D / 32];
-#pragma unroll
-    for (int i = 0; i < D / 32; ++i) kv[i] = __half2float(kx[tt * D + lane + 32 * i]);
-    for (int h = 0; h < GQ; ++h) {
-      float v = 0.f;
-#pragma unroll
-      for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
-      for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-      if (lane == 0) s[h][tt] = e0 + tt < n ? v : NEG_INF;
+}
+
+// The last part of a (batch, KV head) to finish: its GQ heads' partials, every part's, into out. The weight
+// of part p is exp2(m_p - M), M the head's max over parts (parts with m = -inf weigh nothing), taken in
+// rounds of MERGE_ROUND parts with the running max rescaled as in the softmax. Partials are read through L2
+// (__ldcg: other blocks wrote them), every load of a round in flight: thread (slice, head, 4 channels) sums
+// the parts of its slice, float4 at a time, and the slices meet in shared memory. `w` is scratch of
+// WORK_BYTES.
+#define MERGE_SLICES (NT / (GQ * D / 4) > 0 ? NT / (GQ * D / 4) : 1)  // threads per (head, 4 channels)
+#define MERGE_ROUND (MIN2(256, (WORK_BYTES / 4 - 4 * NT) / (2 * GQ)) / 4 * 4)  // the slices' float4 stay aligned
+__device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
+                                            QT* __restrict__ out, float* w) {
+  static_assert(MERGE_ROUND >= 8, "the ring's memory holds a round of the merge's weights");
+  __shared__ float head_m[8], head_den[8], head_alpha[8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float (*mw)[MERGE_ROUND] = reinterpret_cast<float (*)[MERGE_ROUND]>(w);  // the round's m, then its weights
+  float (*ml_l)[MERGE_ROUND] = mw + GQ;                                    // the round's sums
+  float4* slices = reinterpret_cast<float4*>(w + 2 * GQ * MERGE_ROUND);    // the slices' sums, NT float4
+  if (threadIdx.x < GQ) head_m[threadIdx.x] = NEG_INF, head_den[threadIdx.x] = 0.f;
+  constexpr int PAIRS = GQ * D / 4;
+  const int pair = threadIdx.x % PAIRS, slice = threadIdx.x / PAIRS, h = pair / (D / 4), c4 = pair % (D / 4);
+  const bool active = threadIdx.x < PAIRS * MERGE_SLICES;
+  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int base = 0; base < num_parts; base += MERGE_ROUND) {
+    const int n = min(MERGE_ROUND, num_parts - base);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < GQ * n; i += NT) {
+      const float2 x = __ldcg(reinterpret_cast<const float2*>(part_ml) + (bh * GQ + i / n) * num_parts + base + i % n);
+      mw[i / n][i % n] = x.x;
+      ml_l[i / n][i % n] = x.y;
     }
-  }
-  __syncthreads();
-  for (int h = warp; h < GQ; h += WARPS) {  // RT <= 32: a lane per row
-    const float x = lane < RT ? s[h][lane] : NEG_INF;
-    float mx = x;
-    for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-    const float p = mx == NEG_INF ? 0.f : exp2f(x - mx);
-    float sum = p;
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    __syncwarp();
-    if (lane < RT) s[h][lane] = p;
-    if (lane == 0) {
-      const long row = (bh * GQ + h) * num_parts + part;
-      part_ml[row * 2] = mx;
-      part_ml[row * 2 + 1] = sum;
+    __syncthreads();
+    for (int hh = warp; hh < GQ; hh += WARPS) {
+      float M = head_m[hh];
+      for (int p = lane; p < n; p += 32) M = fmaxf(M, mw[hh][p]);
+      for (int o = 16; o > 0; o /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffff, M, o));
+      float den = 0.f;
+      for (int p = lane; p < n; p += 32) {
+        const float wp = mw[hh][p] == NEG_INF ? 0.f : exp2f(mw[hh][p] - M);
+        mw[hh][p] = wp;
+        den += wp * ml_l[hh][p];
+      }
+      for (int o = 16; o > 0; o /= 2) den += __shfl_xor_sync(0xffffffff, den, o);
+      if (lane == 0) {
+        const float a = head_m[hh] == NEG_INF ? 0.f : exp2f(head_m[hh] - M);
+        head_alpha[hh] = a;
+        head_den[hh] = head_den[hh] * a + den;
+        head_m[hh] = M;
+      }
     }
+    __syncthreads();
+    if (active) {
+      const float a = head_alpha[h];
+      num = make_float4(num.x * a, num.y * a, num.z * a, num.w * a);
+      const float4* acc = reinterpret_cast<const float4*>(part_acc + ((bh * GQ + h) * num_parts + base) * D) + c4;
+#pragma unroll 8
+      for (int p = slice; p < n; p += MERGE_SLICES) {
+        const float4 x = __ldcg(acc + (long)p * (D / 4));
+        const float wp = mw[h][p];
+        num.x += wp * x.x, num.y += wp * x.y, num.z += wp * x.z, num.w += wp * x.w;
+      }
+    }
+    __syncthreads();  // the round's weights are read
   }
+  if (active) slices[threadIdx.x] = num;
   __syncthreads();
-  for (int i = threadIdx.x; i < GQ * D; i += NT) {  // rows past n hold zeros and p = 0
-    const int h = i / D, c = i % D;
-    float acc = 0.f;
-#pragma unroll
-    for (int tt = 0; tt < RT; ++tt) acc += s[h][tt] * __half2float(vx[tt * D + c]);
-    part_acc[((bh * GQ + h) * num_parts + part) * D + c] = acc;
+  if (active && slice == 0) {
+    for (int k = 1; k < MERGE_SLICES; ++k) {
+      const float4 x = slices[k * PAIRS + pair];
+      num.x += x.x, num.y += x.y, num.z += x.z, num.w += x.w;
+    }
+    const float inv = 1.f / head_den[h];
+    QT* o = out + (bh * GQ + h) * D + 4 * c4;
+    from_float(o, num.x * inv), from_float(o + 1, num.y * inv), from_float(o + 2, num.z * inv),
+        from_float(o + 3, num.w * inv);
   }
 }
 
@@ -357,7 +458,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     const __half* __restrict__ ksink, const __half* __restrict__ vsink, int sinks, int caps,
     const __half* __restrict__ kres, const __half* __restrict__ vres, int r, int capr, int T, int capt,
     int split_len, int num_splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const int* __restrict__ lengths, const int* __restrict__ residuals) {
+    const int* __restrict__ lengths, const int* __restrict__ residuals, int rows_per_part,
+    int* __restrict__ counters, QT* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem[];
   {  // the host sized the launch's shared memory from the same formula; a mismatch must not go unseen
     unsigned have;
@@ -370,7 +472,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   if (lengths != nullptr) {  // both or neither (the host checks); clamped to the buffers, whatever a caller wrote
     T = min(lengths[b], capt);
     const int units = (T + ST - 1) / ST;
-    split_len = max(1, (units + num_splits - 1) / num_splits) * ST;
+    if (num_splits > 0) split_len = max(1, (units + num_splits - 1) / num_splits) * ST;
     r = min(residuals[b], capr);
   }
   sinks = min(sinks, T);  // the first flushed tokens are the sinks
@@ -381,11 +483,12 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   const unsigned char* kbl = lane_book<NK, KREPL>(kb);  // this lane's copies of the books
   const unsigned char* vbl = lane_book<NV, VREPL>(vb);
   unsigned char* work = smem + KBOOK_BYTES + VBOOK_BYTES;
-  if (part >= num_splits) {
-    extra_body(q, ksink, vsink, sinks, caps, kres, vres, r, capr, scale_log2, part_acc, part_ml, part - num_splits,
-               reinterpret_cast<float*>(work));
-    return;
-  }
+  float (*qs)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES + QT_BYTES);
+  __half* rows = reinterpret_cast<__half*>(work + WORK_BYTES + QT_BYTES + QS_BYTES);
+  const int r0 = part * rows_per_part, nrows = max(0, min(rows_per_part, sinks + r - r0));  // this part's float16 rows
+  __shared__ int rows_held;  // nrows, read back after the main loop (no register held through it)
+  if (threadIdx.x == 0) rows_held = nrows;
+  // Parts past num_splits have no packed tokens (start >= T).
   const int start = part * split_len, stop = min(start + split_len, T);
   const int stages = max(0, (stop - start + ST - 1) / ST);
   kcodes += bh * capt * RK;
@@ -397,17 +500,18 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   // q (times the keys' lambda) of the block's heads to registers first, so that its loads' latency
   // overlaps the copies: warp w takes heads w, w + WARPS, ...
   constexpr int QH = (GQ + WARPS - 1) / WARPS;
-  float x[QH][D / 32];
+  float x[QH][D / 32], qm[QH][D / 32];  // q lambda; q
 #pragma unroll
   for (int i = 0; i < QH; ++i)
 #pragma unroll
     for (int e = 0; e < D / 32; ++e) {
       const int h = warp + i * WARPS, c = lane + 32 * e;
-      x[i][e] = h < GQ ? to_float(q[(bh * GQ + h) * D + c]) * (smooth != nullptr ? __half2float(smooth[kvh * D + c]) : 1.f)
-                       : 0.f;
+      qm[i][e] = h < GQ ? to_float(q[(bh * GQ + h) * D + c]) : 0.f;
+      x[i][e] = qm[i][e] * (smooth != nullptr && h < GQ ? __half2float(smooth[kvh * D + c]) : 1.f);
     }
+  // Stage s's code rows land on bars[s % NSTAGE] (bulk copies), the chunk's float16 rows on bars[NSTAGE].
+  __shared__ __align__(8) unsigned long long bars[NSTAGE + 1];
 #if BULK_ROWS
-  __shared__ __align__(8) unsigned long long bars[NSTAGE];  // stage s's rows land on bars[s % NSTAGE]
   // A stage's rows: whole 16-byte units (they stay inside the capacity: the host checked its stride).
   auto issue = [&](int s, unsigned extra) {
     const int t0 = start + s * ST, n = min(ST, stop - t0);
@@ -417,8 +521,12 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     bulk_copy(vstage(s), vcodes + (long)t0 * RV, vbytes, &bars[s % NSTAGE]);
   };
   if (threadIdx.x == 0) {
-    for (int i = 0; i < NSTAGE; ++i) mbar_init(&bars[i]);
+    for (int i = 0; i <= NSTAGE; ++i) mbar_init(&bars[i]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int c0 = 0; c0 < nrows; c0 += RT) {  // the first chunk copied, the others into L2 (`rows_partial`)
+      if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
+      else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
+    }
     if (stages > 0) {  // single books ride on stage 0's barrier
       constexpr unsigned KB1 = KREPL == 1 ? (1 << MK) * NK * 2 : 0, VB1 = VREPL == 1 ? (1 << MV) * NV * 2 : 0;
       issue(0, KB1 + VB1);
@@ -432,6 +540,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
   }
 #else
+  if (threadIdx.x == 0) {
+    for (int i = 0; i <= NSTAGE; ++i) mbar_init(&bars[i]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int c0 = 0; c0 < nrows; c0 += RT) {  // the first chunk copied, the others into L2 (`rows_partial`)
+      if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
+      else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
+    }
+  }
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
     copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
     copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
@@ -444,7 +560,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     asm volatile("cp.async.commit_group;\n" ::);
   }
 #endif
-  // q~ = (q lambda) H, float32, to shared memory.
+  // q~ = (q lambda) H times the softmax scale in log2 units, float32, to shared memory.
   float (*qt)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES);
 #pragma unroll
   for (int i = 0; i < QH; ++i) {
@@ -452,7 +568,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     if (h >= GQ) break;
     if (HADAMARD) warp_hadamard(x[i]);
 #pragma unroll
-    for (int e = 0; e < D / 32; ++e) qt[h][lane + 32 * e] = x[i][e];
+    for (int e = 0; e < D / 32; ++e) {
+      qt[h][lane + 32 * e] = x[i][e] * scale_log2;
+      qs[h][lane + 32 * e] = qm[i][e] * scale_log2;
+    }
   }
   __syncthreads();
   // q~'s A fragments, in registers: row g is head g's fp16 hi, row g + 8 its remainder lo (zero without
@@ -516,8 +635,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
         const int tok = tok0 + 16 * j + 8 * (i / 2) + 2 * t + i % 2;
-        const float x = c[i / 2][i % 2] + c[i / 2][2 + i % 2];
-        sc[j][i] = tok < stop && tok >= sinks ? x * scale_log2 : NEG_INF;
+        sc[j][i] = tok < stop && tok >= sinks ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
       }
     }
     // The values' centroids: gathered before the softmax (PREFETCH_V), so that their latency overlaps its
@@ -547,9 +665,9 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
-  // ---- combine the warps (in the ring's memory, now idle) and write one partial, in codec order ----
-  __syncthreads();
-  __shared__ float wm[WARPS][8], wl[WARPS][8];
+  // ---- the float16 rows, the warps' combine (in the ring's memory, now idle), one partial in codec order ----
+  __syncthreads();  // the ring and q~ are no longer read
+  __shared__ float wm[WARPS + 1][8], wl[WARPS + 1][8];  // slot WARPS: the float16 rows
   float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(work);
   if (t == 0) {
     wm[warp][g] = m;
@@ -560,13 +678,15 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       const int head = 2 * t + (i & 1), ch = g * (D / 8) + 2 * u + i / 2;
       if (head < GQ) wacc[warp][head][ch] = acc[u][i];
     }
+  rows_partial(part * rows_per_part, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, wm[WARPS], wl[WARPS], wacc[WARPS],
+               &bars[NSTAGE]);
   __syncthreads();
   for (int i = threadIdx.x; i < GQ * D; i += NT) {
     const int h = i / D, c = i % D;
     float M = NEG_INF;
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
+    for (int w = 0; w <= WARPS; ++w) M = fmaxf(M, wm[w][h]);
     float num = 0.f, den = 0.f;
-    for (int w = 0; w < WARPS; ++w) {
+    for (int w = 0; w <= WARPS; ++w) {
       if (wm[w][h] == NEG_INF) continue;
       const float f = exp2f(wm[w][h] - M);
       num += f * wacc[w][h][c];
@@ -579,4 +699,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       part_ml[row * 2 + 1] = den;
     }
   }
+  // ---- the last part of this (batch, KV head) to get here merges (threadFenceReduction of the CUDA samples) ----
+  __threadfence();  // this part's partial is visible to whichever part merges
+  __syncthreads();
+  __shared__ unsigned is_last;
+  if (threadIdx.x == 0)  // the counter wraps to zero on the last arrival: ready for the next launch
+    is_last = atomicInc(reinterpret_cast<unsigned*>(counters) + bh, num_parts - 1) == unsigned(num_parts - 1);
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  merge_parts(bh, num_parts, part_acc, part_ml, out, reinterpret_cast<float*>(work));
 }

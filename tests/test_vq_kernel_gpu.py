@@ -177,3 +177,38 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention(capacity
         err = _row_errors(out[i : i + 1], ref)
         bound = 2 * _row_errors(_sdpa(q[i : i + 1], one), ref) + FLOOR
         assert (err <= bound).all(), f"sequence {i} (T={t}, r={r}): {err.max():.2e} > {bound.min():.2e}"
+
+
+def test_one_launch_merges_on_counters_it_leaves_at_zero_and_streams_keep_their_own():
+    """The last block of each (sequence, KV head) to finish merges the partials, counted on `_counters`:
+    after launches of every partition (float16 rows only; splits fewer than the rows' chunks; more) the
+    counters are back at zero, and launches on two streams at once each give their own sequence's bytes.
+    Planted error: a counter left at 1 by a launch would be seen (it stays nonzero after the next)."""
+    from kvcalib.runtime import vq_kernel
+
+    method = _on_device(_method("layer", "d4b8", "d8b12", 2, d=128))
+    g = torch.Generator(device=DEV).manual_seed(11)
+    runs = []
+    for t in (5, 300, 20000):
+        k16 = torch.randn(2, 2, t, 128, device=DEV, generator=g).half()
+        v16 = torch.randn(2, 2, t, 128, device=DEV, generator=g).half()
+        runs.append(_check_rows(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))[:3])
+        counters = vq_kernel._counters(torch.device(DEV), 4)  # the current stream's
+        assert not counters.any(), f"T={t}: counters left at {counters[:4].tolist()}"
+    counters[1] = 1
+    vq_decode(runs[2][1], runs[2][0], 128**-0.5, checked=True)
+    assert counters[1] != 0, "a counter left wrong must stay visible"
+    counters[1] = 0
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs: list[list[torch.Tensor]] = [[], []]
+    for _ in range(20):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                layer, q, _ = runs[1 + i]
+                outs[i].append(vq_decode(q, layer, 128**-0.5))
+    torch.cuda.synchronize()
+    for i in range(2):
+        assert all(torch.equal(o, runs[1 + i][2]) for o in outs[i]), f"stream {i}: a launch disagrees with its serial run"
+        with torch.cuda.stream(streams[i]):
+            assert not vq_kernel._counters(torch.device(DEV), 4).any()

@@ -1,9 +1,10 @@
 """The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu, issue 18): what it can read, and its launch.
 
 The layout it reads and the float64 reference it is tested against are `kvcalib.vq_layout`
-(tests/test_vq_kernel_gpu.py). The partials are combined by the INT2 kernel's `merge`. `lengths` and
-`residuals` (B,) int32 on the device make a launch that a CUDA graph can replay while the cache grows:
-it is then sized by the buffers' capacities, and each sequence's counts are read on the device.
+(tests/test_vq_kernel_gpu.py). One launch: the last block of each (sequence, KV head) to finish merges its
+partials (`_counters`). `lengths` and `residuals` (B,) int32 on the device make a launch that a CUDA graph
+can replay while the cache grows: it is then sized by the buffers' capacities, and each sequence's counts
+are read on the device.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from ..errors import SettingsError
 from ..vq import VQConfig
 from ..vq_layout import VQBooks, VQLayer
-from .int2_kernel import BLOCKS_PER_SM, MAX_GQA, MERGE_WARPS, _sm_count, splits
+from .int2_kernel import MAX_GQA, _sm_count, splits
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
@@ -38,9 +39,9 @@ def _replicas(book: torch.Tensor) -> int:
 def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krepl: int = 1, vrepl: int = 1,
                  tiles: int = TILES) -> int:
     """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
-    (float16, in their copies), then a ring of `stages` stages of code rows, which the warps' combine and the
-    float16 rows' scratch (q, scores, the chunk's key and value rows) reuse, then q~ of the block's heads
-    (float32)."""
+    (float16, in their copies), then a ring of `stages` stages of code rows, which the combine of the warps'
+    and the float16 rows' accumulators (float32) and the merge's weights reuse, then q~ and q of the block's
+    heads (float32), then a chunk of float16 key and value rows."""
     return _shared_bytes(layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], layer.kbook[0].numel(),
                          layer.vbook[0].numel(), gqa, stages, warps, krepl, vrepl, tiles)
 
@@ -51,7 +52,7 @@ def _shared_bytes(d: int, rk: int, rv: int, kbook: int, vbook: int, gqa: int, st
     stage = 16 * warps * tiles
     books = _up16(2 * kbook * krepl) + _up16(2 * vbook * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
-    return books + max(ring, 4 * warps * gqa * d, 4 * (gqa * d + gqa * RT) + 4 * RT * d) + 4 * gqa * d
+    return books + max(ring, 4 * (warps + 1) * gqa * d) + 8 * gqa * d + 4 * RT * d
 
 
 def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
@@ -203,13 +204,16 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     capt = kc.shape[2]
     length = capt if device else layer.length
     extra_rows = ks.shape[2] + kr.shape[2] if device else layer.sinks + layer.residual
-    # One wave of blocks over the flushed tokens, splits of whole stages (the float16 rows' blocks reserve no
-    # slots here: reserving them took a split from each sequence, RESULTS.md).
+    # One wave of blocks over the flushed tokens, splits of whole stages; every part also takes an equal share
+    # of the float16 rows (blocks of their own for them queued behind the wave, and the blocks that took one
+    # chunk of RT rows each finished last). Without flushed tokens, parts of RT rows.
     num_splits, split_len = splits(length, b * hkv, stage, per_sm * _sm_count(q.device.index or 0))
-    parts = num_splits + max(1, -(-extra_rows // RT))
+    parts = num_splits or max(1, -(-extra_rows // RT))
+    rows_per_part = -(-extra_rows // parts)
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, hq, parts, 2, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq, d, device=q.device, dtype=q.dtype)
+    counters = _counters(q.device, b * hkv)
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     i32 = cupy.int32
     partial = kernel("vq_decode.cu", defines, "vq_partial")
@@ -220,14 +224,25 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
                 ptr(vs), i32(layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
                 i32(layer.residual), i32(kr.shape[2]), i32(layer.length), i32(capt), i32(split_len), i32(num_splits),
                 cupy.float32(scaling * 1.4426950408889634), ptr(part_acc), ptr(part_ml), ptr(lengths),
-                ptr(residuals)), checked, smem)
-        merge_defines = {"D": d, "G": 32, "GV": 32, "GQ": gqa, "HAS_NORM": 0, "BLOCKS_PER_SM": BLOCKS_PER_SM,
-                         "CP_ASYNC_LOADER": 0, "QT": qt, "SPLIT_UNIT": 128}
-        warps = b * hq * d // 32
-        launch(kernel("quant_decode.cu", merge_defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
-               (ptr(part_acc), ptr(part_ml), cupy.uint64(0), cupy.uint64(0), i32(parts), i32(b * hq), ptr(out)),
-               checked)
+                ptr(residuals), i32(rows_per_part), ptr(counters), ptr(out)), checked, smem)
     return out
+
+
+COUNTERS_MIN = 4096  # counters allocated at least (B x KV heads): 16 KiB
+_COUNTERS: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """The kernel's arrival counters, one per (sequence, KV head): zero before a launch, and the launch leaves
+    them zero (the last block of a row wraps its counter). One buffer per (device, stream): launches on one
+    stream never overlap, and a CUDA graph keeps the buffer of the stream it was captured on. Limit: two graphs
+    captured on one stream and replayed at the same time on two streams would share counters. A buffer too
+    small is replaced, never freed (a captured graph may hold it)."""
+    key = (device.index or 0, torch.cuda.current_stream(device).cuda_stream)
+    held = _COUNTERS.setdefault(key, [])
+    if not held or held[-1].numel() < n:
+        held.append(torch.zeros(max(n, COUNTERS_MIN), device=device, dtype=torch.int32))
+    return held[-1]
 
 
 @_vq_decode.register_fake
