@@ -84,7 +84,7 @@
 #define KSTAGE_BYTES ((ST * RK + 15) / 16 * 16 + 16)  // + 16: the code reader loads a word past a row
 #define VSTAGE_BYTES ((ST * RV + 15) / 16 * 16 + 16)
 #define RING_BYTES (NSTAGE * (KSTAGE_BYTES + VSTAGE_BYTES))
-#define COMBINE_BYTES (4 * (WARPS + 1) * GQ * D)  // the warps' and the float16 rows' accumulators
+#define COMBINE_BYTES (4 * WARPS * GQ * D)  // the warps' accumulators
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define WORK_BYTES MAX2(RING_BYTES, COMBINE_BYTES)  // the ring, then the combine, then the merge's weights
 #define MIN2(a, b) ((a) < (b) ? (a) : (b))
@@ -92,6 +92,11 @@
 #define QS_BYTES (4 * GQ * D)  // q of the block's heads times the scale, float32, for the float16 rows
 #define ROWS_BYTES (4 * RT * D)  // a chunk of float16 key rows, then its value rows
 #define SHARED_BYTES (KBOOK_BYTES + VBOOK_BYTES + WORK_BYTES + QT_BYTES + QS_BYTES + ROWS_BYTES)
+#define KBOOK_SRC ((1 << MK) * NK * 2)  // bytes of one KV head's books in global memory
+#define VBOOK_SRC ((1 << MV) * NV * 2)
+// Replicated books staged in the ring's last stage by bulk copies (see the prologue): when they fit and are
+// whole 16-byte units.
+#define STAGED_BOOKS (BULK_ROWS && NSTAGE >= 2 && (KREPL > 1 || VREPL > 1) && KBOOK_SRC % 16 == 0 && VBOOK_SRC % 16 == 0                       && (KREPL > 1 ? KBOOK_SRC : 0) + (VREPL > 1 ? VBOOK_SRC : 0) <= KSTAGE_BYTES + VSTAGE_BYTES)
 
 __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -243,10 +248,11 @@ __device__ __forceinline__ void centroid(const unsigned char* book, unsigned cod
 // g's scores of tokens 2t, 2t+1, 2t+8, 2t+9 of each tile. Probabilities to p (the same layout), the running
 // max m and this lane's share l of head g's sum; the output accumulators (columns: heads 2t, 2t+1) are
 // rescaled when a running max moves, each by its own head's factor (two shuffles, rarely taken).
+template <int NTILES>
 __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, float& l, float (*p)[4], float (*acc)[4]) {
   float mx = NEG_INF;
 #pragma unroll
-  for (int j = 0; j < TILES; ++j)
+  for (int j = 0; j < NTILES; ++j)
     for (int i = 0; i < 4; ++i) mx = fmaxf(mx, sc[j][i]);
   for (int o = 1; o < 4; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
   // The max moves only when a score passes it by more than RESCALE_SLACK (log2 units): probabilities
@@ -256,7 +262,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, fl
   m = m_new;
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < TILES; ++j)
+  for (int j = 0; j < NTILES; ++j)
     for (int i = 0; i < 4; ++i) {
       p[j][i] = m_new == NEG_INF ? 0.f : exp2f(sc[j][i] - m_new);
       sum += p[j][i];
@@ -295,65 +301,83 @@ __device__ __forceinline__ void issue_rows(__half* rows, const __half* __restric
   }
 }
 
-// The block's float16 rows r0 .. r0 + nrows - 1 against q itself (model's basis, times the scale: qs), in
-// chunks of RT through `rows` (the first chunk's copy was issued at the block's start, on `bar`; thread 0
-// issues each next one). Per chunk: scores with a warp per row (lanes over channels), a warp per head's
-// online softmax, the values with a thread per (head, channel). Leaves m and the sum in wm[h], wl[h] and the
-// accumulators in wacc (m = -inf when nrows = 0). Every thread calls it (nrows is the block's).
-__device__ __forceinline__ void rows_partial(int r0, int nrows, const __half* __restrict__ ksink,
-                                             const __half* __restrict__ vsink, int sinks, int caps,
-                                             const __half* __restrict__ kres, const __half* __restrict__ vres,
-                                             int capr, long bh, __half* rows, const float (*qs)[D], float* wm,
-                                             float* wl, float (*wacc)[D], unsigned long long* bar) {
-  __shared__ float s[8][RT], alpha[8];  // the chunk's scores, then its probabilities; the heads' rescale
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x < GQ) wm[threadIdx.x] = NEG_INF, wl[threadIdx.x] = 0.f;
+// A query's A fragments for the scores' mma, from float32 rows src[h][D] (h < GQ): row g is head g's fp16 hi,
+// row g + 8 its remainder lo (zero without LO_PAIR; both zero for g >= GQ); k-slice ks: channels
+// t D/4 + 4 ks + {0, 1} and + {2, 3} (the keys' permutation).
+__device__ __forceinline__ void q_fragments(const float (*src)[D], uint4* qa) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GQ) f = *reinterpret_cast<const float4*>(&src[g][t * (D / 4) + 4 * ks]);
+    const float x[4] = {f.x, f.y, f.z, f.w};
+    float hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      hi[i] = __half2float(__float2half_rn(x[i]));
+      lo[i] = LO_PAIR ? x[i] - hi[i] : 0.f;
+    }
+    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
+                        pack_half2(lo[2], lo[3]));
+  }
+}
+
+// The block's float16 rows r0 .. r0 + nrows - 1 as 16-token tiles of one warp, after its packed tiles, on
+// the same tensor-core path and into the same running max, sum and accumulators (m, l, acc): the rows, in
+// the model's basis, meet q itself times the scale (qs), in the keys' and values' channel permutations. Each
+// chunk of RT rows lands in `rows` (the first copy was issued at the block's start, on `bar`; lane 0 issues
+// each next one); value rows past the chunk's count are zeroed first (P = 0 times a stale NaN would be NaN).
+__device__ __forceinline__ void rows_tiles(int r0, int nrows, const __half* __restrict__ ksink,
+                                           const __half* __restrict__ vsink, int sinks, int caps,
+                                           const __half* __restrict__ kres, const __half* __restrict__ vres,
+                                           int capr, long bh, __half* rows, const float (*qs)[D], float& m,
+                                           float& l, float (*acc)[4], unsigned long long* bar) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const __half* kx = rows;
-  const __half* vx = rows + RT * D;
+  __half* vx = rows + RT * D;
+  uint4 qa[KS];
+  q_fragments(qs, qa);
   for (int c0 = 0, phase = 0; c0 < nrows; c0 += RT, phase ^= 1) {
     const int nr = min(RT, nrows - c0);
     mbar_wait(bar, phase);
-    __syncthreads();  // the chunk landed; the previous chunk's m and sum are written
-    for (int tt = warp; tt < nr; tt += WARPS) {
-      float kv[D / 32];
+    for (int i = nr * D / 8 + lane; i < RT * D / 8; i += 32) reinterpret_cast<uint4*>(vx)[i] = make_uint4(0u, 0u, 0u, 0u);
+    __syncwarp();
+    unsigned ka[2][D / 8];  // tokens g, g + 8: channels t D/4 .. (t + 1) D/4 - 1 as half2 words
 #pragma unroll
-      for (int i = 0; i < D / 32; ++i) kv[i] = __half2float(kx[tt * D + lane + 32 * i]);
-      for (int h = 0; h < GQ; ++h) {
-        float v = 0.f;
+    for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-        for (int i = 0; i < D / 32; ++i) v += qs[h][lane + 32 * i] * kv[i];
-        for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffff, v, o);
-        if (lane == 0) s[h][tt] = v;
+      for (int i = 0; i < D / 32; ++i) {
+        const uint4 w = reinterpret_cast<const uint4*>(kx + (g + 8 * rr) * D + t * (D / 4))[i];
+        ka[rr][4 * i] = w.x, ka[rr][4 * i + 1] = w.y, ka[rr][4 * i + 2] = w.z, ka[rr][4 * i + 3] = w.w;
       }
-    }
-    __syncthreads();
-    for (int h = warp; h < GQ; h += WARPS) {  // RT <= 32: a lane per row
-      const float x = lane < nr ? s[h][lane] : NEG_INF;
-      float mx = x;
-      for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-      const float m_new = fmaxf(wm[h], mx);  // finite: nr >= 1
-      const float p = exp2f(x - m_new);
-      float sum = p;
-      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-      __syncwarp();
-      if (lane < nr) s[h][lane] = p;
-      if (lane == 0) {
-        const float a = exp2f(wm[h] - m_new);  // 0 for the first chunk (wm = -inf)
-        alpha[h] = a;
-        wm[h] = m_new;
-        wl[h] = wl[h] * a + sum;
+    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
+    float sc[1][4], pr[1][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      sc[0][i] = 8 * (i / 2) + 2 * t + i % 2 < nr ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
+    softmax_tiles<1>(sc, m, l, pr, acc);
+    const unsigned pb0 = pack_half2(pr[0][0], pr[0][1]), pb1 = pack_half2(pr[0][2], pr[0][3]);
+    unsigned vt[4][D / 16];  // tokens 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. (g + 1) D/8 - 1 as half2 words
+#pragma unroll
+    for (int k4 = 0; k4 < 4; ++k4)
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) {
+        const uint4 w = reinterpret_cast<const uint4*>(vx + (2 * t + (k4 & 1) + 8 * (k4 >> 1)) * D + g * (D / 8))[i];
+        vt[k4][4 * i] = w.x, vt[k4][4 * i + 1] = w.y, vt[k4][4 * i + 2] = w.z, vt[k4][4 * i + 3] = w.w;
       }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < GQ * D; i += NT) {  // rows past nr are never read (they hold no copy)
-      const int h = i / D, c = i % D;
-      float a = 0.f;
-      for (int tt = 0; tt < nr; ++tt) a += s[h][tt] * __half2float(vx[tt * D + c]);
-      wacc[h][c] = (c0 == 0 ? 0.f : wacc[h][c] * alpha[h]) + a;
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+      const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
+                                 __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
+      mma16816(acc[u], a, pb0, pb1);
     }
     if (c0 + RT < nrows) {
-      __syncthreads();  // this chunk's rows are read
-      if (threadIdx.x == 0)
+      __syncwarp();  // this chunk's rows are read
+      if (lane == 0)
         issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0 + RT,
                           min(RT, nrows - c0 - RT), bar);
     }
@@ -367,6 +391,7 @@ __device__ __forceinline__ void rows_partial(int r0, int nrows, const __half* __
 // the parts of its slice, float4 at a time, and the slices meet in shared memory. `w` is scratch of
 // WORK_BYTES.
 #define MERGE_SLICES (NT / (GQ * D / 4) > 0 ? NT / (GQ * D / 4) : 1)  // threads per (head, 4 channels)
+#define MERGE_AHEAD 8  // accumulators per thread loaded before the weights are known
 #define MERGE_ROUND (MIN2(256, (WORK_BYTES / 4 - 4 * NT) / (2 * GQ)) / 4 * 4)  // the slices' float4 stay aligned
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {
@@ -380,9 +405,18 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
   constexpr int PAIRS = GQ * D / 4;
   const int pair = threadIdx.x % PAIRS, slice = threadIdx.x / PAIRS, h = pair / (D / 4), c4 = pair % (D / 4);
   const bool active = threadIdx.x < PAIRS * MERGE_SLICES;
-  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 num = make_float4(0.f, 0.f, 0.f, 0.f);  // this slice's sum, rescaled as the max moves
   for (int base = 0; base < num_parts; base += MERGE_ROUND) {
     const int n = min(MERGE_ROUND, num_parts - base);
+    // The round's first MERGE_AHEAD accumulators of this thread's slice, loaded with the (m, l) pairs: one
+    // trip to L2 for both.
+    const float4* acc = reinterpret_cast<const float4*>(part_acc + ((bh * GQ + h) * num_parts + base) * D) + c4;
+    float4 ahead[MERGE_AHEAD];
+#pragma unroll
+    for (int k = 0; k < MERGE_AHEAD; ++k) {
+      const int p = slice + k * MERGE_SLICES;
+      ahead[k] = active && p < n ? __ldcg(acc + (long)p * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
 #pragma unroll 4
     for (int i = threadIdx.x; i < GQ * n; i += NT) {
       const float2 x = __ldcg(reinterpret_cast<const float2*>(part_ml) + (bh * GQ + i / n) * num_parts + base + i % n);
@@ -412,9 +446,14 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
     if (active) {
       const float a = head_alpha[h];
       num = make_float4(num.x * a, num.y * a, num.z * a, num.w * a);
-      const float4* acc = reinterpret_cast<const float4*>(part_acc + ((bh * GQ + h) * num_parts + base) * D) + c4;
+#pragma unroll
+      for (int k = 0; k < MERGE_AHEAD; ++k) {
+        const int p = slice + k * MERGE_SLICES;
+        const float wp = p < n ? mw[h][p] : 0.f;
+        num.x += wp * ahead[k].x, num.y += wp * ahead[k].y, num.z += wp * ahead[k].z, num.w += wp * ahead[k].w;
+      }
 #pragma unroll 8
-      for (int p = slice; p < n; p += MERGE_SLICES) {
+      for (int p = slice + MERGE_AHEAD * MERGE_SLICES; p < n; p += MERGE_SLICES) {
         const float4 x = __ldcg(acc + (long)p * (D / 4));
         const float wp = mw[h][p];
         num.x += wp * x.x, num.y += wp * x.y, num.z += wp * x.z, num.w += wp * x.w;
@@ -509,8 +548,15 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       qm[i][e] = h < GQ ? to_float(q[(bh * GQ + h) * D + c]) : 0.f;
       x[i][e] = qm[i][e] * (smooth != nullptr && h < GQ ? __half2float(smooth[kvh * D + c]) : 1.f);
     }
-  // Stage s's code rows land on bars[s % NSTAGE] (bulk copies), the chunk's float16 rows on bars[NSTAGE].
-  __shared__ __align__(8) unsigned long long bars[NSTAGE + 1];
+  // Stage s's code rows land on bars[s % NSTAGE] (bulk copies), the float16 rows on bars[NSTAGE], the books
+  // to be replicated on bars[NSTAGE + 1] (STAGED_BOOKS).
+  __shared__ __align__(8) unsigned long long bars[NSTAGE + 2];
+  auto issue_first_rows = [&]() {  // the first chunk copied, the others into L2 (`rows_tiles`)
+    for (int c0 = 0; c0 < nrows; c0 += RT) {
+      if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
+      else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
+    }
+  };
 #if BULK_ROWS
   // A stage's rows: whole 16-byte units (they stay inside the capacity: the host checked its stride).
   auto issue = [&](int s, unsigned extra) {
@@ -520,33 +566,38 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     bulk_copy(kstage(s), kcodes + (long)t0 * RK, kbytes, &bars[s % NSTAGE]);
     bulk_copy(vstage(s), vcodes + (long)t0 * RV, vbytes, &bars[s % NSTAGE]);
   };
+  // Books to be replicated are first bulk-copied whole into the ring's last stage (not filled before the main
+  // loop), then copied out from there: read by every block at once, from registers loaded by every thread,
+  // they had taken ~2.5 us of a 47 us launch (B=1 128k d4b8, globaltimer probes).
+  unsigned char* staged = work + (NSTAGE - 1) * (KSTAGE_BYTES + VSTAGE_BYTES);
   if (threadIdx.x == 0) {
-    for (int i = 0; i <= NSTAGE; ++i) mbar_init(&bars[i]);
+    for (int i = 0; i < NSTAGE + 2; ++i) mbar_init(&bars[i]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int c0 = 0; c0 < nrows; c0 += RT) {  // the first chunk copied, the others into L2 (`rows_partial`)
-      if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
-      else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
-    }
+    issue_first_rows();
     if (stages > 0) {  // single books ride on stage 0's barrier
-      constexpr unsigned KB1 = KREPL == 1 ? (1 << MK) * NK * 2 : 0, VB1 = VREPL == 1 ? (1 << MV) * NV * 2 : 0;
+      constexpr unsigned KB1 = KREPL == 1 ? KBOOK_SRC : 0, VB1 = VREPL == 1 ? VBOOK_SRC : 0;
+      if (STAGED_BOOKS) {
+        constexpr unsigned KBR = KREPL > 1 ? KBOOK_SRC : 0, VBR = VREPL > 1 ? VBOOK_SRC : 0;
+        mbar_expect(&bars[NSTAGE + 1], KBR + VBR);
+        if (KBR) bulk_copy(staged, kbook_h, KBR, &bars[NSTAGE + 1]);
+        if (VBR) bulk_copy(staged + KBR, vbook_h, VBR, &bars[NSTAGE + 1]);
+      }
       issue(0, KB1 + VB1);
       if (KB1) bulk_copy(kb, kbook_h, KB1, &bars[0]);
       if (VB1) bulk_copy(vb, vbook_h, VB1, &bars[0]);
       for (int s = 1; s < NSTAGE - 1 && s < stages; ++s) issue(s, 0);
     }
   }
-  if (stages > 0) {  // replicated books, from registers
+  __syncthreads();  // the barriers are initialised before anyone waits on one
+  if (!STAGED_BOOKS && stages > 0) {  // replicated books, from registers
     if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
     if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
   }
 #else
   if (threadIdx.x == 0) {
-    for (int i = 0; i <= NSTAGE; ++i) mbar_init(&bars[i]);
+    for (int i = 0; i < NSTAGE + 2; ++i) mbar_init(&bars[i]);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    for (int c0 = 0; c0 < nrows; c0 += RT) {  // the first chunk copied, the others into L2 (`rows_partial`)
-      if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
-      else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
-    }
+    issue_first_rows();
   }
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
     copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
@@ -560,7 +611,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     asm volatile("cp.async.commit_group;\n" ::);
   }
 #endif
-  // q~ = (q lambda) H times the softmax scale in log2 units, float32, to shared memory.
+  // q~ = (q lambda) H times the softmax scale in log2 units, float32, to shared memory; q times the scale
+  // for the float16 rows.
   float (*qt)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES);
 #pragma unroll
   for (int i = 0; i < QH; ++i) {
@@ -573,25 +625,16 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       qs[h][lane + 32 * e] = qm[i][e] * scale_log2;
     }
   }
-  __syncthreads();
-  // q~'s A fragments, in registers: row g is head g's fp16 hi, row g + 8 its remainder lo (zero without
-  // LO_PAIR; both zero for g >= GQ); k-slice ks: codec channels t D/4 + 4 ks + {0, 1} and + {2, 3} (the
-  // keys' permutation).
-  uint4 qa[KS];
-#pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (g < GQ) f = *reinterpret_cast<const float4*>(&qt[g][t * (D / 4) + 4 * ks]);
-    const float x[4] = {f.x, f.y, f.z, f.w};
-    float hi[4], lo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      hi[i] = __half2float(__float2half_rn(x[i]));
-      lo[i] = LO_PAIR ? x[i] - hi[i] : 0.f;
-    }
-    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
-                        pack_half2(lo[2], lo[3]));
+#if BULK_ROWS
+  if (STAGED_BOOKS && stages > 0) {
+    mbar_wait(&bars[NSTAGE + 1], 0);
+    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, reinterpret_cast<const __half*>(staged));
+    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, reinterpret_cast<const __half*>(staged + (KREPL > 1 ? KBOOK_SRC : 0)));
   }
+#endif
+  __syncthreads();
+  uint4 qa[KS];  // q~'s A fragments, in registers
+  q_fragments(qt, qa);
   float acc[KS][4];  // O^T: rows g D/8 + 2u (+1), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
   float m = NEG_INF, l = 0.f;  // head g's running max and this lane's share of its sum
@@ -645,7 +688,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #pragma unroll
     for (int j = 0; j < TILES; ++j) value_centroids(vs_, vbl, row0 + 16 * j, va[j]);
 #endif
-    softmax_tiles(sc, m, l, pr, acc);
+    softmax_tiles<TILES>(sc, m, l, pr, acc);
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);  // P^T's B fragment
@@ -664,10 +707,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
+  // ---- the float16 rows (the last warp), the warps' combine (in the ring's memory, now idle), one partial ----
+  if (warp == WARPS - 1)
+    rows_tiles(part * rows_per_part, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, m, l, acc,
+               &bars[NSTAGE]);
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
-  // ---- the float16 rows, the warps' combine (in the ring's memory, now idle), one partial in codec order ----
-  __syncthreads();  // the ring and q~ are no longer read
-  __shared__ float wm[WARPS + 1][8], wl[WARPS + 1][8];  // slot WARPS: the float16 rows
+  __syncthreads();  // the ring is no longer read
+  __shared__ float wm[WARPS][8], wl[WARPS][8];
   float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(work);
   if (t == 0) {
     wm[warp][g] = m;
@@ -678,15 +724,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       const int head = 2 * t + (i & 1), ch = g * (D / 8) + 2 * u + i / 2;
       if (head < GQ) wacc[warp][head][ch] = acc[u][i];
     }
-  rows_partial(part * rows_per_part, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, wm[WARPS], wl[WARPS], wacc[WARPS],
-               &bars[NSTAGE]);
   __syncthreads();
   for (int i = threadIdx.x; i < GQ * D; i += NT) {
     const int h = i / D, c = i % D;
     float M = NEG_INF;
-    for (int w = 0; w <= WARPS; ++w) M = fmaxf(M, wm[w][h]);
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
     float num = 0.f, den = 0.f;
-    for (int w = 0; w <= WARPS; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       if (wm[w][h] == NEG_INF) continue;
       const float f = exp2f(wm[w][h] - M);
       num += f * wacc[w][h][c];

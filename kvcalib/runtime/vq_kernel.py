@@ -39,9 +39,9 @@ def _replicas(book: torch.Tensor) -> int:
 def shared_bytes(layer: VQLayer, gqa: int, stages: int = 2, warps: int = 4, krepl: int = 1, vrepl: int = 1,
                  tiles: int = TILES) -> int:
     """Dynamic shared memory of one block (SHARED_BYTES of vq_decode.cu, the same formula): both codebooks
-    (float16, in their copies), then a ring of `stages` stages of code rows, which the combine of the warps'
-    and the float16 rows' accumulators (float32) and the merge's weights reuse, then q~ and q of the block's
-    heads (float32), then a chunk of float16 key and value rows."""
+    (float16, in their copies), then a ring of `stages` stages of code rows (its last stage first holds the
+    books to be replicated; then the warps' combine (float32) and the merge's weights reuse it), then q~ and q
+    of the block's heads (float32), then a chunk of float16 key and value rows."""
     return _shared_bytes(layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], layer.kbook[0].numel(),
                          layer.vbook[0].numel(), gqa, stages, warps, krepl, vrepl, tiles)
 
@@ -52,7 +52,7 @@ def _shared_bytes(d: int, rk: int, rv: int, kbook: int, vbook: int, gqa: int, st
     stage = 16 * warps * tiles
     books = _up16(2 * kbook * krepl) + _up16(2 * vbook * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
-    return books + max(ring, 4 * (warps + 1) * gqa * d) + 8 * gqa * d + 4 * RT * d
+    return books + max(ring, 4 * warps * gqa * d) + 8 * gqa * d + 4 * RT * d
 
 
 def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
