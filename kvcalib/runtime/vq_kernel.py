@@ -20,7 +20,7 @@ SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take her
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
 MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute (more measured no faster)
 TILES = 2  # 16-token tiles per warp and stage
-RT = 16  # float16 rows (sinks, residual) per extra block
+RT = 16  # float16 rows (sinks, residual) per chunk: one 16-token tile of a block's last warp
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
 TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, TILES, BLOCKS_PER_SM, LO_PAIR)
 
