@@ -360,7 +360,14 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, const __half* __re
     for (int i = 0; i < 4; ++i)
       sc[0][i] = 8 * (i / 2) + 2 * t + i % 2 < nr ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
     softmax_tiles<1>(sc, m, l, pr, acc);
+    // P as an fp16 pair, hi + lo, so that these rows' probabilities are not rounded to fp16 (the packed tokens'
+    // are): they can carry most of the weight (the newest tokens, a short context), and rounded they took
+    // a row past twice SDPA's error (tests/test_static_cache_gpu.py).
+    float lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lo[i] = pr[0][i] - __half2float(__float2half_rn(pr[0][i]));
     const unsigned pb0 = pack_half2(pr[0][0], pr[0][1]), pb1 = pack_half2(pr[0][2], pr[0][3]);
+    const unsigned pl0 = pack_half2(lo[0], lo[1]), pl1 = pack_half2(lo[2], lo[3]);
     unsigned vt[4][D / 16];  // tokens 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. (g + 1) D/8 - 1 as half2 words
 #pragma unroll
     for (int k4 = 0; k4 < 4; ++k4)
@@ -374,6 +381,7 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, const __half* __re
       const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
                                  __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
       mma16816(acc[u], a, pb0, pb1);
+      mma16816(acc[u], a, pl0, pl1);
     }
     if (c0 + RT < nrows) {
       __syncwarp();  // this chunk's rows are read
