@@ -70,6 +70,9 @@
 #define RESCALE_SLACK 8.f
 #endif
 #define BULK_ROWS (KUNIT == 16 && VUNIT == 16)  // rows 16-byte aligned: bulk copies (else cp.async)
+#ifndef ROWS_FIRST  // 1: the float16 rows' first chunk before the packed tokens (0: all after them, 0.2 to 0.8 us slower)
+#define ROWS_FIRST 1
+#endif
 #ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
 #define PREFETCH_V 0
 #endif
@@ -322,12 +325,13 @@ __device__ __forceinline__ void q_fragments(const float (*src)[D], uint4* qa) {
   }
 }
 
-// The block's float16 rows r0 .. r0 + nrows - 1 as 16-token tiles of one warp, after its packed tiles, on
-// the same tensor-core path and into the same running max, sum and accumulators (m, l, acc): the rows, in
-// the model's basis, meet q itself times the scale (qs), in the keys' and values' channel permutations. Each
-// chunk of RT rows lands in `rows` (the first copy was issued at the block's start, on `bar`; lane 0 issues
-// each next one); value rows past the chunk's count are zeroed first (P = 0 times a stale NaN would be NaN).
-__device__ __forceinline__ void rows_tiles(int r0, int nrows, const __half* __restrict__ ksink,
+// Rows c_first .. c_end - 1 (whole chunks of RT) of the block's float16 rows r0 .. r0 + nrows - 1 as 16-token
+// tiles of one warp, on the same tensor-core path and into the same running max, sum and accumulators (m, l,
+// acc): the rows, in the model's basis, meet q itself times the scale (qs), in the keys' and values' channel
+// permutations. Chunk k lands in `rows` on phase k % 2 of `bar` (the first copy was issued at the block's
+// start; lane 0 issues each next one once the chunk before is read); value rows past a chunk's count are
+// zeroed first (P = 0 times a stale NaN would be NaN).
+__device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c_end, const __half* __restrict__ ksink,
                                            const __half* __restrict__ vsink, int sinks, int caps,
                                            const __half* __restrict__ kres, const __half* __restrict__ vres,
                                            int capr, long bh, __half* rows, const float (*qs)[D], float& m,
@@ -337,7 +341,7 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, const __half* __re
   __half* vx = rows + RT * D;
   uint4 qa[KS];
   q_fragments(qs, qa);
-  for (int c0 = 0, phase = 0; c0 < nrows; c0 += RT, phase ^= 1) {
+  for (int c0 = c_first, phase = (c_first / RT) & 1; c0 < c_end; c0 += RT, phase ^= 1) {
     const int nr = min(RT, nrows - c0);
     mbar_wait(bar, phase);
     for (int i = nr * D / 8 + lane; i < RT * D / 8; i += 32) reinterpret_cast<uint4*>(vx)[i] = make_uint4(0u, 0u, 0u, 0u);
@@ -641,11 +645,17 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   }
 #endif
   __syncthreads();
-  uint4 qa[KS];  // q~'s A fragments, in registers
-  q_fragments(qt, qa);
   float acc[KS][4];  // O^T: rows g D/8 + 2u (+1), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
   float m = NEG_INF, l = 0.f;  // head g's running max and this lane's share of its sum
+  // The float16 rows' first chunk, by the last warp, while the others wait for the first stage (the rest
+  // after the packed tokens: their copies follow one another). At the loop's end it was the last thing the
+  // block waited on (0.2 to 0.8 us more, B = 1 and 8, 4k to 128k).
+  if (ROWS_FIRST && warp == WARPS - 1 && nrows > 0)
+    rows_tiles(r0, nrows, 0, min(RT, nrows), ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, m, l, acc,
+               &bars[NSTAGE]);
+  uint4 qa[KS];  // q~'s A fragments, in registers
+  q_fragments(qt, qa);
 
   for (int s = 0; s < stages; ++s) {
     const int next = s + NSTAGE - 1;
@@ -715,10 +725,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
-  // ---- the float16 rows (the last warp), the warps' combine (in the ring's memory, now idle), one partial ----
-  if (warp == WARPS - 1)
-    rows_tiles(part * rows_per_part, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, m, l, acc,
-               &bars[NSTAGE]);
+  // ---- the float16 rows left (the last warp), the warps' combine (in the ring's memory, now idle), one partial ----
+  if (warp == WARPS - 1 && rows_held > (ROWS_FIRST ? RT : 0))
+    rows_tiles(part * rows_per_part, rows_held, ROWS_FIRST ? RT : 0, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs,
+               m, l, acc, &bars[NSTAGE]);
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
   __syncthreads();  // the ring is no longer read
   __shared__ float wm[WARPS][8], wl[WARPS][8];
