@@ -1,5 +1,5 @@
 """A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu, issue 18): warps per block,
-pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.runtime.vq_kernel.plan`
+pipeline stages, conflict-free book copies, blocks per SM, compile-time switches, against the plan `kvcalib.runtime.vq_kernel.plan`
 picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
 replays). Prints a table; `--results FILE` records it.
 
@@ -26,8 +26,10 @@ PLANS = {  # name: TUNING
     "4 tiles per warp": {"TILES": 4},
     "16 warps": {"WARPS": 16},
     "16 warps, 4 tiles": {"WARPS": 16, "TILES": 4},
+    "16 warps, 3 stages": {"WARPS": 16, "NSTAGE": 3},
     "values gathered before the softmax": {"PREFETCH_V": 1},
     "q~ in fp16 alone": {"LO_PAIR": 0},
+    "float16 rows all after the packed tokens": {"ROWS_FIRST": 0},
 }
 
 
