@@ -19,7 +19,8 @@ from .int2_kernel import MAX_GQA, _sm_count, splits
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
 MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute (more measured no faster)
-TILES = 2  # 16-token tiles per warp and stage
+TILES = 2  # 16-token tiles per warp and stage: the smallest block (`check`'s measure) and the fallbacks
+PLAN_TILES = 4  # the plan's (`_plan`)
 RT = 16  # float16 rows (sinks, residual) per chunk: one 16-token tile of a block's last warp
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
 TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, TILES, BLOCKS_PER_SM, LO_PAIR)
@@ -76,14 +77,15 @@ _PLANS: dict[tuple, dict[str, int]] = {}
 
 def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
     """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): a ring of
-    2 stages, 2 tiles per warp; small books (up to 8-bit codes) in conflict-free copies, 8 warps per block and
-    2 blocks per SM; books too large for two blocks (12-bit codes: 64 KiB each) one block of 16 warps, so that
-    an SM still holds 16 warps to hide the gathers' latency. If a block does not fit SHARED_LIMIT: 8 warps,
-    single copies, 4 warps (`check` has refused what fits in none)."""
+    2 stages, one block of 8 warps per SM, 4 tiles per warp (the most registers, 148 to 160, and the most
+    independent gathers per warp), small books (up to 8-bit codes) in conflict-free copies. It beat 2 tiles per
+    warp in two blocks of 8 warps (d4b8) or one of 16 (d8b12) in every case measured (B = 1 and 8, 32k and
+    128k: 1 to 8%). If a block does not fit SHARED_LIMIT: 2 tiles, single copies, 4 warps (`check` has refused
+    what fits in none)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
-    two = shared_bytes(layer, gqa, MIN_STAGES, 8, krepl, vrepl) <= SM_SHARED // 2 - 1024
-    for warps, kr, vr in [(8 if two else 16, krepl, vrepl), (8, krepl, vrepl), (8, 1, 1), (4, 1, 1)]:
-        p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": TILES, **TUNING}
+    for warps, tiles, kr, vr in [(8, PLAN_TILES, krepl, vrepl), (8, TILES, krepl, vrepl), (8, TILES, 1, 1),
+                                 (4, TILES, 1, 1)]:
+        p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": tiles, **TUNING}
         smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
             break
