@@ -78,10 +78,10 @@ _PLANS: dict[tuple, dict[str, int]] = {}
 def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
     """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): a ring of
     2 stages, one block of 8 warps per SM, 4 tiles per warp (the most registers, 148 to 160, and the most
-    independent gathers per warp), small books (up to 8-bit codes) in conflict-free copies. It beat 2 tiles per
-    warp in two blocks of 8 warps (d4b8) or one of 16 (d8b12) in every case measured (B = 1 and 8, 32k and
-    128k: 1 to 8%). If a block does not fit SHARED_LIMIT: 2 tiles, single copies, 4 warps (`check` has refused
-    what fits in none)."""
+    independent gathers per warp), small books (up to 8-bit codes) in conflict-free copies. Against 2 tiles per
+    warp in two blocks of 8 warps (d4b8) or one of 16 (d8b12): d4b8 1.3% to 13% faster (B = 1 and 8, 32k and
+    128k), d8b12 1.6% and 4.6% at B = 1 and level at B = 8. If a block does not fit SHARED_LIMIT: 2 tiles,
+    single copies, 4 warps (`check` has refused what fits in none)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
     for warps, tiles, kr, vr in [(8, PLAN_TILES, krepl, vrepl), (8, TILES, krepl, vrepl), (8, TILES, 1, 1),
                                  (4, TILES, 1, 1)]:
