@@ -11,7 +11,8 @@
 //   lengths, residuals (B,) int32 or null            per-sequence T and r read on the device (a captured step)
 // and writes out (B, Hq, D) QT, through part_acc, part_ml (the partials) and counters (B x HKV int32, zero
 // before a launch and left zero after it).
-// Limit: q~'s fp16 pair needs |q lambda H| / sqrt(D) below 65504 (a bfloat16 query beyond it gives inf scores).
+// Limit: q~'s fp16 pair needs |q lambda H| scale below 65504 (a bfloat16 query beyond it gives inf scores), scale
+// the softmax's (1 / sqrt(D) for a Llama) in log2 units.
 // The codes hold keys in the codec basis k~ = (k / lambda) H (H with HADAMARD, else the identity): the packed
 // blocks take q~ = (q lambda) H, computed here in float32 (`warp_hadamard`), so that q~ . k~ = q . k; the
 // sinks and the residual are held as they came in, in the model's basis, and meet q itself. Values are
@@ -19,14 +20,15 @@
 //
 // Blocks (part, kv head, batch): part p takes split_len flushed tokens (the packed split p, if p < num_splits)
 // and rows_per_part rows of the float16 tokens, the sinks then the residual window (rows p rows_per_part ..,
-// if any). Their first RT rows are bulk-copied at the block's start and they are attended after the packed
-// tokens (`rows_partial`): every block takes a share, where blocks of their own queued behind the packed
-// blocks' wave and the ones that got the rows finished last. Every part writes one partial: the unnormalised sum of
+// if any), which its last warp attends as 16-token tiles (`rows_tiles`; the first chunk's copy is issued at the
+// block's start): every block takes a share, where blocks of their own queued behind the packed blocks' wave.
+// Every part writes one partial: the unnormalised sum of
 // exp2(s - m) v, m and the sum of exp2(s - m), s the score in log2 units (m = -inf for an empty part); the
 // last part of a (batch, KV head) to finish merges them all into out (`merge_parts`), counted on
 // counters[b HKV + kv head], which that part sets back to zero.
 //
-// Packed tokens. Both codebooks of the block's KV head sit in shared memory; code rows stream through a
+// Packed tokens. Both codebooks of the block's KV head sit in shared memory (books in REPL > 1 copies are
+// bulk-copied once into the ring's last stage and replicated from there); code rows stream through a
 // ring of NSTAGE stages of ST tokens (bulk copies on an mbarrier per stage; cp.async where the rows are not
 // 16-byte aligned). A warp takes TILES tiles of 16 tokens per stage:
 //   scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  on mma.m16n8k16 (f16 in, f32 accumulate),
@@ -50,7 +52,7 @@
 // book, one shared load. Each (token, sub-vector) is gathered once per KV head, shared by its GQ query
 // heads. The products are exact (fp16 x fp16 into fp32): the scores err only by q~'s rounding, which the
 // hi + lo pair carries; P is rounded to fp16 for the values' mma (benchmarks/vq_lut_emulated.py: 0.27x
-// to 0.64x of SDPA's row error on diffuse rows, nothing on peaked ones).
+// to 0.64x of SDPA's row error on diffuse rows, nothing on peaked ones); the float16 rows' P is an fp16 pair.
 //
 // Defines: D, NK, MK, RK, NV, MV, RV, GQ (<= 8), QT, HADAMARD, WARPS, TILES, NSTAGE, BLOCKS_PER_SM, KUNIT, VUNIT (bytes
 // a stage's rows are copied in: 16 or 4 with cp.async, 1 with plain loads, as the rows' alignment allows),
@@ -62,7 +64,7 @@
 #define KS (D / 16)              // 16-channel k-slices of a key, 16-row blocks of the output
 #define CK (D / (4 * NK))        // key sub-vectors per lane and token
 #define CV (D / (8 * NV))        // value sub-vectors per lane and token
-#define RT 16                    // float16 rows per extra block
+#define RT 16                    // float16 rows per chunk (one tile of the last warp)
 #ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
 #define LO_PAIR 1
 #endif
