@@ -21,7 +21,7 @@ from kvcalib.methods.kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, States, combi
 from kvcalib.models import AttentionShape, LoadedModel, attention_shape, fingerprint
 from kvcalib.methods.kvlinc_fit import head_errors, parse_layers, train_adapters
 from conftest import float64, tiny_config
-from tolerances import U32, UNIT_ROUNDOFF, gamma, perplexity_tolerance
+from tolerances import EXP_ULPS, U32, UNIT_ROUNDOFF, gamma, perplexity_tolerance
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16)
 
@@ -74,11 +74,12 @@ def _roundoff(t, dtype):
     sum e_j, and the states' sums N = sum c_j v_j, P = sum c_j, joined as (o_a R + N) / (R + P) (`combine`, whose
     shift M cancels). With ω_a = R / (R + P), ω_j = c_j / (R + P):
     - o_a within the attention bound (as in test_attention: scores' d-term dot products and the subtraction of
-      the max, relative eps_j = gamma_{d+6} (A_j + max A) + gamma_4 per weight; gamma_{2T+2} for the sums);
+      the max, relative eps_j = gamma_{d+6} (A_j + max A) + gamma_{2 EXP_ULPS + 2} per weight (torch's float32
+      softmax takes a 20-ulp exp, tolerances.EXP_ULPS); gamma_{2T+2} for the sums);
     - R off by a relative rho = err(lse) + 4u (two exps in `combine`): lse's scores gamma_{d+4} max A, its sum
       gamma_{T+2}, log and add gamma_3 ln T; this moves o by rho ω_a |o_a - o|;
     - c_j off by eps_c = eps(φ_q) + max eps(φ_k): a softmax over D/2 of d-term exponents z is within
-      gamma_{d+2} 2 max|z| + gamma_{D/2+3} per entry; moving o by eps_c sum_j ω_j |v_j - o|;
+      gamma_{d+2} 2 max|z| + gamma_{D/2 + 2 EXP_ULPS + 1} per entry (its sum, exp, division); moving o by eps_c sum_j ω_j |v_j - o|;
     - the (T + D)-term sums of N and P and combine's few operations: gamma_{T+D+6} times the magnitudes;
     - underflow (float32: below 2^-126, scores beyond ±87 as with logit_scale 40): a weight p_j, exp(lse - M),
       exp(-M) or a φ entry is off by up to the subnormal spacing `sub` (2^-149) absolute, not relatively. It
@@ -93,14 +94,15 @@ def _roundoff(t, dtype):
     p = e / r[..., None]
     o_a = (p[..., None] * vals).sum(-2)
     top = mag.amax(-1, keepdim=True)
-    eps = gamma(d + 6, u) * (mag + top) + gamma(4, u)
+    eps = gamma(d + 6, u) * (mag + top) + gamma(2 * EXP_ULPS[dtype] + 2, u)
     bound_a = ((p * eps)[..., None] * (vals - o_a[..., None, :]).abs()).sum(-2) \
         + gamma(2 * n + 2, u) * (p[..., None] * vals.abs()).sum(-2) \
         + sub * (2 * (t["visible"][..., None] * vals.abs()).sum(-2) + n)  # p_j (exp, division) and p_j v_j
     lse = torch.log(r)
     rho = gamma(d + 4, u) * top[..., 0] + gamma(n + 2, u) + gamma(3, u) * math.log(n) + 4 * u
-    eps_q = gamma(d + 2, u) * 2 * t["z_q"].amax(-1) + gamma(rank // 2 + 3, u)
-    eps_k = (gamma(d + 2, u) * 2 * t["z_k"].amax(-1) + gamma(rank // 2 + 3, u)).amax(-1, keepdim=True)
+    soft = gamma(rank // 2 + 2 * EXP_ULPS[dtype] + 1, u)  # a φ entry's softmax: its sum, exp, division
+    eps_q = gamma(d + 2, u) * 2 * t["z_q"].amax(-1) + soft
+    eps_k = (gamma(d + 2, u) * 2 * t["z_k"].amax(-1) + soft).amax(-1, keepdim=True)
     eps_c = eps_q + eps_k
     total = r + p_sum
     w_a, w_c = (r / total)[..., None], (c / total[..., None])[..., None]

@@ -23,6 +23,14 @@ U64 = 2.0**-53  # float64
 
 UNIT_ROUNDOFF = {torch.float16: U16, torch.bfloat16: U_BF16, torch.float32: U32, torch.float64: U64}
 
+# ulps of error in the exp of torch.softmax on the CPU: float32 softmax evaluates it with
+# Vectorized<float>::exp_u20, "a faster version of exp with ULP=20" (torch 2.13's
+# ATen/cpu/vec/vec256/vec256_float.h and vec512/vec512_float.h); measured here, one row's weights moved
+# apart by up to 34 u (±17 u), beyond the 2 u of a correctly rounded exp that a test of mixed_attention
+# had assumed (it failed once in a fresh clone's run). float64 keeps Sleef's 1-ulp exp. An ulp is at
+# most 2 u relative.
+EXP_ULPS = {torch.float32: 20, torch.float64: 1}
+
 
 def gamma(n: int, u: float) -> float:
     """γ_n: the relative bound on a sum of n terms in a format of unit roundoff u (Higham, Lemma 3.1)."""
