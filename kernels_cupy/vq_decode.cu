@@ -565,12 +565,14 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   // Stage s's code rows land on bars[s % NSTAGE] (bulk copies), the float16 rows on bars[NSTAGE], the books
   // to be replicated on bars[NSTAGE + 1] (STAGED_BOOKS).
   __shared__ __align__(8) unsigned long long bars[NSTAGE + 2];
-  auto issue_first_rows = [&]() {  // the first chunk copied, the others into L2 (`rows_tiles`)
-    for (int c0 = 0; c0 < nrows; c0 += RT) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < NSTAGE + 2; ++i) mbar_init(&bars[i]);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    for (int c0 = 0; c0 < nrows; c0 += RT) {  // the first chunk copied, the others into L2 (`rows_tiles`)
       if (c0 == 0) issue_rows<false>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0, min(RT, nrows), &bars[NSTAGE]);
       else issue_rows<true>(rows, ksink, vsink, sinks, caps, kres, vres, capr, bh, r0 + c0, min(RT, nrows - c0), nullptr);
     }
-  };
+  }
 #if BULK_ROWS
   // A stage's rows: whole 16-byte units (they stay inside the capacity: the host checked its stride).
   auto issue = [&](int s, unsigned extra) {
@@ -584,23 +586,18 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   // loop), then copied out from there: read by every block at once, from registers loaded by every thread,
   // they had taken ~2.5 us of a 47 us launch (B=1 128k d4b8, globaltimer probes).
   unsigned char* staged = work + (NSTAGE - 1) * (KSTAGE_BYTES + VSTAGE_BYTES);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < NSTAGE + 2; ++i) mbar_init(&bars[i]);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    issue_first_rows();
-    if (stages > 0) {  // single books ride on stage 0's barrier
-      constexpr unsigned KB1 = KREPL == 1 ? KBOOK_SRC : 0, VB1 = VREPL == 1 ? VBOOK_SRC : 0;
-      if (STAGED_BOOKS) {
-        constexpr unsigned KBR = KREPL > 1 ? KBOOK_SRC : 0, VBR = VREPL > 1 ? VBOOK_SRC : 0;
-        mbar_expect(&bars[NSTAGE + 1], KBR + VBR);
-        if (KBR) bulk_copy(staged, kbook_h, KBR, &bars[NSTAGE + 1]);
-        if (VBR) bulk_copy(staged + KBR, vbook_h, VBR, &bars[NSTAGE + 1]);
-      }
-      issue(0, KB1 + VB1);
-      if (KB1) bulk_copy(kb, kbook_h, KB1, &bars[0]);
-      if (VB1) bulk_copy(vb, vbook_h, VB1, &bars[0]);
-      for (int s = 1; s < NSTAGE - 1 && s < stages; ++s) issue(s, 0);
+  if (threadIdx.x == 0 && stages > 0) {  // single books ride on stage 0's barrier
+    constexpr unsigned KB1 = KREPL == 1 ? KBOOK_SRC : 0, VB1 = VREPL == 1 ? VBOOK_SRC : 0;
+    if (STAGED_BOOKS) {
+      constexpr unsigned KBR = KREPL > 1 ? KBOOK_SRC : 0, VBR = VREPL > 1 ? VBOOK_SRC : 0;
+      mbar_expect(&bars[NSTAGE + 1], KBR + VBR);
+      if (KBR) bulk_copy(staged, kbook_h, KBR, &bars[NSTAGE + 1]);
+      if (VBR) bulk_copy(staged + KBR, vbook_h, VBR, &bars[NSTAGE + 1]);
     }
+    issue(0, KB1 + VB1);
+    if (KB1) bulk_copy(kb, kbook_h, KB1, &bars[0]);
+    if (VB1) bulk_copy(vb, vbook_h, VB1, &bars[0]);
+    for (int s = 1; s < NSTAGE - 1 && s < stages; ++s) issue(s, 0);
   }
   __syncthreads();  // the barriers are initialised before anyone waits on one
   if (!STAGED_BOOKS && stages > 0) {  // replicated books, from registers
@@ -608,11 +605,6 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
   }
 #else
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < NSTAGE + 2; ++i) mbar_init(&bars[i]);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    issue_first_rows();
-  }
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
     copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
     copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
