@@ -4,6 +4,7 @@ picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random cod
 replays). Prints a table; `--results FILE` records it.
 
     python benchmarks/vq_decode_plans.py [--configs d4b8,d8b12] [--batches 1,8] [--lengths 32768,131072]
+        [--plans "chosen;16 warps"]
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ PLANS = {  # name: TUNING
     "values gathered before the softmax": {"PREFETCH_V": 1},
     "q~ in fp16 alone": {"LO_PAIR": 0},
     "float16 rows all after the packed tokens": {"ROWS_FIRST": 0},
+    "books side by side (8-bit codes)": {"PAIR_BOOKS": 0},
+    "3 stages": {"NSTAGE": 3},
+    "2 tiles, 3 stages": {"TILES": 2, "NSTAGE": 3},
+    "2 tiles, 4 stages": {"TILES": 2, "NSTAGE": 4},
+    "12 warps": {"WARPS": 12},
+    "12 warps, 3 tiles": {"WARPS": 12, "TILES": 3},
+    "12 warps, 2 tiles": {"WARPS": 12, "TILES": 2},
+    "12 warps, 3 tiles, 3 stages": {"WARPS": 12, "TILES": 3, "NSTAGE": 3},
 }
 
 
@@ -38,6 +47,7 @@ def main() -> None:
     parser.add_argument("--configs", default="d4b8,d8b12")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--plans", default=None, help="names of PLANS, ';'-separated (default: all)")
     parser.add_argument("--results", default=None)
     args = parser.parse_args()
     rows = []
@@ -52,6 +62,8 @@ def main() -> None:
                 layers = [vq_layer(b, length, config, k, v) for k, v in res]
                 ref = reference_decode(q[0], layers[0], D**-0.5)
                 for name, tuning in PLANS.items():
+                    if args.plans and name not in args.plans.split(";"):
+                        continue
                     vk.TUNING.clear()
                     vk.TUNING.update(tuning)
                     try:

@@ -37,19 +37,20 @@
 // adds the two accumulators of its head and q~ is carried as an fp16 pair for every GQ <= 8. The centroids
 // are gathered from shared memory straight into the mma fragments: the channels of a key and of a value
 // are permuted so that each lane's share of a token is whole sub-vectors.
-//   Keys (the B operand, one 8-token mma per half tile): lane (g, t) holds, of tokens g and g + 8, the
+// Slots: a tile's 16 tokens in the order the mma sees them, slot s standing for token `slot_token(s)`.
+//   Keys (the B operand, one 8-token mma per half tile): lane (g, t) holds, of slots g and g + 8, the
 //   fragment rows 2t, 2t+1, 2t+8, 2t+9 of every 16-channel k-slice: D/4 numbers per token. Row k of slice
 //   ks stands for codec channel (k % 8) / 2 * D/4 + 4 ks + 2 (k / 8) + k % 2, so lane t's D/4 numbers
 //   are the codec channels t D/4 .. (t + 1) D/4 - 1: CK = D / (4 NK) whole sub-vectors, one gather of NK
 //   fp16 each, whose half2 words are the fragment's registers as they are. Q~'s A fragments follow the
-//   same permutation. The scores come out as lane (g, t): head g, tokens 2t, 2t+1, 2t+8, 2t+9, which is
+//   same permutation. The scores come out as lane (g, t): head g, slots 2t, 2t+1, 2t+8, 2t+9, which is
 //   P^T's B fragment for the values as it is (no transpose).
-//   Values: lane (g, t) holds output rows g and g + 8 of every 16-row block u, of tokens 2t, 2t+1, 2t+8,
+//   Values: lane (g, t) holds output rows g and g + 8 of every 16-row block u, of slots 2t, 2t+1, 2t+8,
 //   2t+9. Row g of block u stands for codec channel g D/8 + 2u, row g + 8 for g D/8 + 2u + 1: lane group
 //   g's channels are g D/8 .. (g + 1) D/8 - 1, CV = D / (8 NV) whole sub-vectors per token; a byte
 //   permute pairs two tokens' halves into each register. The partial is written back in codec order.
-// A gather is one byte permute (8-bit codes) or shift and mask, one shift-add onto this lane's copy of the
-// book, one shared load. Each (token, sub-vector) is gathered once per KV head, shared by its GQ query
+// A gather is one byte permute (8-bit codes in PAIRED_BOOKS) or an extraction and a multiply-add (the
+// entry's offset plus this lane's copy), then one shared load. Each (token, sub-vector) is gathered once per KV head, shared by its GQ query
 // heads. The products are exact (fp16 x fp16 into fp32): the scores err only by q~'s rounding, which the
 // hi + lo pair carries; P is rounded to fp16 for the values' mma (benchmarks/vq_lut_emulated.py: 0.27x
 // to 0.64x of SDPA's row error on diffuse rows, nothing on peaked ones); the float16 rows' P is an fp16 pair.
@@ -83,13 +84,24 @@
 #define KALIGNED (RK % 8 == 0 && (CK * MK) % 64 == 0 || (RK % 4 == 0 && (CK * MK) % 32 == 0 && ((CK * MK + 31) / 32) % 2))
 #define VALIGNED (RV % 8 == 0 && (CV * MV) % 64 == 0 || (RV % 4 == 0 && (CV * MV) % 32 == 0 && ((CV * MV + 31) / 32) % 2))
 
+// Books of 8-bit codes both held in copies are interleaved (PAIRED_BOOKS): entry e's key copies fill bytes
+// 256 e .. 256 e + 127 of the books' memory, its value copies the next 128, so that a gather's offset is one
+// byte permute (`codes_at`) where code x 128 plus the lane's copy took a multiply-add; both books' bytes are
+// the same as side by side. KROW, VROW: bytes from one entry of a book to the next.
+#ifndef PAIR_BOOKS  // 0: side by side (A/B)
+#define PAIR_BOOKS 1
+#endif
+#define PAIRED_BOOKS (PAIR_BOOKS && MK == 8 && MV == 8 && KREPL > 1 && VREPL > 1)
+#define KROW (PAIRED_BOOKS ? 256 : KREPL * 2 * NK)
+#define VROW (PAIRED_BOOKS ? 256 : VREPL * 2 * NV)
+
 // Shared memory of one block, carved in this order (kvcalib/runtime/vq_kernel.py `shared_bytes` mirrors it).
 #define KBOOK_BYTES (((1 << MK) * NK * 2 * KREPL + 15) / 16 * 16)
 #define VBOOK_BYTES (((1 << MV) * NV * 2 * VREPL + 15) / 16 * 16)
 #define KSTAGE_BYTES ((ST * RK + 15) / 16 * 16 + 16)  // + 16: the code reader loads a word past a row
 #define VSTAGE_BYTES ((ST * RV + 15) / 16 * 16 + 16)
 #define RING_BYTES (NSTAGE * (KSTAGE_BYTES + VSTAGE_BYTES))
-#define COMBINE_BYTES (4 * WARPS * GQ * D)  // the warps' accumulators
+#define COMBINE_BYTES (4 * WARPS * 8 * D)  // the warps' accumulators, as their lanes hold them (KS x 4 x 32 floats)
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define WORK_BYTES MAX2(RING_BYTES, COMBINE_BYTES)  // the ring, then the combine, then the merge's weights
 #define MIN2(a, b) ((a) < (b) ? (a) : (b))
@@ -130,6 +142,19 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
+// The same for code rows, which a decode step reads once: marked evict-first in L2 (`streaming_policy`), so
+// that they do not push out what is read again (measured: B = 8 128k d4b8 259.5 -> 249.7 us, B = 1 42.3 -> 41.5).
+__device__ __forceinline__ unsigned long long streaming_policy() {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void bulk_copy_once(void* dst, const void* src, unsigned bytes, unsigned long long* bar,
+                                               unsigned long long policy) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+}
+
 // Copies the code rows of tokens [t0, min(t0 + ST, stop)) (one contiguous run of bytes) into a stage.
 template <int R, int UNIT>
 __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned char* src, int t0, int stop) {
@@ -151,8 +176,9 @@ __device__ __forceinline__ void copy_rows(unsigned char* dst, const unsigned cha
 // flat cp.async of 16-byte pieces (the caller commits it with the first stage of code rows). More: entry
 // e's REPL copies fill the 128 bytes at 128 e, written as 16-byte pieces in order (conflict-free stores)
 // from registers loaded first, all loads in flight at once (an 8-byte cp.async per copy cost one
-// shared-memory wavefront per lane). The host aligns the books to 16 bytes; N is 2, 4 or a multiple of 8.
-template <int E, int N, int REPL>
+// shared-memory wavefront per lane); entries ROW bytes apart (256 for PAIRED_BOOKS: the other book's copies
+// fill the rest). The host aligns the books to 16 bytes; N is 2, 4 or a multiple of 8.
+template <int E, int N, int REPL, int ROW>
 __device__ __forceinline__ void copy_book(__half* dst, const __half* src) {
   if constexpr (REPL == 1) {
     static_assert(E * N * 2 % 16 == 0, "a single book is copied in 16-byte pieces");
@@ -178,14 +204,19 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* src) {
     }
 #pragma unroll
     for (int k = 0; k < PER; ++k)
-      if (threadIdx.x + k * NT < PIECES) reinterpret_cast<uint4*>(dst)[threadIdx.x + k * NT] = x[k];
+      if (threadIdx.x + k * NT < PIECES) {
+        const int i = threadIdx.x + k * NT;
+        reinterpret_cast<uint4*>(dst)[i / 8 * (ROW / 16) + i % 8] = x[k];
+      }
   }
 }
 
-// COUNT codes of BITS bits starting at bit `bit` of a stage (32-bit aligned), to out[].
+// COUNT codes of BITS bits starting at bit `bit` of a stage (32-bit aligned), to out[] as byte offsets in a
+// book of entries ROW bytes apart: code ROW + copy (this lane's copy's offset, `book_copy`). 8-bit codes in
+// PAIRED_BOOKS (ROW 256) take one byte permute: the code to bits 8..15, the copy's offset (< 256) to bits 0..7.
 // ALIGNED: the caller knows `bit` is a multiple of 32 (whole words, no funnel shift).
-template <int BITS, int COUNT, bool ALIGNED>
-__device__ __forceinline__ void codes_at(const unsigned char* stage, int bit, unsigned* out) {
+template <int BITS, int COUNT, bool ALIGNED, int ROW>
+__device__ __forceinline__ void codes_at(const unsigned char* stage, int bit, unsigned copy, unsigned* out) {
   constexpr int W = (BITS * COUNT + 31) / 32;
   const unsigned* w = reinterpret_cast<const unsigned*>(stage) + (bit >> 5);
   unsigned c[W + 1];
@@ -213,28 +244,30 @@ __device__ __forceinline__ void codes_at(const unsigned char* stage, int bit, un
   for (int k = 0; k < COUNT; ++k) {
     constexpr int M = (1 << BITS) - 1;
     const int at = k * BITS, wi = at / 32, off = at % 32;
-    if (BITS == 8) {  // a byte: one PRMT
-      out[k] = __byte_perm(c[wi], 0u, 0x4440 + off / 8);
+    if (BITS == 8 && ROW == 256) {  // code 256 + copy: one PRMT (copy < 256: its byte 1 is zero)
+      out[k] = __byte_perm(c[wi], copy, 0x5504 | (off / 8) << 4);
+    } else if (BITS == 8) {  // a byte: one PRMT, then the multiply-add
+      out[k] = __byte_perm(c[wi], 0u, 0x4440 + off / 8) * ROW + copy;
     } else {
       const unsigned v = off + BITS <= 32 ? c[wi] >> off : __funnelshift_r(c[wi], c[wi + 1], off);
-      out[k] = v & M;
+      out[k] = (v & M) * ROW + copy;
     }
   }
 }
 
 // A book held in REPL = 128 / (2N) copies (`copy_book`) stores entry e's copies side by side, copy i in
 // banks 2N/4 i ..: lane L reads copy L % REPL, so the lanes that share one shared-memory wavefront (16 at
-// 8 bytes, 8 at 16) never meet in a bank. `lane_book` is this lane's copy: the book plus (L % REPL) 2N bytes.
+// 8 bytes, 8 at 16) never meet in a bank. `book_copy` is this lane's copy's offset in an entry: (L % REPL) 2N.
 template <int N, int REPL>
-__device__ __forceinline__ const unsigned char* lane_book(const __half* book) {
-  return reinterpret_cast<const unsigned char*>(book) + (REPL > 1 ? threadIdx.x % REPL * 2 * N : 0);
+__device__ __forceinline__ unsigned book_copy() {
+  return REPL > 1 ? threadIdx.x % REPL * 2 * N : 0;
 }
 
-// The N / 2 half2 words of centroid `code` of this lane's copy of a book: one shift-add of the code, then
-// the loads.
-template <int N, int REPL>
-__device__ __forceinline__ void centroid(const unsigned char* book, unsigned code, unsigned* out) {
-  const unsigned* p = reinterpret_cast<const unsigned*>(book + code * (REPL * 2 * N));
+// The N / 2 half2 words of a centroid, `at` bytes into a book (`codes_at`): the loads, from the book's
+// address (the same in every lane) plus `at`.
+template <int N>
+__device__ __forceinline__ void centroid(const unsigned char* book, unsigned at, unsigned* out) {
+  const unsigned* p = reinterpret_cast<const unsigned*>(book + at);
   if (N == 2) {
     out[0] = p[0];
   } else if (N == 4) {
@@ -250,7 +283,7 @@ __device__ __forceinline__ void centroid(const unsigned char* book, unsigned cod
 }
 
 // Online softmax over a warp's tiles of scores (log2 units, -inf for absent tokens): lane (g, t) holds head
-// g's scores of tokens 2t, 2t+1, 2t+8, 2t+9 of each tile. Probabilities to p (the same layout), the running
+// g's scores of slots 2t, 2t+1, 2t+8, 2t+9 of each tile. Probabilities to p (the same layout), the running
 // max m and this lane's share l of head g's sum; the output accumulators (columns: heads 2t, 2t+1) are
 // rescaled when a running max moves, each by its own head's factor (two shuffles, rarely taken).
 template <int NTILES>
@@ -406,10 +439,12 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c
 // WORK_BYTES.
 #define MERGE_SLICES (NT / (GQ * D / 4) > 0 ? NT / (GQ * D / 4) : 1)  // threads per (head, 4 channels)
 #define MERGE_AHEAD 8  // accumulators per thread loaded before the weights are known
+#define MERGE_FAST 16  // up to this many parts, each thread reads all its head's (m, l) pairs (B = 1, 8 KV heads: 16)
 #define MERGE_ROUND (MIN2(256, (WORK_BYTES / 4 - 4 * NT) / (2 * GQ)) / 4 * 4)  // the slices' float4 stay aligned
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {
   static_assert(MERGE_ROUND >= 8, "the ring's memory holds a round of the merge's weights");
+  static_assert(NT >= GQ * D / 4, "a thread for each 4 channels of each head (kvcalib/runtime/vq_kernel.py, _min_warps)");
   __shared__ float head_m[8], head_den[8], head_alpha[8];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float (*mw)[MERGE_ROUND] = reinterpret_cast<float (*)[MERGE_ROUND]>(w);  // the round's m, then its weights
@@ -420,7 +455,33 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
   const int pair = threadIdx.x % PAIRS, slice = threadIdx.x / PAIRS, h = pair / (D / 4), c4 = pair % (D / 4);
   const bool active = threadIdx.x < PAIRS * MERGE_SLICES;
   float4 num = make_float4(0.f, 0.f, 0.f, 0.f);  // this slice's sum, rescaled as the max moves
-  for (int base = 0; base < num_parts; base += MERGE_ROUND) {
+  float den = 0.f;
+  if (num_parts <= MERGE_FAST) {  // every thread weighs its head's parts itself: one trip to L2, no barrier
+    const float4* acc = reinterpret_cast<const float4*>(part_acc + (bh * GQ + h) * num_parts * D) + c4;
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + (bh * GQ + h) * num_parts;
+    float2 x[MERGE_FAST];
+    float4 a[MERGE_FAST / MERGE_SLICES];
+#pragma unroll
+    for (int p = 0; p < MERGE_FAST; ++p) x[p] = p < num_parts ? __ldcg(ml + p) : make_float2(NEG_INF, 0.f);
+#pragma unroll
+    for (int k = 0; k < MERGE_FAST / MERGE_SLICES; ++k) {
+      const int p = slice + k * MERGE_SLICES;
+      a[k] = active && p < num_parts ? __ldcg(acc + (long)p * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float M = NEG_INF;
+#pragma unroll
+    for (int p = 0; p < MERGE_FAST; ++p) M = fmaxf(M, x[p].x);
+#pragma unroll
+    for (int p = 0; p < MERGE_FAST; ++p) {
+      const float wp = x[p].x == NEG_INF ? 0.f : exp2f(x[p].x - M);
+      den += wp * x[p].y;
+      if (p % MERGE_SLICES == slice) {
+        const float4 y = a[p / MERGE_SLICES];
+        num.x += wp * y.x, num.y += wp * y.y, num.z += wp * y.z, num.w += wp * y.w;
+      }
+    }
+  }
+  for (int base = 0; num_parts > MERGE_FAST && base < num_parts; base += MERGE_ROUND) {
     const int n = min(MERGE_ROUND, num_parts - base);
     // The round's first MERGE_AHEAD accumulators of this thread's slice, loaded with the (m, l) pairs: one
     // trip to L2 for both.
@@ -482,25 +543,32 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
       const float4 x = slices[k * PAIRS + pair];
       num.x += x.x, num.y += x.y, num.z += x.z, num.w += x.w;
     }
-    const float inv = 1.f / head_den[h];
+    const float inv = 1.f / (num_parts <= MERGE_FAST ? den : head_den[h]);
     QT* o = out + (bh * GQ + h) * D + 4 * c4;
     from_float(o, num.x * inv), from_float(o + 1, num.y * inv), from_float(o + 2, num.z * inv),
         from_float(o + 3, num.w * inv);
   }
 }
 
-// The value centroids of one tile (stage row `row`) this lane feeds to the values' mma: tokens 2t, 2t+1,
+// The token of a packed tile that mma slot s stands for (column s of the scores, row s of P^T): lane t's slots
+// 2t + {0, 1} + {0, 8} are tokens t + {0, 4} + {0, 8}. A value code load of the warp (`value_centroids`) then
+// reads rows t + 4i + 8h of the four lanes t, next to one another: one wavefront for 8-bit codes, where
+// tokens = slots put them two rows apart, into the same banks (two wavefronts; measured 218 conflicts a
+// stage and block, B = 1 128k d4b8). The keys' 8 rows of a half tile stay the same 8.
+__device__ __forceinline__ int slot_token(int s) { return (s & 8) + (s & 7) / 2 + 4 * (s & 1); }
+
+// The value centroids of one tile (stage row `row`) this lane feeds to the values' mma: slots 2t, 2t+1,
 // 2t+8, 2t+9, lane group g's D/8 channels (CV sub-vectors), as half2 words.
 __device__ __forceinline__ void value_centroids(const unsigned char* stage, const unsigned char* vb, int row,
                                                 unsigned (*va)[D / 16]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int k4 = 0; k4 < 4; ++k4) {
-    unsigned code[CV];
-    const int tok = row + 2 * t + (k4 & 1) + 8 * (k4 >> 1);
-    codes_at<MV, CV, VALIGNED>(stage, tok * RV * 8 + g * CV * MV, code);
+    unsigned at[CV];
+    const int tok = row + slot_token(2 * t + (k4 & 1) + 8 * (k4 >> 1));
+    codes_at<MV, CV, VALIGNED, VROW>(stage, tok * RV * 8 + g * CV * MV, book_copy<NV, VREPL>(), at);
 #pragma unroll
-    for (int k = 0; k < CV; ++k) centroid<NV, VREPL>(vb, code[k], &va[k4][k * NV / 2]);
+    for (int k = 0; k < CV; ++k) centroid<NV>(vb, at[k], &va[k4][k * NV / 2]);
   }
 }
 
@@ -532,9 +600,9 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const long bh = (long)b * hkv + kvh;
   __half* kb = reinterpret_cast<__half*>(smem);
-  __half* vb = reinterpret_cast<__half*>(smem + KBOOK_BYTES);
-  const unsigned char* kbl = lane_book<NK, KREPL>(kb);  // this lane's copies of the books
-  const unsigned char* vbl = lane_book<NV, VREPL>(vb);
+  __half* vb = reinterpret_cast<__half*>(smem + (PAIRED_BOOKS ? 128 : KBOOK_BYTES));  // PAIRED_BOOKS: in kb's rows
+  const unsigned char* kb_ = reinterpret_cast<const unsigned char*>(kb);
+  const unsigned char* vb_ = reinterpret_cast<const unsigned char*>(vb);
   unsigned char* work = smem + KBOOK_BYTES + VBOOK_BYTES;
   float (*qs)[D] = reinterpret_cast<float (*)[D]>(work + WORK_BYTES + QT_BYTES);
   __half* rows = reinterpret_cast<__half*>(work + WORK_BYTES + QT_BYTES + QS_BYTES);
@@ -575,12 +643,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   }
 #if BULK_ROWS
   // A stage's rows: whole 16-byte units (they stay inside the capacity: the host checked its stride).
+  const unsigned long long policy = streaming_policy();
   auto issue = [&](int s, unsigned extra) {
     const int t0 = start + s * ST, n = min(ST, stop - t0);
     const unsigned kbytes = (n * RK + 15) / 16 * 16, vbytes = (n * RV + 15) / 16 * 16;
     mbar_expect(&bars[s % NSTAGE], kbytes + vbytes + extra);
-    bulk_copy(kstage(s), kcodes + (long)t0 * RK, kbytes, &bars[s % NSTAGE]);
-    bulk_copy(vstage(s), vcodes + (long)t0 * RV, vbytes, &bars[s % NSTAGE]);
+    bulk_copy_once(kstage(s), kcodes + (long)t0 * RK, kbytes, &bars[s % NSTAGE], policy);
+    bulk_copy_once(vstage(s), vcodes + (long)t0 * RV, vbytes, &bars[s % NSTAGE], policy);
   };
   // Books to be replicated are first bulk-copied whole into the ring's last stage (not filled before the main
   // loop), then copied out from there: read by every block at once, from registers loaded by every thread,
@@ -601,13 +670,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   }
   __syncthreads();  // the barriers are initialised before anyone waits on one
   if (!STAGED_BOOKS && stages > 0) {  // replicated books, from registers
-    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
-    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
+    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL, KROW>(kb, kbook_h);
+    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL, VROW>(vb, vbook_h);
   }
 #else
   if (stages > 0) {  // the books (single copies: in the first stage's group of cp.async)
-    copy_book<(1 << MK), NK, KREPL>(kb, kbook_h);
-    copy_book<(1 << MV), NV, VREPL>(vb, vbook_h);
+    copy_book<(1 << MK), NK, KREPL, KROW>(kb, kbook_h);
+    copy_book<(1 << MV), NV, VREPL, VROW>(vb, vbook_h);
   }
   for (int s = 0; s < NSTAGE - 1; ++s) {
     if (s < stages) {
@@ -634,8 +703,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #if BULK_ROWS
   if (STAGED_BOOKS && stages > 0) {
     mbar_wait(&bars[NSTAGE + 1], 0);
-    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL>(kb, reinterpret_cast<const __half*>(staged));
-    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL>(vb, reinterpret_cast<const __half*>(staged + (KREPL > 1 ? KBOOK_SRC : 0)));
+    if (KREPL > 1) copy_book<(1 << MK), NK, KREPL, KROW>(kb, reinterpret_cast<const __half*>(staged));
+    if (VREPL > 1) copy_book<(1 << MV), NV, VREPL, VROW>(vb, reinterpret_cast<const __half*>(staged + (KREPL > 1 ? KBOOK_SRC : 0)));
   }
 #endif
   __syncthreads();
@@ -677,10 +746,11 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       unsigned ka[2][D / 8];  // tokens g, g + 8: this lane's D/4 channels as half2 words
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        unsigned code[CK];
-        codes_at<MK, CK, KALIGNED>(ks_, (row0 + 16 * j + g + 8 * rr) * RK * 8 + t * CK * MK, code);
+        unsigned at[CK];
+        const int row = row0 + 16 * j + slot_token(g + 8 * rr);
+        codes_at<MK, CK, KALIGNED, KROW>(ks_, row * RK * 8 + t * CK * MK, book_copy<NK, KREPL>(), at);
 #pragma unroll
-        for (int k = 0; k < CK; ++k) centroid<NK, KREPL>(kbl, code[k], &ka[rr][k * NK / 2]);
+        for (int k = 0; k < CK; ++k) centroid<NK>(kb_, at[k], &ka[rr][k * NK / 2]);
       }
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
 #pragma unroll
@@ -689,16 +759,16 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
         for (int rr = 0; rr < 2; ++rr) mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
-        const int tok = tok0 + 16 * j + 8 * (i / 2) + 2 * t + i % 2;
+        const int tok = tok0 + 16 * j + slot_token(8 * (i / 2) + 2 * t + i % 2);
         sc[j][i] = tok < stop && tok >= sinks ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
       }
     }
     // The values' centroids: gathered before the softmax (PREFETCH_V), so that their latency overlaps its
     // shuffles, or after it, tile by tile (fewer registers live).
 #if PREFETCH_V
-    unsigned va[TILES][4][D / 16];  // tile j, tokens 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
+    unsigned va[TILES][4][D / 16];  // tile j, slots 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
 #pragma unroll
-    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vbl, row0 + 16 * j, va[j]);
+    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vb_, row0 + 16 * j, va[j]);
 #endif
     softmax_tiles<TILES>(sc, m, l, pr, acc);
 #pragma unroll
@@ -708,7 +778,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       unsigned (*vt)[D / 16] = va[j];
 #else
       unsigned vt[4][D / 16];
-      value_centroids(vs_, vbl, row0 + 16 * j, vt);
+      value_centroids(vs_, vb_, row0 + 16 * j, vt);
 #endif
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
@@ -726,43 +796,61 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
   __syncthreads();  // the ring is no longer read
   __shared__ float wm[WARPS][8], wl[WARPS][8];
-  float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(work);
+  // Each warp's accumulators as its lanes hold them, wacc[warp][4u + i][lane], and summed over the warps in
+  // that order: bank-conflict-free (in (head, channel) order the lanes' stores met in 4 banks: 6.7-way
+  // conflicts, ~2300 wavefronts a block, B = 1 128k d4b8).
+  float (*wacc)[KS * 4][32] = reinterpret_cast<float (*)[KS * 4][32]>(work);
   if (t == 0) {
     wm[warp][g] = m;
     wl[warp][g] = l;
   }
   for (int u = 0; u < KS; ++u)
-    for (int i = 0; i < 4; ++i) {
-      const int head = 2 * t + (i & 1), ch = g * (D / 8) + 2 * u + i / 2;
-      if (head < GQ) wacc[warp][head][ch] = acc[u][i];
-    }
+    for (int i = 0; i < 4; ++i)
+      if (2 * t + (i & 1) < GQ) wacc[warp][4 * u + i][lane] = acc[u][i];
   __syncthreads();
-  for (int i = threadIdx.x; i < GQ * D; i += NT) {
-    const int h = i / D, c = i % D;
-    float M = NEG_INF;
+  // Thread x sums the elements x + k NT, k < 8 D / NT (element e: acc[u][i] of lane e % 32, 4u + i = e / 32),
+  // all of one head h (WARPS is even): each warp's weight exp2(m_w - M) once, then the sums (every load in
+  // flight at once; weighing each element anew took 1.0 us, B = 1 128k d4b8).
+  static_assert(WARPS % 2 == 0 && 8 * D % NT == 0 && 8 * D >= NT, "a thread's elements are of one head");
+  const int h = 2 * t + (warp & 1);
+  if (h < GQ) {
+    float M = NEG_INF, f[WARPS], den = 0.f;
+#pragma unroll
     for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
-    float num = 0.f, den = 0.f;
+#pragma unroll
     for (int w = 0; w < WARPS; ++w) {
-      if (wm[w][h] == NEG_INF) continue;
-      const float f = exp2f(wm[w][h] - M);
-      num += f * wacc[w][h][c];
-      den += f * wl[w][h];
+      f[w] = wm[w][h] == NEG_INF ? 0.f : exp2f(wm[w][h] - M);
+      den += f[w] * wl[w][h];
     }
     const long row = (bh * GQ + h) * num_parts + part;
-    part_acc[row * D + c] = num;
-    if (c == 0) {
-      part_ml[row * 2] = M;
-      part_ml[row * 2 + 1] = den;
+#pragma unroll
+    for (int k = 0; k < 8 * D / NT; ++k) {
+      const int ui = warp + k * WARPS, c = g * (D / 8) + 2 * (ui / 4) + (ui % 4) / 2;
+      float num = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) num += f[w] * wacc[w][ui][lane];
+      part_acc[row * D + c] = num;
+      if (c == 0) {
+        part_ml[row * 2] = M;
+        part_ml[row * 2 + 1] = den;
+      }
     }
   }
-  // ---- the last part of this (batch, KV head) to get here merges (threadFenceReduction of the CUDA samples) ----
-  __threadfence();  // this part's partial is visible to whichever part merges
+  // ---- the last part of this (batch, KV head) to get here merges ----
+  // The block's partial, written by all its threads, is released by thread 0's count after the barrier (an
+  // acquire-release increment at GPU scope: the pattern of cooperative groups' grid sync), and the part that
+  // counts last acquires everyone's; the barrier after it passes that on to its threads. Where every thread
+  // fenced before the count and again before the merge: 0.86 -> 0.67 us, and the merge's first loads 1.1 ->
+  // 0.7 us (B = 1 128k d4b8, globaltimer probes).
   __syncthreads();
   __shared__ unsigned is_last;
-  if (threadIdx.x == 0)  // the counter wraps to zero on the last arrival: ready for the next launch
-    is_last = atomicInc(reinterpret_cast<unsigned*>(counters) + bh, num_parts - 1) == unsigned(num_parts - 1);
+  if (threadIdx.x == 0) {  // the counter wraps to zero on the last arrival: ready for the next launch
+    unsigned before;
+    asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;\n"
+                 : "=r"(before) : "l"(reinterpret_cast<unsigned*>(counters) + bh), "r"(num_parts - 1) : "memory");
+    is_last = before == unsigned(num_parts - 1);
+  }
   __syncthreads();
   if (!is_last) return;
-  __threadfence();
   merge_parts(bh, num_parts, part_acc, part_ml, out, reinterpret_cast<float*>(work));
 }

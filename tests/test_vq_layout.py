@@ -128,3 +128,29 @@ def test_the_kernel_refuses_codebooks_beyond_its_shared_memory_with_the_limit_na
     assert need >= 1024 + 2  # both codebooks, float16: 1 MiB of keys, 2 KiB of values
     with pytest.raises(SettingsError, match=f"need {need} KiB of shared memory per block; the kernel holds up to {SHARED_LIMIT // 1024} KiB"):
         check(torch.zeros(1, 8, 32), layer)
+
+
+def test_no_block_has_fewer_threads_than_the_merge_writes_channels():
+    """The merge gives each thread 4 channels of one query head (vq_decode.cu `merge_parts`), so 4 warps serve
+    at most 4 heads of d = 128. Books of 160 KiB (keys d16b12: 4096 x 16 float16, values d4b12) fit a block of
+    4 warps and not one of 8: with 4 query heads per KV head the plan falls back to 4 warps; with 8 it may not
+    (4 warps wrote half of the output), and the layer is refused in one line, and not offered to the runtime."""
+    from kvcalib.errors import SettingsError
+    from kvcalib.runtime.vq_kernel import SHARED_LIMIT, check, plan, supports
+    from kvcalib.vq_layout import VQBooks
+
+    for heads, warps in ((4, 4), (8, None)):
+        method = _method("layer", "d16b12", "d4b12", 0, d=128, heads=heads, kv_heads=1, smooth=False)
+        g = torch.Generator().manual_seed(0)
+        layer = _layer(method, torch.randn(1, 1, 20, 128, generator=g).half(), torch.randn(1, 1, 20, 128, generator=g).half())
+        books = VQBooks(layer.kbook, layer.vbook, layer.k_bits, layer.v_bits, None, True)
+        offered = supports(books, 128, torch.device("cuda"), gqa=heads)
+        p = plan(layer, heads)
+        if warps:
+            assert p["WARPS"] == warps and p["SMEM"] <= SHARED_LIMIT and offered
+            with pytest.raises(SettingsError, match="queries .* on CUDA"):  # past the shared memory: only the CPU query is refused
+                check(torch.zeros(1, heads, 128), layer)
+        else:
+            assert p["WARPS"] == 8 and p["SMEM"] > SHARED_LIMIT and not offered
+            with pytest.raises(SettingsError, match="KiB of shared memory per block"):
+                check(torch.zeros(1, heads, 128), layer)

@@ -53,7 +53,13 @@ def _shared_bytes(d: int, rk: int, rv: int, kbook: int, vbook: int, gqa: int, st
     stage = 16 * warps * tiles
     books = _up16(2 * kbook * krepl) + _up16(2 * vbook * vrepl)
     ring = stages * (_up16(stage * rk) + 16 + _up16(stage * rv) + 16)
-    return books + max(ring, 4 * warps * gqa * d) + 8 * gqa * d + 4 * RT * d
+    return books + max(ring, 4 * warps * 8 * d) + 8 * gqa * d + 4 * RT * d
+
+
+def _min_warps(gqa: int, d: int) -> int:
+    """The fewest warps a block may have: the merge (`merge_parts`) gives each thread 4 channels of one query
+    head, so a block needs gqa * d / 4 threads (4 warps take up to 4 heads of d = 128, 8 take 8)."""
+    return 4 if gqa * d // 4 <= 4 * 32 else 8
 
 
 def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
@@ -81,10 +87,10 @@ def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
     independent gathers per warp), small books (up to 8-bit codes) in conflict-free copies. Against 2 tiles per
     warp in two blocks of 8 warps (d4b8) or one of 16 (d8b12): d4b8 1.3% to 13% faster (B = 1 and 8, 32k and
     128k), d8b12 1.6% and 4.6% at B = 1 and level at B = 8. If a block does not fit SHARED_LIMIT: 2 tiles,
-    single copies, 4 warps (`check` has refused what fits in none)."""
+    single copies, then 4 warps where the merge allows it (`_min_warps`; `check` has refused what fits in none)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
     for warps, tiles, kr, vr in [(8, PLAN_TILES, krepl, vrepl), (8, TILES, krepl, vrepl), (8, TILES, 1, 1),
-                                 (4, TILES, 1, 1)]:
+                                 (_min_warps(gqa, layer.head_dim), TILES, 1, 1)]:
         p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": tiles, **TUNING}
         smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
@@ -107,7 +113,8 @@ def supports(books: VQBooks | None, head_dim: int, device: torch.device, gqa: in
     if not _reads_subvectors(head_dim, nk, nv):
         return False
     rk, rv = VQConfig(nk, books.k_bits).row_bytes(head_dim), VQConfig(nv, books.v_bits).row_bytes(head_dim)
-    need = _shared_bytes(head_dim, rk, rv, books.kbook[0].numel(), books.vbook[0].numel(), gqa, MIN_STAGES, 4, 1, 1,
+    need = _shared_bytes(head_dim, rk, rv, books.kbook[0].numel(), books.vbook[0].numel(), gqa, MIN_STAGES,
+                         _min_warps(gqa, head_dim), 1, 1,
                          TILES)  # `check`'s measure: the smallest block
     return need <= SHARED_LIMIT
 
@@ -116,7 +123,8 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
     """Refuse, in one line naming the limit, what the kernel cannot read."""
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
-    need = shared_bytes(layer, max(1, hq // hkv), MIN_STAGES)
+    gqa = max(1, hq // hkv)
+    need = shared_bytes(layer, gqa, MIN_STAGES, _min_warps(gqa, d))
     if need > SHARED_LIMIT:
         raise SettingsError(f"VecInfer codebooks of {tuple(layer.kbook.shape[1:])} (keys) and {tuple(layer.vbook.shape[1:])} "
                             f"(values) need {need // 1024} KiB of shared memory per block; the kernel holds up to "
