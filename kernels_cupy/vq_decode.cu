@@ -550,12 +550,13 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
   }
 }
 
-// The token of a packed tile that mma slot s stands for (column s of the scores, row s of P^T): lane t's slots
-// 2t + {0, 1} + {0, 8} are tokens t + {0, 4} + {0, 8}. A value code load of the warp (`value_centroids`) then
-// reads rows t + 4i + 8h of the four lanes t, next to one another: one wavefront for 8-bit codes, where
-// tokens = slots put them two rows apart, into the same banks (two wavefronts; measured 218 conflicts a
-// stage and block, B = 1 128k d4b8). The keys' 8 rows of a half tile stay the same 8.
-__device__ __forceinline__ int slot_token(int s) { return (s & 8) + (s & 7) / 2 + 4 * (s & 1); }
+// The token of a packed tile that mma slot s stands for (column s of the scores, row s of P^T): slots 8h + j are
+// tokens 8h + (0, 5, 2, 7, 1, 4, 3, 6)[j]. A warp's code loads read, for the keys, the rows of slots g + 8h
+// (lane (g, t)), for the values those of slots 2t + i + 8h; in this order the rows that one pass of a load
+// meets fall in different banks for both: benchmarks/vq_code_banks.py's model (which reproduced ncu's counts)
+// gives 8 wavefronts a tile for d4b8 where slots as tokens took 12 (the value loads two each) and
+// t + 4i + 8h 12 (the key loads two each); the best of all 8! orders for every configuration it models.
+__device__ __forceinline__ int slot_token(int s) { return (s & 8) + (0x63417250 >> 4 * (s & 7) & 7); }
 
 // The value centroids of one tile (stage row `row`) this lane feeds to the values' mma: slots 2t, 2t+1,
 // 2t+8, 2t+9, lane group g's D/8 channels (CV sub-vectors), as half2 words.

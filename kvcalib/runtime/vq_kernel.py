@@ -21,6 +21,7 @@ SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H
 MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute (more measured no faster)
 TILES = 2  # 16-token tiles per warp and stage: the smallest block (`check`'s measure) and the fallbacks
 PLAN_TILES = 4  # the plan's (`_plan`)
+PLAN_STAGES = 3  # the plan's where they fit (`_plan`)
 RT = 16  # float16 rows (sinks, residual) per chunk: one 16-token tile of a block's last warp
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
 TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, TILES, BLOCKS_PER_SM, LO_PAIR)
@@ -82,16 +83,18 @@ _PLANS: dict[tuple, dict[str, int]] = {}
 
 
 def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
-    """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): a ring of
-    2 stages, one block of 8 warps per SM, 4 tiles per warp (the most registers, 148 to 160, and the most
-    independent gathers per warp), small books (up to 8-bit codes) in conflict-free copies. Against 2 tiles per
+    """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): one block
+    of 8 warps per SM, 4 tiles per warp (the most registers, 148 to 166, and the most independent gathers per
+    warp), small books (up to 8-bit codes) in conflict-free copies, a ring of 3 stages where it fits (d4b8: 0.4
+    to 2.8 us faster than 2, B = 1 and 8, 32k and 128k; d8b12's books leave room for 2). Against 2 tiles per
     warp in two blocks of 8 warps (d4b8) or one of 16 (d8b12): d4b8 1.3% to 13% faster (B = 1 and 8, 32k and
     128k), d8b12 1.6% and 4.6% at B = 1 and level at B = 8. If a block does not fit SHARED_LIMIT: 2 tiles,
     single copies, then 4 warps where the merge allows it (`_min_warps`; `check` has refused what fits in none)."""
     krepl, vrepl = _replicas(layer.kbook), _replicas(layer.vbook)
-    for warps, tiles, kr, vr in [(8, PLAN_TILES, krepl, vrepl), (8, TILES, krepl, vrepl), (8, TILES, 1, 1),
-                                 (_min_warps(gqa, layer.head_dim), TILES, 1, 1)]:
-        p = {"WARPS": warps, "NSTAGE": MIN_STAGES, "KREPL": kr, "VREPL": vr, "TILES": tiles, **TUNING}
+    for warps, tiles, kr, vr, stages in [(8, PLAN_TILES, krepl, vrepl, PLAN_STAGES), (8, PLAN_TILES, krepl, vrepl, MIN_STAGES),
+                                         (8, TILES, krepl, vrepl, MIN_STAGES), (8, TILES, 1, 1, MIN_STAGES),
+                                         (_min_warps(gqa, layer.head_dim), TILES, 1, 1, MIN_STAGES)]:
+        p = {"WARPS": warps, "NSTAGE": stages, "KREPL": kr, "VREPL": vr, "TILES": tiles, **TUNING}
         smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
             break
