@@ -79,6 +79,12 @@
 #ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
 #define PREFETCH_V 0
 #endif
+// Measurement only (benchmarks/vq_decode_knockouts.py), the output is meaningless: bits of KNOCKOUT replace the packed
+// tokens' value gathers (1), key gathers (2), mma (4) by a few integer operations on the same inputs, so that the time of
+// what remains is seen.
+#ifndef KNOCKOUT
+#define KNOCKOUT 0
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 // A lane's code bits start on a word boundary in every row (and on an 8-byte one where it loads word pairs).
 #define KALIGNED (RK % 8 == 0 && (CK * MK) % 64 == 0 || (RK % 4 == 0 && (CK * MK) % 32 == 0 && ((CK * MK + 31) / 32) % 2))
@@ -569,7 +575,11 @@ __device__ __forceinline__ void value_centroids(const unsigned char* stage, cons
     const int tok = row + slot_token(2 * t + (k4 & 1) + 8 * (k4 >> 1));
     codes_at<MV, CV, VALIGNED, VROW>(stage, tok * RV * 8 + g * CV * MV, book_copy<NV, VREPL>(), at);
 #pragma unroll
-    for (int k = 0; k < CV; ++k) centroid<NV>(vb, at[k], &va[k4][k * NV / 2]);
+    for (int k = 0; k < CV; ++k)
+      if (KNOCKOUT & 1)
+        for (int i = 0; i < NV / 2; ++i) va[k4][k * NV / 2 + i] = at[k] + i;
+      else
+        centroid<NV>(vb, at[k], &va[k4][k * NV / 2]);
   }
 }
 
@@ -751,13 +761,21 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
         const int row = row0 + 16 * j + slot_token(g + 8 * rr);
         codes_at<MK, CK, KALIGNED, KROW>(ks_, row * RK * 8 + t * CK * MK, book_copy<NK, KREPL>(), at);
 #pragma unroll
-        for (int k = 0; k < CK; ++k) centroid<NK>(kb_, at[k], &ka[rr][k * NK / 2]);
+        for (int k = 0; k < CK; ++k)
+          if (KNOCKOUT & 2)
+            for (int i = 0; i < NK / 2; ++i) ka[rr][k * NK / 2 + i] = at[k] + i;
+          else
+            centroid<NK>(kb_, at[k], &ka[rr][k * NK / 2]);
       }
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
+        for (int rr = 0; rr < 2; ++rr)
+          if (KNOCKOUT & 4)
+            c[rr][0] += __uint_as_float((ka[rr][2 * ks] ^ ka[rr][2 * ks + 1] ^ qa[ks].x) & 0x3f000000u);
+          else
+            mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
         const int tok = tok0 + 16 * j + slot_token(8 * (i / 2) + 2 * t + i % 2);
@@ -785,7 +803,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       for (int u = 0; u < KS; ++u) {
         const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
                                    __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
-        mma16816(acc[u], a, pb0, pb1);
+        if (KNOCKOUT & 4)
+          acc[u][0] += __uint_as_float((a.x ^ a.y ^ a.z ^ a.w ^ pb0 ^ pb1) & 0x3f000000u);
+        else
+          mma16816(acc[u], a, pb0, pb1);
       }
     }
   }

@@ -24,7 +24,7 @@ PLAN_TILES = 4  # the plan's (`_plan`)
 PLAN_STAGES = 3  # the plan's where they fit (`_plan`)
 RT = 16  # float16 rows (sinks, residual) per chunk: one 16-token tile of a block's last warp
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
-TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan (WARPS, NSTAGE, KREPL, VREPL, TILES, BLOCKS_PER_SM, LO_PAIR)
+TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan and switches of vq_decode.cu (WARPS, NSTAGE, TILES, LO_PAIR, KNOCKOUT, ...)
 
 
 def _up16(n: int) -> int:
