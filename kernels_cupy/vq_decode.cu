@@ -288,6 +288,21 @@ __device__ __forceinline__ void centroid(const unsigned char* book, unsigned at,
   }
 }
 
+// The COUNT centroids whose codes start at bit `bit` of a stage (`codes_at`), from this lane's copy of a book of N
+// float16 numbers an entry (REPL copies, entries ROW bytes apart), to out: N / 2 half2 words each. KNOCK: KNOCKOUT's
+// stand-in for the loads.
+template <int BITS, int COUNT, bool ALIGNED, int ROW, int N, int REPL, bool KNOCK>
+__device__ __forceinline__ void gather(const unsigned char* stage, int bit, const unsigned char* book, unsigned* out) {
+  unsigned at[COUNT];
+  codes_at<BITS, COUNT, ALIGNED, ROW>(stage, bit, book_copy<N, REPL>(), at);
+#pragma unroll
+  for (int k = 0; k < COUNT; ++k)
+    if (KNOCK)
+      for (int i = 0; i < N / 2; ++i) out[k * N / 2 + i] = at[k] + i;
+    else
+      centroid<N>(book, at[k], out + k * N / 2);
+}
+
 // Online softmax over a warp's tiles of scores (log2 units, -inf for absent tokens): lane (g, t) holds head
 // g's scores of slots 2t, 2t+1, 2t+8, 2t+9 of each tile. Probabilities to p (the same layout), the running
 // max m and this lane's share l of head g's sum; the output accumulators (columns: heads 2t, 2t+1) are
@@ -573,15 +588,8 @@ __device__ __forceinline__ void value_centroids(const unsigned char* stage, cons
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int k4 = 0; k4 < 4; ++k4) {
-    unsigned at[CV];
     const int tok = row + slot_token(2 * t + (k4 & 1) + 8 * (k4 >> 1));
-    codes_at<MV, CV, VALIGNED, VROW>(stage, tok * RV * 8 + g * CV * MV, book_copy<NV, VREPL>(), at);
-#pragma unroll
-    for (int k = 0; k < CV; ++k)
-      if (KNOCKOUT & 1)
-        for (int i = 0; i < NV / 2; ++i) va[k4][k * NV / 2 + i] = at[k] + i;
-      else
-        centroid<NV>(vb, at[k], &va[k4][k * NV / 2]);
+    gather<MV, CV, VALIGNED, VROW, NV, VREPL, (KNOCKOUT & 1) != 0>(stage, tok * RV * 8 + g * CV * MV, vb, va[k4]);
   }
 }
 
@@ -759,15 +767,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
       unsigned ka[2][D / 8];  // tokens g, g + 8: this lane's D/4 channels as half2 words
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        unsigned at[CK];
         const int row = row0 + 16 * j + slot_token(g + 8 * rr);
-        codes_at<MK, CK, KALIGNED, KROW>(ks_, row * RK * 8 + t * CK * MK, book_copy<NK, KREPL>(), at);
-#pragma unroll
-        for (int k = 0; k < CK; ++k)
-          if (KNOCKOUT & 2)
-            for (int i = 0; i < NK / 2; ++i) ka[rr][k * NK / 2 + i] = at[k] + i;
-          else
-            centroid<NK>(kb_, at[k], &ka[rr][k * NK / 2]);
+        gather<MK, CK, KALIGNED, KROW, NK, KREPL, (KNOCKOUT & 2) != 0>(ks_, row * RK * 8 + t * CK * MK, kb_, ka[rr]);
       }
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
 #pragma unroll
