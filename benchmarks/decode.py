@@ -136,6 +136,18 @@ def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.T
                         smooth, True)
 
 
+def vq_inputs(b: int, length: int) -> tuple[int, list, list]:
+    """Rotating copies for timing the VecInfer kernel alone (vq_decode_plans.py, vq_decode_knockouts.py): enough
+    that their codes (half a byte a channel at d4b8) pass 400 MB, 2 to 8; each copy's float16 residual keys and
+    values (B, HKV, RESIDUAL, D) and query (B, HQ, D), seeded. `vq_layer` makes each copy's codes."""
+    copies = max(2, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))
+    torch.manual_seed(0)
+    res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda").half(), torch.randn(b, HKV, RESIDUAL, D, device="cuda").half())
+           for _ in range(copies)]
+    q = [torch.randn(b, HQ, D, device="cuda").half() for _ in range(copies)]
+    return copies, res, q
+
+
 def vq_bytes(layer, q) -> int:
     """What a VecInfer step reads and writes: code rows, both codebooks, the residual, the query, the output."""
     used = [layer.kcodes[:, :, : layer.length], layer.vcodes[:, :, : layer.length], layer.kbook, layer.vbook,

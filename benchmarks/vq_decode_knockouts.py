@@ -15,7 +15,7 @@ import sys
 import torch
 
 import kvcalib.runtime.vq_kernel as vk
-from decode import D, HKV, HQ, RESIDUAL, read_floor, timed, vq_bytes, vq_layer
+from decode import D, read_floor, timed, vq_bytes, vq_inputs, vq_layer
 from results import record
 
 KNOCKOUTS = {"as planned": 0, "no value gathers": 1, "no key gathers": 2, "no gathers": 3, "no mma": 4,
@@ -31,11 +31,7 @@ def main() -> None:
     rows = []
     for case in args.cases.split(","):
         b, length = map(int, case.split("x"))
-        copies = max(2, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))
-        torch.manual_seed(0)
-        res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda").half(), torch.randn(b, HKV, RESIDUAL, D, device="cuda").half())
-               for _ in range(copies)]
-        q = [torch.randn(b, HQ, D, device="cuda").half() for _ in range(copies)]
+        copies, res, q = vq_inputs(b, length)
         for config in args.configs.split(","):
             layers = [vq_layer(b, length, config, k, v) for k, v in res]
             floor = read_floor(vq_bytes(layers[0], q[0]))

@@ -15,7 +15,7 @@ import sys
 import torch
 
 import kvcalib.runtime.vq_kernel as vk
-from decode import D, HKV, HQ, RESIDUAL, timed, vq_bytes, vq_layer, worst_row
+from decode import D, HKV, HQ, timed, vq_bytes, vq_inputs, vq_layer, worst_row
 from kvcalib.vq_layout import reference_decode
 from results import record
 
@@ -50,11 +50,7 @@ def main() -> None:
     rows = []
     for b in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
-            copies = max(2, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))
-            torch.manual_seed(0)
-            res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda").half(),
-                    torch.randn(b, HKV, RESIDUAL, D, device="cuda").half()) for _ in range(copies)]
-            q = [torch.randn(b, HQ, D, device="cuda").half() for _ in range(copies)]
+            copies, res, q = vq_inputs(b, length)
             for config in args.configs.split(","):
                 layers = [vq_layer(b, length, config, k, v) for k, v in res]
                 ref = reference_decode(q[0], layers[0], D**-0.5)
