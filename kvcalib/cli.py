@@ -25,6 +25,7 @@ _MEMORY_OPTIONS = {
     "fit-turboquant": "the collection's size (--num-samples or --max-tokens when collecting)",
     "diagnose": "--max-samples",
     "run": "the recipe's seq_len or num_samples",
+    "generate": "--max-new-tokens or the prompt's length",
 }
 
 
@@ -61,6 +62,38 @@ def _common(fn):
                       help="pydoc (embedded), a .txt/.jsonl/.json/.parquet file, or name[:config] on the hub.")(fn)
     fn = click.option("--model", default=DEFAULT_MODEL, show_default=True,
                       help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")(fn)
+    return fn
+
+
+def _method_options(fn):
+    """The options that settle a cache method: its settings, or the artifact that fixes them (eval, generate)."""
+    options = [
+        click.option("--bits", type=int, default=None,
+                     help=f"kivi, kvlinc, oscar [default: {DEFAULTS['bits']}, or the artifact's]."),
+        click.option("--group-size", type=int, default=None,
+                     help=f"kivi, kvlinc, oscar [default: {DEFAULTS['group_size']}, or the artifact's]."),
+        click.option("--residual", type=int, default=None,
+                     help=f"Flush block R, every method but fp16 [default: {DEFAULTS['residual']}, or the artifact's]."),
+        click.option("--scaling", default=None,
+                     help=f"oscar: key coefficient l2|rsqrt|max|mean-abs|none [default: {DEFAULTS['scaling']}, or the "
+                          "artifact's]."),
+        click.option("--rotation/--no-rotation", default=None,
+                     help="oscar: Hadamard rotation of K and V [default: on, or the artifact's]."),
+        click.option("--sink-tokens", type=int, default=None,
+                     help="Every method but fp16: keep the first N tokens of a sequence in float16 beside their codes, "
+                          "counted at 16 bits [default: 0, or the artifact's]."),
+        click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default=None,
+                     help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
+                          "always float16 (sliding) [default: blockwise, or the plan's]."),
+        click.option("--keys", type=click.Choice(KVLINC_KEYS), default=None,
+                     help="kvlinc: key coding under the correction, channel-wise (kivi) or OScaR's [default: kivi, or "
+                          "the artifact's]."),
+        click.option("--artifacts", type=click.Path(), default=None,
+                     help="Calibrated artifact directory (kvlinc, oscar, vecinfer, plan); it fixes the options it was "
+                          "made with."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
     return fn
 
 
@@ -106,25 +139,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @cli.command("eval")
 @_common
 @click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant (see README).")
-@click.option("--bits", type=int, default=None, help=f"kivi, kvlinc, oscar [default: {DEFAULTS['bits']}, or the artifact's].")
-@click.option("--group-size", type=int, default=None,
-              help=f"kivi, kvlinc, oscar [default: {DEFAULTS['group_size']}, or the artifact's].")
-@click.option("--residual", type=int, default=None,
-              help=f"Flush block R, every method but fp16 [default: {DEFAULTS['residual']}, or the artifact's].")
-@click.option("--scaling", default=None,
-              help=f"oscar: key coefficient l2|rsqrt|max|mean-abs|none [default: {DEFAULTS['scaling']}, or the artifact's].")
-@click.option("--rotation/--no-rotation", default=None, help="oscar: Hadamard rotation of K and V [default: on, or the artifact's].")
-@click.option("--sink-tokens", type=int, default=None,
-              help="Every method but fp16: keep the first N tokens of a sequence in float16 beside their codes, "
-                   "counted at 16 bits [default: 0, or the artifact's].")
-@click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default=None,
-              help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
-                   "always float16 (sliding) [default: blockwise, or the plan's].")
-@click.option("--keys", type=click.Choice(KVLINC_KEYS), default=None,
-              help="kvlinc: key coding under the correction, channel-wise (kivi) or OScaR's [default: kivi, or the "
-                   "artifact's].")
-@click.option("--artifacts", type=click.Path(), default=None,
-              help="Calibrated artifact directory (kvlinc, oscar, vecinfer); it fixes the options it was made with.")
+@_method_options
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory, method,
              bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
@@ -139,6 +154,39 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
                       json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
                       max_memory=parse_max_memory(max_memory), **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
+
+
+@cli.command("generate")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")
+@click.option("--method", default="kivi", show_default=True,
+              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (see README).")
+@_method_options
+@click.option("--prompt", default=None, help="The prompt (a user turn where the model has a chat template).")
+@click.option("--prompt-file", type=click.File("r"), default=None, help="Read the prompt from a file (- for stdin).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--do-sample/--greedy", default=False, show_default=True, help="Sample, or take the likeliest token.")
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=50, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
+@_trust_remote_code
+def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
+                 artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
+                 repetition_penalty, seed, trust_remote_code, device) -> None:
+    """Continue a prompt through a compressed cache, streaming the tokens to stdout."""
+    from .generate import generate
+    from .methods import MethodSettings
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give one of --prompt TEXT and --prompt-file FILE")
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
+                              sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys)
+    generate(prompt if prompt is not None else prompt_file.read(), model=model, method=method, settings=settings,
+             artifacts=artifacts, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+             top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed, device=device,
+             trust_remote_code=trust_remote_code, stream=sys.stdout)
 
 
 @cli.command("train-adapters")

@@ -10,7 +10,8 @@ from kvcalib.methods import MethodSettings, build_method
 from kvcalib.models import AttentionShape
 from kvcalib.int2_layout import kernel_parts
 from kvcalib.methods.kvlinc import Adapter, features
-from kvcalib.runtime.static_cache import StaticLayer, _masked_write, check_static
+from kvcalib.runtime.cache import check_static
+from kvcalib.runtime.static_cache import StaticLayer, _masked_write
 from test_runtime_cache import _vecinfer_with_sinks
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)

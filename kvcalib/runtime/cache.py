@@ -23,6 +23,7 @@ model's attention runs through the registered attention function `kvcalib_runtim
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -42,6 +43,7 @@ from .int2_kernel import fused_decode, supports
 from .vq_kernel import supports as vq_supports
 from .vq_kernel import vq_decode
 
+log = logging.getLogger(__name__)
 IMPLEMENTATION = "kvcalib_runtime"
 # The layer a cache update hands to the attention call that follows it, per thread. A threading.local
 # rather than a ContextVar: torch.compile traces its attributes (a ContextVar's set breaks the graph).
@@ -180,6 +182,9 @@ class KvcalibCache(Cache):
         self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
         self.padding = _Padding()
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
+        device = next(lm.model.parameters()).device
+        if device.type == "cuda":
+            log.warning(where_layers_run(self.method, shape, device, fused))
         register_attention()
         _watch_padding(lm.model)
         lm.model.set_attn_implementation(IMPLEMENTATION)
@@ -194,6 +199,46 @@ class KvcalibCache(Cache):
 
     def stored_bits(self) -> int:
         return sum(layer.stored_bits() for layer in self.layers)
+
+
+def where_layers_run(method: Method, shape, device: torch.device, fused: bool = True) -> str:
+    """One line: which of the method's layers a decode step reads through a fused kernel, which through the
+    torch reference, and the faster cache where the static one can hold the method."""
+    gqa = shape.num_heads // shape.num_kv_heads
+    kernel = ["INT2" if fused and supports(method.int2_spec(), shape.head_dim, device, gqa)
+              else "VecInfer" if fused and vq_supports(method.vq_books(i), shape.head_dim, device, gqa) else "torch"
+              for i in range(shape.num_layers)]
+    where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
+                      for k in dict.fromkeys(kernel))
+    line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
+    try:
+        check_static(method, shape.head_dim, device, gqa)
+    except SettingsError as why:
+        return f"{line} ({why})"
+    return (f"{line}; StaticKvcalibCache(model, method, max_batch=B, max_length=N) in model.generate replays each "
+            "step from one CUDA graph, several times faster")
+
+
+def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
+    """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s docstring)."""
+    spec = method.int2_spec()
+    int2 = spec is not None and supports(spec, head_dim, device, gqa)
+    # VecInfer's layers share one configuration: layer 0's books stand for all
+    vecinfer = spec is None and vq_supports(method.vq_books(0), head_dim, device, gqa)
+    why = None
+    if device.type != "cuda":
+        why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
+    elif not (int2 or vecinfer):
+        why = (f"--method {method.name} has no fused INT2 or VecInfer layout at these settings "
+               "(`int2_kernel.supports`, `vq_kernel.supports`)")
+    elif method.window or method.sink:
+        why = "it flushes blockwise, without float16 sink tokens"
+    elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
+        why = f"--method {method.name} keeps a decoding state, which the VecInfer kernel's layout does not hold"
+    elif int2 and (method.block % 16 or method.block % spec.group_size):
+        why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
+    if why:
+        raise SettingsError(f"a static cache cannot hold this: {why}")
 
 
 def hand_to_attention(layer, arg) -> None:

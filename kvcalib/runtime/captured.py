@@ -1,4 +1,4 @@
-"""Decode steps over a `StaticKvcalibCache` replayed from one captured CUDA graph (issue 17).
+"""Decode steps over a `StaticKvcalibCache` replayed from one captured CUDA graph.
 
     decoder = CapturedDecoder(model, cache)   # warms up and captures the step for the cache's batch
     logits = decoder.step(tokens)             # (B,) each slot's newest token -> (B, vocab) float
@@ -30,10 +30,14 @@ greedy steps for the whole batch, a finished sequence's slot refilled with the n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import SettingsError
-from .static_cache import StaticKvcalibCache
+
+if TYPE_CHECKING:  # the static cache makes its decoder (`StaticKvcalibCache.serve`): it imports this module
+    from .static_cache import StaticKvcalibCache
 
 
 def compile_options() -> dict[str, bool]:
@@ -70,6 +74,11 @@ class Decoder:
                          past_key_values=self.cache, use_cache=True)
         return out.logits[:, -1]
 
+    def _call(self) -> torch.Tensor:
+        """The step (compiled or not) as the model's own forward, not routed to the cache (`route_forward`)."""
+        with torch.no_grad():
+            return self.cache.run_direct(self._run)
+
     def _take(self, tokens: torch.Tensor) -> None:
         self.cache.advance()
         self.ids.copy_(tokens.view(-1, 1))
@@ -77,8 +86,7 @@ class Decoder:
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab)."""
         self._take(tokens)
-        with torch.no_grad():
-            return self._run()
+        return self._call()
 
 
 class CapturedDecoder(Decoder):
@@ -95,14 +103,14 @@ class CapturedDecoder(Decoder):
             self._set_flush(flush)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side), torch.no_grad():
+            with torch.cuda.stream(side):
                 for _ in range(warmup):
-                    self._run()
+                    self._call()
                     self._restore(saved)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graphs[flush] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[flush]), torch.no_grad():
-                self.outputs[flush] = self._run()
+            with torch.cuda.graph(self.graphs[flush]):
+                self.outputs[flush] = self._call()
             self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
         self._set_flush(True)
 

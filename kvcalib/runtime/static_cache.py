@@ -1,6 +1,21 @@
-"""A static-capacity compressed cache: one CUDA graph serves every decode step (issue 17).
+"""A static-capacity compressed cache: one CUDA graph serves every decode step.
 
     cache = StaticKvcalibCache(model, "kivi", MethodSettings(group_size=128), max_batch=8, max_length=32768)
+    model.generate(**tokenizer(prompts, padding=True, return_tensors="pt"), past_key_values=cache,
+                   do_sample=True, top_p=0.9, max_new_tokens=256, streamer=TextStreamer(tokenizer))
+
+Through `model.generate` (greedy or sampling, logits processors, EOS and stopping criteria, streamers:
+all of it transformers' own), the cache takes the model's forwards itself (`route_forward`, installed on
+the model when the cache is made): the prompt batch goes row by row into slots 0..B-1, each row's real
+tokens alone (a left-padded row without its padding, compressed at its own length), and every decode
+step replays the step captured in one CUDA graph (`kvcalib.runtime.captured.CapturedDecoder`, captured
+at the first step and kept with the cache for the next `generate` call of the same batch). A new
+`generate` call starts from empty slots; the cache is sized for the longest prompt plus
+`max_new_tokens` (`max_length`) and for the batch (`max_batch`). `compile=True` compiles the step with
+`torch.compile` before capturing it (faster steps, minutes of compilation before the first token).
+
+The same cache serves kvcalib's own loop, which refills a finished sequence's slot with the next prompt:
+
     cache.prefill(model, slot, input_ids)        # one sequence into its slot, alone, compressed at once
     decoder = CapturedDecoder(model, cache)      # kvcalib.runtime.captured: the step captured once
     logits = decoder.step(tokens)                # (B,) each slot's newest token -> (B, vocab)
@@ -27,8 +42,9 @@ while the others keep their state. A prompt is prefilled into its slot on its ow
 (as in `KvcalibCache`) and is compressed at once, so the float16 cache of one prompt exists at a time,
 never the whole batch's.
 
-Methods: those whose flushed blocks the fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
-at 2 bits with power-of-two key groups of >= 16 tokens); others are refused with the reason. What a
+Methods: those whose flushed blocks a fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
+at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer); others are
+refused with the reason. What a
 method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
 - a rotated basis (OScaR's keys and values, KVLinC's values): the flushed blocks are stored rotated
   (`PackedLayer.rotated_keys`/`rotated_values`) and the kernel rotates the query for them and their
@@ -41,9 +57,11 @@ method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtim
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
@@ -52,7 +70,8 @@ from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape
 from ..vq_layout import VQLayer
-from .cache import IMPLEMENTATION, fused_attend, hand_to_attention, register_attention, vq_attend
+from .cache import IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention, vq_attend
+from .captured import CapturedDecoder
 from .int2_kernel import supports
 from .vq_kernel import supports as vq_supports
 
@@ -251,7 +270,8 @@ class StaticKvcalibCache(Cache):
     """The cache of the module docstring: `max_batch` slots of up to `max_length` tokens each."""
 
     def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
-                 artifacts: str | None = None, max_batch: int = 1, max_length: int = 4096):
+                 artifacts: str | None = None, max_batch: int = 1, max_length: int = 4096, compile: bool = False):
+        """`compile`: the step `model.generate` replays is compiled by torch.compile before its capture."""
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
@@ -266,8 +286,12 @@ class StaticKvcalibCache(Cache):
                                  for i in range(shape.num_layers)])
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
+        self.compile = compile
+        self.decoder: CapturedDecoder | None = None  # the step model.generate replays, captured at its first step
+        self.direct = False  # a forward of the cache's own (prefill, the decoder's step): not routed (`route_forward`)
         register_attention()
         lm.model.set_attn_implementation(IMPLEMENTATION)
+        route_forward(lm.model)
 
     def positions(self) -> torch.Tensor:
         """(B, 1) int64 on the device: the position of each slot's next token (tokens it holds)."""
@@ -296,8 +320,8 @@ class StaticKvcalibCache(Cache):
             layer.prefill_slot = slot
         try:
             with torch.no_grad():
-                out = model(input_ids, position_ids=pos[None], cache_position=pos, past_key_values=self,
-                            use_cache=True, logits_to_keep=1)
+                out = self.run_direct(lambda: model(input_ids, position_ids=pos[None], cache_position=pos,
+                                                    past_key_values=self, use_cache=True, logits_to_keep=1))
         finally:
             for layer in self.layers:
                 layer.prefill_slot = None
@@ -325,6 +349,51 @@ class StaticKvcalibCache(Cache):
         other than by `prefill` and `release` (a benchmark filling slots by copying)."""
         self.residual_counts = self.layers[0].residual.tolist()
 
+    def run_direct(self, forward):
+        """`forward()`, a model call of the cache's own, run as the model's forward (`route_forward` steps aside)."""
+        was, self.direct = self.direct, True
+        try:
+            return forward()
+        finally:
+            self.direct = was
+
+    def serve(self, model, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+              **kwargs) -> CausalLMOutputWithPast:
+        """A forward of `model.generate` (module docstring): a prompt batch (B, T) into slots 0..B-1, or a
+        decode step (B, 1) replayed from the captured graph. Returns the newest position's logits (B, 1, vocab)."""
+        if input_ids is None:
+            raise SettingsError("a static cache takes input_ids through model.generate, not inputs_embeds")
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise SettingsError("a static cache returns logits only: generate without output_attentions and "
+                                "output_hidden_states")
+        b, t = input_ids.shape
+        if b > self.max_batch:
+            raise SettingsError(f"a batch of {b} prompts needs a cache of max_batch >= {b}; this one has {self.max_batch}")
+        step = t == 1 and (attention_mask.shape[1] > 1 if attention_mask is not None else any(self.lengths[:b]))
+        if step:
+            logits = self._step(model, input_ids[:, 0])
+        else:
+            logits = self._prefill_batch(model, input_ids, attention_mask)
+        return CausalLMOutputWithPast(logits=logits[:b, None], past_key_values=self)
+
+    def _prefill_batch(self, model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Every slot freed, then row b's real tokens (where `attention_mask` is 1) prefilled into slot b alone;
+        the logits of each row's last token (B, vocab)."""
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if not bool(valid[:, -1].all()):
+            raise SettingsError("a prompt ends in padding: pad the batch on the left (tokenizer.padding_side = 'left')")
+        for slot in range(self.max_batch):
+            self.release(slot)
+        return torch.stack([self.prefill(model, b, input_ids[b][valid[b]][None]) for b in range(input_ids.shape[0])])
+
+    def _step(self, model, tokens: torch.Tensor) -> torch.Tensor:
+        """One decode step of every slot, rows 0..len(tokens)-1 taking `tokens` (the rest, free, a stand-in 0)."""
+        if self.decoder is None:
+            self.decoder = CapturedDecoder(model, self, compile=self.compile)
+        full = tokens.new_zeros(self.max_batch)
+        full[: tokens.shape[0]] = tokens
+        return self.decoder.step(full)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
 
@@ -333,23 +402,20 @@ class StaticKvcalibCache(Cache):
             raise SettingsError(f"slot must be in 0..{self.max_batch - 1}, got {slot}")
 
 
-def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
-    """Refuse, with the reason, a method or device the static cache cannot serve (module docstring)."""
-    spec = method.int2_spec()
-    int2 = spec is not None and supports(spec, head_dim, device, gqa)
-    # VecInfer's layers share one configuration: layer 0's books stand for all
-    vecinfer = spec is None and vq_supports(method.vq_books(0), head_dim, device, gqa)
-    why = None
-    if device.type != "cuda":
-        why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
-    elif not (int2 or vecinfer):
-        why = (f"--method {method.name} has no fused INT2 or VecInfer layout at these settings "
-               "(`int2_kernel.supports`, `vq_kernel.supports`)")
-    elif method.window or method.sink:
-        why = "it flushes blockwise, without float16 sink tokens"
-    elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
-        why = f"--method {method.name} keeps a decoding state, which the VecInfer kernel's layout does not hold"
-    elif int2 and (method.block % 16 or method.block % spec.group_size):
-        why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
-    if why:
-        raise SettingsError(f"a static cache cannot hold this: {why}")
+def route_forward(model: torch.nn.Module) -> None:
+    """Hand `model`'s forwards that carry a `StaticKvcalibCache` to the cache (`StaticKvcalibCache.serve`), once
+    per model: `model.generate` then prefills into slots and replays the captured step. Other forwards, and
+    the cache's own (`run_direct`), run the model's forward as it was."""
+    if getattr(model, "_kvcalib_routed", False):
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def routed(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, StaticKvcalibCache) and not cache.direct:
+            return cache.serve(model, *args, **kwargs)
+        return forward(*args, **kwargs)
+
+    model.forward = routed
+    model._kvcalib_routed = True
