@@ -1,0 +1,156 @@
+"""Decoding through `model.generate`, as a user calls it: per-token cost, time to the first token and the
+first call's cost, kvcalib's static cache against transformers' fastest fp16 path, in one run on one GPU.
+A random-initialised Llama-3.1-8B-shaped model in fp16 (`generate.llama8b_config`).
+
+    python benchmarks/generate_calls.py [--contexts 4096,32768,131072] [--batch8 16384] [--paths all]
+
+Paths (each run in a fresh process, so that its first call pays what a user's first call pays:
+CUDA context, kernel loading, compilation or capture; on-disk caches of CuPy and Inductor are as
+an earlier run on the machine left them, said beside the table):
+- `fp16-static`: `model.generate(past_key_values=StaticCache(...))`; transformers compiles the decode
+  step itself (`torch.compile`, mode reduce-overhead: CUDA graphs), its documented fast path;
+- `kivi128-static`: `model.generate(past_key_values=StaticKvcalibCache(model, "kivi", G=128, R=128))`:
+  the prompt batch into slots, each decode step replayed from the captured CUDA graph;
+- `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k).
+
+Rows: B=1 at each of `--contexts`, and B=8 left-padded prompts of 8 lengths spread evenly up to `--batch8`
+tokens. Per row: `first call` is the first `generate` of the process at that shape (9 new tokens);
+`TTFT` a warm `generate` of one new token (the prefill and the first token); `ms/token` the cost of one more
+token, (t(137 new tokens) - t(9)) / 128 from warm calls, greedy and with sampling (`do_sample`, top-p 0.9,
+top-k 50, temperature 0.8: transformers' own processors); tokens/s = B / ms per token. The generated tokens
+are checked only for their count: random weights give near-uniform logits, and a 2-bit cache moves greedy
+tokens freely; accuracy is measured on a real model (RESULTS.md, perplexity tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PATHS = ["fp16-static", "kivi128-static", "kivi128-dynamic"]
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention_mask) of random prompts of `lengths`, left-padded to the longest."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:], mask[b, width - n:] = torch.randint(1, 128000, (n,), generator=g), 1
+    return ids.cuda(), mask.cuda()
+
+
+def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
+    """Every row of `path` (a list of prompt lengths per row), in this process."""
+    from transformers import AutoModelForCausalLM, StaticCache
+
+    from generate import llama8b_config
+    from kvcalib.methods import MethodSettings
+    from kvcalib.runtime.cache import KvcalibCache
+    from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+    longest = max(max(s) for s in shapes)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(longest), dtype=torch.float16).eval()
+    model.generation_config.eos_token_id = None  # every call decodes all its tokens
+    rows = []
+    for lengths in shapes:
+        if path == "kivi128-dynamic" and (len(lengths) > 1 or lengths[0] > 32768):
+            continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
+        ids, mask = prompts_of(lengths)
+        b, room = len(lengths), ids.shape[1] + 137 + 16
+        if path == "fp16-static":
+            model.set_attn_implementation("sdpa")
+            cache = StaticCache(config=model.config, max_cache_len=room)
+        elif path == "kivi128-static":
+            cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room)
+        else:
+            cache = None
+
+        def call(new: int, sample: bool = False) -> float:
+            use = cache if cache is not None else KvcalibCache(model, "kivi", MethodSettings(2, 128, 128))
+            if path == "fp16-static":
+                use.reset()
+            options = dict(do_sample=True, top_p=0.9, top_k=50, temperature=0.8) if sample else dict(do_sample=False)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=mask, past_key_values=use, max_new_tokens=new,
+                                     min_new_tokens=new, pad_token_id=0, **options)
+            torch.cuda.synchronize()
+            assert out.shape[1] == ids.shape[1] + new, (path, lengths, out.shape)
+            return time.perf_counter() - t0
+
+        first = call(9)
+        ttft = call(1)  # warm: the first call made every shape a timed call meets but the longer one's
+        per = {sample: (call(137, sample) - call(9, sample)) / 128 for sample in (False, True)}
+        rows.append({"path": path, "batch": b, "context": max(lengths), "first": first, "ttft": ttft,
+                     "greedy": per[False], "sample": per[True]})
+        print(f"[{path}] B={b} {max(lengths)}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="4096,32768,131072")
+    parser.add_argument("--batch8", type=int, default=16384, help="the longest of the B=8 row's prompts (0: no row)")
+    parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--one-path", default=None, help=argparse.SUPPRESS)  # a child process: one path, JSON out
+    parser.add_argument("--rows-dir", default=None,
+                        help="keep each path's rows here as JSON, and read (not rerun) a path already there: a run "
+                             "split over several calls of a machine that keeps the folder")
+    parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
+    args = parser.parse_args()
+    shapes = [[int(c)] for c in args.contexts.split(",") if c]
+    if args.batch8:
+        shapes.append([args.batch8 * (8 - i) // 8 for i in range(8)])
+    if args.one_path:
+        print(json.dumps(one_path(args.one_path, shapes)))
+        return
+    paths = PATHS if args.paths == "all" else args.paths.split(",")
+    rows = []
+    kept = Path(args.rows_dir) if args.rows_dir else None
+    for path in paths:  # a fresh process each: first calls as a user meets them
+        if kept is not None and (kept / f"{path}.json").exists():
+            rows += json.loads((kept / f"{path}.json").read_text())
+            continue
+        child = subprocess.run([sys.executable, __file__, "--one-path", path, "--contexts", args.contexts,
+                                "--batch8", str(args.batch8)], capture_output=True, text=True)
+        sys.stderr.write(child.stderr[-3000:])
+        if child.returncode:
+            print(f"{path}: failed (exit {child.returncode})", file=sys.stderr)
+            continue
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+        if kept is not None:
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / f"{path}.json").write_text(json.dumps(got))
+        rows += got
+    base = {(r["batch"], r["context"]): r for r in rows if r["path"] == "fp16-static"}
+    lines = ["| B | longest prompt | path | first call s | TTFT s | ms/token greedy | ms/token sampling | "
+             "sampling/greedy | tokens/s | x fp16 |", "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(rows, key=lambda r: (r["batch"], r["context"], paths.index(r["path"]))):
+        fp16 = base.get((r["batch"], r["context"]))
+        speed = "-" if fp16 is None else f"{fp16['greedy'] / r['greedy']:.2f}"
+        lines.append(f"| {r['batch']} | {r['context']} | {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | "
+                     f"{1e3 * r['greedy']:.2f} | {1e3 * r['sample']:.2f} | {r['sample'] / r['greedy']:.3f} | "
+                     f"{r['batch'] / r['greedy']:.1f} | {speed} |")
+    from results import RESULTS, record
+
+    title = f"Decoding through model.generate, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    table = "\n".join(lines)
+    print(f"\n{title}\n\n{table}")
+    record(title, table, sys.argv, args.results or RESULTS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""`model.generate` with a StaticKvcalibCache on the GPU: its forwards go to the cache (prompt batch into slots,
+decode steps replayed from the captured graph), held to what a user of `generate` expects.
+
+- Greedy tokens and logits equal kvcalib's own serving loop's (`kvcalib.runtime.captured.generate`) bit for bit:
+  the same captured step on the same slots. Against `KvcalibCache` (other launches, other matmul shapes) the
+  logits differ by float16 round-off, so the tokens agree up to the first step whose top two logits lie within
+  that round-off (`_near_tie`).
+- A left-padded batch gives each prompt the tokens and logits it gets alone, bit for bit (the same cache, so
+  the same step shapes: rows of a step are independent).
+- EOS, seeded sampling and streamers: `tests/test_generate.py`'s contract, every method the static cache holds.
+- A second `generate` call on the same cache gives what the first gave (the slots start empty again).
+"""
+
+import pytest
+import torch
+
+from kvcalib.runtime.cache import KvcalibCache
+from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+pytest.importorskip("cupy", reason="the fused kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the static cache and its captured step run only on a GPU", allow_module_level=True)
+
+from test_generate import (check_eos_stops_a_row, check_seeded_sampling_repeats,  # noqa: E402
+                           check_streamer_gets_every_token, left_padded, run)
+from test_static_cache_gpu import DEV, METHODS, _model, _model_method  # noqa: E402
+
+STEPS = 70  # past two flushes of R = 32 for every prompt below
+
+
+def _prompts(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 1000, (n,), generator=gen) for n in (45, 31, 8)]
+
+
+def _static(model, name: str, batch: int = 3):
+    method = _model_method(model, name)
+    cache = StaticKvcalibCache(model, method, max_batch=batch, max_length=256)
+    return lambda: cache  # one cache for every call: generate empties its slots at each prompt batch
+
+
+def _near_tie(logits: torch.Tensor) -> torch.Tensor:
+    """Steps whose top two logits are within 8 float16 ulps of the largest (B, steps): there float16 round-off
+    of the activations (an ulp or two of each logit, tests/test_static_cache_gpu.py) may swap the greedy token."""
+    top = logits.float().topk(2, dim=-1).values
+    ulp = 2.0 ** (torch.floor(torch.log2(top[..., 0].abs())) - 10)
+    return (top[..., 0] - top[..., 1]) <= 8 * ulp
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_generate_gives_the_serving_loops_tokens_and_logits_and_the_dynamic_caches_tokens(name):
+    from kvcalib.runtime.captured import generate
+
+    model = _model()
+    prompts = _prompts(1)
+    ids, mask = left_padded(prompts)
+    make = _static(model, name)
+    tokens, logits = run(model, make, ids, mask, STEPS, do_sample=False)
+    again, again_logits = run(model, make, ids, mask, STEPS, do_sample=False)
+    assert torch.equal(tokens, again) and torch.equal(logits, again_logits)
+    loop = generate(model, make(), [p.to(DEV) for p in prompts], max_new_tokens=STEPS)
+    assert tokens.tolist() == loop
+    method = _model_method(model, name)
+    for b, p in enumerate(prompts):
+        dyn_tokens, dyn_logits = run(model, lambda: KvcalibCache(model, method), p[None], None, STEPS, do_sample=False)
+        differ = (dyn_tokens[0] != tokens[b]).nonzero()
+        if len(differ):
+            first = int(differ[0])
+            assert _near_tie(dyn_logits[0, first]), (b, first)
+
+
+@pytest.mark.parametrize("name", ["kivi", "vecinfer"])
+def test_a_left_padded_batch_gives_each_prompt_its_tokens_and_logits_alone(name):
+    model = _model()
+    prompts = _prompts(2)
+    make = _static(model, name)
+    ids, mask = left_padded(prompts)
+    tokens, logits = run(model, make, ids, mask, STEPS, do_sample=False)
+    for b, p in enumerate(prompts):
+        alone, alone_logits = run(model, make, p[None], None, STEPS, do_sample=False)
+        assert tokens[b].tolist() == alone[0].tolist()
+        assert torch.equal(logits[b], alone_logits[0])
+
+
+def test_a_prompt_padded_on_the_right_is_refused_with_the_fix():
+    from kvcalib.errors import SettingsError
+
+    model = _model()
+    ids, mask = left_padded(_prompts(3))
+    with pytest.raises(SettingsError, match="padding_side"):
+        run(model, _static(model, "kivi"), ids.flip(1), mask.flip(1), 4)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_eos_sampling_and_streamers_hold_through_the_captured_step(name):
+    model = _model()
+    check_eos_stops_a_row(model, _static(model, name), _prompts(4))
+    check_seeded_sampling_repeats(model, _static(model, name), _prompts(5))
+    check_streamer_gets_every_token(model, _static(model, name), _prompts(6))
