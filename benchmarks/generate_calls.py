@@ -11,6 +11,8 @@ an earlier run on the machine left them, said beside the table):
   step itself (`torch.compile`, mode reduce-overhead: CUDA graphs), its documented fast path;
 - `kivi128-static`: `model.generate(past_key_values=StaticKvcalibCache(model, "kivi", G=128, R=128))`:
   the prompt batch into slots, each decode step replayed from the captured CUDA graph;
+- `kivi128-static-compiled`: the same with `compile=True`: the step compiled by torch.compile (Inductor) before
+  its capture (B=1 at 32k only: its compilation takes minutes);
 - `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k).
 
 Rows: B=1 at each of `--contexts`, and B=8 left-padded prompts of 8 lengths spread evenly up to `--batch8`
@@ -35,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-PATHS = ["fp16-static", "kivi128-static", "kivi128-dynamic"]
+PATHS = ["fp16-static", "kivi128-static", "kivi128-static-compiled", "kivi128-dynamic"]
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,13 +69,16 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
     for lengths in shapes:
         if path == "kivi128-dynamic" and (len(lengths) > 1 or lengths[0] > 32768):
             continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
+        if path == "kivi128-static-compiled" and lengths != [32768]:
+            continue
         ids, mask = prompts_of(lengths)
         b, room = len(lengths), ids.shape[1] + 137 + 160  # 128 steps past generate's for `captured_step`
         if path == "fp16-static":
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=room)
-        elif path == "kivi128-static":
-            cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room)
+        elif path.startswith("kivi128-static"):
+            cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room,
+                                       compile=path.endswith("compiled"))
         else:
             cache = None
 
@@ -97,7 +102,7 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
                for sample in (False, True)}
         rows.append({"path": path, "batch": b, "context": max(lengths), "first": first, "ttft": ttft,
                      "greedy": per[False], "sample": per[True],
-                     "step": captured_step(cache) if path == "kivi128-static" else None})
+                     "step": captured_step(cache) if path.startswith("kivi128-static") else None})
         print(f"[{path}] B={b} {max(lengths)}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         del cache
         torch.cuda.empty_cache()
