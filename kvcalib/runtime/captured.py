@@ -30,6 +30,8 @@ greedy steps for the whole batch, a finished sequence's slot refilled with the n
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,16 +91,30 @@ class Decoder:
         return self._call()
 
 
+@contextlib.contextmanager
+def _no_collection():
+    """Dead reference cycles (an earlier decoder and its graphs, a model and its routed forward) collected
+    first, and no collection inside: a graph freed while another is being captured can break that capture."""
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 class CapturedDecoder(Decoder):
     """`Decoder`'s step captured in CUDA graphs (compiled first with `compile=True`; the warm-up runs
     compile it), one with the flush and one without, and replayed at every step."""
 
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
         super().__init__(model, cache, compile)
-        device = self.ids.device
         saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]  # counts, KVLinC's state
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
+        device = self.ids.device
         for flush in (True, False):  # each in its own memory pool: they replay in any order
             self._set_flush(flush)
             side = torch.cuda.Stream(device)
@@ -109,7 +125,7 @@ class CapturedDecoder(Decoder):
                     self._restore(saved)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graphs[flush] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graphs[flush]):
+            with _no_collection(), torch.cuda.graph(self.graphs[flush]):
                 self.outputs[flush] = self._call()
             self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
         self._set_flush(True)
