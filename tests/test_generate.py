@@ -161,3 +161,15 @@ def test_kvcalib_generate_streams_the_embedded_models_continuation(capsys):
     assert text.strip() and out.strip() == text.strip()
     with pytest.raises(SettingsError, match="context"):
         generate("x", max_new_tokens=10**6, device="cpu")
+
+
+@pytest.mark.parametrize("args,says", [([], "one of --prompt"), (["--prompt", "x", "--prompt-file", "-"], "one of --prompt"),
+                                       (["--prompt", "  "], "prompt is empty"),
+                                       (["--prompt", "x", "--max-new-tokens", "0"], "must be positive")])
+def test_kvcalib_generate_refuses_bad_input_in_one_line_before_loading_a_model(args, says, capsys):
+    from kvcalib.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--model", "no-such-model-dir", *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
