@@ -12,7 +12,6 @@ own float16 cache, for comparison.
 
 from __future__ import annotations
 
-import logging
 from typing import TextIO
 
 import torch
@@ -21,8 +20,6 @@ from transformers import TextStreamer
 from .errors import SettingsError
 from .methods import Method, MethodSettings, build_method
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context
-
-log = logging.getLogger(__name__)
 
 
 def runtime_cache(model: LoadedModel, method: Method, max_batch: int, max_length: int):
@@ -37,8 +34,7 @@ def runtime_cache(model: LoadedModel, method: Method, max_batch: int, max_length
     device = next(model.model.parameters()).device
     try:
         check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
-    except SettingsError as why:
-        log.info("the dynamic cache: %s", why)
+    except SettingsError:  # on CUDA the dynamic cache says why itself (`where_layers_run`)
         return KvcalibCache(model, method)
     return StaticKvcalibCache(model, method, max_batch=max_batch, max_length=max_length)
 

@@ -7,6 +7,7 @@ where `model.generate` replays the captured step.
 """
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -156,7 +157,7 @@ def test_kvcalib_generate_streams_the_embedded_models_continuation(capsys):
     from kvcalib.generate import generate
 
     text = generate("What does a Python list hold?", method="oscar", max_new_tokens=12, device="cpu",
-                    stream=__import__("sys").stdout)
+                    stream=sys.stdout)
     out = capsys.readouterr().out
     assert text.strip() and out.strip() == text.strip()
     with pytest.raises(SettingsError, match="context"):

@@ -111,10 +111,10 @@ class CapturedDecoder(Decoder):
 
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
         super().__init__(model, cache, compile)
+        device = self.ids.device
         saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]  # counts, KVLinC's state
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
-        device = self.ids.device
         for flush in (True, False):  # each in its own memory pool: they replay in any order
             self._set_flush(flush)
             side = torch.cuda.Stream(device)

@@ -72,8 +72,6 @@ from ..models import LoadedModel, attention_shape
 from ..vq_layout import VQLayer
 from .cache import IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention, vq_attend
 from .captured import CapturedDecoder
-from .int2_kernel import supports
-from .vq_kernel import supports as vq_supports
 
 
 def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -390,9 +388,9 @@ class StaticKvcalibCache(Cache):
         """One decode step of every slot, rows 0..len(tokens)-1 taking `tokens` (the rest, free, a stand-in 0)."""
         if self.decoder is None:
             self.decoder = CapturedDecoder(model, self, compile=self.compile)
-        full = tokens.new_zeros(self.max_batch)
-        full[: tokens.shape[0]] = tokens
-        return self.decoder.step(full)
+        if tokens.shape[0] < self.max_batch:
+            tokens = torch.cat([tokens, tokens.new_zeros(self.max_batch - tokens.shape[0])])
+        return self.decoder.step(tokens)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
