@@ -4,7 +4,10 @@ Kernels are specialised by `#define`s prepended to the source (head_dim, group s
 `#include "name"` of this folder (decode_common.cuh) is inlined first (`source_of`). CuPy
 caches the compiled binary on disk as well; this cache keeps the loaded module per process.
 `launch` runs a kernel and, when `checked` (tests), synchronises and raises on any CUDA error;
-`torch_stream` is CuPy's handle on torch's current stream, so the kernels order with torch's work.
+`torch_stream(device)` makes the tensors' GPU CuPy's current device and torch's current stream there
+CuPy's stream, so every launch inside it runs on its tensors' GPU (whichever device is current
+outside, as on a model spread over several GPUs) and orders with torch's work there. Kernels are
+loaded per device: `kernel` inside `torch_stream` gives the function of that device's module.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import cupy
 
 OPTIONS = ("-std=c++17", "--use_fast_math")
-_BY_SOURCE: dict[str, cupy.RawModule] = {}
+_BY_SOURCE: dict[tuple[str, int], cupy.RawModule] = {}  # (source hash, device)
 _BY_DEFINES: dict[tuple, cupy.RawModule] = {}  # fast path for the decode loop: no file read, no hashing
 
 
@@ -36,11 +39,13 @@ def source_of(filename: str) -> str:
 
 
 def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:
-    fast = (filename, tuple(sorted(defines.items())))
+    """The compiled module on CuPy's current device (a module loads its binary on one device)."""
+    device = cupy.cuda.runtime.getDevice()
+    fast = (filename, tuple(sorted(defines.items())), device)
     if fast not in _BY_DEFINES:
         source = source_of(filename)
         code = "".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source
-        key = hashlib.sha256((code + "\0".join(OPTIONS)).encode()).hexdigest()
+        key = (hashlib.sha256((code + "\0".join(OPTIONS)).encode()).hexdigest(), device)
         if key not in _BY_SOURCE:
             _BY_SOURCE[key] = cupy.RawModule(code=code, options=OPTIONS)
         _BY_DEFINES[fast] = _BY_SOURCE[key]
@@ -76,7 +81,7 @@ def experiment_from(filename: str, switches: list[str], schemes: str | None = No
 def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKernel:
     if filename in _EXPERIMENT:
         defines = {**defines, **_EXPERIMENT[filename]}
-    key = (filename, tuple(sorted(defines.items())), name)
+    key = (filename, tuple(sorted(defines.items())), name, cupy.cuda.runtime.getDevice())
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = module(filename, defines).get_function(name)
     return _FUNCTIONS[key]
@@ -91,15 +96,39 @@ def launch(kernel: cupy.RawKernel, grid: tuple, block: tuple, args: tuple, check
         cupy.cuda.get_current_stream().synchronize()  # faults inside the kernel raise here
 
 
-@functools.lru_cache(maxsize=16)
-def _external(ptr: int, device: int) -> cupy.cuda.ExternalStream:
-    return cupy.cuda.ExternalStream(ptr, device)
+class _OnDevice:
+    """CuPy's current device and stream set to a torch stream's for a `with` block, then put back."""
+
+    def __init__(self, ptr: int, device: int):
+        self.device = cupy.cuda.Device(device)
+        self.stream = cupy.cuda.ExternalStream(ptr, device)
+
+    def __enter__(self) -> cupy.cuda.ExternalStream:
+        self.device.__enter__()
+        try:
+            return self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
 
 
-def torch_stream(device=None) -> cupy.cuda.ExternalStream:
-    """torch's current CUDA stream on `device` as a CuPy stream (one object per stream: building it
-    costs more than a short kernel). Use as `with torch_stream(t.device): launch(...)`."""
+@functools.lru_cache(maxsize=64)
+def _on_device(ptr: int, device: int) -> _OnDevice:
+    return _OnDevice(ptr, device)
+
+
+def torch_stream(device=None) -> _OnDevice:
+    """Launch on `device` (a tensor's), in torch's current stream there: `with torch_stream(t.device):
+    launch(kernel(...), ...)`. The one place a launch meets its device: CuPy's current device is switched
+    to it inside the block (CuPy launches on its current device, and its streams refuse another one), and
+    back after. One object per stream: building one costs more than a short kernel."""
     import torch
 
     stream = torch.cuda.current_stream(device)
-    return _external(stream.cuda_stream, stream.device.index)
+    return _on_device(stream.cuda_stream, stream.device.index)

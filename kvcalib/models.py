@@ -307,6 +307,20 @@ def attention_shape(config) -> AttentionShape:
     )
 
 
+def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
+    """The device each attention layer runs on (its weights' device): every layer on the model's device,
+    or spread by `device_map="auto"`. An attention module names its layer (`layer_idx`, as transformers'
+    attention modules do); a layer none names runs on the model's first device."""
+    first = next(model.parameters()).device
+    devices = [first] * num_layers
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        weight = next(module.parameters(recurse=True), None)
+        if isinstance(idx, int) and 0 <= idx < num_layers and weight is not None:
+            devices[idx] = weight.device
+    return devices
+
+
 def max_context(config) -> int | None:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "max_position_embeddings", None)

@@ -27,13 +27,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _job(job: str, source: str, text: str, out: str):
-    """The command a process runs, and its module (whose `share` the test watches)."""
+def _job(job: str, source: str, text: str, out: str, device: str = "cpu"):
+    """The command a process runs, and its module (whose `share` the test watches). `device`: collect's
+    (`cuda`: each rank on its own GPU, tests/test_multi_gpu.py)."""
     if job == "collect":
         import kvcalib.collect as module
 
         return module, lambda: module.collect(out, model=source, dataset=text, num_samples=5, seq_len=32, chunk_size=2,
-                                              device="cpu")
+                                              device=device)
     if job == "eval":
         import kvcalib.evaluate as module
 
@@ -56,7 +57,8 @@ def _job(job: str, source: str, text: str, out: str):
                                                max_points_per_centroid=64)
 
 
-def _child(job: str, rank: int | None, size: int, port: int, source: str, text: str, out: str, log: str) -> None:
+def _child(job: str, rank: int | None, size: int, port: int, source: str, text: str, out: str, log: str,
+           device: str = "cpu") -> None:
     """One process of the run (rank None: the one-process run): what torchrun gives a process, then the job."""
     import torch
 
@@ -64,7 +66,7 @@ def _child(job: str, rank: int | None, size: int, port: int, source: str, text: 
     if rank is not None:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port))
-    module, run = _job(job, source, text, out)
+    module, run = _job(job, source, text, out, device)
     shares = []
     real_share = module.share
     module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
@@ -81,13 +83,13 @@ def _child(job: str, rank: int | None, size: int, port: int, source: str, text: 
             dist.destroy_process_group()
 
 
-def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect") -> list[dict]:
+def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect", device: str = "cpu") -> list[dict]:
     """Start `size` processes (size 1: the plain one-process run) and return what each reported."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     logs = [tmp / f"{out.name}-rank{r}.json" for r in range(size)]
     procs = [ctx.Process(target=_child, args=(job, None if size == 1 else r, size, port, str(model), str(text), str(out),
-                                              str(logs[r]))) for r in range(size)]
+                                              str(logs[r]), device)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:

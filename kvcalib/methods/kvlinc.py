@@ -84,6 +84,10 @@ class Adapter:
     def numel(self) -> int:
         return sum(getattr(self, n).numel() for n in ADAPTER_NAMES)
 
+    def to(self, device: torch.device) -> "Adapter":
+        return Adapter(*(getattr(self, n).to(device) for n in ADAPTER_NAMES),
+                       heads=None if self.heads is None else self.heads.to(device))
+
 
 def features(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """φ(x) = [softmax(x W₁), softmax(x W₂)] per head: x (B, H, T, d), W (H, d, D/2) -> (B, H, T, D)."""
@@ -170,8 +174,20 @@ class Kvlinc(Kivi):
         hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
         self.shape = shape
         self.adapters = adapters or {}
+        self._copies: dict[tuple[int, torch.device], Adapter] = {}  # adapters on the devices their layers run on
         self.scaling = scaling  # the attention scaling the adapters were trained for
         self.keys = check_keys(keys)
+
+    def adapter(self, layer: int, device: torch.device) -> Adapter | None:
+        """The layer's adapter (None: not corrected) on `device`, its layer's: an artifact loads on the CPU,
+        and a model spread over GPUs runs each layer on its own; copied once per device, never inside a
+        step (a captured step may not copy from the host)."""
+        adapter = self.adapters.get(layer)
+        if adapter is None or adapter.q_w1.device == device:
+            return adapter
+        if (layer, device) not in self._copies:
+            self._copies[layer, device] = adapter.to(device)
+        return self._copies[layer, device]
 
     @property
     def rotated_keys(self) -> bool:
@@ -214,7 +230,7 @@ class Kvlinc(Kivi):
 
     def states(self, layer: int, k: torch.Tensor, held: Held) -> list[States]:
         """S, P after each flushed block: entry b holds the first b blocks (entry 0 is empty)."""
-        adapter = self.adapters[layer]
+        adapter = self.adapter(layer, k.device)
         b, hkv, _, d = k.shape
         out = [States.empty(b, hkv, adapter.rank, d, device=k.device)]
         for start in range(0, held.flushed, self.block):
@@ -225,7 +241,7 @@ class Kvlinc(Kivi):
 
     def flush_state(self, layer: int, state: States | None, k16: torch.Tensor, k_held: torch.Tensor,
                     v_held: torch.Tensor) -> States | None:
-        adapter = self.adapters.get(layer)
+        adapter = self.adapter(layer, k16.device)
         if adapter is None:
             return None
         if state is None:
@@ -238,16 +254,16 @@ class Kvlinc(Kivi):
         return None if adapter is None else States.empty(batch, kv_heads, adapter.rank, head_dim, device=device)
 
     def correction(self, layer: int, q: torch.Tensor, state: States | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        adapter = self.adapters.get(layer)
+        adapter = self.adapter(layer, q.device)
         return None if adapter is None or state is None else correction_terms(adapter.query_features(q), state)
 
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
                opts: AttentionOptions, state: States | None) -> torch.Tensor:
-        return decode_attention(q, k_held, v_held, opts, self.adapters.get(layer), state)
+        return decode_attention(q, k_held, v_held, opts, self.adapter(layer, q.device), state)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: Held,
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
-        adapter = self.adapters.get(layer)
+        adapter = self.adapter(layer, q.device)
         if adapter is None or held.flushed == 0:
             return super().attend(layer, q, k, v, held, flushed, opts)
         if opts.sliding_window:

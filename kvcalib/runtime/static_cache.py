@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -68,10 +69,12 @@ from ..errors import SettingsError
 from ..hadamard import hadamard
 from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
-from ..models import LoadedModel, attention_shape
+from ..models import LoadedModel, attention_shape, layer_devices
 from ..vq_layout import VQLayer
 from .cache import IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention, vq_attend
-from .captured import CapturedDecoder
+from .captured import CapturedDecoder, Decoder
+
+log = logging.getLogger(__name__)
 
 
 def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -273,19 +276,21 @@ class StaticKvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
-        device = next(lm.model.parameters()).device
-        check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
+        devices = layer_devices(lm.model, shape.num_layers)  # each layer's buffers on its layer's GPU
+        for device in dict.fromkeys(devices):
+            check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
         if max_batch < 1 or max_length < 1:
             raise SettingsError(f"max_batch and max_length must be positive, got {max_batch} and {max_length}")
         r = method.block
         self.method, self.max_batch, self.max_length = method, max_batch, max_length
         capacity = -(-max_length // r) * r
-        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim, device)
-                                 for i in range(shape.num_layers)])
+        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim,
+                                             devices[i]) for i in range(shape.num_layers)])
+        self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
         self.compile = compile
-        self.decoder: CapturedDecoder | None = None  # the step model.generate replays, captured at its first step
+        self.decoder: Decoder | None = None  # the step model.generate replays, captured at its first step
         self.direct = False  # a forward of the cache's own (prefill, the decoder's step): not routed (`route_forward`)
         register_attention()
         lm.model.set_attn_implementation(IMPLEMENTATION)
@@ -387,7 +392,13 @@ class StaticKvcalibCache(Cache):
     def _step(self, model, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step of every slot, rows 0..len(tokens)-1 taking `tokens` (the rest, free, a stand-in 0)."""
         if self.decoder is None:
-            self.decoder = CapturedDecoder(model, self, compile=self.compile)
+            if self.spread:  # one CUDA graph captures one GPU's work
+                log.warning("StaticKvcalibCache: the model's layers lie on several GPUs, so each decode step runs "
+                            "uncaptured; tensor parallelism (tp_plan='auto' under torchrun) keeps one captured step "
+                            "per GPU")
+                self.decoder = Decoder(model, self, compile=self.compile)
+            else:
+                self.decoder = CapturedDecoder(model, self, compile=self.compile)
         if tokens.shape[0] < self.max_batch:
             tokens = torch.cat([tokens, tokens.new_zeros(self.max_batch - tokens.shape[0])])
         return self.decoder.step(tokens)

@@ -229,9 +229,9 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     counters = _counters(q.device, b * hkv)
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     i32 = cupy.int32
-    partial = kernel("vq_decode.cu", defines, "vq_partial")
-    partial.max_dynamic_shared_size_bytes = smem
-    with torch_stream(q.device):
+    with torch_stream(q.device):  # the device's own function: its shared-memory limit is set per device
+        partial = kernel("vq_decode.cu", defines, "vq_partial")
+        partial.max_dynamic_shared_size_bytes = smem
         launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(smooth), ptr(ks),
                 ptr(vs), i32(layer.sinks), i32(ks.shape[2]), ptr(kr), ptr(vr),
