@@ -174,7 +174,7 @@ class Kvlinc(Kivi):
         hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
         self.shape = shape
         self.adapters = adapters or {}
-        self._copies: dict[tuple[int, torch.device], Adapter] = {}  # adapters on the devices their layers run on
+        self._copies: dict[tuple[int, torch.device], tuple[Adapter, Adapter]] = {}  # (source, its copy on a device)
         self.scaling = scaling  # the attention scaling the adapters were trained for
         self.keys = check_keys(keys)
 
@@ -185,9 +185,10 @@ class Kvlinc(Kivi):
         adapter = self.adapters.get(layer)
         if adapter is None or adapter.q_w1.device == device:
             return adapter
-        if (layer, device) not in self._copies:
-            self._copies[layer, device] = adapter.to(device)
-        return self._copies[layer, device]
+        held = self._copies.get((layer, device))
+        if held is None or held[0] is not adapter:  # the layer's adapter replaced since: copy the new one
+            held = self._copies[layer, device] = (adapter, adapter.to(device))
+        return held[1]
 
     @property
     def rotated_keys(self) -> bool:

@@ -104,6 +104,9 @@ class LayerCodebooks:
     v: torch.Tensor
     smooth: torch.Tensor | None  # float16 (Hkv, d)
 
+    def to(self, device: torch.device) -> "LayerCodebooks":
+        return LayerCodebooks(self.k.to(device), self.v.to(device), None if self.smooth is None else self.smooth.to(device))
+
 
 class VecInfer(Method):
     name = "vecinfer"
@@ -114,14 +117,27 @@ class VecInfer(Method):
             raise SettingsError("--residual must be positive")
         self.config = config
         self.layers = layers
+        self._copies: dict[tuple[int, torch.device], tuple[LayerCodebooks, LayerCodebooks]] = {}  # (source, copy)
         self.shape = shape
         self.block = self.residual = residual
         self.sink = config.sink_tokens
 
+    def books(self, layer: int, device: torch.device) -> LayerCodebooks:
+        """The layer's codebooks and smoothing on `device`, its layer's: an artifact loads on the CPU, and a
+        model spread over GPUs runs each layer on its own; copied once per device, never inside a step (a
+        captured step may not copy from the host)."""
+        books = self.layers[layer]
+        if books.k.device == device:
+            return books
+        held = self._copies.get((layer, device))
+        if held is None or held[0] is not books:  # a layer's books replaced since: copy the new ones
+            held = self._copies[layer, device] = (books, books.to(device))
+        return held[1]
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
-        c, books = self.config, self.layers[layer]
-        k_codes = vq.encode(keys_to_codec(k, books.smooth, c.hadamard), books.k.to(k.device))
-        v_codes = vq.encode(v.float(), books.v.to(v.device))
+        c, books = self.config, self.books(layer, k.device)
+        k_codes = vq.encode(keys_to_codec(k, books.smooth, c.hadamard), books.k)
+        v_codes = vq.encode(v.float(), books.v)
         return VecInferPacked(k=vq.pack_codes(k_codes, c.k.bits), v=vq.pack_codes(v_codes, c.v.bits))
 
     def codes(self, packed: torch.Tensor, which: str) -> torch.Tensor:
@@ -129,20 +145,20 @@ class VecInfer(Method):
         return vq.unpack_codes(packed, config.bits, self.shape.head_dim // config.dim)
 
     def decompress(self, layer: int, packed: VecInferPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        books = self.layers[layer]
-        k = vq.decode(self.codes(packed.k, "k"), books.k.to(packed.k.device))
-        v = vq.decode(self.codes(packed.v, "v"), books.v.to(packed.v.device))
+        books = self.books(layer, packed.k.device)
+        k = vq.decode(self.codes(packed.k, "k"), books.k)
+        v = vq.decode(self.codes(packed.v, "v"), books.v)
         return keys_from_codec(k, books.smooth, self.config.hadamard), v
 
     def key_scores(self, layer: int, q: torch.Tensor, packed: VecInferPacked) -> torch.Tensor:
         """q · k̂ᵀ (B, Hq, Tq, Tk), unscaled, by table lookup: LUT[j, e] = q̃_j · codebook[e] per sub-vector j,
         score = Σ_j LUT[j, code_j]: what the fused VecInfer kernel computes (kernels_cupy/vq_decode.cu, which
         takes the same sums on the tensor cores from the gathered centroids)."""
-        books = self.layers[layer]
+        books = self.books(layer, q.device)
         n = self.config.k.dim
         hq, hkv = q.shape[1], self.shape.num_kv_heads
         qt = queries_to_codec(q, books.smooth, self.config.hadamard).unflatten(-1, (-1, n))  # (B, Hq, Tq, c, N)
-        codebook = books.k.float().to(q.device).repeat_interleave(hq // books.k.shape[0], dim=0)  # (Hq, 2^M, N)
+        codebook = books.k.float().repeat_interleave(hq // books.k.shape[0], dim=0)  # (Hq, 2^M, N)
         lut = torch.einsum("bhqcn,hen->bhcqe", qt, codebook)  # (B, Hq, c, Tq, 2^M)
         codes = self.codes(packed.k, "k").repeat_interleave(hq // hkv, dim=1).transpose(-1, -2)  # (B, Hq, c, Tk)
         index = codes.unsqueeze(-2).expand(*lut.shape[:-1], codes.shape[-1])

@@ -1,0 +1,164 @@
+"""Decoding a model larger than one GPU through `model.generate`: a random-initialised Llama-3.1-70B shape in
+float16, its layers split evenly over every GPU of the machine (accelerate's dispatch, as `device_map="auto"`
+places it: the GPUs run one after another), one long prompt at B=1; kvcalib's caches against transformers'
+fp16 paths on the same GPUs, in one process.
+
+    python benchmarks/generate_spread.py [--shape llama-3.1-70b] [--context 32768] [--paths all]
+
+Paths:
+- `fp16-dynamic`: `model.generate` as it comes (DynamicCache, SDPA, eager);
+- `fp16-static`: `model.generate(past_key_values=StaticCache(...))`: transformers compiles the decode step
+  itself where it can (for a model on several GPUs Inductor does not capture CUDA graphs);
+- `kivi128-dynamic`, `oscar32-dynamic`: `KvcalibCache` (KIVI-2 G=128, OScaR-2 G=32; R=128);
+- `kivi128-static`, `oscar32-static`: `StaticKvcalibCache`; its step runs uncaptured on a model over
+  several GPUs (one CUDA graph records one GPU's work).
+
+Per path: `first call` (generate of 1 new token: prefill, first token, warm-up, compilation), then
+ms/token = (t(69 new tokens) - t(5)) / 64 from warm calls, and TTFT = t(5) - 4 ms/token. The byte floor of
+a step is what it must read, weights and the cache as held, over one GPU's copy bandwidth (the GPUs take
+the layers in turn). Weights: normal(0, 0.02), norms 1, drawn on their GPUs (seconds; no disk). The
+tokens are random-weight tokens and are not compared: accuracy at these bits is measured on a real model
+(RESULTS.md, perplexity tables). Vocabulary 49152 (the embedded tokenizer's, as `kvcalib make-model`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+PATHS = ["fp16-dynamic", "kivi128-dynamic", "oscar32-dynamic", "kivi128-static", "oscar32-static", "fp16-static"]
+CACHES = {"kivi128": ("kivi", (2, 128, 128)), "oscar32": ("oscar", (2, 32, 128))}
+
+
+def spread_model(shape: str, context: int):
+    """The model of the docstring, layers split evenly over the GPUs (embeddings with the first layers,
+    norm and head with the last)."""
+    from accelerate import dispatch_model, init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from kvcalib.random_model import SHAPES
+
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "model_type"}
+    config = LlamaConfig(**fields | {"vocab_size": 49152, "max_position_embeddings": max(131072, context + 1024)})
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    n, gpus = config.num_hidden_layers, torch.cuda.device_count()
+    placement = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": gpus - 1, "lm_head": gpus - 1}
+    placement |= {f"model.layers.{i}": i * gpus // n for i in range(n)}
+    for name, p in model.named_parameters():
+        module = max((m for m in placement if name.startswith(m + ".")), key=len)
+        device = torch.device("cuda", placement[module])
+        value = torch.empty(p.shape, dtype=torch.float16, device=device)
+        value.fill_(1.0) if name.endswith("norm.weight") else value.normal_(0.0, 0.02)
+        set_module_tensor_to_device(model, name, device, value=value)
+    model = dispatch_model(model.eval(), device_map=placement)
+    model.generation_config.eos_token_id = None  # every call decodes all its tokens
+    return model, config
+
+
+def floor_bytes(model, config, path: str, tokens: int) -> float:
+    """Bytes a decode step reads: every weight, and the cache of `tokens` as the path holds it."""
+    from generate import fp16_bytes, int2_bytes
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = path.rsplit("-", 1)[0]
+    return weights + (fp16_bytes(tokens, config) if name == "fp16" else int2_bytes(tokens, name, config))
+
+
+def run_path(path: str, model, context: int) -> dict:
+    from transformers import StaticCache
+
+    from kvcalib.methods import MethodSettings
+    from kvcalib.runtime.cache import KvcalibCache
+    from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+    torch._dynamo.reset()
+    ids = torch.randint(1, 49152, (1, context), generator=torch.Generator().manual_seed(0)).cuda()
+    name, how = path.rsplit("-", 1)
+    room = context + 69 + 8
+    static = None
+    if name == "fp16":
+        model.set_attn_implementation("sdpa")
+    elif how == "static":
+        method, settings = CACHES[name]
+        static = StaticKvcalibCache(model, method, MethodSettings(*settings), max_batch=1, max_length=room)
+
+    def call(new: int) -> float:
+        if name == "fp16":
+            cache = StaticCache(config=model.config, max_cache_len=room) if how == "static" else None
+        elif how == "dynamic":
+            method, settings = CACHES[name]
+            cache = KvcalibCache(model, method, MethodSettings(*settings))
+        else:
+            cache = static
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+        assert out.shape[1] == context + new, (path, out.shape)
+        return time.perf_counter() - t0
+
+    for d in range(torch.cuda.device_count()):
+        torch.cuda.reset_peak_memory_stats(d)
+    first = call(1)
+    t5, t69 = call(5), call(69)
+    per = (t69 - t5) / 64
+    peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in range(torch.cuda.device_count())]
+    del static
+    torch.cuda.empty_cache()
+    return {"path": path, "first": first, "ttft": t5 - 4 * per, "per": per, "peak": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3.1-70b")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
+    args = parser.parse_args()
+    from generate import copy_bandwidth
+
+    paths = PATHS if args.paths == "all" else args.paths.split(",")
+    bandwidth = copy_bandwidth()  # before the weights take the memory
+    model, config = spread_model(args.shape, args.context)
+    rows = []
+    for path in paths:
+        try:
+            rows.append(run_path(path, model, args.context))
+        except Exception as err:  # a path that fails is reported in its row, the others still run
+            rows.append({"path": path, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
+            torch.cuda.empty_cache()
+        print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["path"] == "fp16-dynamic" and "per" in r), None)
+    fastest_fp16 = min((r["per"] for r in rows if r["path"].startswith("fp16") and "per" in r), default=None)
+    lines = ["| path | first call s | TTFT s | ms/token | x fp16-dynamic | x fastest fp16 | byte floor ms | "
+             "x floor | peak GiB per GPU |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['path']} | failed: {r['error']} | | | | | | | |")
+            continue
+        floor = floor_bytes(model, config, r["path"], args.context + 37) / bandwidth
+        lines.append(f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | "
+                     f"{base['per'] / r['per']:.2f} | {fastest_fp16 / r['per']:.2f} | {1e3 * floor:.2f} | "
+                     f"{r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |"
+                     if base else f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | - | - | "
+                     f"{1e3 * floor:.2f} | {r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |")
+    from results import RESULTS, record
+
+    title = (f"Decoding a model over {torch.cuda.device_count()} GPUs through model.generate, "
+             f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {args.shape} shape (random init), B=1")
+    table = "\n".join(lines)
+    print(f"\n{title}, {args.context}-token prompt\n\n{table}")
+    record(f"{title}, {args.context}-token prompt", table, sys.argv, args.results or RESULTS)
+
+
+if __name__ == "__main__":
+    main()
