@@ -28,7 +28,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
-# Refresh the lock: resolve the project's ranges (pyproject.toml: cpu and test extras) in a throwaway
+# Refresh the lock: resolve the project's ranges (pyproject.toml: cpu and test extras; test holds lm-eval's) in a throwaway
 # venv, torch first so that the CPU wheel on disk satisfies it, then freeze. Review the diff, run
 # `make test` on a clean clone, commit.
 LOCK_VENV := build/lock-venv

@@ -189,6 +189,40 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
              trust_remote_code=trust_remote_code, stream=sys.stdout)
 
 
+@cli.command("lm-eval")
+@click.option("--tasks", required=True,
+              help="Comma-separated lm-eval tasks; offline, RULER's generated ones: niah_single_1, niah_multikey_2, "
+                   "niah_multikey_3, ruler_vt, ruler_cwe, ruler_fwe.")
+@click.option("--model", default=DEFAULT_MODEL, show_default=True,
+              help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")
+@click.option("--method", default="fp16", show_default=True,
+              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (see README).")
+@_method_options
+@click.option("--max-lengths", default="4096", show_default=True,
+              help="RULER: the prompt lengths its tasks generate, comma-separated (e.g. 4096,8192).")
+@click.option("--batch-size", type=int, default=1, show_default=True)
+@click.option("--limit", type=float, default=None,
+              help="Samples per task (a fraction below 1: that share of each task) [default: all].")
+@click.option("--output-path", type=click.Path(), default=None, help="Write lm-eval's results, as JSON, here.")
+@click.option("--seed", type=int, default=0, show_default=True, help="lm-eval's seeds (sampling, few-shot order).")
+@_trust_remote_code
+def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
+                artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code, device) -> None:
+    """lm-evaluation-harness tasks with the KV cache replaced by a kvcalib method (generation through the cache a
+    decoder holds, loglikelihoods as `eval` scores them)."""
+    from .harness import run_tasks, score_table
+    from .methods import MethodSettings
+
+    settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
+                              sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys)
+    results = run_tasks([t.strip() for t in tasks.split(",") if t.strip()], model=model, method=method,
+                        settings=settings, artifacts=artifacts, batch_size=batch_size,
+                        limit=None if limit is None else (int(limit) if limit >= 1 else limit),
+                        max_lengths=_number_list(max_lengths, "--max-lengths"), output_path=output_path, seed=seed,
+                        device=device, trust_remote_code=trust_remote_code)
+    click.echo(score_table(results))
+
+
 @cli.command("train-adapters")
 @click.option("--activations", required=True, type=click.Path(), help="A finished `kvcalib collect` directory.")
 @click.option("--rank", type=int, default=256, show_default=True, help="Feature dimension D of φ (two softmaxes of D/2).")

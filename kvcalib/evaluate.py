@@ -76,6 +76,22 @@ def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, share
     return {"compressed_part_bits_per_element": compressed, "decode_averaged_bits_per_element": held.mean().item() + shared}
 
 
+def decode_exact(method, observe=None):
+    """The attention handler (`kvcalib.attention.intercept`) that scores `method` as a decoder holds it: each
+    query attends over the cache of its own position, floor(n/R)*R tokens compressed and the rest float16
+    (module docstring). `observe(layer, q, k, v, opts, held, out)`, where given, sees every call (eval's error
+    sums and bits; lm-eval's loglikelihoods need none)."""
+    def attend(layer: int, q, k, v, opts: AttentionOptions):
+        held = hold(method, layer, k, v)
+        flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block, device=q.device, window=method.window)
+        out = method.attend(layer, q, k, v, held, flushed, opts)
+        if observe is not None:
+            observe(layer, q, k, v, opts, held, out)
+        return out
+
+    return attend
+
+
 def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DATASET, text_field: str = "text",
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
@@ -104,16 +120,14 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     ref_sq = torch.zeros(shape.num_layers, dtype=torch.float64)
     stored_bits = 0
 
-    def attend(layer: int, q, k, v, opts: AttentionOptions):
+    def observe(layer: int, q, k, v, opts: AttentionOptions, held, out) -> None:
         nonlocal stored_bits
-        held = hold(cache, layer, k, v)
         stored_bits += held.stored_bits
-        flushed = flushed_counts(q.shape[-2], k.shape[-2], cache.block, device=q.device, window=cache.window)
-        out = cache.attend(layer, q, k, v, held, flushed, opts)
         ref = mixed_attention(q, k, v, opts)
         err_sq[layer] += (out - ref).double().pow(2).sum().cpu()
         ref_sq[layer] += ref.double().pow(2).sum().cpu()
-        return out
+
+    attend = decode_exact(cache, observe)
 
     device = next(lm.model.parameters()).device
     start = time.perf_counter()
