@@ -275,7 +275,7 @@ def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: Atte
     """Attention of the newest positions of one layer (or one sequence's row) that held `before` tokens."""
     if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
         k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
-        if query.is_cuda and not opts.softcap and not opts.sliding_window:
+        if not opts.softcap and not opts.sliding_window:  # SDPA's fused kernels: no score matrix in memory
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
         return mixed_attention(query, k16, v16, opts)
