@@ -10,7 +10,8 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import DEFAULTS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS, RESIDUAL_MODES
+from .defaults import (DEFAULTS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS,
+                       RESIDUAL_MODES)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -362,7 +363,7 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
                    "per-coordinate codebooks, B in 1..4), turboquant-dDbB (TurboQuant's norms and rotation, a "
                    "k-means codebook of 2^B centroids of D coordinates; needs faiss), vecinfer-dDbB (VecInfer's λ, Hadamard "
                    "and codebooks; needs faiss), kivi-B-gG, oscar-B-gG.")
-@click.option("--items", type=click.Choice(PLAN_ITEMS), default="layer", show_default=True,
+@click.option("--items", type=click.Choice(PLAN_ITEMS), default=PLAN_ITEM, show_default=True,
               help="Choose a scheme for each layer's keys and values, or for each KV head's.")
 @click.option("--anchor", default=PLAN_ANCHOR, show_default=True,
               help="The candidate whose KL divergence is measured per item; the others are scaled from it.")
@@ -372,7 +373,7 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @click.option("--granularity", type=click.Choice(["layer", "head"]), default="layer", show_default=True,
               help="One codebook per rotated coordinate of a layer, or of each KV head.")
 @click.option("--iters", type=int, default=50, show_default=True, help="Lloyd iterations at most.")
-@click.option("--sink-tokens", type=int, default=0, show_default=True,
+@click.option("--sink-tokens", type=int, default=PLAN_SINK_TOKENS, show_default=True,
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")

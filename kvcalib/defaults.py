@@ -17,3 +17,7 @@ PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4
                    "kivi-4-g128", "oscar-2-g32", "oscar-2-g128", "oscar-3-g128", "oscar-4-g128")
 PLAN_ANCHOR = "turboquant-2"
 PLAN_ITEMS = ("layer", "head")  # what the plan chooses a scheme for: each layer's keys and values, or each KV head's
+# The plan's defaults are the best plan measured (benchmarks/RESULTS.md, "Plans with vector codebooks"): a scheme
+# per KV head, the first token of each sequence kept in float16 (a sink the rest of the sequence attends to)
+PLAN_ITEM = "head"
+PLAN_SINK_TOKENS = 1

@@ -61,7 +61,7 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
-from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEMS
+from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
 from .. import vq
 from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
@@ -274,9 +274,9 @@ def check_faiss(config: vq.VQConfig) -> None:
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
               model: str | LoadedModel = DEFAULT_MODEL, candidates: Sequence[str] = PLAN_CANDIDATES,
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
-              residual: int | None = None, sink_tokens: int = 0,
+              residual: int | None = None, sink_tokens: int = PLAN_SINK_TOKENS,
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
-              items: str = "layer", trust_remote_code: bool = False, device: str | None = None) -> list[Path]:
+              items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None) -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
