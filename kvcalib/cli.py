@@ -394,12 +394,15 @@ def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, se
 
 @cli.command("report")
 @click.argument("results", nargs=-1, type=click.Path())
-@click.option("--out", required=True, type=click.Path(), help="Directory for report.md and pareto.png.")
-def report_cmd(results, out) -> None:
-    """Tabulate several `kvcalib eval --json` results and draw their Pareto plot."""
+@click.option("--tasks", "task_results", multiple=True, type=click.Path(),
+              help="A `kvcalib lm-eval --output-path` JSON, read beside the eval result of its method and settings "
+                   "(repeat the option for several).")
+@click.option("--out", required=True, type=click.Path(), help="Directory for report.md, pareto.png (and tasks.png).")
+def report_cmd(results, task_results, out) -> None:
+    """Tabulate several `kvcalib eval --json` results and draw their Pareto plot; task scores beside them."""
     from .pareto import write_report
 
-    click.echo(f"report written to {write_report(list(results), out)}")
+    click.echo(f"report written to {write_report(list(results), out, list(task_results))}")
 
 
 @cli.command("run")

@@ -76,6 +76,11 @@ def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, share
     return {"compressed_part_bits_per_element": compressed, "decode_averaged_bits_per_element": held.mean().item() + shared}
 
 
+def settings_of(method) -> dict:
+    """A method's settings as results name them (eval's JSON, lm-eval's, the report pairs them)."""
+    return method.settings() | ({"sink_tokens": method.sink} if method.sink else {})
+
+
 def decode_exact(method, observe=None):
     """The attention handler (`kvcalib.attention.intercept`) that scores `method` as a decoder holds it: each
     query attends over the cache of its own position, floor(n/R)*R tokens compressed and the rest float16
@@ -164,7 +169,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     constant = cache.constant_bits()
     result = EvalResult(
         method=method,
-        settings=cache.settings() | ({"sink_tokens": cache.sink} if cache.sink else {})
+        settings=settings_of(cache)
         | ({"residual_mode": "sliding"} if cache.window else {}),
         perplexity=math.exp(nll / count),
         effective_bits=(stored_bits + constant) / elements,

@@ -31,7 +31,7 @@ from pathlib import Path
 from .atomic import atomic_path, ensure_writable_file
 from .attention import intercept
 from .errors import SettingsError
-from .evaluate import decode_exact
+from .evaluate import decode_exact, settings_of
 from .generate import runtime_cache
 from .methods import Method, MethodSettings, build_method
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context
@@ -113,7 +113,7 @@ def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method
                                   metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": lengths},
                                   random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                                   fewshot_random_seed=seed)
-    results["kvcalib"] = {"model": lm.spec, "method": compressed.name, "settings": compressed.settings(),
+    results["kvcalib"] = {"model": lm.spec, "method": compressed.name, "settings": settings_of(compressed),
                           "artifacts": artifacts, "max_lengths": lengths, "limit": limit, "batch_size": batch_size}
     if output_path is not None:
         Path(output_path).parent.mkdir(parents=True, exist_ok=True)  # checked writable before any work

@@ -63,3 +63,35 @@ def test_a_json_that_is_not_an_eval_result_is_refused(tmp_path):
     path.write_text(json.dumps({"method": "kivi", "perplexity": 1.0}))
     with pytest.raises(SettingsError, match="not an eval JSON"):
         read_results([str(path)])
+
+
+def _task_json(tmp_path, name, method, scores: dict, samples: int = 10, settings=None):
+    """What `kvcalib lm-eval --output-path` writes, reduced to what the report reads."""
+    results = {}
+    for (task, length), value in scores.items():
+        results.setdefault(task, {"alias": task, "sample_len": samples})[f"{length},none"] = value
+        results[task][f"{length}_stderr,none"] = "N/A"
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"results": results, "kvcalib": {"method": method, "settings": settings or {}}}))
+    return str(path)
+
+
+def test_task_scores_are_read_beside_the_eval_result_of_their_method(tmp_path):
+    evals = _write(tmp_path, {"fp16": RESULTS["fp16"], "tq-2": RESULTS["tq-2"]})
+    tasks = [_task_json(tmp_path, "fp16-ruler", "fp16", {("niah_single_1", 4096): 1.0, ("ruler_vt", 4096): 0.8}),
+             _task_json(tmp_path, "tq-ruler", "turboquant", {("niah_single_1", 4096): 0.6, ("ruler_vt", 4096): 0.4})]
+    out = write_report(evals, tmp_path / "report", tasks)
+    md = (out / "report.md").read_text()
+    # average 50.0; interval 1.96 sqrt((0.6 * 0.4 + 0.4 * 0.6) / 10) / 2 = 0.2147
+    assert "| tq-ruler | turboquant | 2.250 | 11.500 | 60.0 | 40.0 | 50.0 ± 21.5 |" in md
+    assert "| fp16-ruler | fp16 | 16.000 | 10.000 | 100.0 | 80.0 | 90.0 ± 12.4 |" in md
+    assert "| niah_single_1 @ 4096 | ruler_vt @ 4096 |" in md
+    assert (out / "tasks.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_task_scores_without_an_eval_result_of_their_method_are_refused_and_nothing_is_written(tmp_path):
+    evals = _write(tmp_path, {"fp16": RESULTS["fp16"]})
+    tasks = [_task_json(tmp_path, "kivi-ruler", "kivi", {("ruler_vt", 4096): 0.5}, settings={"bits": 2})]
+    with pytest.raises(SettingsError, match="no eval JSON of method kivi"):
+        write_report(evals, tmp_path / "report", tasks)
+    assert not (tmp_path / "report").exists()
