@@ -45,6 +45,13 @@ class Method:
     sink: int = 0  # leading tokens of a sequence also kept in float16 (attention sinks)
     fitted_residual_mode: str | None = None  # the flush rule an artifact was made under (a plan's), None: any
 
+    @property
+    def per_kv_head(self) -> bool:
+        """Whether the method holds tensors or choices per KV head (codebooks, smoothing, adapters, a plan's
+        schemes): under tensor parallelism a rank sees only its own heads, which such a method cannot yet
+        tell apart (`kvcalib.runtime.cache.check_tensor_parallel`)."""
+        return False
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> Any:
         raise NotImplementedError
 

@@ -194,6 +194,10 @@ class Kvlinc(Kivi):
     def rotated_keys(self) -> bool:
         return self.keys == "oscar"
 
+    @property
+    def per_kv_head(self) -> bool:
+        return bool(self.adapters)
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KvlincPacked:
         c = self.config
         k, s = encode_keys(k, True, "l2") if self.keys == "oscar" else (k, None)

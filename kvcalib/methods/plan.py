@@ -155,6 +155,7 @@ class PlanPacked:
 
 class Plan(Method):
     name = "plan"
+    per_kv_head = True  # a scheme per KV head
 
     def __init__(self, shape: AttentionShape, schemes: dict[str, list[list[Scheme]]], residual: int, flush_step: int,
                  books: dict[str, torch.Tensor], granularity: str):

@@ -243,6 +243,10 @@ class TurboQuant(Method):
         self.books = None if books is None else [(k.float(), v.float()) for k, v in books]
         self.granularity = granularity
 
+    @property
+    def per_kv_head(self) -> bool:
+        return self.books is not None and self.granularity == "head"
+
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""
         bits = self.config.bits

@@ -122,6 +122,10 @@ class VecInfer(Method):
         self.block = self.residual = residual
         self.sink = config.sink_tokens
 
+    @property
+    def per_kv_head(self) -> bool:
+        return self.config.granularity == "head" or any(b.smooth is not None for b in self.layers)
+
     def books(self, layer: int, device: torch.device) -> LayerCodebooks:
         """The layer's codebooks and smoothing on `device`, its layer's: an artifact loads on the CPU, and a
         model spread over GPUs runs each layer on its own; copied once per device, never inside a step (a

@@ -180,6 +180,7 @@ class KvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
+        check_tensor_parallel(lm.model, self.method)
         self.padding = _Padding()
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         device = next(lm.model.parameters()).device
@@ -217,6 +218,22 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
         return f"{line} ({why})"
     return (f"{line}; StaticKvcalibCache(model, method, max_batch=B, max_length=N) in model.generate replays each "
             "step from one CUDA graph, several times faster")
+
+
+def tensor_parallel_size(model) -> int:
+    """Ranks the model's attention heads are split over (transformers' `tp_plan="auto"` under torchrun), 1 if none."""
+    return int(getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1)
+
+
+def check_tensor_parallel(model, method: Method) -> None:
+    """Under tensor parallelism each rank's attention holds its own KV heads, and so does each rank's
+    `KvcalibCache` (it takes its shapes from the keys it is given): a method without per-head data serves
+    as it is. Refuse one with per-KV-head data (`Method.per_kv_head`): a rank cannot yet tell which heads
+    are its own."""
+    if tensor_parallel_size(model) > 1 and method.per_kv_head:
+        raise SettingsError(f"--method {method.name} holds data per KV head (codebooks, smoothing, adapters or a plan's "
+                            "schemes), which tensor parallelism splits over ranks: not supported yet; spread the model "
+                            "with device_map='auto' instead, or use kivi, oscar, turboquant or kvlinc without an artifact")
 
 
 def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:

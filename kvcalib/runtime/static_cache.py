@@ -71,7 +71,8 @@ from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
 from ..vq_layout import VQLayer
-from .cache import IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention, vq_attend
+from .cache import (IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention,
+                    tensor_parallel_size, vq_attend)
 from .captured import CapturedDecoder, Decoder
 
 log = logging.getLogger(__name__)
@@ -276,6 +277,9 @@ class StaticKvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
+        if tensor_parallel_size(lm.model) > 1:
+            raise SettingsError("StaticKvcalibCache under tensor parallelism is not supported yet (its buffers are "
+                                "sized for every KV head): use KvcalibCache, which holds each rank's own heads")
         devices = layer_devices(lm.model, shape.num_layers)  # each layer's buffers on its layer's GPU
         for device in dict.fromkeys(devices):
             check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)

@@ -1,0 +1,118 @@
+"""`KvcalibCache` under transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun):
+two CPU processes joined by gloo, as `torchrun --nproc-per-node 2` starts them, each holding half of every
+layer's heads and its own heads' cache. Greedy decoding through `model.generate` gives the one-process tokens,
+and logits within float64 round-off: the model is float64, so the ranks' partial sums of the row-split
+projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
+relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
+by ~1e-2). Methods that hold data per KV head are refused under tensor parallelism, as is the static cache."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_parallel import TIMEOUT, _free_port
+
+METHODS = {"fp16": {}, "kivi": {"bits": 2, "group_size": 8, "residual": 16},
+           "oscar": {"bits": 2, "group_size": 8, "residual": 16}, "turboquant": {"bits": 3, "residual": 16},
+           "kvlinc": {"bits": 2, "group_size": 8, "residual": 16}}
+
+
+def _decode(model_dir: str, tensor_parallel: bool) -> dict:
+    """Each method's greedy tokens and logits through model.generate, and what a per-head method and the static
+    cache say under tensor parallelism."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcalib.errors import SettingsError
+    from kvcalib.methods import MethodSettings
+    from kvcalib.models import LoadedModel
+    from kvcalib.runtime.cache import KvcalibCache
+    from kvcalib.runtime.static_cache import StaticKvcalibCache
+    from test_runtime_cache import _vecinfer_with_sinks
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
+                                                 **({"tp_plan": "auto"} if tensor_parallel else {}))
+    model.generation_config.eos_token_id = None
+    lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
+    prompt = torch.randint(1, 512, (1, 37), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for name, settings in METHODS.items():
+        cache = KvcalibCache(lm, name, MethodSettings(**settings))
+        with torch.no_grad():
+            got = model.generate(prompt, past_key_values=cache, max_new_tokens=25, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+        heads = {layer.k_res.shape[1] for layer in cache.layers}
+        out[name] = {"tokens": got.sequences[0, 37:].tolist(), "logits": torch.stack(got.logits, 1)[0].tolist(),
+                     "heads": sorted(heads)}
+    refused = {}
+    from kvcalib.models import attention_shape
+
+    for what, make in (("vecinfer", lambda: KvcalibCache(lm, _vecinfer_with_sinks(attention_shape(model.config), 0))),
+                       ("static", lambda: StaticKvcalibCache(lm, "kivi"))):
+        try:
+            make()
+            refused[what] = None
+        except SettingsError as err:
+            refused[what] = str(err)
+    out["refused"] = refused
+    return out
+
+
+def _child(rank: int, size: int, port: int, model_dir: str, log: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        result = {"ok": True, **_decode(model_dir, True)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(log).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from conftest import tiny_model
+
+    path = tmp_path_factory.mktemp("tp-model")
+    tiny_model("llama", seed=1).save_pretrained(path)  # 4 query and 2 KV heads: one KV head per rank
+    return path
+
+
+def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir, tmp_path):
+    torch.set_num_threads(1)
+    alone = _decode(str(model_dir), False)
+    ctx = multiprocessing.get_context("spawn")
+    port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=_child, args=(r, 2, port, str(model_dir), str(logs[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(TIMEOUT)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"{len(alive)} rank(s) still running after {TIMEOUT} s"
+    ranks = [json.loads(log.read_text()) for log in logs]
+    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    for name in METHODS:
+        assert alone[name]["heads"] == [2]
+        for r in ranks:
+            assert r[name]["heads"] == [1], name  # each rank's cache holds its own KV head
+            assert r[name]["tokens"] == alone[name]["tokens"], name
+            want = torch.tensor(alone[name]["logits"])
+            torch.testing.assert_close(torch.tensor(r[name]["logits"]), want, rtol=1e-9,
+                                       atol=1e-9 * want.abs().max().item())
+    assert alone["refused"] == {"vecinfer": None, "static": alone["refused"]["static"]}  # alone: no TP refusal
+    assert alone["refused"]["static"] is None or "tensor parallelism" not in alone["refused"]["static"]
+    for r in ranks:
+        assert "per KV head" in r["refused"]["vecinfer"] and "tensor parallelism" in r["refused"]["static"]
