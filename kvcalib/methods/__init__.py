@@ -35,6 +35,22 @@ from ..models import AttentionShape, LoadedModel
 from ..quant import Quantized
 
 
+class DeviceCopies:
+    """A method's per-layer tensors copied to the devices their layers run on, once per (layer, device): an
+    artifact loads on the CPU, a model spread over GPUs runs each layer on its own, and a captured step may
+    not copy from the host. A layer's source replaced since its copy (a new object) is copied again."""
+
+    def __init__(self):
+        self._held: dict[tuple[int, torch.device], tuple[Any, Any]] = {}  # (layer, device) -> (source, copy)
+
+    def on(self, layer: int, source, device: torch.device):
+        """`source` (anything with `.to(device)`) on `device`."""
+        held = self._held.get((layer, device))
+        if held is None or held[0] is not source:
+            held = self._held[layer, device] = (source, source.to(device))
+        return held[1]
+
+
 class Method:
     """Base of every method; subclasses set `name` and `block` and implement `compress`, `decompress`,
     `settings`, and `part_bits` or `stored_bits`."""

@@ -49,7 +49,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from ..quant import dequantize, quantize
-from . import Held, MethodSettings
+from . import DeviceCopies, Held, MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 from .oscar import decode_keys, encode_keys
 
@@ -174,21 +174,16 @@ class Kvlinc(Kivi):
         hadamard(shape.head_dim)  # values are rotated: refuses an odd head_dim now, not mid-evaluation
         self.shape = shape
         self.adapters = adapters or {}
-        self._copies: dict[tuple[int, torch.device], tuple[Adapter, Adapter]] = {}  # (source, its copy on a device)
+        self._copies = DeviceCopies()
         self.scaling = scaling  # the attention scaling the adapters were trained for
         self.keys = check_keys(keys)
 
     def adapter(self, layer: int, device: torch.device) -> Adapter | None:
-        """The layer's adapter (None: not corrected) on `device`, its layer's: an artifact loads on the CPU,
-        and a model spread over GPUs runs each layer on its own; copied once per device, never inside a
-        step (a captured step may not copy from the host)."""
+        """The layer's adapter (None: not corrected) on `device`, its layer's (`DeviceCopies`)."""
         adapter = self.adapters.get(layer)
         if adapter is None or adapter.q_w1.device == device:
             return adapter
-        held = self._copies.get((layer, device))
-        if held is None or held[0] is not adapter:  # the layer's adapter replaced since: copy the new one
-            held = self._copies[layer, device] = (adapter, adapter.to(device))
-        return held[1]
+        return self._copies.on(layer, adapter, device)
 
     @property
     def rotated_keys(self) -> bool:

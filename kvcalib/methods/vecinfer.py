@@ -43,7 +43,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
 from ..vq_layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
-from . import DEFAULTS, Method, MethodSettings
+from . import DEFAULTS, DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class VecInfer(Method):
             raise SettingsError("--residual must be positive")
         self.config = config
         self.layers = layers
-        self._copies: dict[tuple[int, torch.device], tuple[LayerCodebooks, LayerCodebooks]] = {}  # (source, copy)
+        self._copies = DeviceCopies()
         self.shape = shape
         self.block = self.residual = residual
         self.sink = config.sink_tokens
@@ -127,16 +127,11 @@ class VecInfer(Method):
         return self.config.granularity == "head" or any(b.smooth is not None for b in self.layers)
 
     def books(self, layer: int, device: torch.device) -> LayerCodebooks:
-        """The layer's codebooks and smoothing on `device`, its layer's: an artifact loads on the CPU, and a
-        model spread over GPUs runs each layer on its own; copied once per device, never inside a step (a
-        captured step may not copy from the host)."""
+        """The layer's codebooks and smoothing on `device`, its layer's (`DeviceCopies`)."""
         books = self.layers[layer]
         if books.k.device == device:
             return books
-        held = self._copies.get((layer, device))
-        if held is None or held[0] is not books:  # a layer's books replaced since: copy the new ones
-            held = self._copies[layer, device] = (books, books.to(device))
-        return held[1]
+        return self._copies.on(layer, books, device)
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
         c, books = self.config, self.books(layer, k.device)
