@@ -29,6 +29,14 @@ class Row:
     result: EvalResult
 
 
+def _read_json(path: Path, what: str):
+    """The JSON at `path`; one clear error for a file that cannot be read as one."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SettingsError(f"{path}: not a readable {what} JSON ({str(err).splitlines()[0]})") from err
+
+
 def read_results(paths: list[str]) -> list[Row]:
     """Each path an `EvalResult` JSON; one clear error for a file that is not one."""
     if not paths:
@@ -38,10 +46,7 @@ def read_results(paths: list[str]) -> list[Row]:
     rows = []
     for p in paths:
         path = Path(p)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SettingsError(f"{path}: not a readable eval JSON ({str(err).splitlines()[0]})") from err
+        data = _read_json(path, "eval")
         if not isinstance(data, dict) or not names >= set(data) or not required <= set(data):
             raise SettingsError(f"{path}: not an eval JSON (expected the fields of `kvcalib eval --json`)")
         result = EvalResult(**data)
@@ -83,10 +88,7 @@ def read_task_results(paths: list[str], rows: list[Row]) -> list[TaskRow]:
     out = []
     for p in paths:
         path = Path(p)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SettingsError(f"{path}: not a readable lm-eval JSON ({str(err).splitlines()[0]})") from err
+        data = _read_json(path, "lm-eval")
         meta = data.get("kvcalib") if isinstance(data, dict) else None
         if not isinstance(meta, dict) or not isinstance(data.get("results"), dict):
             raise SettingsError(f"{path}: not a `kvcalib lm-eval --output-path` JSON (no kvcalib and results entries)")

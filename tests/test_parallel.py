@@ -83,13 +83,11 @@ def _child(job: str, rank: int | None, size: int, port: int, source: str, text: 
             dist.destroy_process_group()
 
 
-def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect", device: str = "cpu") -> list[dict]:
-    """Start `size` processes (size 1: the plain one-process run) and return what each reported."""
+def run_processes(target, args: list[tuple], logs: list[Path]) -> list[dict]:
+    """Start one spawned process per `args` running `target(*args)`, wait for them (`TIMEOUT`: a hang at a barrier
+    fails the test), and return the JSON each wrote to its log."""
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    logs = [tmp / f"{out.name}-rank{r}.json" for r in range(size)]
-    procs = [ctx.Process(target=_child, args=(job, None if size == 1 else r, size, port, str(model), str(text), str(out),
-                                              str(logs[r]), device)) for r in range(size)]
+    procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
         p.start()
     for p in procs:
@@ -99,6 +97,14 @@ def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "c
         p.kill()
     assert not alive, f"{len(alive)} process(es) still running after {TIMEOUT} s (a rank waiting on another)"
     return [json.loads(log.read_text()) for log in logs]
+
+
+def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect", device: str = "cpu") -> list[dict]:
+    """Start `size` processes (size 1: the plain one-process run) and return what each reported."""
+    port = _free_port()
+    logs = [tmp / f"{out.name}-rank{r}.json" for r in range(size)]
+    return run_processes(_child, [(job, None if size == 1 else r, size, port, str(model), str(text), str(out),
+                                   str(logs[r]), device) for r in range(size)], logs)
 
 
 def _files(directory: Path) -> dict[str, bytes]:

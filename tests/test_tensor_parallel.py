@@ -9,7 +9,6 @@ by ~1e-2). Methods that hold data per KV head are refused under tensor paralleli
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import traceback
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_parallel import TIMEOUT, _free_port
+from test_parallel import _free_port, run_processes
 
 METHODS = {"fp16": {}, "kivi": {"bits": 2, "group_size": 8, "residual": 16},
            "oscar": {"bits": 2, "group_size": 8, "residual": 16}, "turboquant": {"bits": 3, "residual": 16},
@@ -91,18 +90,8 @@ def model_dir(tmp_path_factory):
 def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir, tmp_path):
     torch.set_num_threads(1)
     alone = _decode(str(model_dir), False)
-    ctx = multiprocessing.get_context("spawn")
     port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_child, args=(r, 2, port, str(model_dir), str(logs[r]))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(TIMEOUT)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    assert not alive, f"{len(alive)} rank(s) still running after {TIMEOUT} s"
-    ranks = [json.loads(log.read_text()) for log in logs]
+    ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r])) for r in range(2)], logs)
     assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
     for name in METHODS:
         assert alone[name]["heads"] == [2]
