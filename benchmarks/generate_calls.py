@@ -13,7 +13,12 @@ an earlier run on the machine left them, said beside the table):
   the prompt batch into slots, each decode step replayed from the captured CUDA graph;
 - `kivi128-static-compiled`: the same with `compile=True`: the step compiled by torch.compile (Inductor) before
   its capture (B=1 at 32k only: its compilation takes minutes);
-- `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k).
+- `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k);
+- `kivi128-static-regions`: the captured step with only the model's RMSNorms and MLPs compiled (regional
+  compilation: one compiled region serves every layer), for its capture only (B=1 at 32k only);
+  `kivi128-static-regions-rope` compiles the rotary embedding's application too.
+A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches
+(Inductor's FX graph cache, CuPy's kernel cache) that run left: a user's second process.
 
 Rows: B=1 at each of `--contexts`, and B=8 left-padded prompts of 8 lengths spread evenly up to `--batch8`
 tokens. Per row: `first call` is the first `generate` of the process at that shape (9 new tokens);
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,7 +43,39 @@ from pathlib import Path
 
 import torch
 
-PATHS = ["fp16-static", "kivi128-static", "kivi128-static-compiled", "kivi128-dynamic"]
+PATHS = ["fp16-static", "kivi128-static", "kivi128-static-compiled", "kivi128-dynamic", "kivi128-static-regions",
+         "kivi128-static-regions-rope"]
+PATHS += [f"{p}-warm" for p in PATHS]
+
+
+def compile_regions(model, rope: bool) -> None:
+    """Compile the model's RMSNorms and MLPs (and with `rope` the rotary embedding's application) while a
+    `CapturedDecoder` warms up and captures its step, and only then: the prefill stays eager. Regional
+    compilation: every layer's module runs the same compiled code (parameters are inputs), one compile."""
+    import sys as _sys
+
+    from kvcalib.runtime import captured
+
+    mods = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                       layer.mlp)] + [model.model.norm]
+    home = _sys.modules[type(model.model.layers[0].self_attn).__module__]
+    eager_rope = home.apply_rotary_pos_emb
+    fast_rope = torch.compile(eager_rope, fullgraph=True, dynamic=False)
+    init = captured.CapturedDecoder.__init__
+
+    def regional_init(self, *args, **kwargs):
+        for m in mods:
+            m.compile(fullgraph=True, dynamic=False)
+        if rope:
+            home.apply_rotary_pos_emb = fast_rope
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            for m in mods:
+                m._compiled_call_impl = None
+            home.apply_rotary_pos_emb = eager_rope
+
+    captured.CapturedDecoder.__init__ = regional_init
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,26 +103,29 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(llama8b_config(longest), dtype=torch.float16).eval()
     model.generation_config.eos_token_id = None  # every call decodes all its tokens
+    base = path.removesuffix("-warm")
+    if base.startswith("kivi128-static-regions"):
+        compile_regions(model, rope=base.endswith("rope"))
     rows = []
     for lengths in shapes:
-        if path == "kivi128-dynamic" and (len(lengths) > 1 or lengths[0] > 32768):
+        if base == "kivi128-dynamic" and (len(lengths) > 1 or lengths[0] > 32768):
             continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
-        if path == "kivi128-static-compiled" and lengths != [32768]:
+        if (base == "kivi128-static-compiled" or "regions" in base) and lengths != [32768]:
             continue
         ids, mask = prompts_of(lengths)
         b, room = len(lengths), ids.shape[1] + 137 + 160  # 128 steps past generate's for `captured_step`
-        if path == "fp16-static":
+        if base == "fp16-static":
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=room)
-        elif path.startswith("kivi128-static"):
+        elif base.startswith("kivi128-static"):
             cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room,
-                                       compile=path.endswith("compiled"))
+                                       compile=base.endswith("compiled"))
         else:
             cache = None
 
         def call(new: int, sample: bool = False) -> float:
             use = cache if cache is not None else KvcalibCache(model, "kivi", MethodSettings(2, 128, 128))
-            if path == "fp16-static":
+            if base == "fp16-static":
                 use.reset()
             options = dict(do_sample=True, top_p=0.9, top_k=50, temperature=0.8) if sample else dict(do_sample=False)
             torch.cuda.synchronize()
@@ -102,11 +143,19 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
                for sample in (False, True)}
         rows.append({"path": path, "batch": b, "context": max(lengths), "first": first, "ttft": ttft,
                      "greedy": per[False], "sample": per[True],
-                     "step": captured_step(cache) if path.startswith("kivi128-static") else None})
+                     "step": captured_step(cache) if base.startswith("kivi128-static") else None,
+                     "graphs": dynamo_graphs()})
         print(f"[{path}] B={b} {max(lengths)}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         del cache
         torch.cuda.empty_cache()
     return rows
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (a region recompiled per layer would show here)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def captured_step(cache, steps: int = 128) -> float:
@@ -131,6 +180,9 @@ def main() -> None:
                         help="keep each path's rows here as JSON, and read (not rerun) a path already there: a run "
                              "split over several calls of a machine that keeps the folder")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
+    parser.add_argument("--cache-root", default=None,
+                        help="each path's on-disk compile caches in a folder of its own under this one (its -warm "
+                             "run shares it): a cold first call is cold whatever ran before it")
     args = parser.parse_args()
     shapes = [[int(c)] for c in args.contexts.split(",") if c]
     if args.batch8:
@@ -145,8 +197,11 @@ def main() -> None:
         if kept is not None and (kept / f"{path}.json").exists():
             rows += json.loads((kept / f"{path}.json").read_text())
             continue
+        env = dict(os.environ)
+        if args.cache_root:
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args.cache_root) / path.removesuffix("-warm"))
         child = subprocess.run([sys.executable, __file__, "--one-path", path, "--contexts", args.contexts,
-                                "--batch8", str(args.batch8)], capture_output=True, text=True)
+                                "--batch8", str(args.batch8)], capture_output=True, text=True, env=env)
         sys.stderr.write(child.stderr[-3000:])
         if child.returncode:
             print(f"{path}: failed (exit {child.returncode})", file=sys.stderr)
@@ -156,7 +211,7 @@ def main() -> None:
             kept.mkdir(parents=True, exist_ok=True)
             (kept / f"{path}.json").write_text(json.dumps(got))
         rows += got
-    base = {(r["batch"], r["context"]): r for r in rows if r["path"] == "fp16-static"}
+    base = {(r["batch"], r["context"]): r for r in rows if r["path"] in ("fp16-static", "fp16-static-warm")}
     lines = ["| B | longest prompt | path | first call s | TTFT s | ms/token greedy | ms/token sampling | "
              "sampling/greedy | tokens/s | x fp16 | captured step ms (generate/step) |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]

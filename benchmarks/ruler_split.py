@@ -1,0 +1,183 @@
+"""Offline RULER through `kvcalib lm-eval`'s model, split over two machines: the requests are made and
+scored where lm-eval is installed with its dependencies (this machine), and generated on a GPU machine
+that has only torch, transformers and lm-eval itself (`pip install --no-deps lm_eval`: its Hugging Face
+model imports nothing else).
+
+    python benchmarks/ruler_split.py requests --limit 40 --max-lengths 4096,8192 --out runs/ruler/requests.json
+    python benchmarks/ruler_split.py generate --requests runs/ruler/requests.json --rows rows.json \
+        --model PATH.gguf --out runs/ruler/responses            # on the GPU machine
+    python benchmarks/ruler_split.py score --requests runs/ruler/requests.json \
+        --responses runs/ruler/responses --out runs/ruler/lmeval
+
+The generation is `kvcalib.harness.KvcalibLM.generate_until`, the same call `kvcalib lm-eval` makes
+(lm-eval's `HFLM` batching, stop strings and truncation; `model.generate` with the runtime cache). The
+requests come from `simple_evaluate` with a model that records them, and the scores from
+`simple_evaluate` with a model that answers from the generated texts: the tasks, the samples, their
+order and the metrics are lm-eval's own, as in a single `kvcalib lm-eval` run with the same seed.
+
+`rows.json`: a list of {"name", "method", "settings": {MethodSettings fields}, "artifacts"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvcalib.harness import OFFLINE_RULER  # noqa: E402
+from kvcalib.methods import MethodSettings, build_method  # noqa: E402
+from kvcalib.models import DEFAULT_MODEL, attention_shape, load_model  # noqa: E402
+
+
+def _key(args) -> str:
+    context, gen_kwargs = args
+    return json.dumps([context, gen_kwargs], sort_keys=True, default=str)
+
+
+def _answering_lm(answer):
+    """An lm-eval `LM` whose generations come from `answer(requests) -> texts`; loglikelihoods are refused
+    (RULER's tasks only generate)."""
+    from lm_eval.api.model import LM
+
+    class Answering(LM):
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return answer([r.args for r in requests])
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError("RULER's tasks only generate")
+
+        loglikelihood_rolling = loglikelihood
+
+    return Answering()
+
+
+def _evaluate(lm, tasks: list[str], limit: int, lengths: list[int], seed: int) -> dict:
+    """`simple_evaluate` as `kvcalib.harness.run_tasks` calls it, over `lm`."""
+    from lm_eval import simple_evaluate
+
+    tokenizer = load_model(DEFAULT_MODEL, "cpu").tokenizer
+    with tempfile.TemporaryDirectory(prefix="kvcalib-tokenizer-") as tokenizer_dir:
+        tokenizer.save_pretrained(tokenizer_dir)
+        return simple_evaluate(model=lm, tasks=tasks, limit=limit,
+                               metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": lengths},
+                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                               fewshot_random_seed=seed)
+
+
+def requests(args) -> None:
+    tasks, lengths = args.tasks.split(","), [int(n) for n in args.max_lengths.split(",")]
+    seen: list = []
+
+    def record(batch):
+        seen.extend(batch)
+        return [""] * len(batch)
+
+    _evaluate(_answering_lm(record), tasks, args.limit, lengths, args.seed)
+    Path(args.out).write_text(json.dumps({"tasks": tasks, "limit": args.limit, "max_lengths": lengths,
+                                          "seed": args.seed, "requests": [list(a) for a in seen]}))
+    print(f"{len(seen)} requests -> {args.out}")
+
+
+def _rows(path: str) -> list[dict]:
+    return json.loads(Path(path).read_text())
+
+
+def _method(row: dict, lm):
+    return build_method(row["method"], attention_shape(lm.config), MethodSettings(**row.get("settings", {})),
+                        row.get("artifacts"), lm)
+
+
+def generate(args) -> None:
+    """Each row's answers into `--out`/NAME.json, `--chunk` requests at a time, resuming where a file
+    left off (a run spread over calls of limited length)."""
+    import torch
+    from lm_eval.api.instance import Instance
+
+    from kvcalib.harness import kvcalib_lm
+
+    spec = json.loads(Path(args.requests).read_text())
+    keys = [_key(a) for a in spec["requests"]]
+    lm = load_model(args.model, args.device)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for row in _rows(args.rows):
+        if args.only and row["name"] not in args.only.split(","):
+            continue
+        target = out / f"{row['name']}.json"
+        got = json.loads(target.read_text()) if target.exists() else {"row": row, "seconds": 0.0, "answers": {}}
+        todo = [i for i, k in enumerate(keys) if k not in got["answers"]]
+        model = kvcalib_lm(lm, _method(row, lm), batch_size=args.batch_size) if todo else None
+        for start in range(0, len(todo), args.chunk):
+            part = [Instance("generate_until", {}, tuple(spec["requests"][i]), i) for i in todo[start:start + args.chunk]]
+            t0 = time.perf_counter()
+            texts = model.generate_until(part, disable_tqdm=True)
+            got["seconds"] += time.perf_counter() - t0
+            got["answers"].update({keys[r.idx]: t for r, t in zip(part, texts)})
+            got["device"] = device
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(json.dumps(got))
+            tmp.replace(target)
+            print(f"{row['name']}: {len(got['answers'])}/{len(keys)} requests, {got['seconds']:.1f} s on {device}",
+                  flush=True)
+
+
+def score(args) -> None:
+    from kvcalib.evaluate import settings_of
+
+    spec = json.loads(Path(args.requests).read_text())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lm = None
+    for path in sorted(Path(args.responses).glob("*.json")):
+        got = json.loads(path.read_text())
+        answers, row = got["answers"], got["row"]
+        if len(answers) < len({_key(a) for a in spec["requests"]}):
+            print(f"{row['name']}: {len(answers)} of {len(spec['requests'])} requests answered, not scored")
+            continue
+        results = _evaluate(_answering_lm(lambda batch: [answers[_key(a)] for a in batch]), spec["tasks"],
+                            spec["limit"], spec["max_lengths"], spec["seed"])
+        lm = lm or load_model(DEFAULT_MODEL, "cpu")
+        method = _method(row, lm)
+        results["kvcalib"] = {"model": DEFAULT_MODEL, "method": method.name, "settings": settings_of(method),
+                              "artifacts": row.get("artifacts"), "max_lengths": spec["max_lengths"],
+                              "limit": spec["limit"], "generated_on": got["device"], "seconds": got["seconds"]}
+        from lm_eval.utils import handle_non_serializable
+
+        (out / path.name).write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+        print(f"{row['name']}: scored -> {out / path.name}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="step", required=True)
+    r = sub.add_parser("requests")
+    r.add_argument("--tasks", default=",".join(OFFLINE_RULER))
+    r.add_argument("--limit", type=int, default=40)
+    r.add_argument("--max-lengths", default="4096,8192")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("--requests", required=True)
+    g.add_argument("--rows", required=True)
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--device", default=None)
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--only", default=None, help="comma-separated row names")
+    g.add_argument("--chunk", type=int, default=64, help="requests between saves")
+    g.add_argument("--out", required=True)
+    s = sub.add_parser("score")
+    s.add_argument("--requests", required=True)
+    s.add_argument("--responses", required=True)
+    s.add_argument("--out", required=True)
+    args = parser.parse_args()
+    {"requests": requests, "generate": generate, "score": score}[args.step](args)
+
+
+if __name__ == "__main__":
+    main()
