@@ -9,14 +9,14 @@ CUDA context, kernel loading, compilation or capture; on-disk caches of CuPy and
 an earlier run on the machine left them, said beside the table):
 - `fp16-static`: `model.generate(past_key_values=StaticCache(...))`; transformers compiles the decode
   step itself (`torch.compile`, mode reduce-overhead: CUDA graphs), its documented fast path;
-- `kivi128-static`: `model.generate(past_key_values=StaticKvcalibCache(model, "kivi", G=128, R=128))`:
-  the prompt batch into slots, each decode step replayed from the captured CUDA graph;
-- `kivi128-static-compiled`: the same with `compile=True`: the step compiled by torch.compile (Inductor) before
-  its capture (B=1 at 32k only: its compilation takes minutes);
-- `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k);
-- `kivi128-static-regions`: the captured step with only the model's RMSNorms and MLPs compiled (regional
-  compilation: one compiled region serves every layer), for its capture only (B=1 at 32k only);
-  `kivi128-static-regions-rope` compiles the rotary embedding's application too.
+- `kivi128-static`: `model.generate(past_key_values=StaticKvcalibCache(model, "kivi", G=128, R=128))` as made by
+  default: the prompt batch into slots, each decode step replayed from the captured CUDA graph, the model's
+  norms, MLPs and rotary application compiled before the capture (`compile="regions"`: one compiled region
+  serves every layer, seconds of compilation);
+- `kivi128-static-uncompiled`: the same captured with nothing compiled (`compile="none"`, B=1 at 32k only);
+- `kivi128-static-compiled`: the whole step compiled by torch.compile (Inductor) before its capture
+  (`compile="step"`, B=1 at 32k only: its compilation takes minutes in a cold process);
+- `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k).
 A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches
 (Inductor's FX graph cache, CuPy's kernel cache) that run left: a user's second process.
 
@@ -43,39 +43,9 @@ from pathlib import Path
 
 import torch
 
-PATHS = ["fp16-static", "kivi128-static", "kivi128-static-compiled", "kivi128-dynamic", "kivi128-static-regions",
-         "kivi128-static-regions-rope"]
+PATHS = ["fp16-static", "kivi128-static", "kivi128-static-uncompiled", "kivi128-static-compiled", "kivi128-dynamic"]
 PATHS += [f"{p}-warm" for p in PATHS]
-
-
-def compile_regions(model, rope: bool) -> None:
-    """Compile the model's RMSNorms and MLPs (and with `rope` the rotary embedding's application) while a
-    `CapturedDecoder` warms up and captures its step, and only then: the prefill stays eager. Regional
-    compilation: every layer's module runs the same compiled code (parameters are inputs), one compile."""
-    import sys as _sys
-
-    from kvcalib.runtime import captured
-
-    mods = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.post_attention_layernorm,
-                                                       layer.mlp)] + [model.model.norm]
-    home = _sys.modules[type(model.model.layers[0].self_attn).__module__]
-    eager_rope = home.apply_rotary_pos_emb
-    fast_rope = torch.compile(eager_rope, fullgraph=True, dynamic=False)
-    init = captured.CapturedDecoder.__init__
-
-    def regional_init(self, *args, **kwargs):
-        for m in mods:
-            m.compile(fullgraph=True, dynamic=False)
-        if rope:
-            home.apply_rotary_pos_emb = fast_rope
-        try:
-            init(self, *args, **kwargs)
-        finally:
-            for m in mods:
-                m._compiled_call_impl = None
-            home.apply_rotary_pos_emb = eager_rope
-
-    captured.CapturedDecoder.__init__ = regional_init
+COMPILE = {"kivi128-static": "regions", "kivi128-static-uncompiled": "none", "kivi128-static-compiled": "step"}
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,13 +74,11 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
         model = AutoModelForCausalLM.from_config(llama8b_config(longest), dtype=torch.float16).eval()
     model.generation_config.eos_token_id = None  # every call decodes all its tokens
     base = path.removesuffix("-warm")
-    if base.startswith("kivi128-static-regions"):
-        compile_regions(model, rope=base.endswith("rope"))
     rows = []
     for lengths in shapes:
         if base == "kivi128-dynamic" and (len(lengths) > 1 or lengths[0] > 32768):
             continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
-        if (base == "kivi128-static-compiled" or "regions" in base) and lengths != [32768]:
+        if base in ("kivi128-static-compiled", "kivi128-static-uncompiled") and lengths != [32768]:
             continue
         ids, mask = prompts_of(lengths)
         b, room = len(lengths), ids.shape[1] + 137 + 160  # 128 steps past generate's for `captured_step`
@@ -119,7 +87,7 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
             cache = StaticCache(config=model.config, max_cache_len=room)
         elif base.startswith("kivi128-static"):
             cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room,
-                                       compile=base.endswith("compiled"))
+                                       compile=COMPILE[base])
         else:
             cache = None
 

@@ -165,3 +165,41 @@ def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_
         for a, b in zip(layers[0].mutable(), layers[1].mutable()):
             assert torch.equal(a, b), s
     assert layers[0].flushed.tolist() == [32, 64, 96]
+
+
+def test_compile_modes_are_named_and_a_wrong_one_is_refused_in_one_line():
+    from kvcalib.runtime.captured import COMPILE_MODES, compile_mode
+
+    assert [compile_mode(m) for m in COMPILE_MODES] == list(COMPILE_MODES)
+    assert (compile_mode(True), compile_mode(False)) == ("step", "none")
+    with pytest.raises(SettingsError, match="compile must be one of regions, step, none"):
+        compile_mode("fast")
+
+
+def test_the_compiled_regions_are_the_layers_norms_and_mlps_and_the_final_norm_and_only_inside_the_step():
+    """What `compile="regions"` compiles (kvcalib.runtime.captured): every decoder layer's children but its
+    attention, the final norm, and the rotary application of the attention's module, switched in while the
+    step runs and put back after it, also when the step raises. Nothing is compiled here: torch.compile
+    wraps lazily, and these tests check which code runs where (the GPU tests time and compare it)."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcalib.runtime.captured import _Regions
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    eager_rope = llama.apply_rotary_pos_emb
+    regions = _Regions(model)
+    want = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.mlp, layer.post_attention_layernorm)]
+    assert sorted(map(id, regions.modules)) == sorted(map(id, want + [model.model.norm]))
+    assert not any(m is layer.self_attn for layer in model.model.layers for m in regions.modules)
+    with regions:
+        assert all(m._compiled_call_impl is not None for m in regions.modules)
+        assert llama.apply_rotary_pos_emb is not eager_rope
+    assert all(m._compiled_call_impl is None for m in regions.modules)
+    assert llama.apply_rotary_pos_emb is eager_rope
+    with pytest.raises(RuntimeError, match="inside"):
+        with regions:
+            raise RuntimeError("inside")
+    assert llama.apply_rotary_pos_emb is eager_rope and all(m._compiled_call_impl is None for m in regions.modules)

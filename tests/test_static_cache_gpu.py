@@ -398,22 +398,29 @@ def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buff
     assert extra["compiled"] - extra["eager"] < smallest, extra
 
 
+@pytest.mark.parametrize("mode", ["step", "regions"])
 @pytest.mark.parametrize("name", ["kivi", "oscar"])
-def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot(name):
+def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refilled_slot(name, mode):
     """KIVI and OScaR. KVLinC's compiled step is held to the eager one at the layer (above): its correction
     reads the quantization residual k - k̂, which jumps where a code changes, so the float16 round-off
     between Inductor's and eager's activations, where it moves a code, moves that token's φ(kᵉ) by O(1):
     measured on this model with random adapters: layer 1's float16 keys differ by an ulp, a few dozen of its codes
-    differ, and the logits by 0.12 (of up to 1.97) after 50 steps where a flush took such codes, not a few ulps."""
+    differ, and the logits by 0.12 (of up to 1.97) after 50 steps where a flush took such codes, not a few ulps.
+    `regions` (the cache's default) compiles the norms, MLPs and rotary application only: one graph for each
+    of the three, whatever the number of layers."""
+    from torch._dynamo.utils import counters
+
     from kvcalib.runtime.captured import CapturedDecoder, Decoder
 
+    torch._dynamo.reset()
+    counters.clear()
     model = _model()
     torch.manual_seed(3)
     prompts = [torch.randint(0, 1000, (n,), device=DEV) for n in (5, 31, 70, 32)]
     logits, fed = {}, []
     for compiled in (False, True):
         cache = StaticKvcalibCache(model, _model_method(model, name), max_batch=3, max_length=512)
-        decoder = CapturedDecoder(model, cache, compile=True) if compiled else Decoder(model, cache)
+        decoder = CapturedDecoder(model, cache, compile=mode) if compiled else Decoder(model, cache, compile="none")
         rows = []
         nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
         for s in range(50):  # every slot flushes at least once (R = 32)
@@ -438,6 +445,8 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
     top2 = eager.topk(2, -1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
     assert torch.equal(comp.argmax(-1)[clear], eager.argmax(-1)[clear])
+    if mode == "regions":  # norm, MLP, rotary: one graph each for the model's layers (a per-layer compile shows here)
+        assert counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 
 @pytest.mark.parametrize("name", METHODS)

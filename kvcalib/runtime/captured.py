@@ -2,7 +2,16 @@
 
     decoder = CapturedDecoder(model, cache)   # warms up and captures the step for the cache's batch
     logits = decoder.step(tokens)             # (B,) each slot's newest token -> (B, vocab) float
-    CapturedDecoder(model, cache, compile=True)  # the step compiled by torch.compile, then captured
+    CapturedDecoder(model, cache, compile="step")  # the whole step compiled by torch.compile, then captured
+
+How much of the step torch.compile sees (`compile`, the cache's `compile` unless given; `COMPILE_MODES`):
+- `"regions"` (the cache's default): the model's small ops, where eager launches cost most and Inductor
+  compiles least: each decoder layer's norms and MLP, the final norm, and the rotary embedding's
+  application (`_Regions`). One compiled region serves every layer (its parameters are inputs),
+  so the first call compiles three small graphs, seconds, not the whole model's minutes. The cache's
+  append, flush and fused attention stay eager;
+- `"step"` (or True): the whole step, below;
+- `"none"` (or False): nothing compiled.
 
 The step is the model's forward on one token per slot, at each slot's own position (read from the
 cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
@@ -32,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,17 +67,73 @@ def compile_options() -> dict[str, bool]:
     return options
 
 
-class Decoder:
-    """One decode step over a `StaticKvcalibCache`, run eagerly (or compiled, `compile=True`);
-    `CapturedDecoder` replays it from a graph."""
+COMPILE_MODES = ("regions", "step", "none")
 
-    def __init__(self, model, cache: StaticKvcalibCache, compile: bool = False):
+
+def compile_mode(compile: bool | str) -> str:
+    """One of `COMPILE_MODES` (True is "step", False "none"); anything else is refused in one line."""
+    mode = "step" if compile is True else "none" if compile is False else compile
+    if mode not in COMPILE_MODES:
+        raise SettingsError(f"compile must be one of {', '.join(COMPILE_MODES)} (or True, False), got {compile!r}")
+    return mode
+
+
+class _Regions:
+    """The model's norms, MLPs and rotary application, each run by its own compiled code while the context is
+    open (`with regions:`), eagerly otherwise: `torch.compile` of a module is kept beside it and switched in
+    (`nn.Module._compiled_call_impl`), and the attention module's `apply_rotary_pos_emb`, where its module
+    defines one, is swapped for its compiled form. Regional compilation: the layers' modules share their
+    code, so one compiled graph per kind serves them all (tests/test_static_cache_gpu.py counts them)."""
+
+    def __init__(self, model):
+        options = dict(dynamic=False, options=compile_options())
+        layers, attention = _decoder_layers(model)
+        self.modules = [child for layer in layers for child in layer.children()
+                        if not any(m is child for m in attention)]
+        norm = getattr(getattr(model, "model", model), "norm", None)
+        if isinstance(norm, torch.nn.Module):
+            self.modules.append(norm)
+        self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
+        home = sys.modules.get(type(attention[0]).__module__) if attention else None
+        rope = getattr(home, "apply_rotary_pos_emb", None)
+        self.home, self.rope = (home, (rope, torch.compile(rope, **options))) if callable(rope) else (None, None)
+
+    def __enter__(self):
+        for m, fast in zip(self.modules, self.compiled):
+            m._compiled_call_impl = fast
+        if self.home is not None:
+            self.home.apply_rotary_pos_emb = self.rope[1]
+
+    def __exit__(self, *exc):
+        for m in self.modules:
+            m._compiled_call_impl = None
+        if self.home is not None:
+            self.home.apply_rotary_pos_emb = self.rope[0]
+
+
+def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """The model's decoder layers (the modules holding an attention module, one that names its `layer_idx`
+    as transformers' do) and their attention modules."""
+    attention = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
+                 and any(True for _ in m.parameters())]
+    ids = {id(a) for a in attention}
+    layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
+    return layers, attention
+
+
+class Decoder:
+    """One decode step over a `StaticKvcalibCache`, run eagerly, with its regions compiled or the whole
+    step compiled (`compile`: module docstring); `CapturedDecoder` replays it from a graph."""
+
+    def __init__(self, model, cache: StaticKvcalibCache, compile: bool | str | None = None):
         self.model, self.cache = model, cache
+        self.mode = compile_mode(cache.compile if compile is None else compile)
         device = cache.layers[0].flushed.device
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
-                     if compile else self._forward)  # compiled twice: with and without the flush (`layer.flush`)
+                     if self.mode == "step" else self._forward)  # compiled twice: with and without the flush
+        self._regions = _Regions(model) if self.mode == "regions" else contextlib.nullcontext()
         cache.read_counts()
 
     def _forward(self) -> torch.Tensor:
@@ -78,7 +144,7 @@ class Decoder:
 
     def _call(self) -> torch.Tensor:
         """The step (compiled or not) as the model's own forward, not routed to the cache (`route_forward`)."""
-        with torch.no_grad():
+        with torch.no_grad(), self._regions:
             return self.cache.run_direct(self._run)
 
     def _take(self, tokens: torch.Tensor) -> None:
@@ -109,7 +175,7 @@ class CapturedDecoder(Decoder):
     """`Decoder`'s step captured in CUDA graphs (compiled first with `compile=True`; the warm-up runs
     compile it), one with the flush and one without, and replayed at every step."""
 
-    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool = False):
+    def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool | str | None = None):
         super().__init__(model, cache, compile)
         device = self.ids.device
         saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]  # counts, KVLinC's state
@@ -151,10 +217,11 @@ class CapturedDecoder(Decoder):
 
 
 def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,
-             captured: bool = True, compile: bool = False) -> list[list[int]]:
+             captured: bool = True, compile: bool | str | None = None) -> list[list[int]]:
     """Greedy continuations of `prompts` ((T,) token ids each), `max_new_tokens` each, served through
     the cache's slots: a finished sequence leaves its slot and the next prompt is prefilled into it.
-    `captured`, `compile`: the decode step replayed from a CUDA graph, compiled (`Decoder`)."""
+    `captured`, `compile`: the decode step replayed from a CUDA graph, compiled (`Decoder`; the cache's own
+    `compile` unless given), the step `model.generate` replays."""
     if max_new_tokens < 1:
         raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
     device = cache.layers[0].flushed.device

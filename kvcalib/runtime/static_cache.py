@@ -11,8 +11,11 @@ tokens alone (a left-padded row without its padding, compressed at its own lengt
 step replays the step captured in one CUDA graph (`kvcalib.runtime.captured.CapturedDecoder`, captured
 at the first step and kept with the cache for the next `generate` call of the same batch). A new
 `generate` call starts from empty slots; the cache is sized for the longest prompt plus
-`max_new_tokens` (`max_length`) and for the batch (`max_batch`). `compile=True` compiles the step with
-`torch.compile` before capturing it (faster steps, minutes of compilation before the first token).
+`max_new_tokens` (`max_length`) and for the batch (`max_batch`). By default (`compile="regions"`) the
+model's norms, MLPs and rotary application are compiled before the capture (seconds, once: one compiled
+region serves every layer); `compile="step"` compiles the whole step (faster steps, minutes of compilation
+before the first token of a process whose on-disk caches are cold); `compile="none"` compiles nothing
+(`kvcalib.runtime.captured`).
 
 The same cache serves kvcalib's own loop, which refills a finished sequence's slot with the next prompt:
 
@@ -73,7 +76,7 @@ from ..models import LoadedModel, attention_shape, layer_devices
 from ..vq_layout import VQLayer
 from .cache import (IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention,
                     tensor_parallel_size, vq_attend)
-from .captured import CapturedDecoder, Decoder
+from .captured import CapturedDecoder, Decoder, compile_mode
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +275,11 @@ class StaticKvcalibCache(Cache):
     """The cache of the module docstring: `max_batch` slots of up to `max_length` tokens each."""
 
     def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
-                 artifacts: str | None = None, max_batch: int = 1, max_length: int = 4096, compile: bool = False):
-        """`compile`: the step `model.generate` replays is compiled by torch.compile before its capture."""
+                 artifacts: str | None = None, max_batch: int = 1, max_length: int = 4096,
+                 compile: bool | str = "regions"):
+        """`compile`: how much of the step `model.generate` replays torch.compile compiles before its capture
+        (`kvcalib.runtime.captured.COMPILE_MODES`)."""
+        mode = compile_mode(compile)
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
@@ -293,7 +299,7 @@ class StaticKvcalibCache(Cache):
         self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
-        self.compile = compile
+        self.compile = mode
         self.decoder: Decoder | None = None  # the step model.generate replays, captured at its first step
         self.direct = False  # a forward of the cache's own (prefill, the decoder's step): not routed (`route_forward`)
         register_attention()
