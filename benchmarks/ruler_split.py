@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -133,15 +134,27 @@ def score(args) -> None:
     spec = json.loads(Path(args.requests).read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    paths = sorted(p for p in Path(args.responses).glob("*.json") if args.only in (None, p.stem))
+    if args.only is None and len(paths) > 1:  # one process each: a second evaluation in a process makes other
+        for path in paths:                      # word lists (ruler_cwe), the first the same as the requests' run
+            subprocess.run([sys.executable, __file__, "score", "--requests", args.requests, "--responses",
+                            args.responses, "--out", args.out, "--only", path.stem], check=True)
+        return
     lm = None
-    for path in sorted(Path(args.responses).glob("*.json")):
+    for path in paths:
         got = json.loads(path.read_text())
         answers, row = got["answers"], got["row"]
         if len(answers) < len({_key(a) for a in spec["requests"]}):
             print(f"{row['name']}: {len(answers)} of {len(spec['requests'])} requests answered, not scored")
             continue
-        results = _evaluate(_answering_lm(lambda batch: [answers[_key(a)] for a in batch]), spec["tasks"],
-                            spec["limit"], spec["max_lengths"], spec["seed"])
+        def answer(batch):
+            missing = [a for a in batch if _key(a) not in answers]
+            if missing:
+                raise SystemExit(f"{row['name']}: {len(missing)} prompts the requests file does not hold (lm-eval "
+                                 f"made other samples than in the requests' run)")
+            return [answers[_key(a)] for a in batch]
+
+        results = _evaluate(_answering_lm(answer), spec["tasks"], spec["limit"], spec["max_lengths"], spec["seed"])
         lm = lm or load_model(DEFAULT_MODEL, "cpu")
         method = _method(row, lm)
         results["kvcalib"] = {"model": DEFAULT_MODEL, "method": method.name, "settings": settings_of(method),
@@ -174,6 +187,7 @@ def main() -> None:
     s = sub.add_parser("score")
     s.add_argument("--requests", required=True)
     s.add_argument("--responses", required=True)
+    s.add_argument("--only", default=None, help="one row's name")
     s.add_argument("--out", required=True)
     args = parser.parse_args()
     {"requests": requests, "generate": generate, "score": score}[args.step](args)
