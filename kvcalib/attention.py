@@ -106,14 +106,16 @@ def _tanh(x: torch.Tensor) -> torch.Tensor:
 
 def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
                     k_held: torch.Tensor | None = None, v_held: torch.Tensor | None = None,
-                    flushed: torch.Tensor | None = None, return_lse: bool = False):
+                    flushed: torch.Tensor | None = None, return_lse: bool = False,
+                    key_start: torch.Tensor | None = None):
     """Causal attention where key j is read from `k_held`/`v_held` when j < flushed[i], else from k/v.
 
     q (B, Hq, Tq, d); k, v, k_held, v_held (B, Hkv, Tk, d); flushed (Tq,). Query i sits at absolute
     position Tk - Tq + i. Computed in `compute_dtype(q)` in chunks of queries; returns (B, Hq, Tq, d).
     With k_held None this is plain causal attention. With `return_lse` it also returns the
     log-sum-exp of each query's scores (B, Hq, Tq), so a caller can add terms to the unnormalized
-    sums (KVLinC's correction).
+    sums (KVLinC's correction). `key_start` (B,): row b's keys before it are padding, never attended (a
+    batch of sequences of different lengths, each right-aligned).
     """
     b, hq, tq, d = q.shape
     hkv, tk = k.shape[1], k.shape[2]
@@ -140,6 +142,8 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         visible = j[None, :] <= pos[:, None]
         if opts.sliding_window:
             visible &= j[None, :] > pos[:, None] - opts.sliding_window
+        if key_start is not None:
+            visible = visible & (j >= key_start.to(q.device).view(b, 1, 1, 1, 1))
         s = s.masked_fill(~visible, float("-inf"))
         if return_lse:
             lse[..., start:stop] = torch.logsumexp(s, dim=-1)

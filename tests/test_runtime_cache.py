@@ -277,3 +277,20 @@ def test_a_padded_batch_attends_to_no_padding_even_where_pad_keys_are_huge():
     alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 8)
     assert tokens.tolist() == alone_tokens.tolist()
     torch.testing.assert_close(logits, alone_logits, rtol=3 * U32, atol=2.0**-40 * alone_logits.abs().max().item())
+
+
+def test_a_padded_batch_decodes_every_row_in_one_reference_call_per_layer_and_step():
+    """The reference path takes a padded batch's decode step in one `Method.decode` per layer (each row's cache
+    right-aligned, its padding masked), not one per row; the test above holds its result to each row alone."""
+    model = float64(tiny_model("llama", seed=5))
+    method = _method("turboquant", attention_shape(model.config))
+    calls = []
+    decode = method.decode
+    method.decode = lambda *a, **k: calls.append(len(a[1])) or decode(*a, **k)
+    prompts = [torch.randint(1, 512, (n,), generator=torch.Generator().manual_seed(3)) for n in (37, 21, 5)]
+    ids = torch.zeros(3, 37, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 37 - len(p):], mask[b, 37 - len(p):] = p, 1
+    _greedy(model, method, ids, mask, 6)  # the prompt, then 5 decode steps
+    assert calls == [3] * (5 * model.config.num_hidden_layers)

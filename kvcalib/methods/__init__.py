@@ -132,9 +132,10 @@ class Method:
         return None
 
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
-               opts: AttentionOptions, state: Any) -> torch.Tensor:
-        """Attention of the last q.shape[-2] positions over a decoder's cache as held (reference path)."""
-        return mixed_attention(q, k_held, v_held, opts)
+               opts: AttentionOptions, state: Any, key_start: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the last q.shape[-2] positions over a decoder's cache as held (reference path);
+        `key_start` (B,): each row's first real key, its earlier ones padding (`mixed_attention`)."""
+        return mixed_attention(q, k_held, v_held, opts, key_start=key_start)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: "Held",
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:

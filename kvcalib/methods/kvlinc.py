@@ -151,16 +151,18 @@ class KvlincPacked(KiviPacked):
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: AttentionOptions,
-                     adapter: Adapter | None = None, states: States | None = None) -> torch.Tensor:
+                     adapter: Adapter | None = None, states: States | None = None,
+                     key_start: torch.Tensor | None = None) -> torch.Tensor:
     """The corrected attention of new queries over a decoder's cache: the reference the runtime matches.
 
     q (B, Hq, Tq, d) are the last Tq positions; k, v (B, Hkv, Tk, d) the cache as held (flushed
     blocks dequantized, then the float16 residual); `states` the S and P of the flushed blocks,
-    kept by `States.flush` as each block is flushed. Without states this is plain attention.
+    kept by `States.flush` as each block is flushed. Without states this is plain attention. `key_start`:
+    each row's first real key (`mixed_attention`).
     """
     if states is None:
-        return mixed_attention(q, k, v, opts)
-    out, lse = mixed_attention(q, k, v, opts, return_lse=True)
+        return mixed_attention(q, k, v, opts, key_start=key_start)
+    out, lse = mixed_attention(q, k, v, opts, return_lse=True, key_start=key_start)
     return combine(out, lse, adapter.query_features(q), states)
 
 
@@ -258,8 +260,8 @@ class Kvlinc(Kivi):
         return None if adapter is None or state is None else correction_terms(adapter.query_features(q), state)
 
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
-               opts: AttentionOptions, state: States | None) -> torch.Tensor:
-        return decode_attention(q, k_held, v_held, opts, self.adapter(layer, q.device), state)
+               opts: AttentionOptions, state: States | None, key_start: torch.Tensor | None = None) -> torch.Tensor:
+        return decode_attention(q, k_held, v_held, opts, self.adapter(layer, q.device), state, key_start)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, held: Held,
                flushed: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:

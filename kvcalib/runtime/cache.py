@@ -10,7 +10,9 @@ model's attention runs through the registered attention function `kvcalib_runtim
 - a padded batch (an `attention_mask` with zeros, e.g. transformers' left-padded batch generation)
   keeps each sequence in a row of its own holding only its real tokens: its blocks flush at its own
   lengths, padding is never attended, stored nor counted, and each sequence decodes exactly as it
-  would alone (the mask reaches the cache through a forward pre-hook on the model);
+  would alone (the mask reaches the cache through a forward pre-hook on the model). A decode step of such a
+  batch on the torch reference path is one call for every row (each row's cache right-aligned over the
+  longest, its padding masked: `_decode_rows`); the fused kernels still take one launch per row;
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
@@ -277,6 +279,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             out = layer.attend(query, key, value, opts, before)
         elif layer.rows is None:
             out = _attend(layer, before, query, key, value, opts)
+        elif _decodes_together(layer, query, opts):
+            out = _decode_rows(layer, query, opts)
         else:  # a padded batch: each sequence over its own real tokens; padded positions output zeros
             out = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=compute_dtype(query))
             for b, row in enumerate(layer.rows):
@@ -286,6 +290,27 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                     out[one, :, idx] = _attend(row, layer.rows_before[b], query[one, :, idx], key[one, :, idx],
                                                value[one, :, idx], opts).to(out.dtype)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _decodes_together(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> bool:
+    """Whether a padded batch's decode step goes through the torch reference in one call for every row: one
+    new real token in each row over a cache it already holds, every row on the reference path (no fused
+    layout) and without a decoding state (KVLinC's S and P are a row's own), no sliding window."""
+    return (query.shape[-2] == 1 and not opts.sliding_window and bool(layer.new_valid.all())
+            and all(before > 0 for before in layer.rows_before)
+            and all(row.fused is None and row.vq is None and row.state is None for row in layer.rows))
+
+
+def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
+    """One `Method.decode` for every row of a padded batch: each row's cache as held, right-aligned over the
+    longest, its first `key_start` keys padding that no query attends."""
+    held = [row.held(compute_dtype(query)) for row in layer.rows]
+    width = max(k.shape[-2] for k, _ in held)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))  # noqa: E731
+    k = torch.cat([pad(k) for k, _ in held])
+    v = torch.cat([pad(v) for _, v in held])
+    key_start = torch.tensor([width - k.shape[-2] for k, _ in held], device=query.device)
+    return layer.method.decode(layer.layer, query, k, v, opts, None, key_start=key_start)
 
 
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
