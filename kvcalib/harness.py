@@ -7,8 +7,9 @@ replaced by a kvcalib method, artifact or plan.
 How each kind of request meets the cache:
 - generation (`generate_until`: RULER, GSM8K, LongBench): `model.generate` with the cache a decoder holds
   (`kvcalib.generate.runtime_cache`: `StaticKvcalibCache` on a GPU where it holds the method, else
-  `KvcalibCache`), a new one per batch: the prompt attends in float16 and is compressed, then every
-  generated token attends over the compressed cache;
+  `KvcalibCache`): the prompt attends in float16 and is compressed, then every generated token attends
+  over the compressed cache. A static cache is kept for the later batches it can hold (`reused_cache`: its
+  captured step too); a dynamic one is made per batch;
 - loglikelihood (multiple choice, perplexity tasks): one forward per batch, each position attending over
   the cache a decoder holds there, as `kvcalib eval` scores (`kvcalib.evaluate.decode_exact`);
 - `--method fp16`: lm-eval's own Hugging Face path, unchanged.
@@ -53,9 +54,10 @@ def _lm_class():
         def __init__(self, lm: LoadedModel, method: Method, batch_size: int = 1, max_length: int | None = None):
             super().__init__(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=batch_size, max_length=max_length)
             self.loaded, self.method = lm, method
+            self.static = None  # the last static cache, kept for the batches it can hold (`reused_cache`)
 
         def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
-            cache = runtime_cache(self.loaded, self.method, max_batch=context.shape[0], max_length=max_length)
+            cache = reused_cache(self, context.shape[0], max_length)
             if cache is not None:
                 generation_kwargs["past_key_values"] = cache
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -67,6 +69,21 @@ def _lm_class():
                 return super()._model_call(inps, attn_mask, labels)
 
     return KvcalibLM
+
+
+def reused_cache(owner, batch: int, length: int):
+    """The cache for one batch of generation requests: `owner.static`, a static cache made for an earlier
+    batch, where it holds `batch` rows of `length` tokens (a new `generate` call empties its slots, and its
+    captured step is kept: no capture per batch); else a new runtime cache, a static one sized for the next
+    power of two of `length` (up to the model's context) and kept in `owner.static`."""
+    held = owner.static
+    if held is not None and held.max_batch >= batch and held.max_length >= length:
+        return held
+    room = max(length, min(1 << (length - 1).bit_length(), max_context(owner.loaded.config) or length))
+    cache = runtime_cache(owner.loaded, owner.method, max_batch=batch, max_length=room)
+    if hasattr(cache, "max_batch"):  # StaticKvcalibCache; a KvcalibCache holds one batch's tokens only
+        owner.static = cache
+    return cache
 
 
 def kvcalib_lm(lm: LoadedModel, method: Method, batch_size: int = 1, max_length: int | None = None):

@@ -110,3 +110,31 @@ def test_kvcalib_lm_eval_refuses_bad_input_in_one_line_before_loading_a_model(ar
         main(["lm-eval", "--model", "no-such-model-dir", *args])
     err = capsys.readouterr().err
     assert done.value.code == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_static_cache_is_kept_for_the_batches_it_holds_and_a_dynamic_one_is_made_per_batch(monkeypatch):
+    """`kvcalib lm-eval` on a GPU: one static cache (and its captured step) serves every later batch of no more
+    rows and tokens, sized for the next power of two of the first batch's length, up to the model's context;
+    a dynamic cache holds one batch's tokens, so each batch gets a new one."""
+    from types import SimpleNamespace
+
+    import kvcalib.harness as harness
+
+    made = []
+
+    def fake(model, method, max_batch, max_length):
+        made.append((max_batch, max_length))
+        return SimpleNamespace(max_batch=max_batch, max_length=max_length) if method == "static" else object()
+
+    monkeypatch.setattr(harness, "runtime_cache", fake)
+    config = SimpleNamespace(max_position_embeddings=8192)
+    owner = SimpleNamespace(loaded=SimpleNamespace(config=config), method="static", static=None)
+    first = harness.reused_cache(owner, 4, 5000)
+    assert made == [(4, 8192)] and owner.static is first
+    assert harness.reused_cache(owner, 4, 3000) is first and harness.reused_cache(owner, 2, 8192) is first
+    assert harness.reused_cache(owner, 8, 100) is not first and made[-1] == (8, 128)
+    harness.reused_cache(owner, 8, 9000)  # past the context: sized for the batch as asked
+    assert made[-1] == (8, 9000)
+    dynamic = SimpleNamespace(loaded=owner.loaded, method="dynamic", static=None)
+    assert harness.reused_cache(dynamic, 1, 10) is not harness.reused_cache(dynamic, 1, 10)
+    assert dynamic.static is None
