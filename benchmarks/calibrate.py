@@ -1,4 +1,4 @@
-"""The calibration pipeline on one machine (issue 19): each command as a user runs it (`kvcalib ...` in its
+"""The calibration pipeline on one machine: each command as a user runs it (`kvcalib ...` in its
 own process), timed, with its peak host memory (the process's maximum resident set, from the kernel) and
 peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
 

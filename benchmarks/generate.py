@@ -1,4 +1,4 @@
-"""Decode latency end to end (issue 17): a random-initialised Llama-3.1-8B-shaped model (built from its
+"""Decode latency end to end: a random-initialised Llama-3.1-8B-shaped model (built from its
 config, fp16) with a long prompt at B=1, each decode step timed on its own, for transformers' fp16 paths
 and kvcalib's caches.
 

@@ -1,4 +1,4 @@
-"""Where the compiled, captured decode step's time goes (issue 17): the 8B-shaped random model of
+"""Where the compiled, captured decode step's time goes: the 8B-shaped random model of
 generate.py, B=1, a 2-bit cache of generate.py's `CACHES` (`--cache`) in a StaticKvcalibCache at `--context` tokens; torch.profiler over `--replays`
 graph replays, GPU kernel time per step by kind:
 

@@ -1,6 +1,6 @@
 """Activation shards in and out of host memory: collect's write path and the readers', without a model.
 
-Issue 19's pipeline moves every activation through the host twice or more: `collect` writes 393 kB a token
+The calibration pipeline moves every activation through the host twice or more: `collect` writes 393 kB a token
 for an 8B model (Q of 32 heads, K and V of 8, float16, 32 layers), and fit-codebook, train-adapters and
 diagnose each read them back, checked. On the H100 collect took 214 s for 51.5 GB with the work directory
 in memory (RESULTS.md): the host's copies and hashes, not the GPU nor the disk. This times those paths

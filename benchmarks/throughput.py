@@ -1,4 +1,4 @@
-"""Decode throughput at a fixed memory budget (issue 17): in `--budget-gib` of GPU memory, weights included,
+"""Decode throughput at a fixed memory budget: in `--budget-gib` of GPU memory, weights included,
 the largest batch each cache holds at a given context, and decode tokens/s at that batch, for the
 random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
 

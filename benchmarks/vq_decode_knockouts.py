@@ -1,4 +1,4 @@
-"""What the VecInfer decode kernel's time is made of (kernels_cupy/vq_decode.cu, issue 18): the kernel as planned,
+"""What the VecInfer decode kernel's time is made of (kernels_cupy/vq_decode.cu): the kernel as planned,
 then with its packed tokens' value gathers, key gathers and tensor-core products knocked out (`KNOCKOUT`: each
 replaced by a few integer operations on the same inputs, the output meaningless), beside one launch that only reads
 the same bytes (decode.py's read floor). On decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random

@@ -1,4 +1,4 @@
-"""A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu, issue 18): warps per block,
+"""A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu): warps per block,
 pipeline stages, conflict-free book copies, blocks per SM, compile-time switches, against the plan `kvcalib.runtime.vq_kernel.plan`
 picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
 replays). Prints a table; `--results FILE` records it.

@@ -1,4 +1,4 @@
-"""CPU emulation of the lookup-table VecInfer decode kernel of issue 18 (not written yet), to choose its
+"""CPU emulation of the lookup-table VecInfer decode kernel (not written yet), to choose its
 arithmetic without a GPU: each candidate's worst row error against the float64 reference of the same
 codes (`kvcalib.vq_layout.reference_decode`'s computation), beside the peer's, SDPA fp16 over the
 dequantized cache, on the same rows. The runtime's accuracy rule: a kernel's row error at most 2x the
@@ -126,7 +126,7 @@ def main() -> None:
                 lines.append(f"| {config} | {inputs} | {name} | {res[f'{name}: worst row error']:.1e} | "
                              f"{res[f'{name}: worst error / peer' + chr(39) + 's']:.2f} |")
             print("\n".join(lines[-6:]), flush=True)
-    title = "VecInfer lookup-table kernel arithmetic, CPU emulation against float64 (issue 18)"
+    title = "VecInfer lookup-table kernel arithmetic, CPU emulation against float64"
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

@@ -1,4 +1,4 @@
-// Fused VecInfer decode attention over codebook codes (issue 18): the INT2 kernel's tensor-core pipeline
+// Fused VecInfer decode attention over codebook codes: the INT2 kernel's tensor-core pipeline
 // (quant_decode.cu) with a codebook gather where that kernel unpacks 2-bit codes.
 //
 // Reads the layout of kvcalib/vq_layout.py (its module docstring has the table), for one new query per

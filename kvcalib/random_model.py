@@ -1,5 +1,5 @@
-"""A random-initialised model of a real model's shape, saved as a local directory that `--model` takes
-(issue 19): for benchmarks and tests where no model hub is reachable, never for accuracy.
+"""A random-initialised model of a real model's shape, saved as a local directory that `--model` takes:
+for benchmarks and tests where no model hub is reachable, never for accuracy.
 
     kvcalib make-model --shape llama-3.1-8b --out runs/models/llama-3.1-8b-random
     kvcalib make-model --shape my-config.json --out DIR      # any transformers config, as JSON

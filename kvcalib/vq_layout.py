@@ -1,4 +1,4 @@
-"""The VecInfer cache layout a fused decode kernel reads (issue 18), and its float64 torch reference.
+"""The VecInfer cache layout a fused decode kernel reads, and its float64 torch reference.
 
 The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.runtime.vq_kernel`) reads this layout;
 this module fixes what it reads and computes, from the definition, what it must return, so that the

@@ -1,4 +1,4 @@
-"""The calibration commands on CUDA (issue 19): collect (one GPU, and spread by --device-map auto),
+"""The calibration commands on CUDA: collect (one GPU, and spread by --device-map auto),
 train-adapters, diagnose and fit-codebook with `--device cuda`, each against its CPU run on the same tiny
 collection. A float16 model on the GPU and a float32 one on the CPU do not give equal bits; what must
 hold is stated per test."""

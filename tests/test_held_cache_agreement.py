@@ -1,4 +1,4 @@
-"""Issue 15: `kvcalib eval` scores exactly the cache a decoder holds, for every method, on the embedded model.
+"""`kvcalib eval` scores exactly the cache a decoder holds, for every method, on the embedded model.
 
 eval scores a window in one forward pass (`kvcalib.evaluate`: each query reads the tokens flushed
 before it as `hold` stores them, the rest in float16); a decoder feeds the same window through a

@@ -1,4 +1,4 @@
-"""Data-parallel calibration (`kvcalib.parallel`, issue 19): two CPU processes joined by gloo, as
+"""Data-parallel calibration (`kvcalib.parallel`): two CPU processes joined by gloo, as
 `torchrun --nproc-per-node 2 -m kvcalib ...` starts them (the same environment variables), give what one
 process gives, byte for byte: `collect`'s plan, manifest and every shard; `train-adapters`' and
 `fit-codebook`'s artifact; `eval`'s result. Byte identity holds here

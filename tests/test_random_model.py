@@ -1,4 +1,4 @@
-"""`kvcalib make-model` (issue 19): a random-initialised model of a given shape, saved as a directory that
+"""`kvcalib make-model`: a random-initialised model of a given shape, saved as a directory that
 `--model` takes, with the embedded tokenizer; its weights at transformers' initial scale, the same bytes
 for the same seed, in shards of bounded size; bad input refused in one line with nothing left behind."""
 

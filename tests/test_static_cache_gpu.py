@@ -1,4 +1,4 @@
-"""The static cache on the GPU (issue 17): what it stores, what it attends to, and its captured step.
+"""The static cache on the GPU: what it stores, what it attends to, and its captured step.
 
 - Stored: fed the same float16 tokens, each slot holds bit for bit what `KvcalibCache` holds for that
   sequence alone (packed codes, scales, zeros, residual), after every step, so the masked flush inside

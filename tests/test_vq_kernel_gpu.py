@@ -1,4 +1,4 @@
-"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu, issue 18) against the float64 reference of
+"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu) against the float64 reference of
 the same codes (`kvcalib.vq_layout.reference_decode`), row by row, under the runtime's accuracy rule: each
 row's error at most twice that of SDPA in float16 over the dequantized cache, plus 1e-4
 (tests/test_int2_kernel_gpu.py). Per-layer and per-head codebooks, key and value configurations that
@@ -88,7 +88,7 @@ def _on_device(method):
     (16, 8192, "head", "d4b8", "d8b12")])
 @pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
 def test_long_contexts_and_large_batches_are_as_exact_as_sdpa_in_every_row(b, t, granularity, k_config, v_config, inputs):
-    """Issue 18's range: L up to 128k, B up to 16. Diffuse: unit queries over unit keys (near-uniform
+    """The range a serving cache meets: L up to 128k, B up to 16. Diffuse: unit queries over unit keys (near-uniform
     attention, the long-context case that sums the most terms); peaked: queries 3x, a sharper softmax."""
     method = _on_device(_method(granularity, k_config, v_config, 0, d=128))
     g = torch.Generator(device=DEV).manual_seed(b * 7 + t)

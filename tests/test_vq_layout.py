@@ -1,4 +1,4 @@
-"""The VecInfer kernel layout's float64 reference (`kvcalib.vq_layout`, issue 18): the lookup-table
+"""The VecInfer kernel layout's float64 reference (`kvcalib.vq_layout`): the lookup-table
 computation a fused kernel will do gives, in float64, attention over the very cache it reads, dequantized
 and taken back to the keys' own basis, for per-layer and per-head codebooks, key and value
 configurations that differ, sink tokens on and off, and every residual length kind (empty, partial); and

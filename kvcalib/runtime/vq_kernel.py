@@ -1,4 +1,4 @@
-"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu, issue 18): what it can read, and its launch.
+"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu): what it can read, and its launch.
 
 The layout it reads and the float64 reference it is tested against are `kvcalib.vq_layout`
 (tests/test_vq_kernel_gpu.py). One launch: the last block of each (sequence, KV head) to finish merges its
