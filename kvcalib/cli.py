@@ -139,7 +139,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 
 @cli.command("eval")
 @_common
-@click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant (see README).")
+@click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (docs/methods.md).")
 @_method_options
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory, method,
@@ -161,7 +161,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")
 @click.option("--method", default="kivi", show_default=True,
-              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (see README).")
+              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (docs/methods.md).")
 @_method_options
 @click.option("--prompt", default=None, help="The prompt (a user turn where the model has a chat template).")
 @click.option("--prompt-file", type=click.File("r"), default=None, help="Read the prompt from a file (- for stdin).")
@@ -197,7 +197,7 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
 @click.option("--model", default=DEFAULT_MODEL, show_default=True,
               help="smollm2-135m (embedded), a local directory or .gguf file, or a hub id.")
 @click.option("--method", default="fp16", show_default=True,
-              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (see README).")
+              help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (docs/methods.md).")
 @_method_options
 @click.option("--max-lengths", default="4096", show_default=True,
               help="RULER: the prompt lengths its tasks generate, comma-separated (e.g. 4096,8192).")
