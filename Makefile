@@ -25,18 +25,25 @@ $(STAMP): pyproject.toml $(LOCK)
 # The product on the embedded model and text in a few minutes: fp16 and two baselines (KIVI-2, TurboQuant-2) beside
 # kvcalib's calibrated methods from the shipped artifacts (OScaR-2, VecInfer d4b8, and the plan that `kvcalib collect`
 # then `kvcalib plan --budget 2.25` made with default flags), each on 2 windows of 1024 held-out tokens (RESULTS.md
-# uses 4), then `kvcalib report`'s table and Pareto plot.
+# uses 4; each eval's own table in runs/demo/<name>.log), then `kvcalib report`'s table and Pareto plot. About
+# 3 minutes on 2 cores.
 DEMO := runs/demo
 KV   := $(VENV)/bin/kvcalib
 ART  := artifacts/smollm2-135m
 demo: setup
 	@mkdir -p $(DEMO)
-	$(KV) eval --num-samples 2 --json $(DEMO)/fp16.json --method fp16
-	$(KV) eval --num-samples 2 --json $(DEMO)/kivi.json --method kivi --bits 2 --group-size 128 --residual 128
-	$(KV) eval --num-samples 2 --json $(DEMO)/turboquant.json --method turboquant --bits 2 --residual 128
-	$(KV) eval --num-samples 2 --json $(DEMO)/oscar.json --method oscar --artifacts $(ART)/oscar
-	$(KV) eval --num-samples 2 --json $(DEMO)/vecinfer.json --method vecinfer --artifacts $(ART)/vecinfer-d4b8
-	$(KV) eval --num-samples 2 --json $(DEMO)/plan.json --method plan --artifacts $(ART)/plan-2.25
+	@echo "kvcalib eval --method fp16"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/fp16.json --method fp16 > $(DEMO)/fp16.log
+	@echo "kvcalib eval --method kivi --bits 2 --group-size 128 --residual 128"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/kivi.json --method kivi --bits 2 --group-size 128 --residual 128 > $(DEMO)/kivi.log
+	@echo "kvcalib eval --method turboquant --bits 2 --residual 128"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/turboquant.json --method turboquant --bits 2 --residual 128 > $(DEMO)/turboquant.log
+	@echo "kvcalib eval --method oscar --artifacts $(ART)/oscar"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/oscar.json --method oscar --artifacts $(ART)/oscar > $(DEMO)/oscar.log
+	@echo "kvcalib eval --method vecinfer --artifacts $(ART)/vecinfer-d4b8"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/vecinfer.json --method vecinfer --artifacts $(ART)/vecinfer-d4b8 > $(DEMO)/vecinfer.log
+	@echo "kvcalib eval --method plan --artifacts $(ART)/plan-2.25"
+	@$(KV) eval --num-samples 2 --json $(DEMO)/plan.json --method plan --artifacts $(ART)/plan-2.25 > $(DEMO)/plan.log
 	$(KV) report $(DEMO)/fp16.json $(DEMO)/kivi.json $(DEMO)/turboquant.json $(DEMO)/oscar.json \
 	    $(DEMO)/vecinfer.json $(DEMO)/plan.json --out $(DEMO)/report
 	@sed -n '/^| result/,/^$$/p' $(DEMO)/report/report.md
