@@ -313,12 +313,17 @@ def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]
     attention modules do); a layer none names runs on the model's first device."""
     first = next(model.parameters()).device
     devices = [first] * num_layers
-    for module in model.modules():
-        idx = getattr(module, "layer_idx", None)
-        weight = next(module.parameters(recurse=True), None)
-        if isinstance(idx, int) and 0 <= idx < num_layers and weight is not None:
-            devices[idx] = weight.device
+    for module in attention_modules(model):
+        if 0 <= module.layer_idx < num_layers:
+            devices[module.layer_idx] = next(module.parameters()).device
     return devices
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's attention modules: those that name their layer (`layer_idx`, as transformers' do) and hold
+    weights."""
+    return [m for m in model.modules()
+            if isinstance(getattr(m, "layer_idx", None), int) and next(m.parameters(), None) is not None]
 
 
 def max_context(config) -> int | None:

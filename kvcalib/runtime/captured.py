@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import SettingsError
+from ..models import attention_modules
 
 if TYPE_CHECKING:  # the static cache makes its decoder (`StaticKvcalibCache.serve`): it imports this module
     from .static_cache import StaticKvcalibCache
@@ -112,10 +113,9 @@ class _Regions:
 
 
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """The model's decoder layers (the modules holding an attention module, one that names its `layer_idx`
-    as transformers' do) and their attention modules."""
-    attention = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
-                 and any(True for _ in m.parameters())]
+    """The model's decoder layers (the modules holding an attention module, `models.attention_modules`) and
+    their attention modules."""
+    attention = attention_modules(model)
     ids = {id(a) for a in attention}
     layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
     return layers, attention
@@ -172,8 +172,8 @@ def _no_collection():
 
 
 class CapturedDecoder(Decoder):
-    """`Decoder`'s step captured in CUDA graphs (compiled first with `compile=True`; the warm-up runs
-    compile it), one with the flush and one without, and replayed at every step."""
+    """`Decoder`'s step captured in CUDA graphs (its regions or the whole step compiled first, `compile`: the
+    warm-up runs compile them), one with the flush and one without, and replayed at every step."""
 
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool | str | None = None):
         super().__init__(model, cache, compile)
