@@ -24,13 +24,12 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcalib.harness import OFFLINE_RULER  # noqa: E402
+from kvcalib.harness import OFFLINE_RULER, evaluate_tasks  # noqa: E402
 from kvcalib.methods import MethodSettings, build_method  # noqa: E402
 from kvcalib.models import DEFAULT_MODEL, attention_shape, load_model  # noqa: E402
 
@@ -57,19 +56,6 @@ def _answering_lm(answer):
     return Answering()
 
 
-def _evaluate(lm, tasks: list[str], limit: int, lengths: list[int], seed: int) -> dict:
-    """`simple_evaluate` as `kvcalib.harness.run_tasks` calls it, over `lm`."""
-    from lm_eval import simple_evaluate
-
-    tokenizer = load_model(DEFAULT_MODEL, "cpu").tokenizer
-    with tempfile.TemporaryDirectory(prefix="kvcalib-tokenizer-") as tokenizer_dir:
-        tokenizer.save_pretrained(tokenizer_dir)
-        return simple_evaluate(model=lm, tasks=tasks, limit=limit,
-                               metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": lengths},
-                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                               fewshot_random_seed=seed)
-
-
 def requests(args) -> None:
     tasks, lengths = args.tasks.split(","), [int(n) for n in args.max_lengths.split(",")]
     seen: list = []
@@ -78,7 +64,8 @@ def requests(args) -> None:
         seen.extend(batch)
         return [""] * len(batch)
 
-    _evaluate(_answering_lm(record), tasks, args.limit, lengths, args.seed)
+    evaluate_tasks(_answering_lm(record), load_model(DEFAULT_MODEL, "cpu").tokenizer, tasks, args.limit, lengths,
+                   args.seed)
     Path(args.out).write_text(json.dumps({"tasks": tasks, "limit": args.limit, "max_lengths": lengths,
                                           "seed": args.seed, "requests": [list(a) for a in seen]}))
     print(f"{len(seen)} requests -> {args.out}")
@@ -140,7 +127,7 @@ def score(args) -> None:
             subprocess.run([sys.executable, __file__, "score", "--requests", args.requests, "--responses",
                             args.responses, "--out", args.out, "--only", path.stem], check=True)
         return
-    lm = None
+    lm = load_model(DEFAULT_MODEL, "cpu")  # its tokenizer sizes the prompts; its shape builds each row's method
     for path in paths:
         got = json.loads(path.read_text())
         answers, row = got["answers"], got["row"]
@@ -154,8 +141,8 @@ def score(args) -> None:
                                  f"made other samples than in the requests' run)")
             return [answers[_key(a)] for a in batch]
 
-        results = _evaluate(_answering_lm(answer), spec["tasks"], spec["limit"], spec["max_lengths"], spec["seed"])
-        lm = lm or load_model(DEFAULT_MODEL, "cpu")
+        results = evaluate_tasks(_answering_lm(answer), lm.tokenizer, spec["tasks"], spec["limit"],
+                                 spec["max_lengths"], spec["seed"])
         method = _method(row, lm)
         results["kvcalib"] = {"model": DEFAULT_MODEL, "method": method.name, "settings": settings_of(method),
                               "artifacts": row.get("artifacts"), "max_lengths": spec["max_lengths"],

@@ -107,7 +107,6 @@ def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method
     if output_path is not None:
         ensure_writable_file(output_path, "--output-path")
     _lm_class()  # lm-eval installed: refused before the model loads
-    from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
 
@@ -124,12 +123,7 @@ def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method
     if limit_tokens is not None and max(lengths) > limit_tokens:
         raise SettingsError(f"--max-lengths {max(lengths)} passes the model's context of {limit_tokens} tokens")
     compressed = build_method(method, attention_shape(lm.config), settings, artifacts, lm)
-    with tempfile.TemporaryDirectory(prefix="kvcalib-tokenizer-") as tokenizer_dir:
-        lm.tokenizer.save_pretrained(tokenizer_dir)  # RULER sizes its prompts with it (by path)
-        results = simple_evaluate(model=kvcalib_lm(lm, compressed, batch_size), tasks=list(tasks), limit=limit,
-                                  metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": lengths},
-                                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                                  fewshot_random_seed=seed)
+    results = evaluate_tasks(kvcalib_lm(lm, compressed, batch_size), lm.tokenizer, list(tasks), limit, lengths, seed)
     results["kvcalib"] = {"model": lm.spec, "method": compressed.name, "settings": settings_of(compressed),
                           "artifacts": artifacts, "max_lengths": lengths, "limit": limit, "batch_size": batch_size}
     if output_path is not None:
@@ -137,6 +131,20 @@ def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method
         with atomic_path(output_path) as tmp:
             tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
     return results
+
+
+def evaluate_tasks(model, tokenizer, tasks: list[str], limit: float | None, lengths: list[int], seed: int) -> dict:
+    """lm-eval's `simple_evaluate` of `tasks` over `model` (an lm-eval `LM`), as `kvcalib lm-eval` runs it: RULER's
+    prompts sized with `tokenizer`, saved for them to a temporary directory (they take it by path), at `lengths`,
+    and one seed for every generator."""
+    from lm_eval import simple_evaluate
+
+    with tempfile.TemporaryDirectory(prefix="kvcalib-tokenizer-") as tokenizer_dir:
+        tokenizer.save_pretrained(tokenizer_dir)
+        return simple_evaluate(model=model, tasks=tasks, limit=limit,
+                               metadata={"tokenizer": tokenizer_dir, "max_seq_lengths": lengths},
+                               random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                               fewshot_random_seed=seed)
 
 
 def score_table(results: dict) -> str:

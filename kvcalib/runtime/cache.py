@@ -305,12 +305,13 @@ def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpt
     """One `Method.decode` for every row of a padded batch: each row's cache as held, right-aligned over the
     longest, its first `key_start` keys padding that no query attends."""
     held = [row.held(compute_dtype(query)) for row in layer.rows]
-    width = max(k.shape[-2] for k, _ in held)
+    lengths = [k.shape[-2] for k, _ in held]
+    width = max(lengths)
     pad = lambda t: torch.nn.functional.pad(t, (0, 0, width - t.shape[-2], 0))  # noqa: E731
-    k = torch.cat([pad(k) for k, _ in held])
-    v = torch.cat([pad(v) for _, v in held])
-    key_start = torch.tensor([width - k.shape[-2] for k, _ in held], device=query.device)
-    return layer.method.decode(layer.layer, query, k, v, opts, None, key_start=key_start)
+    keys = torch.cat([pad(k) for k, _ in held])
+    values = torch.cat([pad(v) for _, v in held])
+    key_start = torch.tensor([width - n for n in lengths], device=query.device)
+    return layer.method.decode(layer.layer, query, keys, values, opts, None, key_start=key_start)
 
 
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
