@@ -463,6 +463,8 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c
 #define MERGE_SLICES (NT / (GQ * D / 4) > 0 ? NT / (GQ * D / 4) : 1)  // threads per (head, 4 channels)
 #define MERGE_AHEAD 8  // accumulators per thread loaded before the weights are known
 #define MERGE_FAST 16  // up to this many parts, each thread reads all its head's (m, l) pairs (B = 1, 8 KV heads: 16)
+#define MERGE_FAST_EACH ((MERGE_FAST + MERGE_SLICES - 1) / MERGE_SLICES)  // of them in one slice: rounded up (5 slices
+                                                                         // of d = 64 at GQ 3 take 4, 4, 3, 3, 2)
 #define MERGE_ROUND (MIN2(256, (WORK_BYTES / 4 - 4 * NT) / (2 * GQ)) / 4 * 4)  // the slices' float4 stay aligned
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {
@@ -483,11 +485,11 @@ __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float*
     const float4* acc = reinterpret_cast<const float4*>(part_acc + (bh * GQ + h) * num_parts * D) + c4;
     const float2* ml = reinterpret_cast<const float2*>(part_ml) + (bh * GQ + h) * num_parts;
     float2 x[MERGE_FAST];
-    float4 a[MERGE_FAST / MERGE_SLICES];
+    float4 a[MERGE_FAST_EACH];
 #pragma unroll
     for (int p = 0; p < MERGE_FAST; ++p) x[p] = p < num_parts ? __ldcg(ml + p) : make_float2(NEG_INF, 0.f);
 #pragma unroll
-    for (int k = 0; k < MERGE_FAST / MERGE_SLICES; ++k) {
+    for (int k = 0; k < MERGE_FAST_EACH; ++k) {
       const int p = slice + k * MERGE_SLICES;
       a[k] = active && p < num_parts ? __ldcg(acc + (long)p * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
     }

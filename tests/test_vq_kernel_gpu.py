@@ -112,12 +112,14 @@ def test_every_residual_length_from_0_to_127(sinks):
     (64, 8, 1, "d4b8", "d8b12", torch.bfloat16), (64, 4, 4, "d8b12", "d4b8", torch.float16),
     (128, 16, 2, "d8b12", "d8b12", torch.float16), (128, 6, 2, "d2b8", "d4b8", torch.bfloat16),
     (128, 10, 2, "d4b8", "d8b12", torch.float16), (64, 4, 2, "d8b9", "d2b7", torch.float16),
-    (64, 9, 3, "d4b8", "d4b8", torch.float16)])
+    (64, 9, 3, "d4b8", "d4b8", torch.float16), (64, 5, 1, "d4b8", "d8b12", torch.bfloat16)])
 @pytest.mark.parametrize("inputs", ["diffuse", "peaked"])
 def test_head_dims_query_groups_odd_code_widths_and_bfloat16(d, heads, kv_heads, k_config, v_config, dtype, inputs):
     """head_dim 64 and 128; 1 to 8 query heads per KV head (the remainders of q~ in idle columns up to 4,
     in an mma of their own above: GQA 1, 3, 4, 5, 8; and the embedded model's 9 query heads over 3 KV heads of
-    64 channels, where RULER through the static cache answered nothing on an H100); d8b9 keys and d2b7 values: 9- and 7-bit codes across
+    64 channels, where RULER through the static cache answered nothing on an H100: at d = 64, GQ 3 and 5 split the
+    merge's threads into 5 and 3 slices, which do not divide its 16 parts, and the last parts' partials were read
+    from past a slice's registers); d8b9 keys and d2b7 values: 9- and 7-bit codes across
     byte and word boundaries; a capacity of one odd row more, so that rows of 9 and 28 bytes are copied a byte
     and 4 bytes at a time (24-byte rows 4 bytes at a time); bfloat16 queries and output, held to SDPA in
     bfloat16."""
