@@ -294,3 +294,102 @@ def test_a_padded_batch_decodes_every_row_in_one_reference_call_per_layer_and_st
         ids[b, 37 - len(p):], mask[b, 37 - len(p):] = p, 1
     _greedy(model, method, ids, mask, 6)  # the prompt, then 5 decode steps
     assert calls == [3] * (5 * model.config.num_hidden_layers)
+
+
+def _cpu_kernels(monkeypatch, launches: list[int]) -> None:
+    """The fused kernels' contract on the CPU: `supports` says yes to the methods' layouts (as on CUDA), and a
+    launch is computed by the layout's float64 reference (`int2_layout.reference_decode`,
+    `vq_layout.reference_decode`), row by row at each row's own counts where it is given them, which is what a
+    kernel with counts on the device reads. `launches` gets each launch's batch size."""
+    import dataclasses
+
+    from kvcalib import int2_layout, vq_layout
+
+    def rows_of(layer, counts):
+        if counts is None:
+            return [layer]
+        flushed, residual = (c.tolist() for c in counts)
+        names = runtime_cache._FLUSHED_BUFFERS[type(layer)]
+        return [dataclasses.replace(layer, **{n: None if getattr(layer, n) is None else getattr(layer, n)[b : b + 1]
+                                              for n in names},
+                                    kres=layer.kres[b : b + 1], vres=layer.vres[b : b + 1], length=flushed[b],
+                                    residual=residual[b]) for b in range(len(flushed))]
+
+    def int2(q, layer, scaling, correction=None, counts=None):
+        launches.append(q.shape[0])
+        terms = lambda b: None if correction is None else (correction[0][b : b + 1], correction[1][b : b + 1])  # noqa: E731
+        return torch.cat([int2_layout.reference_decode(q[b : b + 1], row, scaling, terms(b))
+                          for b, row in enumerate(rows_of(layer, counts))]).to(q.dtype)
+
+    def vq(q, layer, scaling, lengths=None, residuals=None):
+        launches.append(q.shape[0])
+        counts = None if lengths is None else (lengths, residuals)
+        return torch.cat([vq_layout.reference_decode(q[b : b + 1], row, scaling)
+                          for b, row in enumerate(rows_of(layer, counts))]).to(q.dtype)
+
+    plain = lambda opts: opts is None or not (opts.softcap or opts.sliding_window)  # noqa: E731
+    monkeypatch.setattr(runtime_cache, "supports", lambda spec, d, device, gqa=1, opts=None: spec is not None and plain(opts))
+    monkeypatch.setattr(runtime_cache, "vq_supports", lambda books, d, device, gqa=1, opts=None: books is not None and plain(opts))
+    monkeypatch.setattr(runtime_cache, "fused_decode", int2)
+    monkeypatch.setattr(runtime_cache, "vq_decode", vq)
+
+
+def _padded_in_one_launch_as_alone(name: str, monkeypatch) -> None:
+    # head_dim 64: the INT2 layout's tensor-core order takes 32 channels or more (the kernels 64 or 128)
+    model = float64(tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4,
+                               num_key_value_heads=2))
+    shape = attention_shape(model.config)
+    method = {"kivi": lambda: build_method("kivi", shape, MethodSettings(bits=2, group_size=16, residual=16)),
+              "oscar": lambda: build_method("oscar", shape, MethodSettings(bits=2, group_size=16, residual=16)),
+              "kvlinc+adapters": lambda: _kvlinc_with_adapters(shape, 16, 16),
+              "vecinfer": lambda: _vecinfer_with_sinks(shape, sink=0, residual=16)}[name]()
+    launches: list[int] = []
+    _cpu_kernels(monkeypatch, launches)
+    prompts = [torch.randint(1, 512, (n,), generator=torch.Generator().manual_seed(3)) for n in (70, 37, 5)]
+    ids = torch.zeros(3, 70, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, 70 - len(p):], mask[b, 70 - len(p):] = p, 1
+    # R = 16: row 2's 5 tokens flush first after 11 steps, when the rows are first stacked (capacity 128 tokens,
+    # row 0's); rows 1 and 2 then write their later blocks into the stack, and row 0 outgrows it at 144 tokens
+    # (step 74), when its buffers double and the rows are stacked again
+    tokens, logits, cache = _greedy(model, method, ids, mask, 80)
+    # once every row holds blocks, a decode step is one launch of the 3 rows per layer; before that rows 0 and 1
+    # launch alone and row 2 attends through the torch reference
+    first = launches.index(3)
+    assert launches[:first] == [1] * first and launches[first:] == [3] * (len(launches) - first)
+    assert len(launches) - first >= 60 * shape.num_layers
+    assert cache.layers[0].side_by_side is not None
+    for b, p in enumerate(prompts):
+        alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 80)
+        assert tokens[b].tolist() == alone_tokens[0].tolist()
+        torch.testing.assert_close(logits[b], alone_logits[0], rtol=3 * U32, atol=2.0**-40 * alone_logits.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc+adapters", "vecinfer"])
+def test_a_padded_batch_on_a_fused_path_decodes_in_one_launch_each_row_as_alone(name, monkeypatch):
+    """A padded batch whose rows hold their blocks in a kernel's layout decodes each step in one launch over the
+    rows side by side, each row at its own counts (`_RowsSideBySide`), and every row as it decodes alone (float64
+    model: the module docstring's bound)."""
+    _padded_in_one_launch_as_alone(name, monkeypatch)
+
+
+@pytest.mark.parametrize("plant", ["residual count one short", "the stack never made again"])
+def test_the_one_launch_comparison_catches_a_planted_error(plant, monkeypatch):
+    """Each planted fault must fail the comparison: a row's newest token left unread, and a row's blocks read
+    from a stack its buffers have outgrown (their new blocks missing)."""
+    layout_for = runtime_cache._RowsSideBySide.layout_for
+
+    def planted(self, parts, residuals):
+        if plant == "the stack never made again" and self.layout is not None:
+            names = runtime_cache._FLUSHED_BUFFERS[type(self.layout)]
+            self.held = [None if p is None else tuple(getattr(p, n) for n in names) for p in parts]
+        layout, (flushed, residual) = layout_for(self, parts, residuals)
+        if plant == "residual count one short":
+            residual = (residual - 1).clamp(min=0)
+        return layout, (flushed, residual)
+
+    monkeypatch.setattr(runtime_cache._RowsSideBySide, "layout_for", planted)
+    # a stale stack is shorter than row 0's count: the reference stops at its end (a kernel would read past it)
+    with pytest.raises(AssertionError if plant == "residual count one short" else (AssertionError, RuntimeError)):
+        _padded_in_one_launch_as_alone("kivi", monkeypatch)

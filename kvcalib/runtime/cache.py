@@ -11,8 +11,9 @@ model's attention runs through the registered attention function `kvcalib_runtim
   keeps each sequence in a row of its own holding only its real tokens: its blocks flush at its own
   lengths, padding is never attended, stored nor counted, and each sequence decodes exactly as it
   would alone (the mask reaches the cache through a forward pre-hook on the model). A decode step of such a
-  batch on the torch reference path is one call for every row (each row's cache right-aligned over the
-  longest, its padding masked: `_decode_rows`); the fused kernels still take one launch per row;
+  batch is one call for every row: on the torch reference path each row's cache right-aligned over the
+  longest, its padding masked (`_decode_rows`); on a fused kernel's path one launch over the rows' layouts
+  side by side, each row's own counts read on the device (`_RowsSideBySide`);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
@@ -25,6 +26,7 @@ model's attention runs through the registered attention function `kvcalib_runtim
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from typing import Any
@@ -63,6 +65,7 @@ class CompressedLayer(CacheLayerMixin):
         self.method, self.layer, self.use_fused = method, layer, use_fused
         self.padding = padding if padding is not None else _Padding()
         self.rows: list[CompressedLayer] | None = None  # a padded batch: one B=1 layer per sequence
+        self.side_by_side: _RowsSideBySide | None = None  # the rows' kernel layouts for one launch
         self.new_valid: torch.Tensor | None = None  # (B, T) which of the newest positions are real tokens
         self.rows_before: list[int] = []
         self.packed_bits = 0
@@ -281,6 +284,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
             out = _attend(layer, before, query, key, value, opts)
         elif _decodes_together(layer, query, opts):
             out = _decode_rows(layer, query, opts)
+        elif (out := _fused_rows(layer, query, opts)) is not None:
+            pass
         else:  # a padded batch: each sequence over its own real tokens; padded positions output zeros
             out = query.new_zeros(*query.shape[:-1], value.shape[-1], dtype=compute_dtype(query))
             for b, row in enumerate(layer.rows):
@@ -312,6 +317,103 @@ def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpt
     values = torch.cat([pad(v) for _, v in held])
     key_start = torch.tensor([width - n for n in lengths], device=query.device)
     return layer.method.decode(layer.layer, query, keys, values, opts, None, key_start=key_start)
+
+
+# The flushed buffers of each kernel layout, (B, Hkv, capacity, ...): what `_RowsSideBySide` stacks.
+_FLUSHED_BUFFERS = {PackedLayer: ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
+                    VQLayer: ("kcodes", "vcodes")}
+
+
+class _RowsSideBySide:
+    """A padded batch's rows' kernel layouts (INT2 `PackedLayer` or VecInfer `VQLayer`, B=1 each) as one layout
+    of B rows, so that a decode step is one launch with each row's flushed and residual counts read on the
+    device, as a static cache's slots are (`fused_decode(counts=)`, `vq_decode(lengths=, residuals=)`).
+
+    The flushed buffers are stacked once, padded to the largest capacity, and each row's own buffers become
+    views of its row of the stack: a row's later flushes write into the stack in place (`int2_layout.grow`
+    writes within capacity), so the stack is made again only when a row outgrows it (its buffers then are new
+    tensors: a doubling, a few times over a sequence) or a row's first block arrives. The float16 residuals,
+    which each append replaces, are copied side by side at every step (at most a block of tokens a row)."""
+
+    def __init__(self):
+        self.layout: PackedLayer | VQLayer | None = None
+        self.held: list[tuple[torch.Tensor | None, ...]] = []  # each row's buffers as views of the stack
+
+    def layout_for(self, parts: list[PackedLayer | VQLayer | None], residuals: list[tuple[torch.Tensor, torch.Tensor]],
+                   ) -> tuple[PackedLayer | VQLayer, tuple[torch.Tensor, torch.Tensor]]:
+        """The stacked layout (its `length` and `residual` the capacities the launch is sized for) and the
+        counts (flushed, residual) int32 (B,) on the device. `parts[b]` None: row b has flushed nothing yet."""
+        template = next(p for p in parts if p is not None)
+        names = _FLUSHED_BUFFERS[type(template)]
+        now = [None if p is None else tuple(getattr(p, n) for n in names) for p in parts]
+        if self.layout is None or any(a is None or b is None or any(x is not y for x, y in zip(a, b))
+                                      for a, b in zip(now, self.held)):
+            stacked = {}
+            for i, n in enumerate(names):
+                if getattr(template, n) is None:  # e.g. no key norms (KIVI)
+                    stacked[n] = None
+                    continue
+                bufs = [None if p is None else getattr(p, n) for p in parts]
+                like = getattr(template, n)
+                cap = max(b.shape[2] for b in bufs if b is not None)
+                out = like.new_zeros(len(parts), like.shape[1], cap, *like.shape[3:])
+                for b, buf in enumerate(bufs):
+                    if buf is not None:
+                        out[b : b + 1, :, : buf.shape[2]] = buf
+                        setattr(parts[b], n, out[b : b + 1])  # the row now writes into the stack
+                stacked[n] = out
+            self.layout = dataclasses.replace(template, **stacked)
+            self.held = [None if p is None else tuple(getattr(p, n) for n in names) for p in parts]
+        k0 = residuals[0][0]
+        width = max(16, -(-max(k.shape[2] for k, _ in residuals) // 16) * 16)
+        kres = k0.new_zeros(len(parts), k0.shape[1], width, k0.shape[3], dtype=torch.float16)
+        vres = torch.zeros_like(kres)
+        for b, (k, v) in enumerate(residuals):
+            kres[b : b + 1, :, : k.shape[2]] = k
+            vres[b : b + 1, :, : v.shape[2]] = v
+        flushed = [0 if p is None else p.length for p in parts]
+        self.layout.kres, self.layout.vres, self.layout.residual = kres, vres, width
+        self.layout.length = max(flushed)
+        counts = torch.tensor([flushed, [k.shape[2] for k, _ in residuals]], dtype=torch.int32).to(k0.device)
+        return self.layout, (counts[0], counts[1])
+
+
+def _stack_states(method: Method, layer: CompressedLayer, hkv: int, d: int, device) -> Any:
+    """The rows' decoding states (KVLinC's S and P: dataclasses of tensors, batch first) as one of B rows; a row
+    that has flushed nothing has the method's empty state. None where the method keeps none."""
+    states = [row.state if row.state is not None else method.empty_state(layer.layer, 1, hkv, d, device)
+              for row in layer.rows]
+    if all(s is None for s in states):
+        return None
+    first = states[0]
+    return type(first)(**{f.name: torch.cat([getattr(s, f.name) for s in states])
+                          for f in dataclasses.fields(first)})
+
+
+def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> torch.Tensor | None:
+    """A padded batch's decode step in one fused launch (`_RowsSideBySide`): one new real token in every row
+    over a cache it already holds, every row's flushed blocks in the INT2 or the VecInfer kernel's layout (a row
+    yet without blocks attends through the torch reference, as it would alone, until its first block), VecInfer
+    without float16 sinks. None where that does not hold: the caller then attends row by row."""
+    rows, method = layer.rows, layer.method
+    if query.shape[-2] != 1 or not bool(layer.new_valid.all()) or not all(before > 0 for before in layer.rows_before):
+        return None
+    hkv, d = rows[0].k_res.shape[1], query.shape[-1]
+    gqa = query.shape[1] // hkv
+    int2 = [row.fused for row in rows]
+    vq = [row.vq for row in rows]
+    residuals = [(row.k_res, row.v_res) for row in rows]
+    if layer.side_by_side is None:
+        layer.side_by_side = _RowsSideBySide()
+    if all(p is not None for p in int2) and supports(method.int2_spec(), d, query.device, gqa, opts):
+        packed, counts = layer.side_by_side.layout_for(int2, residuals)
+        return fused_attend(method, layer.layer, query, packed, opts.scaling,
+                            _stack_states(method, layer, hkv, d, query.device), counts=counts)
+    if all(p is not None and p.sinks == 0 for p in vq) and vq_supports(method.vq_books(layer.layer), d, query.device, gqa, opts) \
+            and all(row.state is None for row in rows):
+        packed, counts = layer.side_by_side.layout_for(vq, residuals)
+        return vq_attend(query, packed, opts.scaling, counts=counts)
+    return None
 
 
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
