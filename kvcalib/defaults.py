@@ -8,7 +8,7 @@ OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residu
            "rotation": "--rotation/--no-rotation", "sink_tokens": "--sink-tokens",
            "residual_mode": "--residual-mode", "keys": "--keys"}
 KVLINC_KEYS = ("kivi", "oscar")  # --keys: the key coding KVLinC's correction is trained on top of (kvcalib.methods.kvlinc)
-RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods` says what each does
+RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods.base` says what each does
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)
 # (the vector schemes fit k-means codebooks with faiss: `pip install kvcalib[cpu]`)

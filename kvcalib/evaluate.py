@@ -107,7 +107,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              max_memory: dict[int | str, str] | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
-    Method options left None take the artifact's value, else `kvcalib.methods.DEFAULTS`; one the
+    Method options left None take the artifact's value, else `kvcalib.defaults.DEFAULTS`; one the
     method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation, keys=keys,
                               sink_tokens=sink_tokens, residual_mode=residual_mode)

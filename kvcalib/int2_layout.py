@@ -1,5 +1,7 @@
 """The INT2 cache layout the fused decode kernel reads (kernels_cupy/quant_decode.cu), and its torch reference.
 
+Used by kivi, oscar and kvlinc (`Method.int2_spec`, `Kivi`'s, which the other two inherit; at 2 bits).
+
 `PackedLayer` holds the INT2 cache of `kvcalib.quant` (keys axis="tokens", values axis="channels":
 the same scales, zero points and buffer shapes), with optional per-token key norms (OScaR) and the
 float16 residual window, in capacity-sized buffers so that a runtime can append in place; `length`

@@ -1,5 +1,7 @@
 """The VecInfer cache layout a fused decode kernel reads, and its float64 torch reference.
 
+Used by vecinfer (`Method.vq_books`, `VecInfer`'s).
+
 The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.runtime.vq_kernel`) reads this layout;
 this module fixes what it reads and computes, from the definition, what it must return, so that the
 kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kernel is tested against

@@ -9,7 +9,7 @@ import pytest
 from kvcalib.cli import cli, main
 from kvcalib.defaults import DEFAULTS
 from kvcalib.errors import SettingsError
-from kvcalib.methods import Method, MethodSettings, build_method
+from kvcalib.methods import MethodSettings, build_method
 from kvcalib.models import AttentionShape
 
 SHAPE = AttentionShape(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
@@ -144,8 +144,9 @@ def test_bad_sink_tokens_are_refused(value, match):
 
 def test_sink_tokens_that_contradict_a_vecinfer_artifact_are_refused(monkeypatch):
     import kvcalib.methods.vecinfer as vecinfer
+    from kvcalib.methods.fp16 import Fp16
 
-    class Fitted(Method):  # an artifact fitted with 4 float16 sinks
+    class Fitted(Fp16):  # a stand-in codec: an artifact fitted with 4 float16 sinks
         sink, block = 4, 128
 
     monkeypatch.setattr(vecinfer, "load", lambda *a, **k: Fitted())

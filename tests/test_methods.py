@@ -1,9 +1,11 @@
+import inspect
+
 import pytest
 import torch
 
 from kvcalib.attention import flushed_counts
 from kvcalib.errors import SettingsError
-from kvcalib.methods import MethodSettings, build_method, hold
+from kvcalib.methods import METHOD_NAMES, METHODS, Method, MethodSettings, build_method, hold
 from kvcalib.methods.kivi import KiviConfig
 from kvcalib.models import AttentionShape
 from tolerances import U16
@@ -106,3 +108,20 @@ def test_invalid_kivi_settings_are_refused(kwargs):
 def test_unknown_method_is_refused():
     with pytest.raises(SettingsError, match="unknown method"):
         build_method("kivy", SHAPE)
+
+
+def test_the_codec_is_what_every_method_must_define():
+    assert Method.__abstractmethods__ == {"compress", "decompress", "part_bits", "settings"}
+    with pytest.raises(TypeError, match="abstract"):
+        Method()
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_every_registered_method_module_builds_methods_that_define_the_whole_codec(name):
+    """The registry names each method's module by its `--method` name; the module has `SETTINGS` and `build`,
+    and no `Method` subclass it defines leaves a codec member abstract."""
+    module = METHODS[name]
+    assert module.__name__ == f"kvcalib.methods.{name}" and isinstance(module.SETTINGS, tuple) and callable(module.build)
+    classes = [c for c in vars(module).values()
+               if isinstance(c, type) and issubclass(c, Method) and c.__module__ == module.__name__]
+    assert classes and not any(inspect.isabstract(c) for c in classes)

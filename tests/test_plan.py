@@ -223,6 +223,9 @@ class _Noisy(Method):
     def part_bits(self, packed):
         return 0, 0
 
+    def settings(self):
+        return {}
+
 
 def test_value_sensitivity_grows_as_the_square_of_the_error_and_vanishes_without_one(tiny_lm, tokenizer):
     windows = tokenizer("\n".join(["def f(x):\n    return x + 1"] * 20), return_tensors="pt")["input_ids"][:, :48]

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import SettingsError
 from ..models import AttentionShape, LoadedModel
-from . import Method, MethodSettings
+from .base import Method, MethodSettings
 
 
 class Fp16(Method):
@@ -19,8 +19,8 @@ class Fp16(Method):
     def decompress(self, layer: int, packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return packed
 
-    def stored_bits(self, packed: tuple[torch.Tensor, torch.Tensor]) -> int:
-        return 16 * sum(t.numel() for t in packed)
+    def part_bits(self, packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+        return 16 * packed[0].numel(), 16 * packed[1].numel()
 
     def settings(self) -> dict:
         return {}

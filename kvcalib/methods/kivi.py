@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..defaults import DEFAULTS
 from ..errors import SettingsError
 from ..int2_layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
-from . import DEFAULTS, Method, MethodSettings
 from ..quant import Quantized, dequantize, quantize
+from .base import Method, MethodSettings
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from ..quant import dequantize, quantize
-from . import DeviceCopies, Held, MethodSettings
+from .base import DeviceCopies, Held, MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 from .oscar import decode_keys, encode_keys
 

@@ -40,10 +40,11 @@ from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_attention
 from ..collect import Activations
+from ..defaults import DEFAULTS
 from ..errors import SettingsError
 from ..models import AttentionShape, resolve_device
 from ..parallel import local_device, merged, on_rank0, share, world
-from . import DEFAULTS, hold
+from .base import hold
 from .kivi import KiviConfig
 from .kvlinc import ADAPTER_NAMES, Adapter, Kvlinc, check_keys, features
 

@@ -30,11 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from ..artifacts import load_artifact
+from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel, attention_shape
 from ..quant import Quantized
-from . import DEFAULTS, MethodSettings
+from .base import MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 
 SCALINGS = ("l2", "rsqrt", "max", "mean-abs", "none")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
+from ..defaults import DEFAULTS
 from ..hadamard import hadamard
 from ..models import DEFAULT_MODEL, LoadedModel, attention_shape, fingerprint, load_model
-from . import DEFAULTS
 from .oscar import Oscar, OscarConfig
 
 

@@ -19,7 +19,7 @@ keys' parts of the key groups and the values' parts of the value groups (`Method
 its scheme, in the original basis (OScaR's `decompress` rotates back), so the plan declares no rotated
 basis and no INT2 layout: the runtime runs the torch reference over it.
 
-All schemes of a plan flush under one rule (`kvcalib.methods`): blockwise, blocks of R; sliding, steps
+All schemes of a plan flush under one rule (`kvcalib.methods.base`): blockwise, blocks of R; sliding, steps
 of `flush_step`, the least common multiple of every candidate's step when the plan was measured, so
 that a KIVI key group is always whole.
 
@@ -45,7 +45,7 @@ from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
 from .. import vq
-from . import Method, MethodSettings
+from .base import Method, MethodSettings
 from .kivi import Kivi, KiviConfig
 from .oscar import Oscar, OscarConfig
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig, TurboQuantVQ, checked_codebook

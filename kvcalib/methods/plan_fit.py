@@ -61,9 +61,9 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
-from ..defaults import PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
+from ..defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
 from .. import vq
-from . import DEFAULTS, Held, Method, apply_residual_mode, check_residual_mode, hold
+from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks

@@ -72,11 +72,12 @@ from dataclasses import dataclass
 import torch
 
 from ..artifacts import load_artifact
+from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
 from .. import vq
 from ..quant import pack_stream, unpack_stream
-from . import DEFAULTS, Method, MethodSettings
+from .base import Method, MethodSettings
 
 ROTATION_SEED = 0
 BITS = (1, 2, 3, 4)

@@ -39,11 +39,12 @@ import torch
 
 from .. import vq
 from ..artifacts import load_artifact
+from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
 from ..vq_layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
-from . import DEFAULTS, DeviceCopies, Method, MethodSettings
+from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)
 
