@@ -96,11 +96,12 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
     return VecInfer(config, books, shape, residual)
 
 
-def _plan(shape, residual: int = 16):
+def _plan(shape, residual: int = 16, granularity: str = "layer"):
     """A plan whose layers' KV heads take schemes of every family: TurboQuant at its own widths with
     per-coordinate codebooks (the oblivious one, stretched per coordinate so that no two coordinates
     share centroids) and with a vector codebook, VecInfer, KIVI and OScaR with key groups of 8; some
-    layers one scheme for all heads."""
+    layers one scheme for all heads. Granularity head: each KV head its own codebooks (the layer's, scaled
+    by 1 + head / 10)."""
     from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
     from kvcalib.methods.turboquant import codebook
 
@@ -122,7 +123,21 @@ def _plan(shape, residual: int = 16):
               for p in ("k", "v") for i, heads in enumerate(schemes[p]) for s in heads if s.dim}
     books |= {f"layers.{i}.k_smooth": (torch.rand(h, shape.head_dim, generator=gen) + 0.5).half()
               for i, heads in enumerate(schemes["k"]) if any(s.family == "vecinfer" for s in heads)}
-    return Plan(shape, schemes, residual, 8, books, "layer")
+    if granularity == "head":
+        scale = lambda t: torch.stack([t[0] * (1 + j / 10) for j in range(h)])  # noqa: E731
+        books = {n: t if n.endswith("_smooth") else scale(t) for n, t in books.items()}
+    return Plan(shape, schemes, residual, 8, books, granularity)
+
+
+def _turboquant_per_head(shape, residual: int = 16):
+    """Calibrated TurboQuant-3 with per-coordinate codebooks of each KV head's own (the oblivious one stretched
+    per coordinate and scaled per head)."""
+    from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, codebook
+
+    stretch = torch.linspace(0.8, 1.2, shape.head_dim)[None, :, None]
+    book = torch.stack([codebook(shape.head_dim, 3).float()[None] * stretch[0] * (1 + j / 10)
+                        for j in range(shape.num_kv_heads)])
+    return TurboQuant(TurboQuantConfig(bits=3, residual=residual), shape, [(book, book * 0.9)] * shape.num_layers, "head")
 
 
 CASES = {

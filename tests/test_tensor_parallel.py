@@ -4,7 +4,9 @@ layer's heads and its own heads' cache. Greedy decoding through `model.generate`
 and logits within float64 round-off: the model is float64, so the ranks' partial sums of the row-split
 projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
 relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
-by ~1e-2). Methods that hold data per KV head are refused under tensor parallelism, as is the static cache."""
+by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's adapters, calibrated
+TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part; the static cache is
+refused under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -32,41 +34,45 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     from kvcalib.methods import MethodSettings
     from kvcalib.models import LoadedModel
     from kvcalib.runtime.cache import KvcalibCache
+    from kvcalib.models import attention_shape
     from kvcalib.runtime.static_cache import StaticKvcalibCache
-    from test_runtime_cache import _vecinfer_with_sinks
+    from test_runtime_cache import _kvlinc_with_adapters, _plan, _turboquant_per_head, _vecinfer_with_sinks
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
                                                  **({"tp_plan": "auto"} if tensor_parallel else {}))
     model.generation_config.eos_token_id = None
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     prompt = torch.randint(1, 512, (1, 37), generator=torch.Generator().manual_seed(0))
+    shape = attention_shape(model.config)
+    per_head = {"vecinfer": lambda: _vecinfer_with_sinks(shape, 0), "kvlinc+adapters": lambda: _kvlinc_with_adapters(shape),
+                "turboquant-per-head": lambda: _turboquant_per_head(shape), "plan": lambda: _plan(shape),
+                "plan-per-head": lambda: _plan(shape, granularity="head")}
     out = {}
-    for name, settings in METHODS.items():
-        cache = KvcalibCache(lm, name, MethodSettings(**settings))
+    for name in [*METHODS, *per_head]:
+        method = per_head[name]() if name in per_head else name
+        cache = KvcalibCache(lm, method, MethodSettings(**METHODS.get(name, {})))
         with torch.no_grad():
             got = model.generate(prompt, past_key_values=cache, max_new_tokens=25, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
         heads = {layer.k_res.shape[1] for layer in cache.layers}
         out[name] = {"tokens": got.sequences[0, 37:].tolist(), "logits": torch.stack(got.logits, 1)[0].tolist(),
                      "heads": sorted(heads)}
-    refused = {}
-    from kvcalib.models import attention_shape
-
-    for what, make in (("vecinfer", lambda: KvcalibCache(lm, _vecinfer_with_sinks(attention_shape(model.config), 0))),
-                       ("static", lambda: StaticKvcalibCache(lm, "kivi"))):
-        try:
-            make()
-            refused[what] = None
-        except SettingsError as err:
-            refused[what] = str(err)
-    out["refused"] = refused
+    try:
+        StaticKvcalibCache(lm, "kivi")
+        out["refused"] = None
+    except SettingsError as err:
+        out["refused"] = str(err)
     return out
 
 
-def _child(rank: int, size: int, port: int, model_dir: str, log: str) -> None:
+def _child(rank: int, size: int, port: int, model_dir: str, log: str, planted: bool = False) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
+    if planted:  # every rank takes rank 0's heads' part of a per-head method
+        import kvcalib.runtime.cache as runtime_cache
+
+        runtime_cache.tensor_parallel_rank = lambda model: 0
     try:
         result = {"ok": True, **_decode(model_dir, True)}
     except Exception as exc:
@@ -93,7 +99,7 @@ def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir
     port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
     ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r])) for r in range(2)], logs)
     assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
-    for name in METHODS:
+    for name in [n for n in alone if n != "refused"]:
         assert alone[name]["heads"] == [2]
         for r in ranks:
             assert r[name]["heads"] == [1], name  # each rank's cache holds its own KV head
@@ -101,7 +107,21 @@ def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir
             want = torch.tensor(alone[name]["logits"])
             torch.testing.assert_close(torch.tensor(r[name]["logits"]), want, rtol=1e-9,
                                        atol=1e-9 * want.abs().max().item())
-    assert alone["refused"] == {"vecinfer": None, "static": alone["refused"]["static"]}  # alone: no TP refusal
-    assert alone["refused"]["static"] is None or "tensor parallelism" not in alone["refused"]["static"]
+    assert alone["refused"] is None or "tensor parallelism" not in alone["refused"]  # alone: no TP refusal
     for r in ranks:
-        assert "per KV head" in r["refused"]["vecinfer"] and "tensor parallelism" in r["refused"]["static"]
+        assert "tensor parallelism" in r["refused"]
+
+
+def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, tmp_path):
+    """The planted error: rank 1 reading rank 0's smoothing, codebooks, adapters and schemes. The per-head methods'
+    tokens part from one process's (the comparison above can fail), while the methods without per-head data, which
+    take no part of anything, are untouched."""
+    torch.set_num_threads(1)
+    alone = _decode(str(model_dir), False)
+    port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
+    ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r]), True) for r in range(2)], logs)
+    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    for name in ("vecinfer", "kvlinc+adapters", "turboquant-per-head", "plan", "plan-per-head"):
+        assert ranks[1][name]["tokens"] != alone[name]["tokens"] or not torch.allclose(
+            torch.tensor(ranks[1][name]["logits"]), torch.tensor(alone[name]["logits"]), rtol=1e-9, atol=0), name
+    assert ranks[1]["kivi"]["tokens"] == alone["kivi"]["tokens"]

@@ -37,6 +37,15 @@ from ..quant import Quantized
 from ..vq_layout import VQBooks
 
 
+def kv_head_part(shape, start: int, stop: int):
+    """`shape` (an `AttentionShape`) as a rank holding KV heads start..stop-1 sees it: those heads and their
+    query heads (transformers' tensor parallelism splits both in contiguous equal parts)."""
+    import dataclasses
+
+    group = shape.num_heads // shape.num_kv_heads
+    return dataclasses.replace(shape, num_heads=(stop - start) * group, num_kv_heads=stop - start)
+
+
 class DeviceCopies:
     """A method's per-layer tensors copied to the devices their layers run on, once per (layer, device): an
     artifact loads on the CPU, a model spread over GPUs runs each layer on its own, and a captured step may
@@ -157,9 +166,18 @@ class Method(KernelLayout, ABC):
     @property
     def per_kv_head(self) -> bool:
         """Whether the method holds tensors or choices per KV head (codebooks, smoothing, adapters, a plan's
-        schemes): under tensor parallelism a rank sees only its own heads, which such a method cannot yet
-        tell apart (`kvcalib.runtime.cache.check_tensor_parallel`)."""
+        schemes): under tensor parallelism a rank sees only its own heads, and takes the method for them
+        (`for_kv_heads`, `kvcalib.runtime.cache.KvcalibCache`)."""
         return False
+
+    def for_kv_heads(self, start: int, stop: int) -> "Method":
+        """The method as a tensor-parallel rank that holds KV heads start..stop-1 (and their query heads) sees it:
+        this method where it holds nothing per head; a method that does (`per_kv_head`) returns a copy with its
+        own heads' part of its data, and must override this."""
+        if self.per_kv_head:
+            raise SettingsError(f"--method {self.name} holds data per KV head and cannot yet give a rank its own heads' "
+                                "part: spread the model with device_map='auto' instead")
+        return self
 
     # ---- the reference attention (eval, and the runtime's torch path) ----
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,

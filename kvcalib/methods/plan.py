@@ -45,7 +45,7 @@ from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
 from ..models import AttentionShape, LoadedModel
 from .. import vq
-from .base import Method, MethodSettings
+from .base import Method, MethodSettings, kv_head_part
 from .kivi import Kivi, KiviConfig
 from .oscar import Oscar, OscarConfig
 from .turboquant import BITS, ROTATION_SEED, TurboQuant, TurboQuantConfig, TurboQuantVQ, checked_codebook
@@ -183,6 +183,17 @@ class Plan(Method):
                         coder = shared.setdefault(scheme, scheme_coder(scheme, shape, residual))
                     layer_groups.append((heads, coder))
                 self.groups[part].append(layer_groups)
+
+    def for_kv_heads(self, start: int, stop: int) -> "Plan":
+        """The plan of these KV heads alone: their schemes, their smoothing, and their codebooks where each KV head
+        has its own (granularity head)."""
+        schemes = {part: [heads[start:stop] for heads in self.schemes[part]] for part in PARTS}
+        books = {name: t[start:stop] if self.granularity == "head" or name.endswith("_smooth") else t
+                 for name, t in self.books.items()}
+        part = Plan(kv_head_part(self.shape, start, stop), schemes, self.residual, self._flush_step, books, self.granularity)
+        for name in ("block", "window", "sink", "fitted_residual_mode"):  # the flush rule and sinks as set on this one
+            setattr(part, name, getattr(self, name))
+        return part
 
     def flush_step(self) -> int:
         return self._flush_step

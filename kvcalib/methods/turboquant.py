@@ -248,6 +248,16 @@ class TurboQuant(Method):
     def per_kv_head(self) -> bool:
         return self.books is not None and self.granularity == "head"
 
+    def for_kv_heads(self, start: int, stop: int) -> "TurboQuant":
+        """The calibrated codebooks of these KV heads alone (granularity head); the rest holds nothing per head."""
+        if not self.per_kv_head:
+            return self
+        import copy
+
+        out = copy.copy(self)
+        out.books = [(k[start:stop], v[start:stop]) for k, v in self.books]
+        return out
+
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""
         bits = self.config.bits

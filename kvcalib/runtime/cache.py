@@ -185,7 +185,7 @@ class KvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
-        check_tensor_parallel(lm.model, self.method)
+        self.method = for_this_rank(lm.model, self.method, shape)
         self.padding = _Padding()
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         device = next(lm.model.parameters()).device
@@ -230,15 +230,33 @@ def tensor_parallel_size(model) -> int:
     return int(getattr(model, "tp_size", None) or getattr(model, "_tp_size", None) or 1)
 
 
-def check_tensor_parallel(model, method: Method) -> None:
-    """Under tensor parallelism each rank's attention holds its own KV heads, and so does each rank's
-    `KvcalibCache` (it takes its shapes from the keys it is given): a method without per-head data serves
-    as it is. Refuse one with per-KV-head data (`Method.per_kv_head`): a rank cannot yet tell which heads
-    are its own."""
-    if tensor_parallel_size(model) > 1 and method.per_kv_head:
-        raise SettingsError(f"--method {method.name} holds data per KV head (codebooks, smoothing, adapters or a plan's "
-                            "schemes), which tensor parallelism splits over ranks: not supported yet; spread the model "
-                            "with device_map='auto' instead, or use kivi, oscar, turboquant or kvlinc without an artifact")
+def tensor_parallel_rank(model) -> int:
+    """This process's place among the ranks the model's heads are split over: its coordinate on the model's
+    "tp" mesh dimension where transformers keeps one, else its rank in the default group (`tp_plan="auto"`
+    under torchrun splits over every process)."""
+    mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if "tp" in names:
+        return int(mesh["tp"].get_local_rank())
+    import torch.distributed as dist
+
+    return dist.get_rank() % tensor_parallel_size(model) if dist.is_available() and dist.is_initialized() else 0
+
+
+def for_this_rank(model, method: Method, shape) -> Method:
+    """The method as this tensor-parallel rank holds it. Each rank's attention holds its own KV heads (transformers
+    splits the key and value projections into equal contiguous parts), and so does its `KvcalibCache`, which takes
+    its shapes from the keys it is given: a method with data per KV head (`Method.per_kv_head`) gives the rank its
+    own heads' part (`Method.for_kv_heads`); any other serves as it is."""
+    size = tensor_parallel_size(model)
+    if size == 1 or not method.per_kv_head:
+        return method
+    if shape.num_kv_heads % size:
+        raise SettingsError(f"tensor parallelism over {size} ranks splits {shape.num_kv_heads} KV heads unevenly: "
+                            f"--method {method.name} holds data per KV head; use a rank count dividing them")
+    per = shape.num_kv_heads // size
+    rank = tensor_parallel_rank(model)
+    return method.for_kv_heads(rank * per, (rank + 1) * per)
 
 
 def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
