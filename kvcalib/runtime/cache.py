@@ -9,11 +9,12 @@ and kept packed, exactly the flush rule `kvcalib eval` scores (`kvcalib.attentio
 model's attention runs through the registered attention function `kvcalib_runtime`:
 - a padded batch (an `attention_mask` with zeros, e.g. transformers' left-padded batch generation)
   keeps each sequence in a row of its own holding only its real tokens: its blocks flush at its own
-  lengths, padding is never attended, stored nor counted, and each sequence decodes exactly as it
-  would alone (the mask reaches the cache through a forward pre-hook on the model). A decode step of such a
-  batch is one call for every row: on the torch reference path each row's cache right-aligned over the
-  longest, its padding masked (`_decode_rows`); on a fused kernel's path one launch over the rows' layouts
-  side by side, each row's own counts read on the device (`_RowsSideBySide`);
+  lengths, padding is never attended, stored nor counted, and each sequence decodes as it would alone
+  (the mask reaches the cache through a forward pre-hook on the model). A decode step of such a batch is
+  one call for every row: on the torch reference path each row's cache right-aligned over the longest, its
+  padding masked (`_decode_rows`: exactly as alone); on a fused kernel's path one launch over the rows'
+  layouts side by side, each row's own counts read on the device (`_RowsSideBySide`: the kernel splits a
+  row's tokens by the batch, so its output may differ from the row's lone launch by one float16 ulp);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
