@@ -14,7 +14,8 @@ model's attention runs through the registered attention function `kvcalib_runtim
   one call for every row: on the torch reference path each row's cache right-aligned over the longest, its
   padding masked (`_decode_rows`: exactly as alone); on a fused kernel's path one launch over the rows'
   layouts side by side, each row's own counts read on the device (`_RowsSideBySide`: the kernel splits a
-  row's tokens by the batch, so its output may differ from the row's lone launch by one float16 ulp);
+  row's tokens by the batch, and each split rounds its softmax weights to float16: a row's output may differ
+  from its lone launch by 2^-10 of its values' largest magnitude at most);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
