@@ -3,7 +3,7 @@ kernels over the packed cache, and the fused VecInfer kernel over codebook codes
 query / 8 KV heads, d=128.
 
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--vecinfer d4b8,d8b12]
-                                [--schemes K,V] [--define NAME=V] [--results FILE]
+                                [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -17,8 +17,7 @@ reads the row's bytes (kernels_cupy/stream_read.cu), timed the same way. "worst 
 accuracy the speed was bought with: max over (batch, query head) of ‖o − o_ref‖/‖o_ref‖ against the
 float64 `reference_decode` of the same packed cache, on these diffuse (unit randn) inputs; for SDPA
 rows, SDPA fp16 over the KIVI-2 G=128 cache dequantized, against the same reference (the peer's
-error on the same cache). `--schemes K,V` compiles the kernel with other code-unpack schemes and
-`--define NAME=V` with another compile-time switch (A/B).
+error on the same cache).
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ import sys
 import torch
 
 from kvcalib.quant import dequantize, quantize
-import kernels_cupy.loader as loader
 from kvcalib.int2_layout import pack, reference_decode
 from kvcalib.runtime.int2_kernel import fused_decode
 from kvcalib.runtime.vq_kernel import vq_decode
@@ -137,7 +135,7 @@ def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.T
 
 
 def vq_inputs(b: int, length: int) -> tuple[int, list, list]:
-    """Rotating copies for timing the VecInfer kernel alone (vq_decode_plans.py, vq_decode_knockouts.py): enough
+    """Rotating copies for timing the VecInfer kernel alone (vq_decode_plans.py): enough
     that their codes (half a byte a channel at d4b8) pass 400 MB, 2 to 8; each copy's float16 residual keys and
     values (B, HKV, RESIDUAL, D) and query (B, HQ, D), seeded. `vq_layer` makes each copy's codes."""
     copies = max(2, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))
@@ -159,14 +157,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--batches", default="1,8")
-    parser.add_argument("--schemes", default=None, help="K,V: KEY_SCHEME, VALUE_SCHEME of quant_decode.cu (A/B)")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="another compile-time switch of quant_decode.cu (A/B), e.g. EXACT_KEY_ZEROS=0")
     parser.add_argument("--vecinfer", default="d4b8,d8b12",
                         help="VecInfer configurations for the fused VecInfer kernel's rows (empty: none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
-    switches = loader.experiment_from("quant_decode.cu", args.define, args.schemes)
     bw = copy_bandwidth()
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -225,8 +219,7 @@ def main() -> None:
                 del vls
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
-    title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens" \
-        + (f", {switches}" if switches else "")
+    title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"
     empty = timed(lambda i: None, 1)
     lines = [f"copy bandwidth measured: {bw:.0f} GB/s (read + write); an empty graph measures {empty:.1f} µs. "
              "Read floor: one launch that only reads the row's bytes (kernels_cupy/stream_read.cu).", "",

@@ -1,7 +1,7 @@
 """Accuracy of the fused INT2 decode kernel against float64, in the regimes users run, beside the
 error torch SDPA makes in the query dtype over the same dequantized cache.
 
-    python benchmarks/decode_precision.py [--schemes 2,2] [--define NAME=V] [--dtype float16] [--results FILE]
+    python benchmarks/decode_precision.py [--dtype float16] [--results FILE]
 
 For each (B, L, G, inputs): the relative error ‖o − o_ref‖/‖o_ref‖ over all rows and the worst row
 (a row = one batch entry and query head), where o_ref is `reference_decode` in float64 of the same
@@ -9,8 +9,8 @@ For each (B, L, G, inputs): the relative error ‖o − o_ref‖/‖o_ref‖ ove
 flash-attention's rule, per row: fused ≤ 2 × SDPA + 1e-4; "rows over" counts the rows that break it.
 Inputs: "diffuse" = unit randn keys, values and queries (near-uniform attention, what many heads of
 a long context do); "peaked" = keys with 8 outlier channels at 5x and a sink token whose key is
-aligned with every query (attention concentrates). `--schemes K,V` picks the kernel's code unpack
-scheme for keys and values (`KEY_SCHEME`, `VALUE_SCHEME` in kernels_cupy/quant_decode.cu) to A/B them.
+aligned with every query (attention concentrates). The unpack schemes this table once compared are in
+NOTES-decode.md ("Precision"); the kernel keeps the one it measured best for keys and for values.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-import kernels_cupy.loader as loader
 from kvcalib.int2_layout import pack, reference_decode
 from kvcalib.runtime.int2_kernel import fused_decode
 from results import RESULTS, record
@@ -73,15 +72,11 @@ def measure(b: int, length: int, group: int, peaked: bool, dtype: torch.dtype, n
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schemes", default=None, help="K,V unpack schemes (default: the kernel's)")
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                        help="another compile-time switch of quant_decode.cu (A/B), e.g. EXACT_KEY_ZEROS=0")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--regimes", default=None, help="B:L:G[:peaked][:norms],... (default: the table's)")
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
-    switches = loader.experiment_from("quant_decode.cu", args.define, args.schemes)
     dtype = getattr(torch, args.dtype)
     if args.regimes:
         regimes = []
@@ -102,7 +97,7 @@ def main() -> None:
                      f"{(f / bound).max():.2f} | {int((f > bound).sum())} |")
         print(lines[-1], flush=True)
     title = (f"Decode precision, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL}, "
-             f"{args.dtype} queries" + (f", {switches}" if switches else ""))
+             f"{args.dtype} queries")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     if not args.no_record:

@@ -1,18 +1,18 @@
 """Where the fused INT2 decode kernel's error comes from, row by row, in one regime of the GPU tests.
 
     python benchmarks/decode_precision_rows.py [--b 4] [--length 131072] [--group 32] [--gqa 8]
-        [--inputs peaked] [--norms] [--dtype float16] [--define NAME=V ...] [--rows 8]
+        [--inputs peaked] [--norms] [--dtype float16] [--rows 8]
 
 Builds exactly the inputs of tests/test_int2_kernel_gpu.py::test_long_context_decode_is_as_exact_as_sdpa_in_every_row
-(same seeds, same generator), runs the kernel (with `--define` switches, A/B) and torch SDPA, and
+(same seeds, same generator), runs the kernel and torch SDPA, and
 beside them float64 emulations that each add one of the kernel's fp16 roundings to the exact
 computation (every sum exact, no tensor-core truncation):
-  keys z+s:     key scheme 4 with the zero point term from fp16(z + s) (EXACT_KEY_ZEROS=0);
+  keys z+s:     the keys' zero point term from fp16(z + s) (what the kernel did before it summed z q and s q apart);
   p16:          probabilities rounded to fp16 (relative to the split's max, as the kernel does);
   p~ = p16 s:   the value scale folded into p16 and rounded again (value scheme 3);
   out16:        the output rounded to the query dtype;
   p~, vals z+1.5s: p~ and value scheme 3's zero point term from fp16(z + 1.5 s);
-  kernel model: p16, p~, vals z+1.5s, out16 (and keys z+s with EXACT_KEY_ZEROS=0);
+  kernel model: p16, p~, vals z+1.5s, out16;
   SDPA model:   fp16 dequantized keys and values, p16, out16.
 Prints, for the rows nearest the bound (fused ≤ 2 × SDPA + 1e-4), every column's row error
 ‖o − o_ref‖/‖o_ref‖, and the median and worst fused / SDPA ratio. Diagnostics only: records nothing.
@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-import kernels_cupy.loader as loader
 from kvcalib.hadamard import rotate
 from kvcalib.int2_layout import _block_untranspose, from_tensor_core_order, reference_decode
 from kvcalib.runtime.int2_kernel import fused_decode, partition
@@ -135,11 +134,8 @@ def main() -> None:
     parser.add_argument("--inputs", default="peaked", choices=["diffuse", "peaked"])
     parser.add_argument("--norms", action="store_true")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
-    parser.add_argument("--define", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--rows", type=int, default=8, help="rows shown, nearest the bound first")
     args = parser.parse_args()
-    switches = loader.experiment_from("quant_decode.cu", args.define)
-    exact_zeros = "EXACT_KEY_ZEROS=0" not in args.define
     dtype = getattr(torch, args.dtype)
     b, length, group, gqa = args.b, args.length, args.group, args.gqa
     torch.manual_seed(b * 131 + length + group)  # as the test does, draw for draw
@@ -156,12 +152,12 @@ def main() -> None:
     fused = _row_errors(fused_decode(q, layer, scaling, checked=True), ref)
     sdpa = _row_errors(_sdpa(q, layer, scaling), ref)
     _, _, split_len = partition(layer, 0)  # the kernel's own splits
-    models = {n: _row_errors(o, ref) for n, o in emulate(q, layer, scaling, split_len, exact_zeros).items()}
+    models = {n: _row_errors(o, ref) for n, o in emulate(q, layer, scaling, split_len, exact_zeros=True).items()}
     bound = 2 * sdpa + 1e-4
     order = (fused / bound).argsort(descending=True)[: args.rows]
     names = ["fused", "SDPA", "bound"] + [n for n in models if n != "float64"]
     print(f"B={b} L={length} G={group} GQA={gqa} {args.inputs}{' norms' if args.norms else ''} {args.dtype}"
-          f" {switches or 'kernel defaults'}; split {split_len} tokens; {fused.numel()} rows, "
+          f"; split {split_len} tokens; {fused.numel()} rows, "
           f"{int((fused > bound).sum())} over the bound")
     print("| row | " + " | ".join(names) + " |\n|---:|" + "---:|" * len(names))
     cols = {"fused": fused, "SDPA": sdpa, "bound": bound, **models}

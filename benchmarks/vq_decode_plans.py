@@ -1,5 +1,5 @@
 """A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu): warps per block,
-pipeline stages, conflict-free book copies, blocks per SM, compile-time switches, against the plan `kvcalib.runtime.vq_kernel.plan`
+pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.runtime.vq_kernel.plan`
 picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
 replays). Prints a table; `--results FILE` records it.
 
@@ -19,7 +19,7 @@ from decode import D, HKV, HQ, timed, vq_bytes, vq_inputs, vq_layer, worst_row
 from kvcalib.vq_layout import reference_decode
 from results import record
 
-PLANS = {  # name: TUNING
+PLANS = {  # name: the launch parameters set by hand (`vq_kernel.plan`'s tuning)
     "chosen": {},
     "4 warps, 2 stages": {"WARPS": 4, "TILES": 2, "NSTAGE": 2},
     "4 warps, 4 stages": {"WARPS": 4, "TILES": 2, "NSTAGE": 4},
@@ -32,10 +32,6 @@ PLANS = {  # name: TUNING
     "3 tiles, 3 stages": {"TILES": 3, "NSTAGE": 3},
     "16 warps, 2 tiles, 2 stages": {"WARPS": 16, "TILES": 2, "NSTAGE": 2},
     "16 warps, 2 tiles, 3 stages": {"WARPS": 16, "TILES": 2, "NSTAGE": 3},
-    "values gathered before the softmax": {"PREFETCH_V": 1},
-    "q~ in fp16 alone": {"LO_PAIR": 0},
-    "float16 rows all after the packed tokens": {"ROWS_FIRST": 0},
-    "books side by side (8-bit codes)": {"PAIR_BOOKS": 0},
 }
 
 
@@ -57,21 +53,18 @@ def main() -> None:
                 for name, tuning in PLANS.items():
                     if args.plans and name not in args.plans.split(";"):
                         continue
-                    vk.TUNING.clear()
-                    vk.TUNING.update(tuning)
                     try:
-                        p = vk.plan(layers[0], HQ // HKV)
+                        p = vk.plan(layers[0], HQ // HKV, tuning)
                         if p["SMEM"] > vk.SHARED_LIMIT or p["SMEM"] * p["BLOCKS_PER_SM"] > vk.SM_SHARED:
                             continue
-                        us = timed(lambda i: vk.vq_decode(q[i], layers[i], D**-0.5), copies)
-                        err = worst_row(vk.vq_decode(q[0], layers[0], D**-0.5, checked=True), ref)
+                        us = timed(lambda i: vk.vq_decode(q[i], layers[i], D**-0.5, tuning=tuning), copies)
+                        err = worst_row(vk.vq_decode(q[0], layers[0], D**-0.5, checked=True, tuning=tuning), ref)
                     except Exception as e:  # a plan the device refuses: say so in the table
                         rows.append(f"| {b} | {length} | {config} | {name} | failed: {type(e).__name__} | | | |")
                         continue
                     plan = ", ".join(f"{k}={v}" for k, v in p.items() if k != "SMEM")
                     gbs = vq_bytes(layers[0], q[0]) / (us * 1e-6) / 1e9
                     rows.append(f"| {b} | {length} | {config} | {name} | {us:.1f} | {gbs:.0f} | {plan}, {p['SMEM'] // 1024} KiB | {err:.1e} |")
-                vk.TUNING.clear()
                 del layers
                 torch.cuda.empty_cache()
     lines = ["| B | L | config | plan | µs | GB/s | defines, shared memory | worst row err |",

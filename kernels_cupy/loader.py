@@ -53,34 +53,11 @@ def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:
 
 
 _FUNCTIONS: dict[tuple, cupy.RawKernel] = {}
-_EXPERIMENT: dict[str, dict[str, object]] = {}
-
-
-def experiment(filename: str, **defines: object) -> None:
-    """Compile every later kernel of `filename` with these extra #defines (benchmarks' A/B of a
-    kernel's compile-time switches, e.g. `experiment("quant_decode.cu", KEY_SCHEME=1)`)."""
-    _EXPERIMENT[filename] = defines
-
-
-def experiment_from(filename: str, switches: list[str], schemes: str | None = None) -> str:
-    """`experiment` from NAME=VALUE strings (the benchmarks' --define) and "K,V" (their --schemes:
-    KEY_SCHEME, VALUE_SCHEME); returns the switches joined for a table's title ("" when none)."""
-    if schemes:
-        switches = [f"{n}={v}" for n, v in zip(("KEY_SCHEME", "VALUE_SCHEME"), schemes.split(","))] + switches
-    defines = {}
-    for item in switches:
-        name, sep, value = item.partition("=")
-        if not sep or not name.isidentifier():
-            raise SystemExit(f"--define takes NAME=VALUE, got {item!r}")
-        defines[name] = value
-    if defines:
-        experiment(filename, **defines)
-    return ", ".join(f"{k}={v}" for k, v in defines.items())
 
 
 def kernel(filename: str, defines: dict[str, object], name: str) -> cupy.RawKernel:
-    if filename in _EXPERIMENT:
-        defines = {**defines, **_EXPERIMENT[filename]}
+    """The kernel `name` of `filename` compiled with `defines` (every compile option is the launch's own
+    argument, keyed here: there is no switch that changes later compiles), on CuPy's current device."""
     key = (filename, tuple(sorted(defines.items())), name, cupy.cuda.runtime.getDevice())
     if key not in _FUNCTIONS:
         _FUNCTIONS[key] = module(filename, defines).get_function(name)

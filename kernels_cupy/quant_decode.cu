@@ -33,8 +33,7 @@
 // Compile-time parameters (#define, set by kvcalib/runtime/int2_kernel.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
 // HAS_NORM, ROT_K, ROT_V, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
-// is a whole number of, `int2_kernel.split_unit`); TILES may be set to
-// override the tiles per warp and stage (experiments). Queries are rounded to fp16 for the tensor
+// is a whole number of, `int2_kernel.split_unit`). Queries are rounded to fp16 for the tensor
 // cores whatever QT is (a rotated one, ROT_K, to a pair of fp16 numbers, hi + lo).
 
 #include "decode_common.cuh"
@@ -51,7 +50,7 @@
 // (Key schemes other than 4, kept for A/B runs, take the remainders in the idle columns only; above 4
 // query heads they go without.)
 #define LO_COLUMNS (ROT_K && GQ <= 4)
-#define LO_MMA (ROT_K && GQ > 4 && KEY_SCHEME == 4)
+#define LO_MMA (ROT_K && GQ > 4)
 
 #define NT 128       // threads per block
 #define PER_WORD 16  // 2-bit codes per 32-bit word
@@ -141,101 +140,59 @@ __device__ __forceinline__ unsigned and_or(unsigned a, unsigned b, unsigned c) {
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-// The 8 A registers of one word: register p = half2(off_p + code at bits 2p, off_p + code at bits
-// 16 + 2p), an fp16 exponent ORed over the code bits making them the units digit. Schemes:
-//   0: three shifts bring each code to bits 4-5 or 6-7: off_p = 64 for even p, 16 for odd p;
-//   1: one shift: codes at bits 0-1, 2-3, 4-5, 6-7 of each half read as 1024, 256, 64, 16 + x,
-//      and w >> 8 brings bits 8-15 there: off_p = 1024, 256, 64, 16 for p mod 4 = 0..3;
-//   2: scheme 1, then off_p subtracted in fp16 (exact), so the A operand is the code x itself;
-//   3: scheme 0, then off_p + 1.5 subtracted in fp16 (exact: 65.5 and 17.5 are fp16 numbers), so
-//      the A operand is the centred code x - 1.5 in {-1.5, -0.5, 0.5, 1.5}; the zero point term
-//      then uses z + 1.5 s, the middle of the group's range (`centred_zeros`).
-//   4 (keys): scheme 0, then off_p + 1 subtracted (exact), and the code x - 1 in {-1, 0, 1, 2}
-//      multiplied by the channel's scale s (exact: a power of two times s, or 0); B is q itself,
-//      and the zero point term uses z + s (`shifted_zeros`). The scores are then exact products
-//      summed in fp32: no fp16 rounding of q o s.
-// Schemes 0 and 1 subtract the offsets on the tensor cores (an mma with neg_offsets).
+// The 8 A registers of one word: three shifts bring each 2-bit code to bits 4-5 or 6-7 of a half, and an
+// fp16 exponent ORed over them makes it the units digit: register p = half2(off_p + code at bits 2p, off_p +
+// code at bits 16 + 2p), off_p = 64 for even p, 16 for odd p; then, exactly in fp16:
+//   values (SCHEME 3): off_p + 1.5 subtracted (65.5 and 17.5 are fp16 numbers), so the A operand is the
+//     centred code x - 1.5 in {-1.5, -0.5, 0.5, 1.5}; the zero point term then uses z + 1.5 s, the middle
+//     of the group's range (`centred_zeros`);
+//   keys (SCHEME 4): off_p + 1 subtracted, and the code x - 1 in {-1, 0, 1, 2} multiplied by the channel's
+//     scale s (exact: a power of two times s, or 0); B is q itself, and the zero point term sums z q and
+//     s q apart (`zero_and_scale_rows`). The scores are exact products summed in fp32: no fp16 rounding of
+//     q o s.
 // Values: an output is sum_n p_n v_n over a whole split, and with diffuse attention it is small:
 // random values average out to ~|v| / sqrt(n). Split as sum x p~ + sum z p (x >= 0, z the group
-// minimum), both sums grow like sum p and cancel almost completely, so the tensor cores'
-// accumulation error (addends aligned to the largest exponent and truncated, every mma) is
-// amplified by ~sqrt(n), and by off / 1.5 more with the offsets in the sums. Scheme 3 centres both
-// sums (random walks like the output, as in SDPA).
-// Keys: with q~ = fp16(q o s) (schemes 0-3), the rounding of q~ multiplies the codes: the scores
-// err more than SDPA's over the dequantized keys (whose z + s x are sums of two fp16 numbers, often
-// exact), and rows with peaked attention broke the 2 x SDPA + 1e-4 rule. Scheme 4 removes it.
-// H100, B = 8, L = 131072, G = 128, diffuse, worst row against float64 (SDPA fp16: 4.6e-4):
-// K1/V0 (the kernel before) 3.2e-1, K1/V2 1.4e-2, K1/V3 9.1e-4, K3/V3 5.4e-4, K4/V3 4.2e-4
-// (benchmarks/decode_precision.py; NOTES-decode.md, "Precision", has every regime and the cost).
-#ifndef KEY_SCHEME
-#define KEY_SCHEME 4
-#endif
-#ifndef VALUE_SCHEME
-#define VALUE_SCHEME 3
-#endif
-#ifndef EXACT_KEY_ZEROS  // 0: key scheme 4's zero point term from fp16(z + s) (`shifted_zeros`)
-#define EXACT_KEY_ZEROS 1
-#endif
+// minimum), both sums would grow like sum p and cancel almost completely, so the tensor cores'
+// accumulation error (addends aligned to the largest exponent and truncated, every mma) would be
+// amplified by ~sqrt(n); centring both sums makes them random walks like the output, as in SDPA.
+// Keys: with q~ = fp16(q o s), the rounding of q~ would multiply the codes, and rows with peaked attention
+// broke the 2 x SDPA + 1e-4 rule; multiplying the codes by s removes it.
+// H100, B = 8, L = 131072, G = 128, diffuse, worst row against float64 (SDPA fp16: 4.6e-4): 4.2e-4 with
+// these two (the other schemes measured, up to 3.2e-1: NOTES-decode.md, "Precision"; their code is in git
+// history before the commit that removed them, with the A/B switches of benchmarks/decode_precision.py).
 __device__ __forceinline__ unsigned hsub2u(unsigned a, unsigned b) {
   const __half2 v = __hsub2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
   return *reinterpret_cast<const unsigned*>(&v);
 }
-// e: the exponents 64, 16, 1024, 256 as half2 (masks are immediates).
+// e: the exponents 64, 16 as half2 (masks are immediates).
 template <int SCHEME>
 __device__ __forceinline__ void unpack8(unsigned w, unsigned* o, const unsigned* e) {
-  if (SCHEME == 0 || SCHEME == 3 || SCHEME == 4) {
-    const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
-    o[0] = and_or(wl, 0x00300030u, e[0]);  // bits 0-1   -> 4-5: 64 + x
-    o[1] = and_or(wl, 0x00C000C0u, e[1]);  // bits 2-3   -> 6-7: 16 + x
-    o[2] = and_or(w, 0x00300030u, e[0]);   // bits 4-5
-    o[3] = and_or(w, 0x00C000C0u, e[1]);   // bits 6-7
-    o[4] = and_or(w4, 0x00300030u, e[0]);  // bits 8-9   -> 4-5
-    o[5] = and_or(w4, 0x00C000C0u, e[1]);  // bits 10-11 -> 6-7
-    o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
-    o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
-    if (SCHEME == 3)  // 65.5, 17.5 as half2
-      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C604C60u : 0x54185418u);
-    if (SCHEME == 4)  // 65, 17 as half2: x - 1 in {-1, 0, 1, 2}, which any fp16 scale multiplies exactly
-      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C404C40u : 0x54105410u);
-  } else {
-    const unsigned w8 = w >> 8;
-    o[0] = and_or(w, 0x00030003u, e[2]);   // bits 0-1: 1024 + x
-    o[1] = and_or(w, 0x000C000Cu, e[3]);   // bits 2-3: 256 + x
-    o[2] = and_or(w, 0x00300030u, e[0]);   // bits 4-5: 64 + x
-    o[3] = and_or(w, 0x00C000C0u, e[1]);   // bits 6-7: 16 + x
-    o[4] = and_or(w8, 0x00030003u, e[2]);  // bits 8-9   -> 0-1
-    o[5] = and_or(w8, 0x000C000Cu, e[3]);  // bits 10-11 -> 2-3
-    o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
-    o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
-    if (SCHEME == 2)
-      for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], e[(p + 2) % 4]);  // the exponent alone is off_p
-  }
-}
-// The A operand that subtracts unpack8's offsets (half2, exact): scheme 0: rows g -64, rows g + 8
-// -16; scheme 1: registers a0..a3 (row g | g + 8, k low | high) -1024, -256, -64, -16.
-template <int SCHEME>
-__device__ __forceinline__ uint4 neg_offsets() {
-  return SCHEME == 0 ? make_uint4(0xD400D400u, 0xCC00CC00u, 0xD400D400u, 0xCC00CC00u)
-                     : make_uint4(0xE400E400u, 0xDC00DC00u, 0xD400D400u, 0xCC00CC00u);
+  static_assert(SCHEME == 3 || SCHEME == 4, "values take scheme 3, keys scheme 4");
+  const unsigned wl = w << 4, w4 = w >> 4, w8 = w >> 8;
+  o[0] = and_or(wl, 0x00300030u, e[0]);  // bits 0-1   -> 4-5: 64 + x
+  o[1] = and_or(wl, 0x00C000C0u, e[1]);  // bits 2-3   -> 6-7: 16 + x
+  o[2] = and_or(w, 0x00300030u, e[0]);   // bits 4-5
+  o[3] = and_or(w, 0x00C000C0u, e[1]);   // bits 6-7
+  o[4] = and_or(w4, 0x00300030u, e[0]);  // bits 8-9   -> 4-5
+  o[5] = and_or(w4, 0x00C000C0u, e[1]);  // bits 10-11 -> 6-7
+  o[6] = and_or(w8, 0x00300030u, e[0]);  // bits 12-13 -> 4-5
+  o[7] = and_or(w8, 0x00C000C0u, e[1]);  // bits 14-15 -> 6-7
+  if (SCHEME == 3)  // 65.5, 17.5 as half2
+    for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C604C60u : 0x54185418u);
+  if (SCHEME == 4)  // 65, 17 as half2: x - 1 in {-1, 0, 1, 2}, which any fp16 scale multiplies exactly
+    for (int p = 0; p < 8; ++p) o[p] = hsub2u(o[p], p % 2 ? 0x4C404C40u : 0x54105410u);
 }
 
 __device__ __forceinline__ __half2 half2_at(const __half* p) { return *reinterpret_cast<const __half2*>(p); }
 // Value scheme 3's zero points z + 1.5 s (the middle of each token group's range) for the tokens
-// whose half2 pairs sit at z, s and z + 8, s + 8, broadcast over rows as rows_of_pairs does.
+// whose half2 pairs sit at z, s and z + 8, s + 8, broadcast over rows (rows g and g + 8 alike).
 __device__ __forceinline__ uint4 centred_zeros(const __half* z, const __half* s) {
   const __half2 c = __float2half2_rn(1.5f);
   const __half2 a = __hfma2(c, half2_at(s), half2_at(z)), b = __hfma2(c, half2_at(s + 8), half2_at(z + 8));
   const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
   return make_uint4(ua, ua, ub, ub);
 }
-// Key scheme 4's zero points z + s for the channel pairs at z, s and z + 8, s + 8 (one rounding;
-// with EXACT_KEY_ZEROS=0 only).
-__device__ __forceinline__ uint4 shifted_zeros(const __half* z, const __half* s) {
-  const __half2 a = __hadd2(half2_at(s), half2_at(z)), b = __hadd2(half2_at(s + 8), half2_at(z + 8));
-  const unsigned ua = *reinterpret_cast<const unsigned*>(&a), ub = *reinterpret_cast<const unsigned*>(&b);
-  return make_uint4(ua, ua, ub, ub);
-}
-// Key scheme 4's exact zero point term (EXACT_KEY_ZEROS): an A operand whose rows g hold the half2
+// The keys' exact zero point term: an A operand whose rows g hold the half2
 // pairs at z, z + 8 and rows g + 8 those at s, s + 8. The mma's C rows g then sum z q and rows g + 8
 // sum s q, every product exact in fp32, and `key_group` adds the two rows: sum_c (z_c + s_c) q_c
 // without the fp16 rounding of z + s, at the same mma count (the rows were copies of each other).
@@ -248,11 +205,6 @@ __device__ __forceinline__ uint4 shifted_zeros(const __half* z, const __half* s)
 __device__ __forceinline__ uint4 zero_and_scale_rows(const __half* z, const __half* s) {
   return make_uint4(*reinterpret_cast<const unsigned*>(z), *reinterpret_cast<const unsigned*>(s),
                     *reinterpret_cast<const unsigned*>(z + 8), *reinterpret_cast<const unsigned*>(s + 8));
-}
-// An A operand whose every row is the half2 pairs at p and p + 8 (zero points broadcast over rows).
-__device__ __forceinline__ uint4 rows_of_pairs(const __half* p) {
-  const unsigned a = *reinterpret_cast<const unsigned*>(p), b = *reinterpret_cast<const unsigned*>(p + 8);
-  return make_uint4(a, a, b, b);
 }
 __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
   const __half2 v = __hmul2(*reinterpret_cast<__half2*>(&a), b);
@@ -268,9 +220,7 @@ __device__ __forceinline__ unsigned hmul2u(unsigned a, __half2 b) {
 // A rotated query with its remainders in an mma of their own (LO_MMA) keeps two tiles there: their
 // fragments (2 KB) and a ring of two 4-tile stages do not fit 48 KB together, and the extra mma would
 // spill registers at four.
-#ifndef TILES
 #define TILES (G >= 128 && GV >= D && !LO_MMA ? 4 : G >= 32 ? 2 : 1)
-#endif
 #define ST (16 * WARPS * TILES)
 #define SHARED_Q (G >= ST)  // a stage lies in one key group: its q~ is computed once per block
 #define KGS ((ST + G - 1) / G)  // key groups a stage touches (G is a power of two >= 16)
@@ -418,29 +368,18 @@ __device__ __forceinline__ void key_group(const uint2* qraw, const uint2* qlo, c
   for (int i = 0; i < N; ++i) {
     const int ks = first + i, c = 16 * ks + 2 * t;
     const uint2 q = qraw[ks * 32 + lane];
-    const uint2 qt = make_uint2(hmul2u(q.x, half2_at(s + c)), hmul2u(q.y, half2_at(s + c + 8)));
-    // scheme 4 keeps q as it is and multiplies the codes by s: the fragments hold the scale pairs
-    frag[ks * 32 + lane] = KEY_SCHEME == 4 ? make_uint2(*reinterpret_cast<const unsigned*>(s + c),
-                                                        *reinterpret_cast<const unsigned*>(s + c + 8))
-                                           : qt;
-    if (KEY_SCHEME == 3)  // every token row: sum_c (z_c + 1.5 s_c) q_c
-      mma16816(k0, centred_zeros(z + c, s + c), q.x, q.y);
-    else if (KEY_SCHEME == 4) {  // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q if exact)
-      const uint4 a = EXACT_KEY_ZEROS ? zero_and_scale_rows(z + c, s + c) : shifted_zeros(z + c, s + c);
-      mma16816(k0, a, q.x, q.y);
+    // q is kept as it is and the codes are multiplied by s: the fragments hold the scale pairs
+    frag[ks * 32 + lane] = make_uint2(*reinterpret_cast<const unsigned*>(s + c), *reinterpret_cast<const unsigned*>(s + c + 8));
+    // every token row: sum_c (z_c + s_c) q_c (rows g: sum z q, g + 8: sum s q)
+    const uint4 a = zero_and_scale_rows(z + c, s + c);
+    mma16816(k0, a, q.x, q.y);
 #if LO_MMA
-      const uint2 ql = qlo[ks * 32 + lane];
-      mma16816(k1, a, ql.x, ql.y);
+    const uint2 ql = qlo[ks * 32 + lane];
+    mma16816(k1, a, ql.x, ql.y);
 #endif
-    }
-    else  // every token row: sum_c z_c q_c
-      mma16816(k0, rows_of_pairs(z + c), q.x, q.y);
-    if (KEY_SCHEME < 2)  // -sum_c off q~_c
-      mma16816(k1, neg_offsets<KEY_SCHEME>(), qt.x, qt.y);
   }
   for (int i = 0; i < 4; ++i) k0[i] += k1[i];
-  if (KEY_SCHEME == 4 && EXACT_KEY_ZEROS)  // every token row: sum_c z_c q_c + sum_c s_c q_c
-    for (int e = 0; e < 2; ++e) k0[e] = k0[2 + e] = k0[e] + k0[2 + e];
+  for (int e = 0; e < 2; ++e) k0[e] = k0[2 + e] = k0[e] + k0[2 + e];  // every token row: sum_c z_c q_c + sum_c s_c q_c
 }
 
 // The scores sc (log2 units) of a warp's TILES tiles at stage rows row0, row0 + 1, ...: sc[j][0..1]
@@ -457,20 +396,16 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
     }
 #pragma unroll
   for (int i = 0; i < WPL; ++i) {  // word i: k-slices 2i (registers 0-3) and 2i + 1 (4-7)
-#if KEY_SCHEME == 4  // B: q itself; the codes are scaled by the pairs in qf
+    // B: q itself; the codes are scaled by the pairs in qf
     const uint2 qa = qraw[(2 * i) * 32 + lane], qb = qraw[(2 * i + 1) * 32 + lane];
     const uint2 sa = qf[(2 * i) * 32 + lane], sb = qf[(2 * i + 1) * 32 + lane];
-#else
-    const uint2 qa = qf[(2 * i) * 32 + lane], qb = qf[(2 * i + 1) * 32 + lane];
-#endif
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       unsigned o[8];
-      unpack8<KEY_SCHEME>((unsigned)st.kw[row0 + j][lane * WPL + i], o, kexp);
-#if KEY_SCHEME == 4  // registers 0, 1 | 2, 3 | 4, 5 | 6, 7: channel pairs of sa.x | sa.y | sb.x | sb.y
+      unpack8<4>((unsigned)st.kw[row0 + j][lane * WPL + i], o, kexp);
+      // registers 0, 1 | 2, 3 | 4, 5 | 6, 7: channel pairs of sa.x | sa.y | sb.x | sb.y
       const unsigned sp[4] = {sa.x, sa.y, sb.x, sb.y};
       for (int p = 0; p < 8; ++p) o[p] = hmul2u(o[p], *reinterpret_cast<const __half2*>(&sp[p / 2]));
-#endif
       mma16816(sc[j], make_uint4(o[0], o[1], o[2], o[3]), qa.x, qa.y);
       mma16816(sc2[j], make_uint4(o[4], o[5], o[6], o[7]), qb.x, qb.y);
 #if LO_MMA  // the rotated query's remainders on the same (exact) operands
@@ -497,9 +432,9 @@ __device__ __forceinline__ void score_tiles(const Stage& st, int row0, const uin
 
 // Accumulates the values of a warp's tiles weighted by p (the fp32 probabilities in the scores'
 // layout, rounded here to half2 pairs): O^T += codes_V^T . P~^T with P~ = P o (value scales),
-// offsets and zero points in voff and vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
+// the zero points in vzp. P^T reaches the B fragments (tokens 2t, 2t+1 | 2t+8, 2t+9 of head g) by movmatrix.
 __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const float (*p)[4], const unsigned* kexp,
-                                            float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
+                                            float (*acc)[4], float (*vzp)[4]) {
   const int lane = threadIdx.x % 32, t = lane % 4;
 #pragma unroll
   for (int j = 0; j < TILES; ++j) {
@@ -508,15 +443,12 @@ __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const flo
     for (int gv = 0; gv < VG; ++gv) {
       const __half* vs = st.vs[row0 + j][gv];
       pt[gv] = make_uint2(hmul2u(pb0, half2_at(vs + 2 * t)), hmul2u(pb1, half2_at(vs + 8 + 2 * t)));
-      if (VALUE_SCHEME < 2) mma16816(voff[gv], neg_offsets<VALUE_SCHEME>(), pt[gv].x, pt[gv].y);
-      const uint4 za = VALUE_SCHEME == 3 ? centred_zeros(&st.vz[row0 + j][gv][2 * t], vs + 2 * t)
-                                         : rows_of_pairs(&st.vz[row0 + j][gv][2 * t]);
-      mma16816(vzp[gv], za, pb0, pb1);
+      mma16816(vzp[gv], centred_zeros(&st.vz[row0 + j][gv][2 * t], vs + 2 * t), pb0, pb1);
     }
 #pragma unroll
     for (int i = 0; i < WPL; ++i) {  // word i: output rows 32i .. 32i + 15 (registers 0-3), 32i + 16 .. (4-7)
       unsigned o[8];
-      unpack8<VALUE_SCHEME>((unsigned)st.vw[row0 + j][lane * WPL + i], o, kexp);
+      unpack8<3>((unsigned)st.vw[row0 + j][lane * WPL + i], o, kexp);
       const uint2 b0 = pt[16 * (2 * i) / GV], b1 = pt[16 * (2 * i + 1) / GV];
       mma16816(acc[2 * i], make_uint4(o[0], o[1], o[2], o[3]), b0.x, b0.y);
       mma16816(acc[2 * i + 1], make_uint4(o[4], o[5], o[6], o[7]), b1.x, b1.y);
@@ -528,7 +460,7 @@ __device__ __forceinline__ void value_tiles(const Stage& st, int row0, const flo
 // value_tiles reads them), running max m (log2 units) and this lane's share l of the sum, per head
 // column 2t + e; the accumulators are rescaled when the running max moves.
 __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, float* l, float (*p)[4],
-                                              float (*acc)[4], float (*voff)[4], float (*vzp)[4]) {
+                                              float (*acc)[4], float (*vzp)[4]) {
   float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
   for (int j = 0; j < TILES; ++j)
@@ -553,10 +485,7 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float* m, fl
     for (int u = 0; u < KS; ++u)
       for (int i = 0; i < 4; ++i) acc[u][i] *= alpha[i & 1];
     for (int gv = 0; gv < VG; ++gv)
-      for (int i = 0; i < 4; ++i) {
-        if (VALUE_SCHEME < 2) voff[gv][i] *= alpha[i & 1];
-        vzp[gv][i] *= alpha[i & 1];
-      }
+      for (int i = 0; i < 4; ++i) vzp[gv][i] *= alpha[i & 1];
   }
 }
 
@@ -661,10 +590,10 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 
   float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
   for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
-  float voff[VG][4], vzp[VG][4];  // per value group: -sum_n off p~_n and sum_n z_n p_n, same layout
+  float vzp[VG][4];  // per value group: sum_n (z_n + 1.5 s_n) p_n, same layout
   for (int gv = 0; gv < VG; ++gv)
-    for (int i = 0; i < 4; ++i) voff[gv][i] = vzp[gv][i] = 0.f;
-  const unsigned kexp[4] = {0x54005400u, 0x4C004C00u, 0x64006400u, 0x5C005C00u};  // unpack8's exponents
+    for (int i = 0; i < 4; ++i) vzp[gv][i] = 0.f;
+  const unsigned kexp[2] = {0x54005400u, 0x4C004C00u};  // unpack8's exponents
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
   float k0[4];
   int group = -1;
@@ -761,13 +690,13 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     float sc[TILES][4];
     float pr[TILES][4];
     score_tiles(st, row0, qf, qraw, qlo, k0, kexp, scale_log2, sc);
-    softmax_tiles(sc, m, l, pr, acc, voff, vzp);
-    value_tiles(st, row0, pr, kexp, acc, voff, vzp);
+    softmax_tiles(sc, m, l, pr, acc, vzp);
+    value_tiles(st, row0, pr, kexp, acc, vzp);
   }
   finish_stages();
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
   for (int u = 0; u < KS; ++u)
-    for (int i = 0; i < 4; ++i) acc[u][i] += (VALUE_SCHEME < 2 ? voff[16 * u / GV][i] : 0.f) + vzp[16 * u / GV][i];
+    for (int i = 0; i < 4; ++i) acc[u][i] += vzp[16 * u / GV][i];
   for (int e = 0; e < 2; ++e)
     for (int o = 4; o < 32; o *= 2) l[e] += __shfl_xor_sync(0xffffffff, l[e], o);
   // ---- combine the four warps of the block (in the ring's memory, now idle), write one partial ----

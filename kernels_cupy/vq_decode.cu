@@ -66,25 +66,8 @@
 #define CK (D / (4 * NK))        // key sub-vectors per lane and token
 #define CV (D / (8 * NV))        // value sub-vectors per lane and token
 #define RT 16                    // float16 rows per chunk (one tile of the last warp)
-#ifndef LO_PAIR  // 0: q~ rounded to fp16 alone (A/B only: the peer's own rounding, no margin left for P's)
-#define LO_PAIR 1
-#endif
-#ifndef RESCALE_SLACK  // 0: the exact running max (A/B)
-#define RESCALE_SLACK 8.f
-#endif
+#define RESCALE_SLACK 8.f         // log2 units a score passes the running max by before it moves (`softmax_tiles`)
 #define BULK_ROWS (KUNIT == 16 && VUNIT == 16)  // rows 16-byte aligned: bulk copies (else cp.async)
-#ifndef ROWS_FIRST  // 1: the float16 rows' first chunk before the packed tokens (0: all after them, 0.2 to 0.8 us slower)
-#define ROWS_FIRST 1
-#endif
-#ifndef PREFETCH_V  // 1: measured no faster (benchmarks/vq_decode_plans.py), kept for A/B
-#define PREFETCH_V 0
-#endif
-// Measurement only (benchmarks/vq_decode_knockouts.py), the output is meaningless: bits of KNOCKOUT replace the packed
-// tokens' value gathers (1), key gathers (2), mma (4) by a few integer operations on the same inputs, so that the time of
-// what remains is seen.
-#ifndef KNOCKOUT
-#define KNOCKOUT 0
-#endif
 #define NEG_INF __int_as_float(0xff800000)
 // A lane's code bits start on a word boundary in every row (and on an 8-byte one where it loads word pairs).
 #define KALIGNED (RK % 8 == 0 && (CK * MK) % 64 == 0 || (RK % 4 == 0 && (CK * MK) % 32 == 0 && ((CK * MK + 31) / 32) % 2))
@@ -94,10 +77,7 @@
 // 256 e .. 256 e + 127 of the books' memory, its value copies the next 128, so that a gather's offset is one
 // byte permute (`codes_at`) where code x 128 plus the lane's copy took a multiply-add; both books' bytes are
 // the same as side by side. KROW, VROW: bytes from one entry of a book to the next.
-#ifndef PAIR_BOOKS  // 0: side by side (A/B)
-#define PAIR_BOOKS 1
-#endif
-#define PAIRED_BOOKS (PAIR_BOOKS && MK == 8 && MV == 8 && KREPL > 1 && VREPL > 1)
+#define PAIRED_BOOKS (MK == 8 && MV == 8 && KREPL > 1 && VREPL > 1)
 #define KROW (PAIRED_BOOKS ? 256 : KREPL * 2 * NK)
 #define VROW (PAIRED_BOOKS ? 256 : VREPL * 2 * NV)
 
@@ -289,18 +269,13 @@ __device__ __forceinline__ void centroid(const unsigned char* book, unsigned at,
 }
 
 // The COUNT centroids whose codes start at bit `bit` of a stage (`codes_at`), from this lane's copy of a book of N
-// float16 numbers an entry (REPL copies, entries ROW bytes apart), to out: N / 2 half2 words each. KNOCK: KNOCKOUT's
-// stand-in for the loads.
-template <int BITS, int COUNT, bool ALIGNED, int ROW, int N, int REPL, bool KNOCK>
+// float16 numbers an entry (REPL copies, entries ROW bytes apart), to out: N / 2 half2 words each.
+template <int BITS, int COUNT, bool ALIGNED, int ROW, int N, int REPL>
 __device__ __forceinline__ void gather(const unsigned char* stage, int bit, const unsigned char* book, unsigned* out) {
   unsigned at[COUNT];
   codes_at<BITS, COUNT, ALIGNED, ROW>(stage, bit, book_copy<N, REPL>(), at);
 #pragma unroll
-  for (int k = 0; k < COUNT; ++k)
-    if (KNOCK)
-      for (int i = 0; i < N / 2; ++i) out[k * N / 2 + i] = at[k] + i;
-    else
-      centroid<N>(book, at[k], out + k * N / 2);
+  for (int k = 0; k < COUNT; ++k) centroid<N>(book, at[k], out + k * N / 2);
 }
 
 // Online softmax over a warp's tiles of scores (log2 units, -inf for absent tokens): lane (g, t) holds head
@@ -361,7 +336,7 @@ __device__ __forceinline__ void issue_rows(__half* rows, const __half* __restric
 }
 
 // A query's A fragments for the scores' mma, from float32 rows src[h][D] (h < GQ): row g is head g's fp16 hi,
-// row g + 8 its remainder lo (zero without LO_PAIR; both zero for g >= GQ); k-slice ks: channels
+// row g + 8 its remainder lo (both zero for g >= GQ); k-slice ks: channels
 // t D/4 + 4 ks + {0, 1} and + {2, 3} (the keys' permutation).
 __device__ __forceinline__ void q_fragments(const float (*src)[D], uint4* qa) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -374,7 +349,7 @@ __device__ __forceinline__ void q_fragments(const float (*src)[D], uint4* qa) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       hi[i] = __half2float(__float2half_rn(x[i]));
-      lo[i] = LO_PAIR ? x[i] - hi[i] : 0.f;
+      lo[i] = x[i] - hi[i];
     }
     qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
                         pack_half2(lo[2], lo[3]));
@@ -591,7 +566,7 @@ __device__ __forceinline__ void value_centroids(const unsigned char* stage, cons
 #pragma unroll
   for (int k4 = 0; k4 < 4; ++k4) {
     const int tok = row + slot_token(2 * t + (k4 & 1) + 8 * (k4 >> 1));
-    gather<MV, CV, VALIGNED, VROW, NV, VREPL, (KNOCKOUT & 1) != 0>(stage, tok * RV * 8 + g * CV * MV, vb, va[k4]);
+    gather<MV, CV, VALIGNED, VROW, NV, VREPL>(stage, tok * RV * 8 + g * CV * MV, vb, va[k4]);
   }
 }
 
@@ -737,7 +712,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   // The float16 rows' first chunk, by the last warp, while the others wait for the first stage (the rest
   // after the packed tokens: their copies follow one another). At the loop's end it was the last thing the
   // block waited on (0.2 to 0.8 us more, B = 1 and 8, 4k to 128k).
-  if (ROWS_FIRST && warp == WARPS - 1 && nrows > 0)
+  if (warp == WARPS - 1 && nrows > 0)
     rows_tiles(r0, nrows, 0, min(RT, nrows), ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs, m, l, acc,
                &bars[NSTAGE]);
   uint4 qa[KS];  // q~'s A fragments, in registers
@@ -770,55 +745,38 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
         const int row = row0 + 16 * j + slot_token(g + 8 * rr);
-        gather<MK, CK, KALIGNED, KROW, NK, KREPL, (KNOCKOUT & 2) != 0>(ks_, row * RK * 8 + t * CK * MK, kb_, ka[rr]);
+        gather<MK, CK, KALIGNED, KROW, NK, KREPL>(ks_, row * RK * 8 + t * CK * MK, kb_, ka[rr]);
       }
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks)
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr)
-          if (KNOCKOUT & 4)
-            c[rr][0] += __uint_as_float((ka[rr][2 * ks] ^ ka[rr][2 * ks + 1] ^ qa[ks].x) & 0x3f000000u);
-          else
-            mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
+          mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
         const int tok = tok0 + 16 * j + slot_token(8 * (i / 2) + 2 * t + i % 2);
         sc[j][i] = tok < stop && tok >= sinks ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
       }
     }
-    // The values' centroids: gathered before the softmax (PREFETCH_V), so that their latency overlaps its
-    // shuffles, or after it, tile by tile (fewer registers live).
-#if PREFETCH_V
-    unsigned va[TILES][4][D / 16];  // tile j, slots 2t, 2t+1, 2t+8, 2t+9: lane group g's D/8 channels as half2 words
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) value_centroids(vs_, vb_, row0 + 16 * j, va[j]);
-#endif
     softmax_tiles<TILES>(sc, m, l, pr, acc);
 #pragma unroll
     for (int j = 0; j < TILES; ++j) {
       const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);  // P^T's B fragment
-#if PREFETCH_V
-      unsigned (*vt)[D / 16] = va[j];
-#else
-      unsigned vt[4][D / 16];
+      unsigned vt[4][D / 16];  // the values' centroids after the softmax, tile by tile (fewer registers live)
       value_centroids(vs_, vb_, row0 + 16 * j, vt);
-#endif
 #pragma unroll
       for (int u = 0; u < KS; ++u) {
         const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
                                    __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
-        if (KNOCKOUT & 4)
-          acc[u][0] += __uint_as_float((a.x ^ a.y ^ a.z ^ a.w ^ pb0 ^ pb1) & 0x3f000000u);
-        else
-          mma16816(acc[u], a, pb0, pb1);
+        mma16816(acc[u], a, pb0, pb1);
       }
     }
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   // ---- the float16 rows left (the last warp), the warps' combine (in the ring's memory, now idle), one partial ----
-  if (warp == WARPS - 1 && rows_held > (ROWS_FIRST ? RT : 0))
-    rows_tiles(part * rows_per_part, rows_held, ROWS_FIRST ? RT : 0, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs,
+  if (warp == WARPS - 1 && rows_held > RT)
+    rows_tiles(part * rows_per_part, rows_held, RT, rows_held, ksink, vsink, sinks, caps, kres, vres, capr, bh, rows, qs,
                m, l, acc, &bars[NSTAGE]);
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
   __syncthreads();  // the ring is no longer read

@@ -24,7 +24,6 @@ PLAN_TILES = 4  # the plan's (`_plan`)
 PLAN_STAGES = 3  # the plan's where they fit (`_plan`)
 RT = 16  # float16 rows (sinks, residual) per chunk: one 16-token tile of a block's last warp
 REPLICATED_BOOK = 32 * 1024  # a book whose conflict-free copies (128 bytes an entry) fit this is replicated
-TUNING: dict[str, int] = {}  # benchmarks' A/B of the launch plan and switches of vq_decode.cu (WARPS, NSTAGE, TILES, LO_PAIR, KNOCKOUT, ...)
 
 
 def _up16(n: int) -> int:
@@ -70,19 +69,21 @@ def _reads_subvectors(d: int, nk: int, nv: int) -> bool:
             and (nv <= 4 or nv % 8 == 0))
 
 
-def plan(layer: VQLayer, gqa: int) -> dict[str, int]:
-    """`_plan` of this layer's shapes, once per shapes (a decode step asks it per layer)."""
+def plan(layer: VQLayer, gqa: int, tuning: dict[str, int] | None = None) -> dict[str, int]:
+    """`_plan` of this layer's shapes, once per shapes (a decode step asks it per layer). `tuning`: launch
+    parameters set by hand (WARPS, NSTAGE, TILES, KREPL, VREPL, BLOCKS_PER_SM), a benchmark's A/B of plans."""
+    tuning = tuning or {}
     key = (layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], tuple(layer.kbook.shape),
-           tuple(layer.vbook.shape), gqa, tuple(sorted(TUNING.items())))
+           tuple(layer.vbook.shape), gqa, tuple(sorted(tuning.items())))
     if key not in _PLANS:
-        _PLANS[key] = _plan(layer, gqa)
+        _PLANS[key] = _plan(layer, gqa, tuning)
     return _PLANS[key]
 
 
 _PLANS: dict[tuple, dict[str, int]] = {}
 
 
-def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
+def _plan(layer: VQLayer, gqa: int, tuning: dict[str, int]) -> dict[str, int]:
     """The launch's compile-time shape, the fastest of benchmarks/vq_decode_plans.py's (RESULTS.md): one block
     of 8 warps per SM, 4 tiles per warp (the most registers, 148 to 166, and the most independent gathers per
     warp), small books (up to 8-bit codes) in conflict-free copies, a ring of 3 stages where it fits (d4b8: 0.4
@@ -94,7 +95,7 @@ def _plan(layer: VQLayer, gqa: int) -> dict[str, int]:
     for warps, tiles, kr, vr, stages in [(8, PLAN_TILES, krepl, vrepl, PLAN_STAGES), (8, PLAN_TILES, krepl, vrepl, MIN_STAGES),
                                          (8, TILES, krepl, vrepl, MIN_STAGES), (8, TILES, 1, 1, MIN_STAGES),
                                          (_min_warps(gqa, layer.head_dim), TILES, 1, 1, MIN_STAGES)]:
-        p = {"WARPS": warps, "NSTAGE": stages, "KREPL": kr, "VREPL": vr, "TILES": tiles, **TUNING}
+        p = {"WARPS": warps, "NSTAGE": stages, "KREPL": kr, "VREPL": vr, "TILES": tiles, **tuning}
         smem = shared_bytes(layer, gqa, p["NSTAGE"], p["WARPS"], p["KREPL"], p["VREPL"], p["TILES"])
         if smem <= SHARED_LIMIT:
             break
@@ -167,12 +168,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def vq_decode(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool = False,
-              lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None) -> torch.Tensor:
+              lengths: torch.Tensor | None = None, residuals: torch.Tensor | None = None,
+              tuning: dict[str, int] | None = None) -> torch.Tensor:
     """q (B, Hq, D) float16 or bfloat16, in the model's basis -> (B, Hq, D) in q's dtype. With `lengths` and
     `residuals` (B,) int32 on the device, each sequence's flushed and residual counts are read there
     (layer.length and layer.residual are then unused) and the launch is sized by the buffers' capacities.
     Through the custom op `kvcalib::vq_decode`, so that `torch.compile` keeps it whole; the op checks its
-    inputs (`check`)."""
+    inputs (`check`). `tuning` (a benchmark's A/B of launch plans, `plan`) launches directly instead."""
+    if tuning:
+        return _launch(q, layer, scaling, checked, lengths, residuals, tuning)
     return _vq_decode(q, layer.kcodes, layer.vcodes, layer.kbook, layer.vbook, layer.smooth, layer.ksink, layer.vsink,
                       layer.kres, layer.vres, lengths, residuals, layer.length, layer.residual, layer.sinks,
                       layer.k_bits, layer.v_bits, layer.hadamard, scaling, checked)
@@ -185,13 +189,19 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
                residual: int, sinks: int, k_bits: int, v_bits: int, hadamard: bool, scaling: float,
                checked: bool) -> torch.Tensor:
     """`vq_decode` with the VQLayer spelled out as the op's arguments (a custom op takes tensors and scalars
-    only); it launches on torch's current stream."""
+    only)."""
+    layer = VQLayer(kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres, length, residual, sinks, k_bits, v_bits,
+                    smooth, hadamard)
+    return _launch(q, layer, scaling, checked, lengths, residuals, None)
+
+
+def _launch(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool, lengths: torch.Tensor | None,
+            residuals: torch.Tensor | None, tuning: dict[str, int] | None) -> torch.Tensor:
+    """The checks and the launch, on torch's current stream, with the plan for the layer's shapes (`plan`)."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
-    layer = VQLayer(kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres, length, residual, sinks, k_bits, v_bits,
-                    smooth, hadamard)
     check(q, layer)
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
@@ -207,9 +217,9 @@ def _vq_decode(q: torch.Tensor, kcodes: torch.Tensor, vcodes: torch.Tensor, kboo
     qc, kc, vc, kb, vb, ks, vs, kr, vr = tensors
     smooth = None if layer.smooth is None else layer.smooth.to(device=q.device, dtype=torch.float16).contiguous()
     qt = "__half" if q.dtype == torch.float16 else "__nv_bfloat16"
-    p = plan(layer, gqa)
+    p = plan(layer, gqa, tuning)
     smem, per_sm, stage = p["SMEM"], p["BLOCKS_PER_SM"], 16 * p["WARPS"] * p["TILES"]
-    if smem > SHARED_LIMIT:  # only a benchmark's TUNING gets here (`check` refused the rest)
+    if smem > SHARED_LIMIT:  # only a benchmark's `tuning` gets here (`check` refused the rest)
         raise SettingsError(f"this launch plan needs {smem // 1024} KiB of shared memory, over {SHARED_LIMIT // 1024} KiB")
     defines = {"D": d, "NK": kb.shape[-1], "MK": layer.k_bits, "RK": kc.shape[-1], "NV": vb.shape[-1],
                "MV": layer.v_bits, "RV": vc.shape[-1], "GQ": gqa, "QT": qt, "HADAMARD": int(layer.hadamard),
