@@ -1,5 +1,7 @@
 // Device helpers both decode kernels use (quant_decode.cu, vq_decode.cu): element conversions, the
-// warp's Hadamard transform of a D-vector, and the tensor-core pieces (mma, 8x8 transpose, half2 packing).
+// warp's Hadamard transform of a D-vector, the tensor-core pieces (mma, 8x8 transpose, half2 packing), and
+// the bulk-copy engine's copy into shared memory on an mbarrier (sm_90; a kernel that does not call it, as
+// on the cp.async loaders, compiles without it).
 // Included textually: kernels_cupy/loader.py inlines `#include "..."` of this folder before hashing and
 // compiling, so a change here changes every including kernel's cache key. Needs D defined (64 or 128).
 #include <cuda_fp16.h>
@@ -55,4 +57,13 @@ __device__ __forceinline__ unsigned transpose8x8(unsigned x) {
 __device__ __forceinline__ unsigned pack_half2(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const unsigned*>(&v);
+}
+
+// A shared-memory address as the PTX instructions below take it.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// One bulk copy (the tensor memory accelerator) of `bytes` contiguous bytes from global to shared memory, its
+// completion counted on the mbarrier `bar` (which the issuing block set to expect the bytes).
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }

@@ -257,11 +257,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // key scales, key zeros, value scales, value zeros, norms) with one instruction, and signals an
 // mbarrier per stage. Lane 0 of warp w issues part w; warp 0 also announces the stage's bytes.
 // The other 124 threads spend no instruction on addresses.
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
+// (smem_addr, bulk_copy: decode_common.cuh)
 __device__ __forceinline__ void init_stages(unsigned long long* bar) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < NSTAGE; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&bar[s])));

@@ -110,7 +110,7 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes
 // The tensor memory accelerator's bulk copies (BULK_ROWS): one thread copies a stage's rows (one contiguous
 // run of bytes each for keys and values) and the block waits on the stage's mbarrier; cp.async by every
 // thread cost ~45 address instructions per warp and stage and 3.5x the ideal shared-memory wavefronts.
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+// (smem_addr, bulk_copy: decode_common.cuh)
 __device__ __forceinline__ void mbar_init(unsigned long long* bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)));
 }
@@ -122,10 +122,6 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phas
   while (!done)
     asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
-}
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
 // The same for code rows, which a decode step reads once: marked evict-first in L2 (`streaming_policy`), so
