@@ -11,6 +11,9 @@
 //   lengths, residuals (B,) int32 or null            per-sequence T and r read on the device (a captured step)
 // and writes out (B, Hq, D) QT, through part_acc, part_ml (the partials) and counters (B x HKV int32, zero
 // before a launch and left zero after it).
+// Bytes that must move per (batch, kv head): T (RK + RV) of codes and 4 (min(sinks, T) + r) D of float16 rows,
+// read once; both books, 2 (2^MK NK + 2^MV NV) per block (from L2 after the first); the partials, 4 (D + 2) GQ
+// written and read again per part.
 // Limit: q~'s fp16 pair needs |q lambda H| scale below 65504 (a bfloat16 query beyond it gives inf scores), scale
 // the softmax's (1 / sqrt(D) for a Llama) in log2 units.
 // The codes hold keys in the codec basis k~ = (k / lambda) H (H with HADAMARD, else the identity): the packed
