@@ -111,8 +111,8 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
     same cache: the kernel splits a row's tokens by the launch's batch, so each split's softmax weights, rounded
     to fp16 for the tensor cores relative to that split's own max, round differently. A split's partial is then
     off by at most U16 Σ p|v| (float32 sums add orders less), so the merged outputs of two split layouts differ
-    by at most 2 U16 mean|v| <= 2 U16 max|v| over the row's held values, plus the output's fp16 rounding,
-    U16 |alone|. (Measured on an H200: VecInfer 2e-4 at outputs near 0.07, where one fp16 ulp is 6e-5.)"""
+    by at most 2 U16 mean|v| <= 2 U16 max|v| over the row's held values, plus both outputs' fp16 roundings,
+    2 U16 |alone|. (Measured on an H200: VecInfer 2e-4 at outputs near 0.07, where one fp16 ulp is 6e-5.)"""
     from tolerances import U16
 
     from kvcalib.attention import AttentionOptions
@@ -154,19 +154,21 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
             alone = torch.cat([cache_module.decode(row, q[b : b + 1], opts) for b, row in enumerate(layer.rows)]).double()
             vmax = torch.stack([row.held(torch.float32)[1].abs().amax() for row in layer.rows]).double()
             assert torch.isfinite(batched).all()
-            bound = 2 * U16 * vmax[:, None, None, None] + U16 * alone.abs()
+            bound = 2 * U16 * vmax[:, None, None, None] + 2 * U16 * alone.abs()
             assert ((batched - alone).abs() <= bound).all(), ((batched - alone).abs() / bound).max()
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name):
-    """As the CPU test: each sequence of a padded batch keeps its own row and flushes at its own length. Rows
-    with blocks in a kernel's layout decode together in one launch (the test above holds it to each row's own
-    launch: one fp16 ulp of an attention output at most, now and then); other rows as they would alone. The
-    model is float64 (the fused path rounds its queries to fp16 either way). Same tokens; logits within 2^-8 of
-    the largest: an fp16 ulp (2^-11 relative) of a few attention outputs a step, carried through two layers,
-    with a factor 8 of room."""
+def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name, monkeypatch):
+    """As the CPU test: each sequence of a padded batch keeps its own row and flushes at its own length. The
+    model is float64 (the fused path rounds its queries to fp16 either way). Where every launch took one row,
+    batched and lone inputs agree to float64 round-off and their fp16 roundings almost surely coincide: same
+    tokens, logits within one float32 ulp. Where rows with blocks in a kernel's layout decoded together in one
+    launch (the test above holds that launch to each row's own: float16 roundings of a few attention outputs a
+    step), the same tokens and logits within 2^-8 of the largest: those roundings (2^-11 relative, 2^-10 of
+    the values' largest), carried through two layers, with room."""
     from conftest import float64, tiny_model
+    from tolerances import U32
 
     model = float64(tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4,
                        num_key_value_heads=2)).cuda()
@@ -191,7 +193,12 @@ def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name):
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
+    batches = []  # each launch's rows
+    for name_ in ("fused_decode", "vq_decode"):
+        real = getattr(cache_module, name_)
+        monkeypatch.setattr(cache_module, name_, lambda *a, _real=real, **k: batches.append(a[0].shape[0]) or _real(*a, **k))
     tokens, logits, cache = _greedy(model, method, ids, mask, 40)
+    together = max(batches, default=1) > 1
     if method.int2_spec() is not None:  # methods the INT2 kernel reads (not fp16, VecInfer, TurboQuant)
         assert any(row.fused is not None for row in cache.layers[0].rows), "the fused kernel never ran"
     if base.startswith("vecinfer"):  # the VecInfer kernel's
@@ -199,4 +206,7 @@ def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name):
     for b, p in enumerate(prompts):
         alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 40)
         assert tokens[b].tolist() == alone_tokens[0].tolist()
-        torch.testing.assert_close(logits[b], alone_logits[0], rtol=0, atol=2.0**-8 * alone_logits.abs().max().item())
+        if together:
+            torch.testing.assert_close(logits[b], alone_logits[0], rtol=0, atol=2.0**-8 * alone_logits.abs().max().item())
+        else:
+            torch.testing.assert_close(logits[b], alone_logits[0], rtol=3 * U32, atol=2.0**-40 * alone_logits.abs().max().item())

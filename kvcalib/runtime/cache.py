@@ -12,10 +12,11 @@ model's attention runs through the registered attention function `kvcalib_runtim
   lengths, padding is never attended, stored nor counted, and each sequence decodes as it would alone
   (the mask reaches the cache through a forward pre-hook on the model). A decode step of such a batch is
   one call for every row: on the torch reference path each row's cache right-aligned over the longest, its
-  padding masked (`_decode_rows`: exactly as alone); on a fused kernel's path one launch over the rows'
-  layouts side by side, each row's own counts read on the device (`_RowsSideBySide`: the kernel splits a
-  row's tokens by the batch, and each split rounds its softmax weights to float16: a row's output may differ
-  from its lone launch by 2^-10 of its values' largest magnitude at most);
+  padding masked (`_decode_rows`: exactly as alone); on a fused kernel's path, once every row holds flushed
+  blocks (VecInfer's without float16 sinks), one launch over the rows' layouts side by side, each row's own
+  counts read on the device (`_RowsSideBySide`: the kernel splits a row's tokens by the batch, and each split
+  rounds its softmax weights to float16, so a row's output may differ from its lone launch by 2^-10 of its
+  values' largest magnitude plus the two outputs' float16 roundings);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
@@ -68,7 +69,8 @@ class CompressedLayer(CacheLayerMixin):
         self.padding = padding if padding is not None else _Padding()
         self.rows: list[CompressedLayer] | None = None  # a padded batch: one B=1 layer per sequence
         self.side_by_side: _RowsSideBySide | None = None  # the rows' kernel layouts for one launch
-        self.new_valid: torch.Tensor | None = None  # (B, T) which of the newest positions are real tokens
+        self.new_valid: torch.Tensor | None = None  # (B, T) which of the newest positions are real tokens (host)
+        self.one_each = False  # the newest positions are one real token in every row
         self.rows_before: list[int] = []
         self.packed_bits = 0
         self.k_blocks: list[torch.Tensor] = []
@@ -91,14 +93,14 @@ class CompressedLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         before = self.length
         t = key_states.shape[-2]
-        mask = self.padding.mask
-        valid = None if mask is None else mask[:, -t:].to(torch.bool)
+        valid = self.padding.new_valid(t)  # on the host: one copy per forward, not a sync per layer
         if self.rows is None and valid is not None and not bool(valid.all()):
             if before:
                 raise SettingsError("padding after the prompt is not supported: pad prompts, then append real tokens")
             self.rows = [CompressedLayer(self.method, self.layer, self.use_fused) for _ in range(key_states.shape[0])]
         if self.rows is not None:
             self.new_valid = valid if valid is not None else torch.ones(key_states.shape[0], t, dtype=torch.bool)
+            self.one_each = t == 1 and bool(self.new_valid.all())  # a decode step: one real token in every row
             self.rows_before = [row.length for row in self.rows]
             for b, row in enumerate(self.rows):
                 idx = self.new_valid[b].nonzero().squeeze(1).to(key_states.device)
@@ -321,9 +323,14 @@ def _decodes_together(layer: CompressedLayer, query: torch.Tensor, opts: Attenti
     """Whether a padded batch's decode step goes through the torch reference in one call for every row: one
     new real token in each row over a cache it already holds, every row on the reference path (no fused
     layout) and without a decoding state (KVLinC's S and P are a row's own), no sliding window."""
-    return (query.shape[-2] == 1 and not opts.sliding_window and bool(layer.new_valid.all())
-            and all(before > 0 for before in layer.rows_before)
+    return (_decode_step(layer) and not opts.sliding_window
             and all(row.fused is None and row.vq is None and row.state is None for row in layer.rows))
+
+
+def _decode_step(layer: CompressedLayer) -> bool:
+    """Whether a padded batch's newest positions are a decode step: one new real token in each row, over a
+    cache every row already holds."""
+    return layer.one_each and all(before > 0 for before in layer.rows_before)
 
 
 def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
@@ -352,38 +359,36 @@ class _RowsSideBySide:
     The flushed buffers are stacked once, padded to the largest capacity, and each row's own buffers become
     views of its row of the stack: a row's later flushes write into the stack in place (`int2_layout.grow`
     writes within capacity), so the stack is made again only when a row outgrows it (its buffers then are new
-    tensors: a doubling, a few times over a sequence) or a row's first block arrives. The float16 residuals,
-    which each append replaces, are copied side by side at every step (at most a block of tokens a row)."""
+    tensors: a doubling, a few times over a sequence). The float16 residuals, which each append replaces, are
+    copied side by side at every step (at most a block of tokens a row); the decoding states (KVLinC's S and
+    P), which change at flushes only, are stacked again when a row's state is a new object."""
 
     def __init__(self):
         self.layout: PackedLayer | VQLayer | None = None
         self.held: list[tuple[torch.Tensor | None, ...]] = []  # each row's buffers as views of the stack
+        self.states: tuple[list[Any], Any] = ([], None)  # the rows' states and their stack
 
-    def layout_for(self, parts: list[PackedLayer | VQLayer | None], residuals: list[tuple[torch.Tensor, torch.Tensor]],
-                   ) -> tuple[PackedLayer | VQLayer, tuple[torch.Tensor, torch.Tensor]]:
-        """The stacked layout (its `length` and `residual` the capacities the launch is sized for) and the
-        counts (flushed, residual) int32 (B,) on the device. `parts[b]` None: row b has flushed nothing yet."""
-        template = next(p for p in parts if p is not None)
-        names = _FLUSHED_BUFFERS[type(template)]
-        now = [None if p is None else tuple(getattr(p, n) for n in names) for p in parts]
-        if self.layout is None or any(a is None or b is None or any(x is not y for x, y in zip(a, b))
-                                      for a, b in zip(now, self.held)):
+    def layout_for(self, parts: list[PackedLayer | VQLayer], residuals: list[tuple[torch.Tensor, torch.Tensor]],
+                   counts: "_Counts") -> tuple[PackedLayer | VQLayer, tuple[torch.Tensor, torch.Tensor]]:
+        """The stacked layout, its `length` and `residual` the launch's sizes (the longest row's flushed tokens,
+        the residual buffer's rows), and the counts (flushed, residual) int32 (B,) on the device."""
+        names = _FLUSHED_BUFFERS[type(parts[0])]
+        now = [tuple(getattr(p, n) for n in names) for p in parts]
+        if self.layout is None or any(x is not y for a, b in zip(now, self.held) for x, y in zip(a, b)):
             stacked = {}
-            for i, n in enumerate(names):
-                if getattr(template, n) is None:  # e.g. no key norms (KIVI)
+            for n in names:
+                like = getattr(parts[0], n)
+                if like is None:  # e.g. no key norms (KIVI)
                     stacked[n] = None
                     continue
-                bufs = [None if p is None else getattr(p, n) for p in parts]
-                like = getattr(template, n)
-                cap = max(b.shape[2] for b in bufs if b is not None)
+                cap = max(getattr(p, n).shape[2] for p in parts)
                 out = like.new_zeros(len(parts), like.shape[1], cap, *like.shape[3:])
-                for b, buf in enumerate(bufs):
-                    if buf is not None:
-                        out[b : b + 1, :, : buf.shape[2]] = buf
-                        setattr(parts[b], n, out[b : b + 1])  # the row now writes into the stack
+                for b, p in enumerate(parts):
+                    out[b : b + 1, :, : getattr(p, n).shape[2]] = getattr(p, n)
+                    setattr(p, n, out[b : b + 1])  # the row now writes into the stack
                 stacked[n] = out
-            self.layout = dataclasses.replace(template, **stacked)
-            self.held = [None if p is None else tuple(getattr(p, n) for n in names) for p in parts]
+            self.layout = dataclasses.replace(parts[0], **stacked)
+            self.held = [tuple(getattr(p, n) for n in names) for p in parts]
         k0 = residuals[0][0]
         width = max(16, -(-max(k.shape[2] for k, _ in residuals) // 16) * 16)
         kres = k0.new_zeros(len(parts), k0.shape[1], width, k0.shape[3], dtype=torch.float16)
@@ -391,47 +396,60 @@ class _RowsSideBySide:
         for b, (k, v) in enumerate(residuals):
             kres[b : b + 1, :, : k.shape[2]] = k
             vres[b : b + 1, :, : v.shape[2]] = v
-        flushed = [0 if p is None else p.length for p in parts]
+        flushed = [p.length for p in parts]
         self.layout.kres, self.layout.vres, self.layout.residual = kres, vres, width
         self.layout.length = max(flushed)
-        counts = torch.tensor([flushed, [k.shape[2] for k, _ in residuals]], dtype=torch.int32).to(k0.device)
-        return self.layout, (counts[0], counts[1])
+        return self.layout, counts.on(k0.device, flushed, [k.shape[2] for k, _ in residuals])
+
+    def states_for(self, rows: list[CompressedLayer]) -> Any:
+        """The rows' decoding states (dataclasses of tensors, batch first) as one of B rows; None where the method
+        keeps none. Every row has flushed here, so each holds a state or none does."""
+        states = [row.state for row in rows]
+        if states[0] is None:
+            return None
+        if any(a is not b for a, b in zip(states, self.states[0])) or len(states) != len(self.states[0]):
+            first = states[0]
+            self.states = (states, type(first)(**{f.name: torch.cat([getattr(s, f.name) for s in states])
+                                                  for f in dataclasses.fields(first)}))
+        return self.states[1]
 
 
-def _stack_states(method: Method, layer: CompressedLayer, hkv: int, d: int, device) -> Any:
-    """The rows' decoding states (KVLinC's S and P: dataclasses of tensors, batch first) as one of B rows; a row
-    that has flushed nothing has the method's empty state. None where the method keeps none."""
-    states = [row.state if row.state is not None else method.empty_state(layer.layer, 1, hkv, d, device)
-              for row in layer.rows]
-    if all(s is None for s in states):
-        return None
-    first = states[0]
-    return type(first)(**{f.name: torch.cat([getattr(s, f.name) for s in states])
-                          for f in dataclasses.fields(first)})
+class _Counts:
+    """The rows' counts on the device for one decode step, copied once for all the layers (they hold the same
+    tokens), pinned and without waiting where the device is a GPU."""
+
+    def __init__(self):
+        self.last: tuple | None = None
+
+    def on(self, device: torch.device, flushed: list[int], residual: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, tuple(flushed), tuple(residual))
+        if self.last is None or self.last[0] != key:
+            host = torch.tensor([flushed, residual], dtype=torch.int32)
+            both = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+            self.last = (key, (both[0], both[1]))
+        return self.last[1]
 
 
 def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> torch.Tensor | None:
-    """A padded batch's decode step in one fused launch (`_RowsSideBySide`): one new real token in every row
-    over a cache it already holds, every row's flushed blocks in the INT2 or the VecInfer kernel's layout (a row
-    yet without blocks attends through the torch reference, as it would alone, until its first block), VecInfer
-    without float16 sinks. None where that does not hold: the caller then attends row by row."""
+    """A padded batch's decode step in one fused launch (`_RowsSideBySide`) where every row holds flushed
+    blocks in the INT2 or the VecInfer kernel's layout (VecInfer without float16 sinks). None where that does
+    not hold (a row yet without blocks, whose attention runs on the torch reference alone): the caller then
+    attends row by row."""
     rows, method = layer.rows, layer.method
-    if query.shape[-2] != 1 or not bool(layer.new_valid.all()) or not all(before > 0 for before in layer.rows_before):
+    if not _decode_step(layer):
         return None
     hkv, d = rows[0].k_res.shape[1], query.shape[-1]
     gqa = query.shape[1] // hkv
-    int2 = [row.fused for row in rows]
-    vq = [row.vq for row in rows]
     residuals = [(row.k_res, row.v_res) for row in rows]
     if layer.side_by_side is None:
         layer.side_by_side = _RowsSideBySide()
-    if all(p is not None for p in int2) and supports(method.int2_spec(), d, query.device, gqa, opts):
-        packed, counts = layer.side_by_side.layout_for(int2, residuals)
-        return fused_attend(method, layer.layer, query, packed, opts.scaling,
-                            _stack_states(method, layer, hkv, d, query.device), counts=counts)
-    if all(p is not None and p.sinks == 0 for p in vq) and vq_supports(method.vq_books(layer.layer), d, query.device, gqa, opts) \
-            and all(row.state is None for row in rows):
-        packed, counts = layer.side_by_side.layout_for(vq, residuals)
+    if all(row.fused is not None for row in rows) and supports(method.int2_spec(), d, query.device, gqa, opts):
+        packed, counts = layer.side_by_side.layout_for([row.fused for row in rows], residuals, layer.padding.counts)
+        return fused_attend(method, layer.layer, query, packed, opts.scaling, layer.side_by_side.states_for(rows),
+                            counts=counts)
+    if all(row.vq is not None and row.vq.sinks == 0 and row.state is None for row in rows) \
+            and vq_supports(method.vq_books(layer.layer), d, query.device, gqa, opts):
+        packed, counts = layer.side_by_side.layout_for([row.vq for row in rows], residuals, layer.padding.counts)
         return vq_attend(query, packed, opts.scaling, counts=counts)
     return None
 
@@ -448,9 +466,25 @@ def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: Atte
 
 
 class _Padding:
-    """The 2D attention mask (B, past + new) of the forward in progress, shared by a cache's layers."""
+    """The 2D attention mask (B, past + new) of the forward in progress, shared by a cache's layers, with a host
+    copy of its newest columns made once per forward, and the padded rows' counts on the device made once per
+    decode step (`_Counts`)."""
 
-    mask: torch.Tensor | None = None
+    def __init__(self):
+        self.mask: torch.Tensor | None = None
+        self._new: tuple[int, torch.Tensor] | None = None
+        self.counts = _Counts()
+
+    def set(self, mask: torch.Tensor | None) -> None:
+        self.mask, self._new = mask, None
+
+    def new_valid(self, t: int) -> torch.Tensor | None:
+        """(B, t) bool on the host: which of the newest t positions are real tokens; None without a mask."""
+        if self.mask is None:
+            return None
+        if self._new is None or self._new[0] != t:
+            self._new = (t, self.mask[:, -t:].to(torch.bool).cpu())
+        return self._new[1]
 
 
 def _watch_padding(model: torch.nn.Module) -> None:
@@ -463,7 +497,7 @@ def _watch_padding(model: torch.nn.Module) -> None:
         cache = kwargs.get("past_key_values")
         if isinstance(cache, KvcalibCache):
             mask = kwargs.get("attention_mask")
-            cache.padding.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            cache.padding.set(mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None)
 
     base.register_forward_pre_hook(hook, with_kwargs=True)
     base._kvcalib_padding_hook = True
