@@ -93,35 +93,49 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def alone(model_dir) -> dict:
     torch.set_num_threads(1)
-    alone = _decode(str(model_dir), False)
+    return _decode(str(model_dir), False)
+
+
+def _ranks(model_dir, tmp_path, planted: bool = False) -> list[dict]:
     port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
-    ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r])) for r in range(2)], logs)
+    ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r]), planted) for r in range(2)], logs)
     assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    return ranks
+
+
+def _as_one_process(rank: dict, alone: dict, name: str) -> None:
+    """A rank's tokens and logits of `name` against one process's: the module docstring's bound."""
+    assert rank[name]["tokens"] == alone[name]["tokens"], name
+    want = torch.tensor(alone[name]["logits"])
+    torch.testing.assert_close(torch.tensor(rank[name]["logits"]), want, rtol=1e-9, atol=1e-9 * want.abs().max().item())
+
+
+def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir, alone, tmp_path):
+    torch.set_num_threads(1)
+    ranks = _ranks(model_dir, tmp_path)
     for name in [n for n in alone if n != "refused"]:
         assert alone[name]["heads"] == [2]
         for r in ranks:
             assert r[name]["heads"] == [1], name  # each rank's cache holds its own KV head
-            assert r[name]["tokens"] == alone[name]["tokens"], name
-            want = torch.tensor(alone[name]["logits"])
-            torch.testing.assert_close(torch.tensor(r[name]["logits"]), want, rtol=1e-9,
-                                       atol=1e-9 * want.abs().max().item())
+            _as_one_process(r, alone, name)
     assert alone["refused"] is None or "tensor parallelism" not in alone["refused"]  # alone: no TP refusal
     for r in ranks:
         assert "tensor parallelism" in r["refused"]
 
 
-def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, tmp_path):
-    """The planted error: rank 1 reading rank 0's smoothing, codebooks, adapters and schemes. The per-head methods'
-    tokens part from one process's (the comparison above can fail), while the methods without per-head data, which
-    take no part of anything, are untouched."""
+PER_HEAD = ("vecinfer", "kvlinc+adapters", "turboquant-per-head", "plan", "plan-per-head")
+
+
+def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, alone, tmp_path):
+    """The planted error: rank 1 reading rank 0's smoothing, codebooks, adapters and schemes. The comparison above
+    fails for every per-head method, while a method without per-head data, which takes no part of anything,
+    still passes it."""
     torch.set_num_threads(1)
-    alone = _decode(str(model_dir), False)
-    port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
-    ranks = run_processes(_child, [(r, 2, port, str(model_dir), str(logs[r]), True) for r in range(2)], logs)
-    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
-    for name in ("vecinfer", "kvlinc+adapters", "turboquant-per-head", "plan", "plan-per-head"):
-        assert ranks[1][name]["tokens"] != alone[name]["tokens"] or not torch.allclose(
-            torch.tensor(ranks[1][name]["logits"]), torch.tensor(alone[name]["logits"]), rtol=1e-9, atol=0), name
-    assert ranks[1]["kivi"]["tokens"] == alone["kivi"]["tokens"]
+    ranks = _ranks(model_dir, tmp_path, planted=True)
+    for name in PER_HEAD:
+        with pytest.raises(AssertionError):
+            _as_one_process(ranks[1], alone, name)
+    _as_one_process(ranks[1], alone, "kivi")
