@@ -7,7 +7,8 @@ Builds exactly the inputs of tests/test_int2_kernel_gpu.py::test_long_context_de
 (same seeds, same generator), runs the kernel and torch SDPA, and
 beside them float64 emulations that each add one of the kernel's fp16 roundings to the exact
 computation (every sum exact, no tensor-core truncation):
-  keys z+s:     the keys' zero point term from fp16(z + s) (what the kernel did before it summed z q and s q apart);
+  keys z+s:     the keys' zero point term from fp16(z + s): what the kernel did before it summed z q and s q apart
+                (a what-if: the kernel model below has exact key scores);
   p16:          probabilities rounded to fp16 (relative to the split's max, as the kernel does);
   p~ = p16 s:   the value scale folded into p16 and rounded again (value scheme 3);
   out16:        the output rounded to the query dtype;
@@ -42,7 +43,7 @@ def half(x: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     return x.to(dtype).double()
 
 
-def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros: bool) -> dict[str, torch.Tensor]:
+def emulate(q: torch.Tensor, layer, scaling: float, split_len: int) -> dict[str, torch.Tensor]:
     """Each emulation's output (B, Hq, D) float64, one batch entry at a time."""
     t, gk, gv = layer.length, layer.group_size, layer.value_group_size
     b, hq, d = q.shape
@@ -62,7 +63,7 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
         qd = rot_k(q[i].double()).reshape(hkv, hq // hkv, d)
         keys = {
             "exact": (kc * ks + kz) * kn,
-            "keys z+s": ((kc - 1) * ks + (kz + ks if exact_zeros else half(kz + ks))) * kn,
+            "keys z+s": ((kc - 1) * ks + half(kz + ks)) * kn,
             "sdpa": rot_k(half(rot_k((kc * ks + kz) * kn), q.dtype)),
         }
         scores = {n: torch.einsum("hgd,htd->hgt", qd, k) * scaling for n, k in keys.items()}
@@ -77,7 +78,7 @@ def emulate(q: torch.Tensor, layer, scaling: float, split_len: int, exact_zeros:
             ("p~ = p16 s", scores["exact"], "p~", None),
             ("p~, vals z+1.5s", scores["exact"], "kernel", None),
             ("out16", scores["exact"], "exact", q.dtype),
-            ("kernel model", scores["keys z+s"], "kernel", q.dtype),
+            ("kernel model", scores["exact"], "kernel", q.dtype),
             ("SDPA model", scores["sdpa"], "sdpa", q.dtype),
         ]:
             res[name] = merged(score, rscore, value, odt, split_len, t, vc, vs, vz, vr, rot_v)
@@ -152,7 +153,7 @@ def main() -> None:
     fused = _row_errors(fused_decode(q, layer, scaling, checked=True), ref)
     sdpa = _row_errors(_sdpa(q, layer, scaling), ref)
     _, _, split_len = partition(layer, 0)  # the kernel's own splits
-    models = {n: _row_errors(o, ref) for n, o in emulate(q, layer, scaling, split_len, exact_zeros=True).items()}
+    models = {n: _row_errors(o, ref) for n, o in emulate(q, layer, scaling, split_len).items()}
     bound = 2 * sdpa + 1e-4
     order = (fused / bound).argsort(descending=True)[: args.rows]
     names = ["fused", "SDPA", "bound"] + [n for n in models if n != "float64"]

@@ -47,8 +47,6 @@
 // A rotated query is a pair of fp16 numbers, hi + lo (packed_partial): with GQ <= 4 the remainders ride in
 // the mma's idle columns 4..7 (head h's at column h + 4, summed into column h after the products: no
 // extra instruction but one shuffle), with more heads they take an mma of their own per k-slice.
-// (Key schemes other than 4, kept for A/B runs, take the remainders in the idle columns only; above 4
-// query heads they go without.)
 #define LO_COLUMNS (ROT_K && GQ <= 4)
 #define LO_MMA (ROT_K && GQ > 4)
 
@@ -112,22 +110,21 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 // ---- Tensor-core path for the flushed tokens -------------------------------------------------
 // A warp takes TILES tiles of 16 tokens per step, with tokens on the M dimension of mma.m16n8k16 (f16 in, f32
 // accumulate) and the GQ query heads of the KV head on N (8 columns, heads GQ..7 zero):
-//   scores  S^T (16 tokens x 8 heads) = codes_K (16 x D) . Q~^T,
-//   output  O^T (D x 8 heads)        += codes_V^T (D x 16 tokens) . P~^T,
+//   scores  S^T (16 tokens x 8 heads) = ((codes_K - 1) o s) (16 x D) . Q^T,
+//   output  O^T (D x 8 heads)        += (codes_V - 1.5)^T (D x 16 tokens) . P~^T,
 // P^T moved from the scores' C fragments to B fragments by movmatrix (an 8x8 transpose). The
-// dequantization is factored out of the operands, which are the raw codes:
+// dequantization is factored out of the operands, which are the codes (`unpack8`):
 //   keys   (per channel c: scale s_c, zero z_c of the token's group):
-//          q.k_n = sum_c (q_c s_c) x_cn + sum_c q_c z_c  ->  B = q~ = q o s (per key group),
+//          q.k_n = sum_c q_c s_c (x_cn - 1) + sum_c q_c (z_c + s_c)  ->  A = (x - 1) o s, B = q,
 //   values (per token n: scale s_n, zero z_n of the channel's group):
-//          sum_n p_n v_nc = sum_n x_nc (p_n s_n) + sum_n p_n z_n  ->  B = p~ = p o s.
+//          sum_n p_n v_nc = sum_n (x_nc - 1.5) (p_n s_n) + sum_n p_n (z_n + 1.5 s_n)  ->  B = p~ = p o s.
 // The codes arrive in the tensor-core order of kvcalib/int2_layout.py: a lane's D/32 words
 // hold exactly its A fragments, and one AND-OR per register makes half2(off + x), an fp16 exponent
-// making the code bits the units digit (`unpack8`; the offset depends on the register). Offsets and
-// zero points are exact sums on the tensor cores: per key group the score constants
-// k0 = Q.z - off.Q~ (mma with constant A operands), per value group and step -off.P~ and z.P (two
-// more mma).
+// making the code bits the units digit (`unpack8`; the offset depends on the register). The zero point
+// terms are exact sums on the tensor cores: per key group the score constants k0 = Q.z + Q.s (one mma,
+// z and s in its rows g and g + 8: `zero_and_scale_rows`), per value group and step (z + 1.5 s).P (one mma).
 // The block's 4 warps share a ring of ST-token stages in shared memory; each warp keeps its
-// own online softmax and its own q~ fragments; the block combines its warps and writes one partial.
+// own online softmax and its own key scale fragments; the block combines its warps and writes one partial.
 
 #define WARPS (NT / 32)
 #define KS (D / 16)   // 16-channel k-slices of a key, 16-channel row blocks of the output
@@ -231,7 +228,7 @@ struct __align__(16) Stage {
   __half vs[ST / 16][VG][16], vz[ST / 16][VG][16];  // value scales / zeros, tensor-core order
   __half kn[ST];
 };
-// Static shared memory stays under 48 KB: the ring, q's fragments, q~ fragments, shares of k0, one
+// Static shared memory stays under 48 KB: the ring, q's fragments, the key scales' fragments, shares of k0, one
 // mbarrier per stage, the warps' maxima and sums.
 constexpr bool ring_fits(int n) {
   return n * sizeof(Stage) + 8 * KS * 32 * (1 + (SHARED_Q ? 1 : WARPS) + (LO_MMA ? 1 : 0)) + 16 * 32 * (SHARED_Q ? WARPS : 1) + 8 * n +
@@ -347,10 +344,10 @@ __device__ __forceinline__ void wait_stage(unsigned long long*, int) { cp_async_
 __device__ __forceinline__ void finish_stages() { cp_async_wait_all(); }
 #endif
 
-// At a new key group: this lane's q~ = q o s B fragments (to `frag`: heads g, channels 16ks + 2t +
-// {0,1} and + 8) and the group's score constants in the C-fragment layout of the scores (tokens g,
-// g + 8; heads 2t, 2t + 1): k0 = sum_c q_c z_c - sum_c off(token row) q~_c, on the tensor cores
-// exactly as the scores are. Over the N k-slices from `first` (all KS, or a warp's share of them).
+// At a new key group: this lane's key scale pairs (to `frag`: channels 16ks + 2t + {0,1} and + 8, which
+// `score_tiles` multiplies the codes by) and the group's score constants in the C-fragment layout of the
+// scores (tokens g, g + 8; heads 2t, 2t + 1): k0 = sum_c q_c (z_c + s_c), on the tensor cores exactly as
+// the scores are. Over the N k-slices from `first` (all KS, or a warp's share of them).
 // With LO_MMA, qlo holds the rotated query's fp16 remainders (q = qraw + qlo to ~2^-22): their terms are
 // summed too, on the tensor cores, so the rotation costs the scores no fp16 rounding of q (with
 // LO_COLUMNS they sit in qraw's columns 4..7 and every product takes them along).
@@ -358,7 +355,7 @@ template <int N>
 __device__ __forceinline__ void key_group(const uint2* qraw, const uint2* qlo, const __half* s, const __half* z,
                                           uint2* frag, float* k0, int first) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain
+  float k1[4] = {0.f, 0.f, 0.f, 0.f};  // a second chain: the remainders' terms (LO_MMA), zero otherwise
   k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
@@ -578,7 +575,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
   }
   __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
   __shared__ uint2 qlo[LO_MMA ? KS * 32 : 1];  // LO_MMA: the same of the rotated q's fp16 remainders
-  // q~ fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
+  // the key scales' fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
   __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
 #if SHARED_Q
   __shared__ float4 k0part[WARPS][32];  // each warp's share of k0

@@ -437,8 +437,8 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c
 #define MERGE_SLICES (NT / (GQ * D / 4) > 0 ? NT / (GQ * D / 4) : 1)  // threads per (head, 4 channels)
 #define MERGE_AHEAD 8  // accumulators per thread loaded before the weights are known
 #define MERGE_FAST 16  // up to this many parts, each thread reads all its head's (m, l) pairs (B = 1, 8 KV heads: 16)
-#define MERGE_FAST_EACH ((MERGE_FAST + MERGE_SLICES - 1) / MERGE_SLICES)  // of them in one slice: rounded up (5 slices
-                                                                         // of d = 64 at GQ 3 take 4, 4, 3, 3, 2)
+#define MERGE_FAST_EACH ((MERGE_FAST + MERGE_SLICES - 1) / MERGE_SLICES)  // of them in one slice, rounded up: slice s
+                                                                         // takes parts s, s + S, ... (5 slices: 4, 3, 3, 3, 3)
 #define MERGE_ROUND (MIN2(256, (WORK_BYTES / 4 - 4 * NT) / (2 * GQ)) / 4 * 4)  // the slices' float4 stay aligned
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {

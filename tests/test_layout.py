@@ -1,5 +1,6 @@
 """The package's structure, read from its code as text: module-level imports form no cycle, the codecs and their
-kernel layouts stand below the runtime (they never import it, nor CuPy), and docs/layout.md's table of where each
+kernel layouts stand below the runtime (no module-level import of it, nor of CuPy: their CUDA fast paths, e.g.
+`quant.quantize` on a GPU, import the kernels inside the function that launches them), and docs/layout.md's table of where each
 method is names every registered method with files that exist. `python -m pytest tests/test_layout.py` is the
 command that shows the structure holds; each check has a planted fault beside it."""
 
@@ -107,8 +108,8 @@ def _reaches_the_runtime(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_codecs_and_their_layouts_do_not_import_the_runtime_or_cupy():
-    """A method's codec and the layouts run on any machine (the CPU included); the runtime reads them, never the
-    other way round."""
+    """A method's codec and the layouts import on any machine (the CPU included); the runtime reads them, never the
+    other way round (at module level)."""
     assert {m: i for m, i in _reaches_the_runtime(_graph()).items() if i} == {}
 
 

@@ -73,6 +73,8 @@ def plan(layer: VQLayer, gqa: int, tuning: dict[str, int] | None = None) -> dict
     """`_plan` of this layer's shapes, once per shapes (a decode step asks it per layer). `tuning`: launch
     parameters set by hand (WARPS, NSTAGE, TILES, KREPL, VREPL, BLOCKS_PER_SM), a benchmark's A/B of plans."""
     tuning = tuning or {}
+    if set(tuning) - TUNABLE:
+        raise SettingsError(f"a VecInfer launch plan sets {', '.join(sorted(TUNABLE))}, not {', '.join(sorted(set(tuning) - TUNABLE))}")
     key = (layer.head_dim, layer.kcodes.shape[-1], layer.vcodes.shape[-1], tuple(layer.kbook.shape),
            tuple(layer.vbook.shape), gqa, tuple(sorted(tuning.items())))
     if key not in _PLANS:
@@ -81,6 +83,7 @@ def plan(layer: VQLayer, gqa: int, tuning: dict[str, int] | None = None) -> dict
 
 
 _PLANS: dict[tuple, dict[str, int]] = {}
+TUNABLE = {"WARPS", "NSTAGE", "TILES", "KREPL", "VREPL", "BLOCKS_PER_SM"}  # what a hand-set plan may set (`plan`)
 
 
 def _plan(layer: VQLayer, gqa: int, tuning: dict[str, int]) -> dict[str, int]:
