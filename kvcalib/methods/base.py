@@ -179,6 +179,20 @@ class Method(KernelLayout, ABC):
                                 "part: spread the model with device_map='auto' instead")
         return self
 
+    def _heads_part(self, start: int, stop: int, **own) -> "Method":
+        """A shallow copy (the flush rule and sinks as set on this one) holding `own` (its heads' part of its
+        data), its `shape` that of KV heads start..stop-1 where it keeps one, and its device copies made anew."""
+        import copy
+
+        out = copy.copy(self)
+        for name, value in own.items():
+            setattr(out, name, value)
+        if hasattr(self, "shape"):
+            out.shape = kv_head_part(self.shape, start, stop)
+        if hasattr(self, "_copies"):
+            out._copies = DeviceCopies()
+        return out
+
     # ---- the reference attention (eval, and the runtime's torch path) ----
     def decode(self, layer: int, q: torch.Tensor, k_held: torch.Tensor, v_held: torch.Tensor,
                opts: AttentionOptions, state: Any, key_start: torch.Tensor | None = None) -> torch.Tensor:

@@ -49,7 +49,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from ..quant import dequantize, quantize
-from .base import DeviceCopies, Held, MethodSettings, kv_head_part
+from .base import DeviceCopies, Held, MethodSettings
 from .kivi import Kivi, KiviConfig, KiviPacked
 from .oscar import decode_keys, encode_keys
 
@@ -182,16 +182,11 @@ class Kvlinc(Kivi):
 
     def for_kv_heads(self, start: int, stop: int) -> "Kvlinc":
         """Each adapter's feature maps of these KV heads and their query heads alone."""
-        import copy
-
         g = self.shape.num_heads // self.shape.num_kv_heads
-        out = copy.copy(self)
-        out.shape = kv_head_part(self.shape, start, stop)
-        out.adapters = {i: Adapter(a.q_w1[start * g : stop * g], a.q_w2[start * g : stop * g], a.k_w1[start:stop],
-                                   a.k_w2[start:stop], None if a.heads is None else a.heads[start * g : stop * g])
-                        for i, a in self.adapters.items()}
-        out._copies = DeviceCopies()
-        return out
+        q = slice(start * g, stop * g)
+        return self._heads_part(start, stop, adapters={
+            i: Adapter(a.q_w1[q], a.q_w2[q], a.k_w1[start:stop], a.k_w2[start:stop], None if a.heads is None else a.heads[q])
+            for i, a in self.adapters.items()})
 
     def adapter(self, layer: int, device: torch.device) -> Adapter | None:
         """The layer's adapter (None: not corrected) on `device`, its layer's (`DeviceCopies`)."""

@@ -252,11 +252,7 @@ class TurboQuant(Method):
         """The calibrated codebooks of these KV heads alone (granularity head); the rest holds nothing per head."""
         if not self.per_kv_head:
             return self
-        import copy
-
-        out = copy.copy(self)
-        out.books = [(k[start:stop], v[start:stop]) for k, v in self.books]
-        return out
+        return self._heads_part(start, stop, books=[(k[start:stop], v[start:stop]) for k, v in self.books])
 
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""

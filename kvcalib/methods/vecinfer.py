@@ -44,7 +44,7 @@ from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
 from ..vq_layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
-from .base import DeviceCopies, Method, MethodSettings, kv_head_part
+from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +129,10 @@ class VecInfer(Method):
 
     def for_kv_heads(self, start: int, stop: int) -> "VecInfer":
         """Each layer's smoothing (and codebooks, one per KV head with granularity head) of these heads alone."""
-        import copy
-
         own = lambda t, per_head: t if t is None or not per_head else t[start:stop]  # noqa: E731
         head = self.config.granularity == "head"
-        out = copy.copy(self)  # the flush rule and sinks as set on this one
-        out.layers = [LayerCodebooks(own(b.k, head), own(b.v, head), own(b.smooth, True)) for b in self.layers]
-        out.shape, out._copies = kv_head_part(self.shape, start, stop), DeviceCopies()
-        return out
+        return self._heads_part(start, stop, layers=[LayerCodebooks(own(b.k, head), own(b.v, head), own(b.smooth, True))
+                                                     for b in self.layers])
 
     def books(self, layer: int, device: torch.device) -> LayerCodebooks:
         """The layer's codebooks and smoothing on `device`, its layer's (`DeviceCopies`)."""
