@@ -100,7 +100,9 @@ def read_task_results(paths: list[str], rows: list[Row]) -> list[TaskRow]:
         for name, metrics in data["results"].items():
             for key, value in metrics.items():
                 m = _LENGTH.match(key)
-                if m and isinstance(value, (int, float)):
+                # lm-eval's RULER reports -1 at a length of its metric list it made no sample of (a run of
+                # `--max-lengths 8192` alone still lists 4096): no score there
+                if m and isinstance(value, (int, float)) and value >= 0:
                     task.scores[name, int(m.group(1))] = float(value)
             task.samples[name] = int(metrics.get("sample_len", 0) or 0)
         if not task.scores:

@@ -95,3 +95,15 @@ def test_task_scores_without_an_eval_result_of_their_method_are_refused_and_noth
     with pytest.raises(SettingsError, match="no eval JSON of method kivi"):
         write_report(evals, tmp_path / "report", tasks)
     assert not (tmp_path / "report").exists()
+
+
+def test_a_length_lm_eval_made_no_sample_of_is_no_score(tmp_path):
+    """lm-eval's RULER writes -1 at each length of its metric list that the run made no sample of (`--max-lengths
+    8192` alone still lists 4096): the report leaves that column out, and the average holds the real scores."""
+    evals = _write(tmp_path, {"fp16": RESULTS["fp16"]})
+    tasks = [_task_json(tmp_path, "fp16-8k", "fp16", {("niah_single_1", 4096): -1, ("niah_single_1", 8192): 1.0,
+                                                       ("ruler_vt", 4096): -1, ("ruler_vt", 8192): 0.5})]
+    md = (write_report(evals, tmp_path / "report", tasks) / "report.md").read_text()
+    # average 75.0; interval 1.96 sqrt((0 + 0.5 * 0.5) / 10) / 2 = 0.155
+    assert "| fp16-8k | fp16 | 16.000 | 10.000 | 100.0 | 50.0 | 75.0 ± 15.5 |" in md
+    assert "@ 4096" not in md
