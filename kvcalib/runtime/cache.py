@@ -103,6 +103,9 @@ class CompressedLayer(CacheLayerMixin):
             self.one_each = t == 1 and bool(self.new_valid.all())  # a decode step: one real token in every row
             self.rows_before = [row.length for row in self.rows]
             for b, row in enumerate(self.rows):
+                if self.one_each:  # a decode step: the row's one token as it is (no index built and copied over)
+                    row.append(key_states[b : b + 1], value_states[b : b + 1])
+                    continue
                 idx = self.new_valid[b].nonzero().squeeze(1).to(key_states.device)
                 if len(idx):
                     row.append(key_states[b : b + 1, :, idx], value_states[b : b + 1, :, idx])
