@@ -1,6 +1,7 @@
 """The static cache's host-side rules, on any machine (its GPU behaviour: tests/test_static_cache_gpu.py)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -176,30 +177,42 @@ def test_compile_modes_are_named_and_a_wrong_one_is_refused_in_one_line():
         compile_mode("fast")
 
 
-def test_the_compiled_regions_are_the_layers_norms_and_mlps_and_the_final_norm_and_only_inside_the_step():
-    """What `compile="regions"` compiles (kvcalib.runtime.captured): every decoder layer's children but its
-    attention, the final norm, and the rotary application of the attention's module, switched in while the
-    step runs and put back after it, also when the step raises. Nothing is compiled here: torch.compile
-    wraps lazily, and these tests check which code runs where (the GPU tests time and compare it)."""
+def test_the_compiled_regions_are_the_decoder_layers_without_attention_and_only_inside_the_step():
+    """What `compile="regions"` compiles (kvcalib.runtime.captured): every decoder layer, its attention module
+    left to run eagerly inside it (its forward under `torch._dynamo.disable`), the final norm, the rotary
+    application of the attention's module and the cache's append (`static_cache.write_token`), switched in while
+    the step runs and put back after it, also when the step raises; an attention module's own forward (as
+    accelerate's hooks set one) is put back as it was. Nothing is compiled here: torch.compile wraps lazily,
+    and these tests check which code runs where (the GPU tests time and compare it)."""
     import transformers.models.llama.modeling_llama as llama
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from kvcalib.runtime import static_cache
     from kvcalib.runtime.captured import _Regions
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                          num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(config)
-    eager_rope = llama.apply_rotary_pos_emb
+    hooked = model.model.layers[1].self_attn
+    hook = hooked.forward = functools.partial(type(hooked).forward, hooked)  # an instance's own forward
+    eager_rope, eager_write = llama.apply_rotary_pos_emb, static_cache.write_token
     regions = _Regions(model)
-    want = [m for layer in model.model.layers for m in (layer.input_layernorm, layer.mlp, layer.post_attention_layernorm)]
-    assert sorted(map(id, regions.modules)) == sorted(map(id, want + [model.model.norm]))
-    assert not any(m is layer.self_attn for layer in model.model.layers for m in regions.modules)
+    assert sorted(map(id, regions.modules)) == sorted(map(id, [*model.model.layers, model.model.norm]))
+    attention = [layer.self_attn for layer in model.model.layers]
+
+    def eager_everywhere():
+        return (llama.apply_rotary_pos_emb is eager_rope and static_cache.write_token is eager_write
+                and all(m._compiled_call_impl is None for m in regions.modules)
+                and all("forward" not in a.__dict__ for a in attention if a is not hooked) and hooked.forward is hook)
+
+    assert eager_everywhere()
     with regions:
         assert all(m._compiled_call_impl is not None for m in regions.modules)
-        assert llama.apply_rotary_pos_emb is not eager_rope
-    assert all(m._compiled_call_impl is None for m in regions.modules)
-    assert llama.apply_rotary_pos_emb is eager_rope
+        assert llama.apply_rotary_pos_emb is not eager_rope and static_cache.write_token is not eager_write
+        assert all("forward" in a.__dict__ and a.forward is not hook for a in attention)
+        assert all(getattr(a.forward, "_torchdynamo_disable", False) for a in attention)
+    assert eager_everywhere()
     with pytest.raises(RuntimeError, match="inside"):
         with regions:
             raise RuntimeError("inside")
-    assert llama.apply_rotary_pos_emb is eager_rope and all(m._compiled_call_impl is None for m in regions.modules)
+    assert eager_everywhere()

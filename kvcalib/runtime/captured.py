@@ -6,10 +6,10 @@
 
 How much of the step torch.compile sees (`compile`, the cache's `compile` unless given; `COMPILE_MODES`):
 - `"regions"` (the cache's default): the model's small ops, where eager launches cost most and Inductor
-  compiles least: each decoder layer's norms and MLP, the final norm, and the rotary embedding's
-  application (`_Regions`). One compiled region serves every layer (its parameters are inputs),
-  so the first call compiles three small graphs, seconds, not the whole model's minutes. The cache's
-  append, flush and fused attention stay eager;
+  compiles least: each decoder layer but its attention module (norms, residual adds, MLP), the final norm,
+  the rotary embedding's application and the cache's append of the step's token (`_Regions`). One compiled
+  region serves every layer (its parameters and buffers are inputs), so the first call compiles five small
+  graphs, seconds, not the whole model's minutes. The masked flush and the fused attention stay eager;
 - `"step"` (or True): the whole step, below;
 - `"none"` (or False): nothing compiled.
 
@@ -80,36 +80,54 @@ def compile_mode(compile: bool | str) -> str:
 
 
 class _Regions:
-    """The model's norms, MLPs and rotary application, each run by its own compiled code while the context is
-    open (`with regions:`), eagerly otherwise: `torch.compile` of a module is kept beside it and switched in
-    (`nn.Module._compiled_call_impl`), and the attention module's `apply_rotary_pos_emb`, where its module
-    defines one, is swapped for its compiled form. Regional compilation: the layers' modules share their
-    code, so one compiled graph per kind serves them all (tests/test_static_cache_gpu.py counts them)."""
+    """The step's compiled regions, each run by its compiled code while the context is open (`with regions:`),
+    eagerly otherwise (module docstring):
+    - each decoder layer (`torch.compile` of its call, kept beside it and switched in:
+      `nn.Module._compiled_call_impl`) and the final norm. The layer's attention module runs eagerly inside
+      it (its `forward` under `torch._dynamo.disable` while open), so a layer compiles as two graphs, before
+      and after its attention: the norms with the residual adds before them, the MLP;
+    - inside the eager attention, the rotary application (its module's `apply_rotary_pos_emb`, where it
+      defines one) and the cache's append (`static_cache.write_token`), each swapped for its compiled form.
+    Regional compilation: the layers share their code, so one compiled graph per kind serves them all
+    (tests/test_static_cache_gpu.py counts them). The attention module stays out because its code reads its
+    layer's index (`past_key_values.update(..., self.layer_idx)`): compiled, every layer would be a graph."""
 
     def __init__(self, model):
+        from . import static_cache  # which imports this module
+
         options = dict(dynamic=False, options=compile_options())
-        layers, attention = _decoder_layers(model)
-        self.modules = [child for layer in layers for child in layer.children()
-                        if not any(m is child for m in attention)]
+        layers, self.attention = _decoder_layers(model)
+        self.modules = list(layers)
         norm = getattr(getattr(model, "model", model), "norm", None)
         if isinstance(norm, torch.nn.Module):
             self.modules.append(norm)
         self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
-        home = sys.modules.get(type(attention[0]).__module__) if attention else None
-        rope = getattr(home, "apply_rotary_pos_emb", None)
-        self.home, self.rope = (home, (rope, torch.compile(rope, **options))) if callable(rope) else (None, None)
+        home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
+        swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
+        self.swaps = [(where, name, getattr(where, name), torch.compile(getattr(where, name), **options))
+                      for where, name in swaps if callable(getattr(where, name, None))]
+        self._forwards: list = []
 
     def __enter__(self):
         for m, fast in zip(self.modules, self.compiled):
             m._compiled_call_impl = fast
-        if self.home is not None:
-            self.home.apply_rotary_pos_emb = self.rope[1]
+        # an instance's own forward (accelerate's hooks set one) is kept and put back
+        self._forwards = [a.__dict__.get("forward") for a in self.attention]
+        for a in self.attention:
+            a.forward = torch._dynamo.disable(a.forward)
+        for where, name, _, fast in self.swaps:
+            setattr(where, name, fast)
 
     def __exit__(self, *exc):
         for m in self.modules:
             m._compiled_call_impl = None
-        if self.home is not None:
-            self.home.apply_rotary_pos_emb = self.rope[0]
+        for a, own in zip(self.attention, self._forwards):
+            if own is None:
+                del a.forward
+            else:
+                a.forward = own
+        for where, name, eager, _ in self.swaps:
+            setattr(where, name, eager)
 
 
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:

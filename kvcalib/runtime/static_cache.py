@@ -95,6 +95,20 @@ def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, tak
                     torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
 
 
+def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Each sequence's new token, k and v (B, H, 1, D), into its residual window (kres, vres (B, H, R, D)) at its
+    own count `residual` (B,), and the counts one up: what every decode step appends. A module-level function of
+    tensors, so that one compiled region serves every layer (`kvcalib.runtime.captured`: by default the step 127
+    of 128 take at R = 128 is this write alone, seven eager launches a layer where compiled it is one)."""
+    b, h = k.shape[:2]
+    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
+            residual.long().view(b, 1))
+    for buf, x in ((kres, k), (vres, v)):
+        buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
+    residual += 1
+
+
 def _tensors(state) -> list[torch.Tensor]:
     """A method's decoding state (a dataclass of tensors, `Method.empty_state`) as its tensors; none for None."""
     return [] if state is None else [getattr(state, f.name) for f in dataclasses.fields(state)]
@@ -209,13 +223,8 @@ class StaticLayer(CacheLayerMixin):
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
         `flush=False` where the caller knows no residual fills at this step (it appends only)."""
-        b, h = k.shape[:2]
         r = self.kernel_layer.residual
-        rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
-                self.residual.long().view(b, 1))
-        for buf, x in ((self.kernel_layer.kres, k), (self.kernel_layer.vres, v)):
-            buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
-        self.residual += 1
+        write_token(self.kernel_layer.kres, self.kernel_layer.vres, self.residual, k, v)
         if not flush:
             return
         full = self.residual == r

@@ -1,0 +1,129 @@
+"""How much of the captured decode step to compile, measured on one cache state: the 8B-shaped random
+model of generate.py, B=1, a 2-bit cache (`--cache`) in a StaticKvcalibCache at `--context` tokens.
+
+Each variant captures its own step (`CapturedDecoder`) from the same prefilled state and reports the time to
+build it (its compiles and the capture), the step's median over `--replays` replays (CUDA events), the GPU
+kernels per step (torch.profiler over the graph's replays), the graphs Dynamo compiled, and the first
+step's logits against the uncompiled step's (max |difference| over max |logit|):
+
+- `none`, `regions` (the cache's default: each decoder layer but its attention module, the final norm, the
+  rotary application, the cache's append of the step's token), `step` (the whole step);
+- `norms-mlps`: the regions as they were, each layer's norms and MLP, the final norm and the rotary
+  application; the residual adds and the cache's append eager;
+- `norms-mlps+append`: the same and the cache's append.
+
+    python benchmarks/compile_regions.py [--context 32768] [--variants none,regions,...] [--replays 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from generate import kvcalib_method, llama8b_config
+from kvcalib.models import LoadedModel
+from kvcalib.runtime import captured
+from kvcalib.runtime.captured import CapturedDecoder, compile_options
+from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+VARIANTS = ["none", "norms-mlps", "norms-mlps+append", "regions", "step"]
+
+
+class NormsMlps(captured._Regions):
+    """The regions as they were: each layer's children but its attention, the final norm, the rotary
+    application, and the cache's append where `append`."""
+
+    append = False
+
+    def __init__(self, model):
+        super().__init__(model)
+        layers, attention = captured._decoder_layers(model)
+        self.modules = [child for layer in layers for child in layer.children()
+                        if not any(m is child for m in attention)] + [model.model.norm]
+        self.compiled = [torch.compile(m._call_impl, dynamic=False, options=compile_options()) for m in self.modules]
+        self.attention = []
+        self.swaps = [s for s in self.swaps if self.append or s[1] != "write_token"]
+
+
+class NormsMlpsAppend(NormsMlps):
+    append = True
+
+
+def build(variant: str, model, cache) -> CapturedDecoder:
+    """The variant's captured decoder."""
+    kind = {"norms-mlps": NormsMlps, "norms-mlps+append": NormsMlpsAppend}.get(variant)
+    if kind is None:
+        return CapturedDecoder(model, cache, compile=variant)
+    regions = captured._Regions
+    captured._Regions = kind
+    try:
+        return CapturedDecoder(model, cache, compile="regions")
+    finally:
+        captured._Regions = regions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--cache", default="kivi128", help="one of generate.py's CACHES")
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "step"))
+    parser.add_argument("--replays", type=int, default=200)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
+    cache = StaticKvcalibCache(lm, kvcalib_method(args.cache, lm), max_batch=1,
+                               max_length=args.context + 4 * args.replays + 512)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
+    first = cache.prefill(model, 0, prompt).argmax().view(1)
+    saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]
+    lengths, residuals = list(cache.lengths), list(cache.residual_counts)
+    reference = None
+    lines = [f"{args.cache}, {args.context} tokens, B=1, {torch.cuda.get_device_name()}", "",
+             "| variant | build s | step ms (median) | kernels per step | Dynamo graphs | max abs dlogit / max abs logit |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for variant in args.variants.split(","):
+        for layer, tensors in zip(cache.layers, saved):
+            for t, old in zip(layer.mutable(), tensors):
+                t.copy_(old)
+        cache.lengths, cache.residual_counts = list(lengths), list(residuals)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder = build(variant, model, cache)
+        logits = decoder.step(first).float().clone()
+        torch.cuda.synchronize()
+        built = time.perf_counter() - start
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        reference = logits if reference is None else reference
+        drift = float((logits - reference).abs().max() / reference.abs().max())
+        token, times = logits.argmax(-1), []
+        for _ in range(args.replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            token = decoder.step(token).argmax(-1)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                token = decoder.step(token).argmax(-1)
+            torch.cuda.synchronize()
+        kernels = collections.Counter(e.name for e in prof.events()
+                                      if e.device_type == torch.autograd.DeviceType.CUDA)
+        lines.append(f"| {variant} | {built:.1f} | {statistics.median(times):.3f} | {sum(kernels.values()) / 10:.0f} "
+                     f"| {graphs} | {drift:.2e} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+        del decoder
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
