@@ -11,8 +11,8 @@ an earlier run on the machine left them, said beside the table):
   step itself (`torch.compile`, mode reduce-overhead: CUDA graphs), its documented fast path;
 - `kivi128-static`: `model.generate(past_key_values=StaticKvcalibCache(model, "kivi", G=128, R=128))` as made by
   default: the prompt batch into slots, each decode step replayed from the captured CUDA graph, the model's
-  norms, MLPs and rotary application compiled before the capture (`compile="regions"`: one compiled region
-  serves every layer, seconds of compilation);
+  decoder layers around their attention, the rotary application and the cache's append compiled before the
+  capture (`compile="regions"`: one compiled region serves every layer, seconds of compilation);
 - `kivi128-static-uncompiled`: the same captured with nothing compiled (`compile="none"`, B=1 at 32k only);
 - `kivi128-static-compiled`: the whole step compiled by torch.compile (Inductor) before its capture
   (`compile="step"`, B=1 at 32k only: its compilation takes minutes in a cold process);

@@ -12,8 +12,8 @@ step replays the step captured in one CUDA graph (`kvcalib.runtime.captured.Capt
 at the first step and kept with the cache for the next `generate` call of the same batch). A new
 `generate` call starts from empty slots; the cache is sized for the longest prompt plus
 `max_new_tokens` (`max_length`) and for the batch (`max_batch`). By default (`compile="regions"`) the
-model's norms, MLPs and rotary application are compiled before the capture (seconds, once: one compiled
-region serves every layer); `compile="step"` compiles the whole step (faster steps, minutes of compilation
+model's decoder layers around their attention, the rotary application and the cache's append are compiled
+before the capture (seconds, once: one compiled region serves every layer); `compile="step"` compiles the whole step (faster steps, minutes of compilation
 before the first token of a process whose on-disk caches are cold); `compile="none"` compiles nothing
 (`kvcalib.runtime.captured`).
 
