@@ -1,7 +1,7 @@
 // Device helpers both decode kernels use (quant_decode.cu, vq_decode.cu): element conversions, the
 // warp's Hadamard transform of a D-vector, the tensor-core pieces (mma, 8x8 transpose, half2 packing), and
-// the bulk-copy engine's copy into shared memory on an mbarrier (sm_90; a kernel that does not call it, as
-// on the cp.async loaders, compiles without it).
+// the bulk-copy engine's copy into shared memory and the mbarrier it completes on (sm_90; a kernel that does
+// not call them, as on the cp.async loaders, compiles without them).
 // Included textually: kernels_cupy/loader.py inlines `#include "..."` of this folder before hashing and
 // compiling, so a change here changes every including kernel's cache key. Needs D defined (64 or 128).
 #include <cuda_fp16.h>
@@ -66,4 +66,18 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+// The mbarrier a block's bulk copies complete on: set up for one arriving thread, told the bytes to expect (the
+// issuing thread's arrival), and waited on for the given phase (a barrier's use u completes phase u % 2).
+__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)));
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phase) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
 }

@@ -254,10 +254,10 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // key scales, key zeros, value scales, value zeros, norms) with one instruction, and signals an
 // mbarrier per stage. Lane 0 of warp w issues part w; warp 0 also announces the stage's bytes.
 // The other 124 threads spend no instruction on addresses.
-// (smem_addr, bulk_copy: decode_common.cuh)
+// (smem_addr, bulk_copy, mbar_init, mbar_expect: decode_common.cuh)
 __device__ __forceinline__ void init_stages(unsigned long long* bar) {
   if (threadIdx.x == 0) {
-    for (int s = 0; s < NSTAGE; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(&bar[s])));
+    for (int s = 0; s < NSTAGE; ++s) mbar_init(&bar[s]);
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
@@ -272,7 +272,7 @@ __device__ __forceinline__ void issue_stage(Stage& st, unsigned long long* bar, 
   const unsigned code_bytes = rows * D * 4, group_bytes = groups * D * 2, vscale_bytes = rows * 16 * VG * 2;
   if (warp == 0) {
     const unsigned total = 2 * (code_bytes + group_bytes + vscale_bytes) + (HAS_NORM ? rows * 32 : 0);
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(total) : "memory");
+    mbar_expect(bar, total);
     bulk_copy(st.kw, kcodes + (t0 / 16) * D, code_bytes, bar);
   } else if (warp == 1) {
     bulk_copy(st.vw, vcodes + (t0 / 16) * D, code_bytes, bar);
@@ -287,7 +287,8 @@ __device__ __forceinline__ void issue_stage(Stage& st, unsigned long long* bar, 
 #endif
   }
 }
-// Use u of a stage completes phase u of its mbarrier.
+// Use u of a stage completes phase u of its mbarrier. The wait loop is this kernel's own: decode_common.cuh's
+// `mbar_wait` (a while loop, vq_decode.cu's) compiles to different SASS here (benchmarks/sass_same.py).
 __device__ __forceinline__ void wait_stage(unsigned long long* bar, int use) {
   unsigned done;
   do {

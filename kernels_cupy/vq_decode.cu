@@ -113,20 +113,8 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes
 // The tensor memory accelerator's bulk copies (BULK_ROWS): one thread copies a stage's rows (one contiguous
 // run of bytes each for keys and values) and the block waits on the stage's mbarrier; cp.async by every
 // thread cost ~45 address instructions per warp and stage and 3.5x the ideal shared-memory wavefronts.
-// (smem_addr, bulk_copy: decode_common.cuh)
-__device__ __forceinline__ void mbar_init(unsigned long long* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)));
-}
-__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned phase) {
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(phase) : "memory");
-}
-
+// (smem_addr, bulk_copy, mbar_init, mbar_expect, mbar_wait: decode_common.cuh)
+//
 // The same for code rows, which a decode step reads once: marked evict-first in L2 (`streaming_policy`), so
 // that they do not push out what is read again (measured: B = 8 128k d4b8 259.5 -> 249.7 us, B = 1 42.3 -> 41.5).
 __device__ __forceinline__ unsigned long long streaming_policy() {
