@@ -211,8 +211,98 @@ def test_the_compiled_regions_are_the_decoder_layers_without_attention_and_only_
         assert llama.apply_rotary_pos_emb is not eager_rope and static_cache.write_token is not eager_write
         assert all("forward" in a.__dict__ and a.forward is not hook for a in attention)
         assert all(getattr(a.forward, "_torchdynamo_disable", False) for a in attention)
+        assert hooked.forward._torchdynamo_orig_callable is hook  # the hook still runs, eagerly
     assert eager_everywhere()
     with pytest.raises(RuntimeError, match="inside"):
         with regions:
             raise RuntimeError("inside")
     assert eager_everywhere()
+
+
+def test_regions_are_put_back_as_they_were_when_entered_twice_when_switching_in_fails_and_over_a_users_compile():
+    """Entered again while open (the same regions, or another model's), nothing more is switched and the outermost
+    exit puts everything back; a user's own `layer.compile()` survives the step; a failure half-way through
+    switching in puts back what was switched and leaves the regions closed. Planted: without the depth count,
+    the second entry would record the first's wrappers as the modules' own forwards and leave them behind."""
+    import transformers.models.llama.modeling_llama as llama
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvcalib.runtime import captured, static_cache
+    from kvcalib.runtime.captured import _Regions
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model, other = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    users = model.model.layers[0]._compiled_call_impl = lambda *a, **k: None  # a user's layer.compile()
+    eager_rope, eager_write = llama.apply_rotary_pos_emb, static_cache.write_token
+    regions, again, elsewhere = _Regions(model), _Regions(model), _Regions(other)
+    attention = [layer.self_attn for m in (model, other) for layer in m.model.layers]
+
+    def as_before():
+        return (llama.apply_rotary_pos_emb is eager_rope and static_cache.write_token is eager_write
+                and all("forward" not in a.__dict__ for a in attention)
+                and model.model.layers[0]._compiled_call_impl is users
+                and model.model.layers[1]._compiled_call_impl is None and captured._DEPTH[0] == 0)
+
+    with regions:
+        with again, elsewhere:
+            assert all(getattr(a.forward, "_torchdynamo_orig_callable", None) is not None
+                       and "forward" not in getattr(a.forward, "_torchdynamo_orig_callable").__dict__
+                       for a in attention[:2])
+        assert static_cache.write_token is not eager_write  # still open: the inner exits put nothing back
+    assert as_before()
+    # built while another's regions are open, a set still takes the eager functions for the eager ones
+    with regions:
+        late = _Regions(model)
+    assert late.swaps[0][2] is eager_rope and late.swaps[1][2] is eager_write
+
+    calls = []
+    real = torch._dynamo.disable
+
+    def failing(fn, *args, **kwargs):
+        calls.append(fn)
+        if len(calls) == 2:
+            raise RuntimeError("switching in failed")
+        return real(fn, *args, **kwargs)
+
+    torch._dynamo.disable = failing
+    try:
+        with pytest.raises(RuntimeError, match="switching in failed"):
+            with regions:
+                pass
+    finally:
+        torch._dynamo.disable = real
+    assert as_before()
+
+
+def test_the_regions_find_the_innermost_attention_where_the_decoder_layer_names_its_layer_too():
+    """Gemma 3's decoder layer carries `layer_idx` and weights, as its attention does: the regions compile the
+    decoder layers and leave only the attention modules eager (disabling the layer's own forward would run the
+    whole layer eagerly)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from kvcalib.runtime.captured import _decoder_layers
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model = Gemma3ForCausalLM(config)
+    layers, attention = _decoder_layers(model)
+    assert [id(m) for m in layers] == [id(m) for m in model.model.layers]
+    assert [id(m) for m in attention] == [id(layer.self_attn) for layer in model.model.layers]
+
+
+def test_a_static_layer_appends_through_the_module_level_write_token():
+    """`StaticLayer.append` looks `write_token` up on its module at every call, so the regions' compiled form is
+    the one that runs (a name bound at import would keep the eager one)."""
+    from kvcalib.runtime import static_cache
+
+    layer = StaticLayer(_method("kivi"), 0, 2, capacity=64, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    calls, eager = [], static_cache.write_token
+    static_cache.write_token = lambda *args: (calls.append(len(args)), eager(*args))
+    try:
+        k = torch.randn(2, 2, 1, 64).half()
+        layer.append(k, k, flush=False)
+    finally:
+        static_cache.write_token = eager
+    assert calls == [5] and layer.residual.tolist() == [1, 1]
+    assert torch.equal(layer.kernel_layer.kres[:, :, 0], k[:, :, 0])

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,18 +80,26 @@ def compile_mode(compile: bool | str) -> str:
     return mode
 
 
+_OPEN = threading.RLock()  # held while regions are switched in: one set at a time in the process
+_DEPTH = [0]  # how deep the switched-in regions are entered: only the outermost switches and puts back
+
+
 class _Regions:
     """The step's compiled regions, each run by its compiled code while the context is open (`with regions:`),
     eagerly otherwise (module docstring):
     - each decoder layer (`torch.compile` of its call, kept beside it and switched in:
-      `nn.Module._compiled_call_impl`) and the final norm. The layer's attention module runs eagerly inside
-      it (its `forward` under `torch._dynamo.disable` while open), so a layer compiles as two graphs, before
-      and after its attention: the norms with the residual adds before them, the MLP;
+      `nn.Module._compiled_call_impl`, whatever was there put back after) and the final norm. The layer's
+      attention module runs eagerly inside it (its `forward` under `torch._dynamo.disable` while open), so a
+      layer compiles as two graphs, before and after its attention: the input norm; the residual add, the
+      post-attention norm, the MLP and the last residual add;
     - inside the eager attention, the rotary application (its module's `apply_rotary_pos_emb`, where it
       defines one) and the cache's append (`static_cache.write_token`), each swapped for its compiled form.
     Regional compilation: the layers share their code, so one compiled graph per kind serves them all
     (tests/test_static_cache_gpu.py counts them). The attention module stays out because its code reads its
-    layer's index (`past_key_values.update(..., self.layer_idx)`): compiled, every layer would be a graph."""
+    layer's index (`past_key_values.update(..., self.layer_idx)`): compiled, every layer would be a graph.
+    The rotary and append swaps are module-wide, so one set of regions is open at a time in the process (a lock);
+    entered again while open, nothing more is switched, and the outermost exit puts everything back, also
+    where switching in failed half-way."""
 
     def __init__(self, model):
         from . import static_cache  # which imports this module
@@ -104,38 +113,58 @@ class _Regions:
         self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
         home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
         swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
-        self.swaps = [(where, name, getattr(where, name), torch.compile(getattr(where, name), **options))
-                      for where, name in swaps if callable(getattr(where, name, None))]
-        self._forwards: list = []
+        eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
+        self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
+        self._saved: list = []
 
     def __enter__(self):
-        for m, fast in zip(self.modules, self.compiled):
-            m._compiled_call_impl = fast
-        # an instance's own forward (accelerate's hooks set one) is kept and put back
-        self._forwards = [a.__dict__.get("forward") for a in self.attention]
-        for a in self.attention:
-            a.forward = torch._dynamo.disable(a.forward)
-        for where, name, _, fast in self.swaps:
-            setattr(where, name, fast)
+        _OPEN.acquire()
+        _DEPTH[0] += 1
+        if _DEPTH[0] > 1:
+            return
+        try:
+            for m, fast in zip(self.modules, self.compiled):
+                self._saved.append((m, "_compiled_call_impl", m.__dict__.get("_compiled_call_impl")))
+                m._compiled_call_impl = fast
+            for a in self.attention:  # an instance's own forward (accelerate's hooks set one) is kept and put back
+                self._saved.append((a, "forward", a.__dict__.get("forward")))
+                a.forward = torch._dynamo.disable(a.forward)
+            for where, name, eager, fast in self.swaps:
+                self._saved.append((where, name, eager))
+                setattr(where, name, fast)
+        except BaseException:
+            self.__exit__()
+            raise
 
     def __exit__(self, *exc):
-        for m in self.modules:
-            m._compiled_call_impl = None
-        for a, own in zip(self.attention, self._forwards):
-            if own is None:
-                del a.forward
-            else:
-                a.forward = own
-        for where, name, eager, _ in self.swaps:
-            setattr(where, name, eager)
+        try:
+            if _DEPTH[0] == 1:
+                while self._saved:
+                    owner, name, old = self._saved.pop()
+                    if old is None and name == "forward":
+                        owner.__dict__.pop("forward", None)
+                    else:
+                        setattr(owner, name, old)
+        finally:
+            _DEPTH[0] -= 1
+            _OPEN.release()
+
+
+def _eager(fn):
+    """A function as it was before torch.compile wrapped it (a compiled form left in place is never taken for
+    the eager one)."""
+    return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """The model's decoder layers (the modules holding an attention module, `models.attention_modules`) and
-    their attention modules."""
-    attention = attention_modules(model)
-    ids = {id(a) for a in attention}
-    layers = [m for m in model.modules() if any(id(c) in ids for c in m.children())]
+    """The model's decoder layers and their attention modules: of the modules that name their layer and hold
+    weights (`models.attention_modules`), those holding no other such module (in Gemma 3 and Llama 4 the decoder
+    layer names its layer too), and the modules whose children they are."""
+    named = attention_modules(model)
+    ids = {id(a) for a in named}
+    attention = [a for a in named if not any(id(m) in ids for m in a.modules() if m is not a)]
+    inner = {id(a) for a in attention}
+    layers = [m for m in model.modules() if any(id(c) in inner for c in m.children())]
     return layers, attention
 
 
