@@ -24,13 +24,10 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from generate import kvcalib_method, llama8b_config
-from kvcalib.models import LoadedModel
+from generate import event_steps, prefilled_8b
 from kvcalib.runtime import captured
 from kvcalib.runtime.captured import CapturedDecoder, compile_options
-from kvcalib.runtime.static_cache import StaticKvcalibCache
 
 VARIANTS = ["none", "norms-mlps", "norms-mlps+append", "regions", "step"]
 
@@ -75,14 +72,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "step"))
     parser.add_argument("--replays", type=int, default=200)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
-    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    cache = StaticKvcalibCache(lm, kvcalib_method(args.cache, lm), max_batch=1,
-                               max_length=args.context + 4 * args.replays + 512)
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
-    first = cache.prefill(model, 0, prompt).argmax().view(1)
+    model, cache, first = prefilled_8b(args.context, args.cache, 4 * args.replays + 512)
     saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]
     lengths, residuals = list(cache.lengths), list(cache.residual_counts)
     reference = None
@@ -104,14 +94,7 @@ def main() -> None:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
         reference = logits if reference is None else reference
         drift = float((logits - reference).abs().max() / reference.abs().max())
-        token, times = logits.argmax(-1), []
-        for _ in range(args.replays):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            token = decoder.step(token).argmax(-1)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        token, times = event_steps(decoder, logits.argmax(-1), args.replays)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
                 token = decoder.step(token).argmax(-1)

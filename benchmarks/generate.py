@@ -90,6 +90,33 @@ def kvcalib_method(name: str, lm: LoadedModel):
     return method
 
 
+def prefilled_8b(context: int, cache: str, room: int) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
+    """The 8B-shaped random model on the GPU (seed 0), a B=1 StaticKvcalibCache of cache `cache` (`CACHES`,
+    `VECINFER`) with `room` tokens past `context`, and a random prompt of `context` tokens prefilled into its
+    slot 0: (model, cache, the first decoded token (1,))."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(llama8b_config(context), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
+    static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=1, max_length=context + room)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
+    return model, static, static.prefill(model, 0, prompt).argmax().view(1)
+
+
+def event_steps(decoder, token: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+    """`steps` greedy steps of a captured decoder from `token`, each timed by CUDA events around the step and its
+    argmax, the host waiting on each: (the last token, milliseconds per step)."""
+    times = []
+    for _ in range(steps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        token = decoder.step(token).argmax(-1)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return token, times
+
+
 def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
     """Bytes a cache of `CACHES` or `VECINFER` holds for `tokens`. VecInfer: code rows and the float16 residual.
     The 2-bit caches: flushed blocks (2-bit codes of keys and values,

@@ -20,12 +20,9 @@ import statistics
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from generate import kvcalib_method, llama8b_config
-from kvcalib.models import LoadedModel
+from generate import event_steps, prefilled_8b
 from kvcalib.runtime.captured import CapturedDecoder
-from kvcalib.runtime.static_cache import StaticKvcalibCache
 
 KINDS = [("attention", re.compile(r"packed_partial|merge")),
          ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas", re.I)),
@@ -44,25 +41,11 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(args.context), dtype=torch.float16).eval()
-    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    cache = StaticKvcalibCache(lm, kvcalib_method(args.cache, lm), max_batch=1,
-                               max_length=args.context + 2 * args.replays + 64)
-    prompt = torch.randint(0, model.config.vocab_size, (1, args.context), device="cuda")
-    token = cache.prefill(model, 0, prompt).argmax().view(1)
+    model, cache, token = prefilled_8b(args.context, args.cache, 2 * args.replays + 64)
     decoder = CapturedDecoder(model, cache, compile=True)
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
-    times = []
-    for _ in range(args.replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        token = decoder.step(token).argmax(-1)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
+    token, times = event_steps(decoder, token, args.replays)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(args.replays):
             token = decoder.step(token).argmax(-1)

@@ -2,26 +2,30 @@
 for sm_90 (and the cp.async loader also for sm_80) under the runtime's configurations, at a git revision and
 in the working tree, and every section of the two cubins compared byte for byte (`.text.<kernel>` is the
 SASS; `.nv.info.<kernel>` its registers and parameters; `.nv.shared.<kernel>` its shared memory). Equal
-sections mean an equal kernel: the same speed without a GPU to time it. Needs nvcc, not a GPU.
+sections mean an equal kernel from this nvcc: the same speed without a GPU to time it. The runtime compiles
+through CuPy's NVRTC; this compares nvcc's output only. Needs nvcc, not a GPU.
 
     python benchmarks/sass_same.py [--rev HEAD] [--files quant_decode.cu,vq_decode.cu] [--jobs 2]
 
 The configurations are the runtime's define sets (kvcalib/runtime/int2_kernel.py, vq_kernel.py's `plan`):
 INT2 at head_dim 64 and 128, key and value groups the methods use, 1 to 8 query heads per KV head, with and
 without key norms and rotations; VecInfer at both head dims, three codebook shapes, 1 to 8 query heads,
-with and without replicated books.
+with and without replicated books, code rows for the bulk copies and for cp.async, bfloat16 queries too.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import hashlib
+import os
 import math
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,15 +50,20 @@ def int2_sets() -> list[tuple[str, dict]]:
 
 
 def vq_sets() -> list[tuple[str, dict]]:
+    """Code rows in 16-byte units (`vq_kernel._unit`: the bulk-copy rows, BULK_ROWS, and books staged in the
+    ring where replicated) and in 4-byte ones (cp.async), float16 and bfloat16 queries."""
     sets = []
     for d in (64, 128):
         for nk, mk, nv, mv in ((4, 8, 4, 8), (8, 12, 4, 8), (2, 8, 8, 12)):
             for gq in (1, 3, 4, 8):
                 for krepl, vrepl in ((1, 1), (128 // (2 * nk), 128 // (2 * nv))):
-                    rk, rv = -(-d // nk * mk // 8), -(-d // nv * mv // 8)
-                    sets.append(("sm_90", dict(D=d, NK=nk, MK=mk, RK=rk, NV=nv, MV=mv, RV=rv, GQ=gq, QT="__half",
-                                               HADAMARD=1, WARPS=8, TILES=4, NSTAGE=3, BLOCKS_PER_SM=1, KUNIT=16,
-                                               VUNIT=4, KREPL=krepl, VREPL=vrepl)))
+                    for vunit, qt in ((16, "__half"), (4, "__half"), (16, "__nv_bfloat16")):
+                        if qt != "__half" and gq != 4:
+                            continue
+                        rk, rv = -(-d // nk * mk // 8), -(-d // nv * mv // 8)
+                        sets.append(("sm_90", dict(D=d, NK=nk, MK=mk, RK=rk, NV=nv, MV=mv, RV=rv, GQ=gq, QT=qt,
+                                                   HADAMARD=1, WARPS=8, TILES=4, NSTAGE=3, BLOCKS_PER_SM=1, KUNIT=16,
+                                                   VUNIT=vunit, KREPL=krepl, VREPL=vrepl)))
     return sets
 
 
@@ -88,7 +97,7 @@ CACHE = ROOT / "runs" / "sass-cache"  # cubins by the hash of what nvcc was give
 
 
 def compiled(code: str, arch: str) -> dict[str, bytes | int]:
-    key = hashlib.sha256("\0".join([code, arch, *OPTIONS]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([code, arch, *OPTIONS, nvcc_version()]).encode()).hexdigest()
     kept = CACHE / f"{key}.cubin"
     if kept.exists():
         return sections(kept.read_bytes())
@@ -101,8 +110,15 @@ def compiled(code: str, arch: str) -> dict[str, bytes | int]:
             raise RuntimeError(run.stderr[-2000:])
         cubin = Path(tmp, "k.cubin").read_bytes()
     CACHE.mkdir(parents=True, exist_ok=True)
-    kept.write_bytes(cubin)
+    part = kept.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+    part.write_bytes(cubin)
+    part.replace(kept)  # whole or absent: two runs may share the folder
     return sections(cubin)
+
+
+@functools.cache
+def nvcc_version() -> str:
+    return subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def snapshot(rev: str | None) -> dict[str, str]:
@@ -111,8 +127,9 @@ def snapshot(rev: str | None) -> dict[str, str]:
     names = [p.name for p in folder.iterdir() if p.suffix in (".cu", ".cuh")]
     if rev is None:
         return {n: (folder / n).read_text() for n in names}
-    return {n: subprocess.run(["git", "show", f"{rev}:kernels_cupy/{n}"], cwd=ROOT, capture_output=True, text=True).stdout
-            for n in names}
+    return {n: subprocess.run(["git", "show", f"{rev}:kernels_cupy/{n}"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout
+            for n in names if subprocess.run(["git", "cat-file", "-e", f"{rev}:kernels_cupy/{n}"], cwd=ROOT).returncode == 0}
 
 
 def compare(old: dict, new: dict, filename: str, arch: str, defines: dict) -> list[str]:

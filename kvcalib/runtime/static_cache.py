@@ -99,8 +99,9 @@ def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, 
                 v: torch.Tensor) -> None:
     """Each sequence's new token, k and v (B, H, 1, D), into its residual window (kres, vres (B, H, R, D)) at its
     own count `residual` (B,), and the counts one up: what every decode step appends. A module-level function of
-    tensors, so that one compiled region serves every layer (`kvcalib.runtime.captured`: by default the step 127
-    of 128 take at R = 128 is this write alone, seven eager launches a layer where compiled it is one)."""
+    tensors, so that one compiled region serves every layer (`kvcalib.runtime.captured`). At R = 128, 127 steps
+    in 128 append with this write alone; compiled by default, it took 7 kernels a layer off the step (8B shape,
+    benchmarks/RESULTS.md)."""
     b, h = k.shape[:2]
     rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
             residual.long().view(b, 1))
