@@ -13,9 +13,9 @@ at the first step and kept with the cache for the next `generate` call of the sa
 `generate` call starts from empty slots; the cache is sized for the longest prompt plus
 `max_new_tokens` (`max_length`) and for the batch (`max_batch`). By default (`compile="regions"`) the
 model's decoder layers around their attention, the rotary application and the cache's append are compiled
-before the capture (seconds, once: one compiled region serves every layer); `compile="step"` compiles the whole step (faster steps, minutes of compilation
-before the first token of a process whose on-disk caches are cold); `compile="none"` compiles nothing
-(`kvcalib.runtime.captured`).
+before the capture (seconds, once: one compiled region serves every layer); `compile="step"` compiles the
+whole step (faster steps, minutes of compilation before the first token of a process whose on-disk caches
+are cold); `compile="none"` compiles nothing (`kvcalib.runtime.captured`).
 
 The same cache serves kvcalib's own loop, which refills a finished sequence's slot with the next prompt:
 
