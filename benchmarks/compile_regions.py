@@ -10,7 +10,9 @@ step's logits against the uncompiled step's (max |difference| over max |logit|):
   rotary application, the cache's append of the step's token), `step` (the whole step);
 - `norms-mlps`: the regions as they were, each layer's norms and MLP, the final norm and the rotary
   application; the residual adds and the cache's append eager;
-- `norms-mlps+append`: the same and the cache's append.
+- `norms-mlps+append`: the same and the cache's append;
+- any of them with `+cublas`: the weight products by cuBLAS rather than the one-row kernel the step switches
+  in on a GPU (`kvcalib.runtime.gemv_kernel`).
 
     python benchmarks/compile_regions.py [--context 32768] [--variants none,regions,...] [--replays 200]
 """
@@ -26,7 +28,7 @@ import time
 import torch
 
 from generate import event_steps, prefilled_8b
-from kvcalib.runtime import captured
+from kvcalib.runtime import captured, gemv_kernel
 from kvcalib.runtime.captured import CapturedDecoder, compile_options
 
 VARIANTS = ["none", "norms-mlps", "norms-mlps+append", "regions", "step"]
@@ -54,6 +56,12 @@ class NormsMlpsAppend(NormsMlps):
 
 def build(variant: str, model, cache) -> CapturedDecoder:
     """The variant's captured decoder."""
+    if variant.endswith("+cublas"):  # the kernel takes no rows while the step is traced and captured
+        rows, gemv_kernel.MAX_ROWS = gemv_kernel.MAX_ROWS, 0
+        try:
+            return build(variant.removesuffix("+cublas"), model, cache)
+        finally:
+            gemv_kernel.MAX_ROWS = rows
     kind = {"norms-mlps": NormsMlps, "norms-mlps+append": NormsMlpsAppend}.get(variant)
     if kind is None:
         return CapturedDecoder(model, cache, compile=variant)

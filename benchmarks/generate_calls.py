@@ -13,6 +13,8 @@ an earlier run on the machine left them, said beside the table):
   default: the prompt batch into slots, each decode step replayed from the captured CUDA graph, the model's
   decoder layers around their attention, the rotary application and the cache's append compiled before the
   capture (`compile="regions"`: one compiled region serves every layer, seconds of compilation);
+- `kivi128-static-cublas`: the same with the step's weight products by cuBLAS, not the one-row kernel the step
+  switches in (`kvcalib.runtime.gemv_kernel`; B=1 at 32k only);
 - `kivi128-static-uncompiled`: the same captured with nothing compiled (`compile="none"`, B=1 at 32k only);
 - `kivi128-static-compiled`: the whole step compiled by torch.compile (Inductor) before its capture
   (`compile="step"`, B=1 at 32k only: its compilation takes minutes in a cold process);
@@ -44,9 +46,11 @@ from pathlib import Path
 
 import torch
 
-PATHS = ["fp16-static", "kivi128-static", "kivi128-static-uncompiled", "kivi128-static-compiled", "kivi128-dynamic"]
+PATHS = ["fp16-static", "kivi128-static", "kivi128-static-cublas", "kivi128-static-uncompiled", "kivi128-static-compiled",
+         "kivi128-dynamic"]
 PATHS += [f"{p}-warm" for p in PATHS]
-COMPILE = {"kivi128-static": "regions", "kivi128-static-uncompiled": "none", "kivi128-static-compiled": "step"}
+COMPILE = {"kivi128-static": "regions", "kivi128-static-cublas": "regions", "kivi128-static-uncompiled": "none",
+           "kivi128-static-compiled": "step"}
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +79,16 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
         model = AutoModelForCausalLM.from_config(llama8b_config(longest), dtype=torch.float16).eval()
     model.generation_config.eos_token_id = None  # every call decodes all its tokens
     base = path.removesuffix("-warm")
+    if base == "kivi128-static-cublas":
+        from kvcalib.runtime import gemv_kernel
+
+        gemv_kernel.MAX_ROWS = 0  # this process's steps: every product by cuBLAS
     rows = []
     for lengths in shapes:
         if base == "kivi128-dynamic" and len(lengths) == 1 and lengths[0] > 32768:
             continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
-        if base in ("kivi128-static-compiled", "kivi128-static-uncompiled") and lengths != [32768]:
+        one_row = ("kivi128-static-compiled", "kivi128-static-uncompiled", "kivi128-static-cublas")
+        if base in one_row and lengths != [32768]:
             continue
         ids, mask = prompts_of(lengths)
         b, room = len(lengths), ids.shape[1] + 137 + 160  # 128 steps past generate's for `captured_step`

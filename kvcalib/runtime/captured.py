@@ -94,27 +94,37 @@ class _Regions:
       post-attention norm, the MLP and the last residual add;
     - inside the eager attention, the rotary application (its module's `apply_rotary_pos_emb`, where it
       defines one) and the cache's append (`static_cache.write_token`), each swapped for its compiled form.
+    - on a GPU, in every compile mode (`compiled=False`: this alone): `nn.Linear.forward`, switched to
+      `gemv_kernel`'s, whose kernel computes a one-row step's weight products (most of a B = 1 step's time)
+      faster than cuBLAS; torch.compile traces it where it traces a layer.
     Regional compilation: the layers share their code, so one compiled graph per kind serves them all
     (tests/test_static_cache_gpu.py counts them). The attention module stays out because its code reads its
     layer's index (`past_key_values.update(..., self.layer_idx)`): compiled, every layer would be a graph.
-    The rotary and append swaps are module-wide, so one set of regions is open at a time in the process (a lock);
-    entered again while open, nothing more is switched, and the outermost exit puts everything back, also
-    where switching in failed half-way."""
+    The rotary, append and `nn.Linear` swaps are module-wide, so one set of regions is open at a time in the
+    process (a lock); entered again while open, nothing more is switched, and the outermost exit puts
+    everything back, also where switching in failed half-way."""
 
-    def __init__(self, model):
-        from . import static_cache  # which imports this module
+    def __init__(self, model, compiled: bool = True):
+        """`compiled`: the regions above; without, only the weight products are switched (`gemv_kernel`)."""
+        from . import gemv_kernel, static_cache  # static_cache imports this module
 
         options = dict(dynamic=False, options=compile_options())
-        layers, self.attention = _decoder_layers(model)
-        self.modules = list(layers)
-        norm = getattr(getattr(model, "model", model), "norm", None)
-        if isinstance(norm, torch.nn.Module):
-            self.modules.append(norm)
-        self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
-        home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
-        swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
-        eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
-        self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
+        self.modules, self.attention, self.compiled, self.swaps = [], [], [], []
+        if compiled:
+            layers, self.attention = _decoder_layers(model)
+            self.modules = list(layers)
+            norm = getattr(getattr(model, "model", model), "norm", None)
+            if isinstance(norm, torch.nn.Module):
+                self.modules.append(norm)
+            self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
+            home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
+            swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
+            eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
+            self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
+        if _on_cuda(model):  # put back after: what was there, unless it is this switch's own
+            now = torch.nn.Linear.forward
+            eager = gemv_kernel.EAGER_FORWARD if now is gemv_kernel.FAST_FORWARD else now
+            self.swaps.append((torch.nn.Linear, "forward", eager, gemv_kernel.FAST_FORWARD))
         self._saved: list = []
 
     def __enter__(self):
@@ -156,6 +166,12 @@ def _eager(fn):
     return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
+def _on_cuda(model) -> bool:
+    """Whether the model's first parameter lies on a GPU (the weight products' kernel runs there)."""
+    first = next(model.parameters(), None)
+    return first is not None and first.is_cuda
+
+
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
     """The model's decoder layers and their attention modules: of the modules that name their layer and hold
     weights (`models.attention_modules`), those holding no other such module (in Gemma 3 and Llama 4 the decoder
@@ -180,7 +196,7 @@ class Decoder:
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
                      if self.mode == "step" else self._forward)  # compiled twice: with and without the flush
-        self._regions = _Regions(model) if self.mode == "regions" else contextlib.nullcontext()
+        self._regions = _Regions(model, compiled=self.mode == "regions")
         cache.read_counts()
 
     def _forward(self) -> torch.Tensor:

@@ -1,0 +1,81 @@
+"""The decode step's weight products at one or two rows (kernels_cupy/gemv.cu): `nn.Linear` on a token or two.
+
+At B = 1 a decode step reads every weight once for one row of activations, and the step's time is mostly
+that read. cuBLAS splits the smaller products (k, v, o, down) over K and adds the pieces in a second kernel;
+this kernel gives each output row one warp, which reads it 512 contiguous bytes at a time. Over the 8B
+shape's 15 GB of weights on an H100 (benchmarks/gemv.py, RESULTS.md), the read floor 4.86 ms: one row, cuBLAS
+6.06 ms and this kernel 5.42; two rows, 6.09 and 5.72; four, even (6.12 and 6.11); eight, cuBLAS the faster
+(5.99 against 7.2 at best). So the kernel takes up to `MAX_ROWS` rows.
+
+`linear(x, weight, bias)` is `F.linear` by the kernel where it applies (`applies`), by `F.linear` otherwise.
+`fast_linears()` switches `nn.Linear.forward` to it for a `with` block: the static cache's decode step runs
+inside one (`kvcalib.runtime.captured`), so its captured graph and torch.compile's traces take the kernel,
+through the custom op `torch.ops.kvcalib.gemv`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 2  # rows of x the kernel takes: from four rows on cuBLAS is as fast or faster (module docstring)
+RPW, WARPS, CHUNK = 1, 8, 8  # rows a warp, warps a block, 16-byte words a lane keeps in flight (benchmarks/gemv.py)
+EAGER_FORWARD = torch.nn.Linear.forward  # as torch defines it, whatever is switched in later
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the kernel computes `F.linear(x, weight, bias)`: float16 or bfloat16 throughout, on one GPU, a
+    dense 2-D weight with rows of a multiple of 8 values (16-byte words), at most `MAX_ROWS` rows of x, and no
+    gradient to keep (the kernel has no backward)."""
+    if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
+        return False
+    if weight.dim() != 2 or weight.device != x.device or not weight.is_contiguous():
+        return False
+    k = weight.shape[1]
+    if x.shape[-1] != k or k % 8 or x.numel() // max(k, 1) > MAX_ROWS or x.numel() == 0:
+        return False
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (weight.shape[0],) or bias.device != x.device):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, by the kernel where it `applies`."""
+    if applies(x, weight, bias):
+        return torch.ops.kvcalib.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return linear(input, self.weight, self.bias)
+
+
+FAST_FORWARD = _linear_forward  # what `fast_linears` switches in
+
+
+@torch.library.custom_op("kvcalib::gemv", mutates_args=())
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, checked: bool = False) -> torch.Tensor:
+    """The kernel's launch on torch's current stream; x (..., K) -> (..., N). Inputs that do not start 16-byte
+    aligned (a view into a row) go to `F.linear`: known only here, not when torch.compile traces the call."""
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch, torch_stream
+
+    n, k = weight.shape
+    rows = x.reshape(-1, k).contiguous()
+    b = bias.contiguous() if bias is not None else None
+    if rows.data_ptr() % 16 or weight.data_ptr() % 16:
+        return F.linear(x, weight, bias)
+    out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
+    defines = {"KDIM": k, "MROWS": rows.shape[0], "RPW": RPW, "WARPS": WARPS, "CHUNK": CHUNK,
+               "BF16": int(x.dtype == torch.bfloat16)}
+    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+    with torch_stream(x.device):
+        launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (RPW * WARPS)),), (32 * WARPS,),
+               (ptr(weight), ptr(rows), ptr(b), ptr(out), cupy.int32(n)), checked)
+    return out
+
+
+@_gemv.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, checked: bool = False) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])

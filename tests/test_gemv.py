@@ -1,0 +1,102 @@
+"""The one-row weight products (kvcalib.runtime.gemv_kernel) without a GPU: which calls the kernel takes,
+that everything else is `F.linear` exactly, and that the decode step switches `nn.Linear.forward` to it only
+while it runs. CUDA tensors here are fake (shapes, dtypes and devices, no data); the kernel's numbers are
+tested on the GPU (tests/test_gemv_gpu.py)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kvcalib.runtime import captured, gemv_kernel
+from kvcalib.runtime.gemv_kernel import MAX_ROWS, applies, linear
+
+
+def _cuda(*shape, dtype=torch.float16):
+    return torch.empty(*shape, device="cuda", dtype=dtype)
+
+
+def test_the_kernel_takes_one_row_products_of_dense_half_precision_weights_only():
+    with FakeTensorMode():
+        w = _cuda(1024, 4096)
+        assert applies(_cuda(1, 1, 4096), w) and applies(_cuda(4096), w)
+        assert applies(_cuda(1, 4096, dtype=torch.bfloat16), _cuda(1024, 4096, dtype=torch.bfloat16))
+        assert applies(_cuda(1, 4096), w, _cuda(1024))
+        refused = {
+            "more rows than MAX_ROWS": (_cuda(MAX_ROWS + 1, 4096), w, None),
+            "float32": (_cuda(1, 4096, dtype=torch.float32), _cuda(1024, 4096, dtype=torch.float32), None),
+            "dtypes differ": (_cuda(1, 4096, dtype=torch.bfloat16), w, None),
+            "rows of no whole 16-byte words": (_cuda(1, 4092), _cuda(1024, 4092), None),
+            "a transposed weight": (_cuda(1, 4096), _cuda(4096, 1024).t(), None),
+            "a bias of another length": (_cuda(1, 4096), w, _cuda(1000)),
+            "a bias of another dtype": (_cuda(1, 4096), w, _cuda(1024, dtype=torch.float32)),
+            "an empty input": (_cuda(0, 4096), w, None),
+        }
+        for why, (x, weight, bias) in refused.items():
+            assert not applies(x, weight, bias), why
+        x = _cuda(1, 4096).requires_grad_()
+        assert not applies(x, w)  # the kernel has no backward
+        with torch.no_grad():
+            assert applies(x, w)
+    assert not applies(torch.zeros(1, 64, dtype=torch.float16), torch.zeros(8, 64, dtype=torch.float16))
+
+
+def test_linear_calls_the_kernel_where_it_applies_and_f_linear_elsewhere(monkeypatch):
+    calls = []
+
+    def spy(x, weight, bias):
+        calls.append(tuple(x.shape))
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+    monkeypatch.setattr(torch.ops.kvcalib, "gemv", spy)
+    with FakeTensorMode():
+        w = _cuda(96, 64)
+        assert linear(_cuda(1, 1, 64), w).shape == (1, 1, 96)
+        assert linear(_cuda(MAX_ROWS, 1, 64), w).shape == (MAX_ROWS, 1, 96)
+        assert linear(_cuda(MAX_ROWS + 1, 1, 64), w).shape == (MAX_ROWS + 1, 1, 96)  # one row too many: F.linear
+    assert calls == [(1, 1, 64), (MAX_ROWS, 1, 64)]
+    x, w, b = torch.randn(3, 1, 64), torch.randn(96, 64), torch.randn(96)
+    assert torch.equal(linear(x, w, b), F.linear(x, w, b)) and len(calls) == 2
+
+
+def test_the_ops_shape_on_fake_tensors_is_the_products():
+    with FakeTensorMode():
+        assert torch.ops.kvcalib.gemv(_cuda(1, 1, 64), _cuda(96, 64), None).shape == (1, 1, 96)
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(config)
+
+
+def test_the_step_switches_linear_forward_only_while_it_runs_and_only_on_a_gpu(monkeypatch):
+    """`_Regions` switches `nn.Linear.forward` to the kernel's in every compile mode when the model lies on a GPU
+    (here its placement is faked; on the CPU the switched forward falls back to `F.linear`, so the model's logits
+    do not move by a bit), and puts torch's back after, also when the step raises. Planted: without the put-back,
+    the assertions after each exit fail."""
+    model = _model().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    eager = torch.nn.Linear.forward
+    assert not any(name == "forward" for _, name, *_ in captured._Regions(model, compiled=False).swaps)
+    monkeypatch.setattr(captured, "_on_cuda", lambda model: True)
+    for compiled in (False, True):
+        regions = captured._Regions(model, compiled=compiled)
+        with regions:
+            assert torch.nn.Linear.forward is gemv_kernel.FAST_FORWARD
+            if not compiled:
+                with torch.no_grad():
+                    assert torch.equal(model(ids).logits, expected)
+        assert torch.nn.Linear.forward is eager
+        with pytest.raises(RuntimeError, match="inside"):
+            with regions:
+                raise RuntimeError("inside")
+        assert torch.nn.Linear.forward is eager
+    # built while a set is open, a set still puts torch's own forward back, not the switched one
+    with captured._Regions(model, compiled=False):
+        late = captured._Regions(model, compiled=False)
+    assert late.swaps[-1][2] is eager
