@@ -3,7 +3,8 @@
 // 16-byte words of a row side by side (512 contiguous bytes a load), CHUNK words a lane in flight, streamed past
 // L1 (W is read once); every x row is read through L1 once per word and used for the warp's RPW rows.
 // Defines: KDIM (a multiple of 8), MROWS, RPW, WARPS, CHUNK, BF16 (0: float16). W, x: contiguous rows, 16-byte
-// aligned; bias: N values or a null pointer.
+// aligned; bias: N values or a null pointer. Bytes moved: 2 N K (W, the whole cost at one row) + 2 M K (x, from
+// L1 after the first block) + 2 N (bias) + 2 M N (y).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 

@@ -70,7 +70,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chec
     defines = {"KDIM": k, "MROWS": rows.shape[0], "RPW": RPW, "WARPS": WARPS, "CHUNK": CHUNK,
                "BF16": int(x.dtype == torch.bfloat16)}
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    with torch_stream(x.device):
+    with torch_stream(x.device):  # a warp per RPW rows of W, WARPS warps a block: every row of W read once
         launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (RPW * WARPS)),), (32 * WARPS,),
                (ptr(weight), ptr(rows), ptr(b), ptr(out), cupy.int32(n)), checked)
     return out
