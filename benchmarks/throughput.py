@@ -45,7 +45,9 @@ perplexity tables and generate.py's B=1 runs compare them with fp16.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import statistics
 import sys
 
 import torch
@@ -188,8 +190,9 @@ def fill(cache, one, batch: int, ctx: int) -> None:
     cache.lengths = [ctx] * batch
 
 
-def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dict:
-    """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory allocated and reserved."""
+def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int, profile: int = 0) -> dict:
+    """Median and p99 step seconds at `batch` slots filled to `ctx`, and the peak memory allocated and reserved;
+    with `profile`, that many more steps under torch.profiler, their GPU time by kind printed (`profile_kinds`)."""
     release()
     length = ctx + steps + 16
     with torch.no_grad():
@@ -209,9 +212,33 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int) -> dic
         _, warmed = timed_steps(step, tokens, warm)  # compile and capture happen here
         seconds, _ = timed_steps(step, warmed[-1], steps)
     peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    if profile:
+        profile_kinds(step, warmed[-1], profile, f"{ctx} {name} B={batch}", statistics.median(seconds))
     del cache, step
     median, p99 = median_p99(seconds)
     return {"median": median, "p99": p99, "peak": peak}
+
+
+def profile_kinds(step, tokens, steps: int, label: str, step_s: float) -> None:
+    """GPU kernel time per step by kind (profile_step.py's kinds: matmul, attention, append+flush, other) and the
+    largest kernels, over `steps` steps under torch.profiler: where a large batch's step goes."""
+    from profile_step import kind
+
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            tokens = step(tokens)
+        torch.cuda.synchronize()
+    per_name = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[event.name] += event.device_time_total / steps / 1e3
+    by_kind = collections.Counter()
+    for kernel_name, ms in per_name.items():
+        by_kind[kind(kernel_name)] += ms
+    print(f"{label}: step {1e3 * step_s:.2f} ms; kernels " +
+          ", ".join(f"{k} {ms:.2f} ms" for k, ms in by_kind.most_common()), flush=True)
+    for kernel_name, ms in per_name.most_common(12):
+        print(f"    {ms:8.3f} ms  {kernel_name[:100]}", flush=True)
 
 
 def held_bytes(name: str, ctx: int, config) -> float:
@@ -230,6 +257,8 @@ def main() -> None:
     parser.add_argument("--start-batch", default=None, metavar="CACHE=B,...",
                         help="measure CACHE first at batch B instead of the probes' batch (a batch an earlier run "
                              "found: each measure is a compile); the budget check and re-measure still apply")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after timing, profile this many steps of each measured batch (GPU time by kind)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     caches = CACHES if args.caches == "all" else args.caches.split(",")
@@ -265,7 +294,7 @@ def main() -> None:
             if name in start:
                 batch = start[name]
                 print(f"{ctx} {name}: starting at B={batch} (--start-batch)", flush=True)
-            res = measure(name, lm, batch, ctx, args.steps)
+            res = measure(name, lm, batch, ctx, args.steps, args.profile)
             for _ in range(2):  # the compiled step may hold more than the eager probe saw: fit it in the budget
                 over = res["peak"][0] - budget
                 if over <= 0:
