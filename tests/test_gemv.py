@@ -31,13 +31,17 @@ def test_the_kernel_takes_one_row_products_of_dense_half_precision_weights_only(
             "a bias of another length": (_cuda(1, 4096), w, _cuda(1000)),
             "a bias of another dtype": (_cuda(1, 4096), w, _cuda(1024, dtype=torch.float32)),
             "an empty input": (_cuda(0, 4096), w, None),
+            "a weight of no rows": (_cuda(1, 4096), _cuda(0, 4096), None),
+            "a weight on another GPU": (_cuda(1, 4096), torch.empty(1024, 4096, device="cuda:1", dtype=torch.float16),
+                                        None),
         }
         for why, (x, weight, bias) in refused.items():
             assert not applies(x, weight, bias), why
         x = _cuda(1, 4096).requires_grad_()
-        assert not applies(x, w)  # the kernel has no backward
+        trained = _cuda(1024).requires_grad_()
+        assert not applies(x, w) and not applies(_cuda(1, 4096), w, trained)  # the kernel has no backward
         with torch.no_grad():
-            assert applies(x, w)
+            assert applies(x, w) and applies(_cuda(1, 4096), w, trained)
     assert not applies(torch.zeros(1, 64, dtype=torch.float16), torch.zeros(8, 64, dtype=torch.float16))
 
 
@@ -74,7 +78,7 @@ def _model():
 
 def test_the_step_switches_linear_forward_only_while_it_runs_and_only_on_a_gpu(monkeypatch):
     """`_Regions` switches `nn.Linear.forward` to the kernel's in every compile mode when the model lies on a GPU
-    (here its placement is faked; on the CPU the switched forward falls back to `F.linear`, so the model's logits
+    with plain weights (here that is faked; on the CPU the switched forward falls back to `F.linear`, so the model's logits
     do not move by a bit), and puts torch's back after, also when the step raises. Planted: without the put-back,
     the assertions after each exit fail."""
     model = _model().eval()
@@ -83,7 +87,7 @@ def test_the_step_switches_linear_forward_only_while_it_runs_and_only_on_a_gpu(m
         expected = model(ids).logits
     eager = torch.nn.Linear.forward
     assert not any(name == "forward" for _, name, *_ in captured._Regions(model, compiled=False).swaps)
-    monkeypatch.setattr(captured, "_on_cuda", lambda model: True)
+    monkeypatch.setattr(captured, "_linears_for_the_kernel", lambda model: True)
     for compiled in (False, True):
         regions = captured._Regions(model, compiled=compiled)
         with regions:
@@ -100,3 +104,34 @@ def test_the_step_switches_linear_forward_only_while_it_runs_and_only_on_a_gpu(m
     with captured._Regions(model, compiled=False):
         late = captured._Regions(model, compiled=False)
     assert late.swaps[-1][2] is eager
+    with late:
+        pass
+    assert torch.nn.Linear.forward is eager
+    # what is there when the step is entered is put back, though it came after the regions were built
+    # (planted: putting back what was there at building undoes this patch)
+    mine = lambda self, input: eager(self, input)  # noqa: E731
+    monkeypatch.setattr(torch.nn.Linear, "forward", mine)
+    with regions:
+        with late:  # nested: switches nothing more
+            assert torch.nn.Linear.forward is gemv_kernel.FAST_FORWARD
+        assert torch.nn.Linear.forward is gemv_kernel.FAST_FORWARD
+    assert torch.nn.Linear.forward is mine
+
+
+def test_the_kernel_is_switched_in_only_for_a_model_on_a_gpu_whose_linear_weights_are_plain_tensors():
+    """A weight of a tensor subclass (a DTensor, a quantized weight reporting float16) has no dense rows to read:
+    such a model keeps cuBLAS for every product. Planted: with the subclass check dropped, the last assertion
+    fails."""
+    model = _model()
+    assert not captured._linears_for_the_kernel(model)  # on the CPU
+    model.to("meta")  # no GPU here: stand in for one by the check's only device question
+
+    class Subclass(torch.Tensor):
+        pass
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        assert captured._linears_for_the_kernel(model)
+        layer = model.model.layers[0].mlp.down_proj
+        layer.weight = torch.nn.Parameter(layer.weight.as_subclass(Subclass), requires_grad=False)
+        assert not captured._linears_for_the_kernel(model)

@@ -121,7 +121,7 @@ class _Regions:
             swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
             eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
             self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
-        if _on_cuda(model):  # put back after: what was there, unless it is this switch's own
+        if _linears_for_the_kernel(model):  # put back after: what was there, unless it is this switch's own
             now = torch.nn.Linear.forward
             eager = gemv_kernel.EAGER_FORWARD if now is gemv_kernel.FAST_FORWARD else now
             self.swaps.append((torch.nn.Linear, "forward", eager, gemv_kernel.FAST_FORWARD))
@@ -139,8 +139,9 @@ class _Regions:
             for a in self.attention:  # an instance's own forward (accelerate's hooks set one) is kept and put back
                 self._saved.append((a, "forward", a.__dict__.get("forward")))
                 a.forward = torch._dynamo.disable(a.forward)
-            for where, name, eager, fast in self.swaps:
-                self._saved.append((where, name, eager))
+            for where, name, eager, fast in self.swaps:  # put back what is there now, unless it is a switched form
+                now = getattr(where, name)
+                self._saved.append((where, name, eager if now is fast or _eager(now) is not now else now))
                 setattr(where, name, fast)
         except BaseException:
             self.__exit__()
@@ -166,10 +167,16 @@ def _eager(fn):
     return getattr(fn, "_torchdynamo_orig_callable", fn)
 
 
-def _on_cuda(model) -> bool:
-    """Whether the model's first parameter lies on a GPU (the weight products' kernel runs there)."""
+def _linears_for_the_kernel(model) -> bool:
+    """Whether the step may switch `nn.Linear.forward` to the weight products' kernel: the model lies on a GPU
+    and every `nn.Linear`'s weight is a plain tensor. A tensor subclass (a DTensor under tensor parallelism, a
+    quantized weight that reports float16) holds no dense rows the kernel could read, and the check is made
+    here, once, rather than in the switched forward, which torch.compile traces."""
     first = next(model.parameters(), None)
-    return first is not None and first.is_cuda
+    if first is None or not first.is_cuda:
+        return False
+    plain = (torch.Tensor, torch.nn.Parameter)
+    return all(type(m.weight) in plain for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
@@ -196,7 +203,8 @@ class Decoder:
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
                      if self.mode == "step" else self._forward)  # compiled twice: with and without the flush
-        self._regions = _Regions(model, compiled=self.mode == "regions")
+        regions = _Regions(model, compiled=self.mode == "regions")  # nothing to switch: no lock to take
+        self._regions = regions if regions.modules or regions.swaps else contextlib.nullcontext()
         cache.read_counts()
 
     def _forward(self) -> torch.Tensor:

@@ -8,8 +8,8 @@ shape's 15 GB of weights on an H100 (benchmarks/gemv.py, RESULTS.md), the read f
 (5.99 against 7.2 at best). So the kernel takes up to `MAX_ROWS` rows.
 
 `linear(x, weight, bias)` is `F.linear` by the kernel where it applies (`applies`), by `F.linear` otherwise.
-`fast_linears()` switches `nn.Linear.forward` to it for a `with` block: the static cache's decode step runs
-inside one (`kvcalib.runtime.captured`), so its captured graph and torch.compile's traces take the kernel,
+The static cache's decode step switches `nn.Linear.forward` to `FAST_FORWARD`, which calls it, while the step
+runs (`kvcalib.runtime.captured._Regions`), so its captured graph and torch.compile's traces take the kernel,
 through the custom op `torch.ops.kvcalib.gemv`.
 """
 
@@ -25,18 +25,21 @@ EAGER_FORWARD = torch.nn.Linear.forward  # as torch defines it, whatever is swit
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the kernel computes `F.linear(x, weight, bias)`: float16 or bfloat16 throughout, on one GPU, a
-    dense 2-D weight with rows of a multiple of 8 values (16-byte words), at most `MAX_ROWS` rows of x, and no
-    gradient to keep (the kernel has no backward)."""
+    dense 2-D weight of at least one row of a multiple of 8 values (16-byte words), at most `MAX_ROWS` rows of
+    x, and no gradient to keep (the kernel has no backward). A weight of a tensor subclass (a DTensor, a
+    quantized weight) is not asked about here: the step switches the kernel in only for models without one
+    (`captured._Regions`)."""
     if not (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype):
         return False
-    if weight.dim() != 2 or weight.device != x.device or not weight.is_contiguous():
+    if weight.dim() != 2 or weight.device != x.device or not weight.is_contiguous() or weight.shape[0] == 0:
         return False
     k = weight.shape[1]
     if x.shape[-1] != k or k % 8 or x.numel() // max(k, 1) > MAX_ROWS or x.numel() == 0:
         return False
     if bias is not None and (bias.dtype != x.dtype or bias.shape != (weight.shape[0],) or bias.device != x.device):
         return False
-    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    grads = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    return not (torch.is_grad_enabled() and grads)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,7 +53,7 @@ def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     return linear(input, self.weight, self.bias)
 
 
-FAST_FORWARD = _linear_forward  # what `fast_linears` switches in
+FAST_FORWARD = _linear_forward  # what the step switches in for `nn.Linear.forward`
 
 
 @torch.library.custom_op("kvcalib::gemv", mutates_args=())
