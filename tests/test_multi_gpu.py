@@ -173,3 +173,68 @@ def test_data_parallel_collect_on_two_gpus_writes_the_bytes_one_gpu_writes(tmp_p
     assert sorted(a) == sorted(b) and len(a) > 3
     differ = [n for n in a if a[n] != b[n] and n != "run.json"]
     assert not differ, f"files differ between one GPU and two: {differ}"
+
+
+def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) -> None:
+    """One rank of `torchrun --nproc-per-node 2`: the model under transformers' tensor parallelism on cuda:<rank>
+    (NCCL), its static cache's greedy tokens through kvcalib's serving loop, captured and eager, and through
+    `model.generate`."""
+    import json
+    import os
+    import traceback
+    from pathlib import Path
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    try:
+        from transformers import AutoModelForCausalLM
+
+        from kvcalib.runtime.captured import CapturedDecoder, generate
+        from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+        torch.cuda.set_device(rank)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16, tp_plan="auto").eval()
+        model.generation_config.eos_token_id = None
+        lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
+        gen = torch.Generator().manual_seed(4)
+        prompts = [torch.randint(1, 512, (n,), generator=gen).to(f"cuda:{rank}") for n in (37, 20, 51)]
+        settings = MethodSettings(bits=2, group_size=16, residual=16)
+        served = {}
+        for captured in (False, True):
+            cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=2, max_length=128)
+            served[captured] = generate(model, cache, prompts, max_new_tokens=30, captured=captured)
+        cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=1, max_length=128)
+        with torch.no_grad():
+            out = model.generate(prompts[0][None], past_key_values=cache, max_new_tokens=30, do_sample=False)
+        result = {"ok": True, "heads": cache.layers[0].packed.kres.shape[1], "served": served[True],
+                  "eager": served[False], "generate": out[0, 37:].tolist(),
+                  "captured_in_generate": isinstance(cache.decoder, CapturedDecoder)}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(log).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_replays_its_captured_step(tmp_path):
+    """Two ranks (transformers' `tp_plan="auto"`, NCCL), each holding one of the model's two KV heads in its static
+    cache. Each rank captures its own step, the all-reduces of the row-split projections inside the graph: the
+    captured step's greedy tokens equal the eager step's on both ranks (the same kernels and collectives on the
+    same inputs, as on one GPU: tests/test_static_cache_gpu.py), the ranks agree (every rank gets the all-reduced
+    logits), and `model.generate` replays the captured step. Not compared with one process: the row-split sums
+    round differently in float16, and a 2-bit code may flip with them."""
+    from test_parallel import _free_port, run_processes
+
+    model_dir = tmp_path / "model"
+    tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2).half().save_pretrained(model_dir)
+    port, logs = _free_port(), [tmp_path / f"rank{r}.json" for r in range(2)]
+    ranks = run_processes(_tp_static_child, [(r, 2, port, str(model_dir), str(logs[r])) for r in range(2)], logs)
+    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    for r in ranks:
+        assert r["heads"] == 1 and r["captured_in_generate"]
+        assert r["served"] == r["eager"] and [len(t) for t in r["served"]] == [30, 30, 30]
+        assert len(r["generate"]) == 30
+    assert ranks[0]["served"] == ranks[1]["served"] and ranks[0]["generate"] == ranks[1]["generate"]

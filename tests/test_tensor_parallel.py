@@ -5,8 +5,10 @@ and logits within float64 round-off: the model is float64, so the ranks' partial
 projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
 relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
 by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's adapters, calibrated
-TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part; the static cache is
-refused under tensor parallelism."""
+TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part. The static cache runs on
+CUDA only: here its construction is checked (its CUDA check set aside), each rank's buffers holding the rank's
+own KV heads, and a VecInfer cache its own heads' smoothing (tests/test_multi_gpu.py decodes with it on two
+GPUs)."""
 
 from __future__ import annotations
 
@@ -62,6 +64,13 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
         out["refused"] = None
     except SettingsError as err:
         out["refused"] = str(err)
+    import kvcalib.runtime.static_cache as static_cache
+
+    static_cache.check_static = lambda *args: None  # the CUDA check: construction only, on the CPU
+    kivi = StaticKvcalibCache(lm, "kivi", MethodSettings(bits=2, group_size=16, residual=16))
+    vecinfer = StaticKvcalibCache(lm, per_head["vecinfer"](), MethodSettings(residual=16))
+    out["static"] = {"heads": sorted({layer.packed.kres.shape[1] for layer in kivi.layers}),
+                     "vecinfer_smooth": vecinfer.layers[0].vq.smooth.tolist()}
     return out
 
 
@@ -116,14 +125,17 @@ def _as_one_process(rank: dict, alone: dict, name: str) -> None:
 def test_kvcalib_cache_under_tensor_parallelism_decodes_as_one_process(model_dir, alone, tmp_path):
     torch.set_num_threads(1)
     ranks = _ranks(model_dir, tmp_path)
-    for name in [n for n in alone if n != "refused"]:
+    for name in [n for n in alone if n not in ("refused", "static")]:
         assert alone[name]["heads"] == [2]
         for r in ranks:
             assert r[name]["heads"] == [1], name  # each rank's cache holds its own KV head
             _as_one_process(r, alone, name)
-    assert alone["refused"] is None or "tensor parallelism" not in alone["refused"]  # alone: no TP refusal
-    for r in ranks:
-        assert "tensor parallelism" in r["refused"]
+    assert "tensor parallelism" not in alone["refused"]  # the CPU's refusal, the same in every process
+    assert alone["static"]["heads"] == [2]
+    for rank, r in enumerate(ranks):
+        assert r["refused"] == alone["refused"]
+        assert r["static"]["heads"] == [1]  # each rank's static buffers: its own KV head
+        assert r["static"]["vecinfer_smooth"] == alone["static"]["vecinfer_smooth"][rank : rank + 1]
 
 
 PER_HEAD = ("vecinfer", "kvlinc+adapters", "turboquant-per-head", "plan", "plan-per-head")

@@ -40,6 +40,11 @@ with and without the flush: at B = 1 and R = 128 one step in 128 pays for compre
 place (a `scatter_` there copies the whole buffer at every step). The flush rule is the blockwise one `kvcalib eval` scores
 (`kvcalib.attention.flushed_length`): the stored codes are those `KvcalibCache` stores, bit for bit.
 
+Under transformers' tensor parallelism (`tp_plan="auto"` under torchrun) each rank's cache holds its own KV
+heads (transformers splits the key and value projections into equal contiguous parts), and a method with data
+per KV head gives the rank its heads' part (`kvcalib.runtime.cache.for_this_rank`); each rank captures its
+own step, the collectives of the row-split projections in it.
+
 Sequences of different lengths share the batch; a slot is freed (`release`) and refilled (`prefill`)
 while the others keep their state. A prompt is prefilled into its slot on its own, attends in float16
 (as in `KvcalibCache`) and is compressed at once, so the float16 cache of one prompt exists at a time,
@@ -74,8 +79,8 @@ from ..int2_layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
 from ..vq_layout import VQLayer
-from .cache import (IMPLEMENTATION, check_static, fused_attend, hand_to_attention, register_attention,
-                    tensor_parallel_size, vq_attend)
+from .cache import (IMPLEMENTATION, check_static, for_this_rank, fused_attend, hand_to_attention,
+                    register_attention, tensor_parallel_size, vq_attend)
 from .captured import CapturedDecoder, Decoder, compile_mode
 
 log = logging.getLogger(__name__)
@@ -293,9 +298,11 @@ class StaticKvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
-        if tensor_parallel_size(lm.model) > 1:
-            raise SettingsError("StaticKvcalibCache under tensor parallelism is not supported yet (its buffers are "
-                                "sized for every KV head): use KvcalibCache, which holds each rank's own heads")
+        ranks = tensor_parallel_size(lm.model)  # under tensor parallelism each rank holds its own KV heads' slots
+        if shape.num_kv_heads % ranks:
+            raise SettingsError(f"tensor parallelism over {ranks} ranks splits {shape.num_kv_heads} KV heads "
+                                "unevenly: use a rank count dividing them")
+        method = for_this_rank(lm.model, method, shape)
         devices = layer_devices(lm.model, shape.num_layers)  # each layer's buffers on its layer's GPU
         for device in dict.fromkeys(devices):
             check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
@@ -304,8 +311,8 @@ class StaticKvcalibCache(Cache):
         r = method.block
         self.method, self.max_batch, self.max_length = method, max_batch, max_length
         capacity = -(-max_length // r) * r
-        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads, shape.head_dim,
-                                             devices[i]) for i in range(shape.num_layers)])
+        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads // ranks,
+                                             shape.head_dim, devices[i]) for i in range(shape.num_layers)])
         self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
