@@ -218,15 +218,18 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         dist.destroy_process_group()
 
 
-def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_replays_its_captured_step(tmp_path):
+def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_replays_its_captured_step(tmp_path,
+                                                                                                      monkeypatch):
     """Two ranks (transformers' `tp_plan="auto"`, NCCL), each holding one of the model's two KV heads in its static
     cache. Each rank captures its own step, the all-reduces of the row-split projections inside the graph: the
     captured step's greedy tokens equal the eager step's on both ranks (the same kernels and collectives on the
     same inputs, as on one GPU: tests/test_static_cache_gpu.py), the ranks agree (every rank gets the all-reduced
     logits), and `model.generate` replays the captured step. Not compared with one process: the row-split sums
     round differently in float16, and a 2-bit code may flip with them."""
+    import test_parallel
     from test_parallel import _free_port, run_processes
 
+    monkeypatch.setattr(test_parallel, "TIMEOUT", 600)  # each rank compiles the regions of three caches, cold
     model_dir = tmp_path / "model"
     tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2).half().save_pretrained(model_dir)

@@ -5,7 +5,8 @@ and logits within float64 round-off: the model is float64, so the ranks' partial
 projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
 relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
 by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's adapters, calibrated
-TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part. The static cache runs on
+TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part; one without (VecInfer with
+shared codebooks and no smoothing) serves every rank as it is. The static cache runs on
 CUDA only: here its construction is checked (its CUDA check set aside), each rank's buffers holding the rank's
 own KV heads, and a VecInfer cache its own heads' smoothing (tests/test_multi_gpu.py decodes with it on two
 GPUs)."""
@@ -46,7 +47,8 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     prompt = torch.randint(1, 512, (1, 37), generator=torch.Generator().manual_seed(0))
     shape = attention_shape(model.config)
-    per_head = {"vecinfer": lambda: _vecinfer_with_sinks(shape, 0), "kvlinc+adapters": lambda: _kvlinc_with_adapters(shape),
+    per_head = {"vecinfer": lambda: _vecinfer_with_sinks(shape, 0), "vecinfer-shared": lambda: _shared_books(shape),
+                "kvlinc+adapters": lambda: _kvlinc_with_adapters(shape),
                 "turboquant-per-head": lambda: _turboquant_per_head(shape), "plan": lambda: _plan(shape),
                 "plan-per-head": lambda: _plan(shape, granularity="head")}
     out = {}
@@ -72,6 +74,19 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     out["static"] = {"heads": sorted({layer.packed.kres.shape[1] for layer in kivi.layers}),
                      "vecinfer_smooth": vecinfer.layers[0].vq.smooth.tolist()}
     return out
+
+
+def _shared_books(shape):
+    """VecInfer with one codebook pair a layer and no smoothing: nothing per KV head, so every rank takes the
+    method as it is and reads its own heads' count from the codes it holds."""
+    from test_runtime_cache import _vecinfer_with_sinks
+
+    from kvcalib.methods.vecinfer import LayerCodebooks
+
+    method = _vecinfer_with_sinks(shape, 0)
+    method.layers = [LayerCodebooks(b.k, b.v, None) for b in method.layers]
+    assert not method.per_kv_head
+    return method
 
 
 def _child(rank: int, size: int, port: int, model_dir: str, log: str, planted: bool = False) -> None:

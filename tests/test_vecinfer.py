@@ -470,3 +470,18 @@ def test_cluster_sums_are_the_float64_sums_of_each_clusters_points_rounded_once(
     ends = torch.cumsum(counts, 0)
     wrong = (running[ends] - running[ends - counts]).float()
     assert not ((wrong.double() - want).abs() <= bound).all()
+
+
+def test_lut_scores_read_the_heads_the_codes_hold():
+    """A tensor-parallel rank holds some of the KV heads, with a method that holds nothing per head (one codebook
+    pair, no smoothing) and so keeps the whole model's shape: the scores take their head count from the codes,
+    and equal the full cache's scores for those heads. Planted: counting heads from the method's shape, a rank
+    holding two of four KV heads would pair its four query heads with the codes one to one, and the shapes would
+    not meet."""
+    method = _random_method(1, smooth=False, hadamard=True)
+    method.shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=4, head_dim=16)
+    k, v, q = torch.randn(1, 4, 24, 16), torch.randn(1, 4, 24, 16), torch.randn(1, 8, 5, 16)
+    full = method.key_scores(0, q, method.compress(0, k, v))
+    for rank in range(2):
+        own = method.compress(0, k[:, 2 * rank : 2 * rank + 2], v[:, 2 * rank : 2 * rank + 2])
+        assert torch.equal(method.key_scores(0, q[:, 4 * rank : 4 * rank + 4], own), full[:, 4 * rank : 4 * rank + 4])

@@ -163,7 +163,7 @@ class VecInfer(Method):
         takes the same sums on the tensor cores from the gathered centroids)."""
         books = self.books(layer, q.device)
         n = self.config.k.dim
-        hq, hkv = q.shape[1], self.shape.num_kv_heads
+        hq, hkv = q.shape[1], packed.k.shape[1]  # the heads held (a tensor-parallel rank's own)
         qt = queries_to_codec(q, books.smooth, self.config.hadamard).unflatten(-1, (-1, n))  # (B, Hq, Tq, c, N)
         codebook = books.k.float().repeat_interleave(hq // books.k.shape[0], dim=0)  # (Hq, 2^M, N)
         lut = torch.einsum("bhqcn,hen->bhcqe", qt, codebook)  # (B, Hq, c, Tq, 2^M)

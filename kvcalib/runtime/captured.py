@@ -49,6 +49,7 @@ import torch
 
 from ..errors import SettingsError
 from ..models import attention_modules
+from .cache import tensor_parallel_size
 
 if TYPE_CHECKING:  # the static cache makes its decoder (`StaticKvcalibCache.serve`): it imports this module
     from .static_cache import StaticKvcalibCache
@@ -250,6 +251,9 @@ class CapturedDecoder(Decoder):
         super().__init__(model, cache, compile)
         device = self.ids.device
         saved = [[t.clone() for t in layer.mutable()] for layer in cache.layers]  # counts, KVLinC's state
+        # Under tensor parallelism the step holds NCCL collectives, whose communicator threads may call CUDA while
+        # this thread captures: only this thread's calls are refused then (as transformers captures its own).
+        mode = "thread_local" if tensor_parallel_size(model) > 1 else "global"
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
         for flush in (True, False):  # each in its own memory pool: they replay in any order
@@ -262,7 +266,7 @@ class CapturedDecoder(Decoder):
                     self._restore(saved)
             torch.cuda.current_stream(device).wait_stream(side)
             self.graphs[flush] = torch.cuda.CUDAGraph()
-            with _no_collection(), torch.cuda.graph(self.graphs[flush]):
+            with _no_collection(), torch.cuda.graph(self.graphs[flush], capture_error_mode=mode):
                 self.outputs[flush] = self._call()
             self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
         self._set_flush(True)
