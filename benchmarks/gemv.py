@@ -16,26 +16,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-import cupy
 import torch
 
 from decode import copy_bandwidth, read_floor, timed
-from kernels_cupy.loader import kernel, launch, torch_stream
+from kvcalib.runtime.gemv_kernel import launch_gemv
 from results import record
 
 HIDDEN, INTER, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config: tuple[int, int, int]) -> None:
-    """out (M, N) = x (M, K) @ w (N, K)^T by kernels_cupy/gemv.cu in configuration (rows a warp, warps a block,
-    words a lane in flight), in torch's current stream."""
-    rpw, warps, chunk = config
-    n, k = w.shape
-    defines = dict(KDIM=k, MROWS=x.shape[0], RPW=rpw, WARPS=warps, CHUNK=chunk, BF16=0)
-    with torch_stream(x.device):
-        launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (rpw * warps)),), (32 * warps,),
-               (cupy.uint64(w.data_ptr()), cupy.uint64(x.data_ptr()), cupy.uint64(0), cupy.uint64(out.data_ptr()),
-                cupy.int32(n)))
+    """out (M, N) = x (M, K) @ w (N, K)^T by the kernel in `config` (rows a warp, warps a block, words a lane in
+    flight), in torch's current stream."""
+    launch_gemv(x, w, None, out, config=config)
 
 
 def check(config, rows: int) -> tuple[float, float]:

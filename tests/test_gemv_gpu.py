@@ -26,18 +26,8 @@ DEV = "cuda"
 def _launch(x, w, bias=None, rows=None):
     """The kernel launched directly, checked, into an output poisoned with NaN; `rows`: how many of W's rows the
     launch is told of (a planted fault when fewer)."""
-    import cupy
-
-    from kernels_cupy.loader import kernel, launch, torch_stream
-
-    rows = w.shape[0] if rows is None else rows
     out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=DEV, dtype=x.dtype)
-    defines = {"KDIM": w.shape[1], "MROWS": x.shape[0], "RPW": gemv_kernel.RPW, "WARPS": gemv_kernel.WARPS,
-               "CHUNK": gemv_kernel.CHUNK, "BF16": int(x.dtype == torch.bfloat16)}
-    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    with torch_stream(x.device):
-        launch(kernel("gemv.cu", defines, "gemv"), (-(-rows // (gemv_kernel.RPW * gemv_kernel.WARPS)),),
-               (32 * gemv_kernel.WARPS,), (ptr(w), ptr(x), ptr(bias), ptr(out), cupy.int32(rows)), True)
+    gemv_kernel.launch_gemv(x, w, bias, out, n=rows, checked=True)
     return out
 
 

@@ -56,26 +56,35 @@ def _linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
 FAST_FORWARD = _linear_forward  # what the step switches in for `nn.Linear.forward`
 
 
-@torch.library.custom_op("kvcalib::gemv", mutates_args=())
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, checked: bool = False) -> torch.Tensor:
-    """The kernel's launch on torch's current stream; x (..., K) -> (..., N). Inputs that do not start 16-byte
-    aligned (a view into a row) go to `F.linear`: known only here, not when torch.compile traces the call."""
+def launch_gemv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                n: int | None = None, config: tuple[int, int, int] = (RPW, WARPS, CHUNK), checked: bool = False) -> None:
+    """out (M, N) = rows (M, K) weightᵀ (+ bias) by the kernel, on torch's current stream: rows and weight dense and
+    16-byte aligned; `n` of weight's rows (all by default: fewer leaves the others unwritten, a test's planted
+    fault); `config`: rows a warp, warps a block, 16-byte words a lane keeps in flight (benchmarks/gemv.py)."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
+    rpw, warps, chunk = config
+    n = weight.shape[0] if n is None else n
+    defines = {"KDIM": weight.shape[1], "MROWS": rows.shape[0], "RPW": rpw, "WARPS": warps, "CHUNK": chunk,
+               "BF16": int(rows.dtype == torch.bfloat16)}
+    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
+    with torch_stream(rows.device):  # a warp per rpw rows of W, `warps` warps a block: every row of W read once
+        launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (rpw * warps)),), (32 * warps,),
+               (ptr(weight), ptr(rows), ptr(bias), ptr(out), cupy.int32(n)), checked)
+
+
+@torch.library.custom_op("kvcalib::gemv", mutates_args=())
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, checked: bool = False) -> torch.Tensor:
+    """`launch_gemv` as a custom op; x (..., K) -> (..., N). Inputs that do not start 16-byte aligned (a view into
+    a row) go to `F.linear`: known only here, not when torch.compile traces the call."""
     n, k = weight.shape
     rows = x.reshape(-1, k).contiguous()
-    b = bias.contiguous() if bias is not None else None
     if rows.data_ptr() % 16 or weight.data_ptr() % 16:
         return F.linear(x, weight, bias)
     out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    defines = {"KDIM": k, "MROWS": rows.shape[0], "RPW": RPW, "WARPS": WARPS, "CHUNK": CHUNK,
-               "BF16": int(x.dtype == torch.bfloat16)}
-    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None else 0)  # noqa: E731
-    with torch_stream(x.device):  # a warp per RPW rows of W, WARPS warps a block: every row of W read once
-        launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (RPW * WARPS)),), (32 * WARPS,),
-               (ptr(weight), ptr(rows), ptr(b), ptr(out), cupy.int32(n)), checked)
+    launch_gemv(rows, weight, bias.contiguous() if bias is not None else None, out, checked=checked)
     return out
 
 
