@@ -122,10 +122,8 @@ class _Regions:
             swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
             eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
             self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
-        if _linears_for_the_kernel(model):  # put back after: what was there, unless it is this switch's own
-            now = torch.nn.Linear.forward
-            eager = gemv_kernel.EAGER_FORWARD if now is gemv_kernel.FAST_FORWARD else now
-            self.swaps.append((torch.nn.Linear, "forward", eager, gemv_kernel.FAST_FORWARD))
+        if _linears_for_the_kernel(model):
+            self.swaps.append((torch.nn.Linear, "forward", gemv_kernel.EAGER_FORWARD, gemv_kernel.FAST_FORWARD))
         self._saved: list = []
 
     def __enter__(self):
