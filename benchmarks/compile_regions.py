@@ -20,7 +20,6 @@ step's logits against the uncompiled step's (max |difference| over max |logit|):
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import time
 import torch
 
 from generate import event_steps, prefilled_8b
+from profile_step import kernel_profile
 from kvcalib.runtime import captured, gemv_kernel
 from kvcalib.runtime.captured import CapturedDecoder, compile_options
 
@@ -103,13 +103,8 @@ def main() -> None:
         reference = logits if reference is None else reference
         drift = float((logits - reference).abs().max() / reference.abs().max())
         token, times = event_steps(decoder, logits.argmax(-1), args.replays)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                token = decoder.step(token).argmax(-1)
-            torch.cuda.synchronize()
-        kernels = collections.Counter(e.name for e in prof.events()
-                                      if e.device_type == torch.autograd.DeviceType.CUDA)
-        lines.append(f"| {variant} | {built:.1f} | {statistics.median(times):.3f} | {sum(kernels.values()) / 10:.0f} "
+        _, _, calls = kernel_profile(lambda t: decoder.step(t).argmax(-1), token, 10)
+        lines.append(f"| {variant} | {built:.1f} | {statistics.median(times):.3f} | {sum(calls.values()):.0f} "
                      f"| {graphs} | {drift:.2e} |")
         print(lines[-1], file=sys.stderr, flush=True)
         del decoder

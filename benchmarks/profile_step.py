@@ -34,6 +34,21 @@ def kind(name: str) -> str:
     return next(k for k, pattern in KINDS if pattern.search(name))
 
 
+def kernel_profile(step, token, steps: int) -> tuple[torch.Tensor, collections.Counter, collections.Counter]:
+    """`steps` calls of `step(token) -> next token` under torch.profiler: (the last token, GPU microseconds per
+    step by kernel name, launches per step by kernel name)."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            token = step(token)
+        torch.cuda.synchronize()
+    us, calls = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us[event.name] += event.device_time_total / steps
+            calls[event.name] += 1 / steps
+    return token, us, calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
@@ -46,16 +61,7 @@ def main() -> None:
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
     token, times = event_steps(decoder, token, args.replays)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.replays):
-            token = decoder.step(token).argmax(-1)
-        torch.cuda.synchronize()
-    per_name = collections.Counter()
-    calls = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name] += event.device_time_total / args.replays
-            calls[event.name] += 1 / args.replays
+    token, per_name, calls = kernel_profile(lambda t: decoder.step(t).argmax(-1), token, args.replays)
     by_kind = collections.Counter()
     for name, us in per_name.items():
         by_kind[kind(name)] += us

@@ -222,16 +222,10 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int, profil
 def profile_kinds(step, tokens, steps: int, label: str, step_s: float) -> None:
     """GPU kernel time per step by kind (profile_step.py's kinds: matmul, attention, append+flush, other) and the
     largest kernels, over `steps` steps under torch.profiler: where a large batch's step goes."""
-    from profile_step import kind
+    from profile_step import kernel_profile, kind
 
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            tokens = step(tokens)
-        torch.cuda.synchronize()
-    per_name = collections.Counter()
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_name[event.name] += event.device_time_total / steps / 1e3
+    _, per_name_us, _ = kernel_profile(step, tokens, steps)
+    per_name = collections.Counter({name: us / 1e3 for name, us in per_name_us.items()})
     by_kind = collections.Counter()
     for kernel_name, ms in per_name.items():
         by_kind[kind(kernel_name)] += ms
