@@ -179,14 +179,9 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
     """One rank of `torchrun --nproc-per-node 2`: the model under transformers' tensor parallelism on cuda:<rank>
     (NCCL), its static cache's greedy tokens through kvcalib's serving loop, captured and eager, and through
     `model.generate`."""
-    import json
-    import os
-    import traceback
-    from pathlib import Path
+    from test_parallel import as_rank
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    try:
+    def work() -> dict:
         from transformers import AutoModelForCausalLM
 
         from kvcalib.runtime.captured import CapturedDecoder, generate
@@ -206,16 +201,10 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=1, max_length=128)
         with torch.no_grad():
             out = model.generate(prompts[0][None], past_key_values=cache, max_new_tokens=30, do_sample=False)
-        result = {"ok": True, "heads": cache.layers[0].packed.kres.shape[1], "served": served[True],
-                  "eager": served[False], "generate": out[0, 37:].tolist(),
-                  "captured_in_generate": isinstance(cache.decoder, CapturedDecoder)}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(log).write_text(json.dumps(result))
-    import torch.distributed as dist
+        return {"heads": cache.layers[0].packed.kres.shape[1], "served": served[True], "eager": served[False],
+                "generate": out[0, 37:].tolist(), "captured_in_generate": isinstance(cache.decoder, CapturedDecoder)}
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    as_rank(rank, size, port, log, work)
 
 
 def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_replays_its_captured_step(tmp_path,

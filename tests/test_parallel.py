@@ -57,30 +57,40 @@ def _job(job: str, source: str, text: str, out: str, device: str = "cpu"):
                                                max_points_per_centroid=64)
 
 
+def as_rank(rank: int | None, size: int, port: int, log: str, work) -> None:
+    """A spawned process as torchrun starts one (rank None: the plain one-process run): its environment, then
+    `work()` (a JSON-able dict), written to `log` with "ok", or the error and its traceback; the process group,
+    if the work made one, is closed after."""
+    if rank is not None:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port))
+    try:
+        result = {"ok": True, **work()}
+    except Exception as exc:
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    Path(log).write_text(json.dumps(result))
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _child(job: str, rank: int | None, size: int, port: int, source: str, text: str, out: str, log: str,
            device: str = "cpu") -> None:
     """One process of the run (rank None: the one-process run): what torchrun gives a process, then the job."""
     import torch
 
     torch.set_num_threads(1)
-    if rank is not None:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port))
-    module, run = _job(job, source, text, out, device)
-    shares = []
-    real_share = module.share
-    module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
-    try:
-        run()
-        result = {"ok": True, "shares": shares}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(log).write_text(json.dumps(result))
-    if rank is not None:
-        import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def work() -> dict:
+        module, run = _job(job, source, text, out, device)
+        shares = []
+        real_share = module.share
+        module.share = lambda items, r, n: shares.append(real_share(items, r, n)) or shares[-1]
+        run()
+        return {"shares": shares}
+
+    as_rank(rank, size, port, log, work)
 
 
 def run_processes(target, args: list[tuple], logs: list[Path]) -> list[dict]:

@@ -13,15 +13,10 @@ GPUs)."""
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from pathlib import Path
-
 import pytest
 import torch
 
-from test_parallel import _free_port, run_processes
+from test_parallel import _free_port, as_rank, run_processes
 
 METHODS = {"fp16": {}, "kivi": {"bits": 2, "group_size": 8, "residual": 16},
            "oscar": {"bits": 2, "group_size": 8, "residual": 16}, "turboquant": {"bits": 3, "residual": 16},
@@ -91,21 +86,11 @@ def _shared_books(shape):
 
 def _child(rank: int, size: int, port: int, model_dir: str, log: str, planted: bool = False) -> None:
     torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
     if planted:  # every rank takes rank 0's heads' part of a per-head method
         import kvcalib.runtime.cache as runtime_cache
 
         runtime_cache.tensor_parallel_rank = lambda model: 0
-    try:
-        result = {"ok": True, **_decode(model_dir, True)}
-    except Exception as exc:
-        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
-    Path(log).write_text(json.dumps(result))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    as_rank(rank, size, port, log, lambda: _decode(model_dir, True))
 
 
 @pytest.fixture(scope="module")
