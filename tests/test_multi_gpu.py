@@ -177,9 +177,10 @@ def test_data_parallel_collect_on_two_gpus_writes_the_bytes_one_gpu_writes(tmp_p
 
 def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) -> None:
     """One rank of `torchrun --nproc-per-node 2`: the model under transformers' tensor parallelism on cuda:<rank>
-    (NCCL), its static cache's greedy tokens through kvcalib's serving loop, captured and eager, and through
-    `model.generate`."""
-    from test_parallel import as_rank
+    (NCCL), its static cache's greedy tokens through kvcalib's serving loop, captured and eager (nothing compiled:
+    the capture is what is under test), and through `model.generate` with the cache as made by default (its
+    regions compiled). Each stage is noted beside the log (`test_parallel.reached`)."""
+    from test_parallel import as_rank, reached
 
     def work() -> dict:
         from transformers import AutoModelForCausalLM
@@ -190,17 +191,20 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         torch.cuda.set_device(rank)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16, tp_plan="auto").eval()
         model.generation_config.eos_token_id = None
+        reached(log, "model loaded under tp_plan=auto")
         lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
         gen = torch.Generator().manual_seed(4)
         prompts = [torch.randint(1, 512, (n,), generator=gen).to(f"cuda:{rank}") for n in (37, 20, 51)]
         settings = MethodSettings(bits=2, group_size=16, residual=16)
         served = {}
         for captured in (False, True):
-            cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=2, max_length=128)
+            cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=2, max_length=128, compile="none")
             served[captured] = generate(model, cache, prompts, max_new_tokens=30, captured=captured)
+            reached(log, f"served, {'captured' if captured else 'eager'}")
         cache = StaticKvcalibCache(lm, "kivi", settings, max_batch=1, max_length=128)
         with torch.no_grad():
             out = model.generate(prompts[0][None], past_key_values=cache, max_new_tokens=30, do_sample=False)
+        reached(log, "model.generate, regions compiled")
         return {"heads": cache.layers[0].packed.kres.shape[1], "served": served[True], "eager": served[False],
                 "generate": out[0, 37:].tolist(), "captured_in_generate": isinstance(cache.decoder, CapturedDecoder)}
 
@@ -218,7 +222,7 @@ def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_re
     import test_parallel
     from test_parallel import _free_port, run_processes
 
-    monkeypatch.setattr(test_parallel, "TIMEOUT", 600)  # each rank compiles the regions of three caches, cold
+    monkeypatch.setattr(test_parallel, "TIMEOUT", 600)  # each rank compiles one cache's regions, cold
     model_dir = tmp_path / "model"
     tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                num_hidden_layers=2).half().save_pretrained(model_dir)

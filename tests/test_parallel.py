@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -105,8 +106,22 @@ def run_processes(target, args: list[tuple], logs: list[Path]) -> list[dict]:
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
-    assert not alive, f"{len(alive)} process(es) still running after {TIMEOUT} s (a rank waiting on another)"
+    where = {log.name: _stages(log) for log in logs}
+    assert not alive, (f"{len(alive)} process(es) still running after {TIMEOUT} s (a rank waiting on another); "
+                       f"each rank's last stage: {where}")
     return [json.loads(log.read_text()) for log in logs]
+
+
+def reached(log: str, stage: str) -> None:
+    """Note, beside a rank's `log`, that it has reached `stage` (with the time): a run stopped by `TIMEOUT`
+    then says where each rank was, slow or waiting."""
+    with open(f"{log}.stages", "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {stage}\n")
+
+
+def _stages(log: Path) -> str:
+    path = Path(f"{log}.stages")
+    return path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "none noted"
 
 
 def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect", device: str = "cpu") -> list[dict]:
