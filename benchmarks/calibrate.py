@@ -12,7 +12,9 @@ model of collect and eval over the GPUs instead. Build the model first with `kvc
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
 diagnose) beside each step (of those run: `--steps` picks some, e.g. `fit-d8b12`, and `--keep` reuses
-the work directory's collection, to spread a pipeline over runs of limited length); host memory is the largest of the processes of a step. `--max-tokens N` is
+the work directory's collection, to spread a pipeline over runs of limited length); host memory is the largest of the processes of a step. Each step's time is also split around its own progress bars (`phases`):
+before (process, CUDA, the model or the collection's index), during (the chunks, layers or windows the ranks share under
+torchrun) and after (gathering, rank 0's writing): what data-parallel can shrink and what it cannot. `--max-tokens N` is
 collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
 of positions in each window). An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
 V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk holds beside the model.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,6 +35,7 @@ from pathlib import Path
 from results import RESULTS, record
 
 GIB = 2**30
+OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")  # kvcalib's bars (tqdm, by unit); not transformers' loading bars
 STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "eval")  # in the order they run
 
 
@@ -86,8 +90,12 @@ def run(argv: list[str], env: dict[str, str]) -> dict:
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
+    bars: list[float] = []  # when a progress bar moved: the command's splittable work (`phases`)
+
     def relay() -> None:
         while chunk := os.read(proc.stderr.fileno(), 65536):
+            if OWN_BAR.search(chunk):
+                bars.append(time.perf_counter() - start)
             sys.stderr.buffer.write(chunk)
             sys.stderr.buffer.flush()
 
@@ -112,7 +120,17 @@ def run(argv: list[str], env: dict[str, str]) -> dict:
     watcher.join()
     if proc.returncode != 0:
         sys.exit(f"{' '.join(argv)} failed ({proc.returncode}; its messages are above)")
-    return {"seconds": time.perf_counter() - start, "rss": max(rss.values(), default=0), "gpu": gpu[0]}
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "rss": max(rss.values(), default=0), "gpu": gpu[0], "phases": phases(bars, seconds)}
+
+
+def phases(bars: list[float], seconds: float) -> tuple[float, float, float]:
+    """(before, during, after) the command's progress bars, in seconds from its start: its splittable work (the
+    chunks, layers or windows a bar counts, shared by the ranks under torchrun) against what comes before (the
+    process, CUDA, the model or the collection's index) and after (gathering, writing). No bar: all of it before."""
+    if not bars:
+        return seconds, 0.0, 0.0
+    return bars[0], bars[-1] - bars[0], seconds - bars[-1]
 
 
 def main() -> None:
@@ -163,14 +181,17 @@ def main() -> None:
         res = run(launch + argv, env)
         if key != "eval":
             pipeline += res["seconds"]
-        rows.append(f"| {name} | {res['seconds']:.1f} | {res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
+        before, during, after = res["phases"]
+        rows.append(f"| {name} | {res['seconds']:.1f} | {before:.1f} / {during:.1f} / {after:.1f} | "
+                    f"{res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
         print(rows[-1], flush=True)
     how = f"{args.nproc} process(es)" + (", --device-map auto" if args.device_map == "auto" else f", --device {args.device}")
     stored = f", {args.max_tokens} stored per layer" if args.max_tokens else ""
     some = "" if chosen == list(STEPS) else f"; steps {', '.join(chosen)}"
     lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens{stored}; {how}{some}", "",
-             "| step | seconds | peak host RSS GiB (largest process) | peak GPU GiB (all processes) |",
-             "|---|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | |"]
+             "| step | seconds | before / during / after its progress bars, s | peak host RSS GiB (largest process) "
+             "| peak GPU GiB (all processes) |",
+             "|---|---:|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | | |"]
     import torch
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
