@@ -3,10 +3,11 @@ own process), timed, with its peak host memory (the process's maximum resident s
 peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
 
     python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
-                                   [--device auto] [--work runs/calibrate] [--steps all] [--keep] [--results FILE]
+                                   [--device auto] [--work runs/calibrate] [--steps all] [--keep] [--train-layers 0-1]
+                                   [--results FILE]
 
-Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (layers 0-1,
-as the issue's measurement), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
+Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (`--train-layers`, 0-1 by
+default), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
 under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--device-map auto` spreads the
 model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=None, help="collect --max-tokens: stored tokens per layer.")
+    parser.add_argument("--train-layers", default="0-1",
+                        help="train-adapters --layers (all: every layer, the work data-parallel ranks share).")
     parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--device-map", default="none", help="auto: collect and eval spread the model over the GPUs.")
@@ -166,7 +169,8 @@ def main() -> None:
                                            "d4b8", "--device", args.device, "--out", str(work / "vq-d4b8")]),
         "fit-d8b12": ("fit-codebook d8b12", ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config",
                                              "d8b12", "--device", args.device, "--out", str(work / "vq-d8b12")]),
-        "train": ("train-adapters (layers 0-1)", ["train-adapters", "--activations", acts, "--layers", "0-1",
+        "train": (f"train-adapters (layers {args.train_layers})", ["train-adapters", "--activations", acts,
+                                                                  "--layers", args.train_layers,
                                                   "--device", args.device, "--out", str(work / "kvlinc")]),
         "diagnose": ("diagnose", ["diagnose", "--activations", acts, "--device", args.device, "--out",
                                   str(work / "diagnose")]),
