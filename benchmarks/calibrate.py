@@ -13,7 +13,8 @@ model of collect and eval over the GPUs instead. Build the model first with `kvc
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
 diagnose) beside each step (of those run: `--steps` picks some, e.g. `fit-d8b12`, and `--keep` reuses
-the work directory's collection, to spread a pipeline over runs of limited length); host memory is the largest of the processes of a step. Each step's time is also split around its own progress bars (`phases`):
+the work directory's collection, to spread a pipeline over runs of limited length); host memory is the
+largest of the processes of a step. Each step's time is also split around its own progress bars (`phases`):
 before (process, CUDA, the model or the collection's index), during (the chunks, layers or windows the ranks share under
 torchrun) and after (gathering, rank 0's writing): what data-parallel can shrink and what it cannot. `--max-tokens N` is
 collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
@@ -36,7 +37,9 @@ from pathlib import Path
 from results import RESULTS, record
 
 GIB = 2**30
-OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")  # kvcalib's bars (tqdm, by unit); not transformers' loading bars
+# kvcalib's own progress bars, by their units, within one line of tqdm's output (another library's bar counts
+# other units; kvcalib turns transformers' loading bars off)
+OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")
 STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "eval")  # in the order they run
 
 
@@ -126,9 +129,10 @@ def run(argv: list[str], env: dict[str, str]) -> dict:
 
 
 def phases(bars: list[float], seconds: float) -> tuple[float, float, float]:
-    """(before, during, after) the command's progress bars, in seconds from its start: its splittable work (the
-    chunks, layers or windows a bar counts, shared by the ranks under torchrun) against what comes before (the
-    process, CUDA, the model or the collection's index) and after (gathering, writing). No bar: all of it before."""
+    """Seconds (before, during, after) the command's progress bars, `bars` being when one moved (seconds from the
+    start) and `seconds` the whole: before the first bar (the process, CUDA, the model or the collection's index),
+    from the first bar of any rank to the last bar of any rank (the chunks, layers or windows the ranks share under
+    torchrun, with any imbalance between them), and after (gathering, rank 0's writing). No bar: all of it before."""
     if not bars:
         return seconds, 0.0, 0.0
     return bars[0], bars[-1] - bars[0], seconds - bars[-1]
@@ -199,7 +203,9 @@ def main() -> None:
     import torch
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    title = f"Calibration pipeline, {machine}, {Path(args.model).name}, {how}"
+    trained = "" if args.train_layers == "0-1" else f", adapters on layers {args.train_layers}"
+    title = (f"Calibration pipeline, {machine}, {Path(args.model).name}, {args.num_samples} x {args.seq_len}, "
+             f"{how}{trained}")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)

@@ -26,13 +26,16 @@ def test_the_phases_are_before_the_first_bar_between_the_bars_and_after_the_last
 
 
 def test_only_kvcalibs_own_bars_mark_the_work(monkeypatch):
-    """The bars of collect, fit-codebook, train-adapters, diagnose and eval count (by their units); transformers'
-    loading bar, before the work, does not."""
+    """The bars of collect, fit-codebook, train-adapters, diagnose and eval count (by their units), alone or with
+    their rank; another library's bar does not, nor a unit's word on the next line."""
     own = _calibrate(monkeypatch).OWN_BAR
     for line in [b"collect:  50%|#####     | 16/32 [00:05<00:05,  3.1sample/s]",
                  b"diagnose, rank 1 of 2:  12%|#2  | 2/16 [00:01<00:07, 2.0layer/s]",
                  b"train:   0%|          | 0/400 [00:00<?, ?step/s]",
-                 b"eval: 100%|##########| 4/4 [00:02<00:00, 1.9window/s]"]:
+                 b"eval: 100%|##########| 4/4 [00:02<00:00, 1.9window/s]",
+                 b"fit-codebook K d4b8 V d4b8, rank 0 of 2:  50%|#####  | 8/16 [00:09<00:09, 1.1s/layer]"]:
         assert own.search(line), line
     assert not own.search(b"Loading weights: 100%|##########| 291/291 [00:00<00:00, 900.1it/s]")
     assert not own.search(b"collect: 16 samples written\nstep 3")  # a unit's word outside a bar
+    for end in (b"\r", b"\n"):  # a bar of other units, then a line naming a unit: one line at a time
+        assert not own.search(b"Loading weights: 100%|#| 291/291 [00:00, 900it/s]" + end + b"collect: 16 samples")

@@ -189,6 +189,7 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         from kvcalib.runtime.static_cache import StaticKvcalibCache
 
         torch.cuda.set_device(rank)
+        reached(log, "started")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16, tp_plan="auto").eval()
         model.generation_config.eos_token_id = None
         reached(log, "model loaded under tp_plan=auto")
@@ -217,8 +218,9 @@ def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_re
     cache. Each rank captures its own step, the all-reduces of the row-split projections inside the graph: the
     captured step's greedy tokens equal the eager step's on both ranks (the same kernels and collectives on the
     same inputs, as on one GPU: tests/test_static_cache_gpu.py), the ranks agree (every rank gets the all-reduced
-    logits), and `model.generate` replays the captured step. Not compared with one process: the row-split sums
-    round differently in float16, and a 2-bit code may flip with them."""
+    logits), and `model.generate` replays the captured step. The compiled regions of `model.generate`'s cache are
+    held only to the ranks agreeing and 30 tokens (compiled code rounds otherwise than eager). Not compared with one
+    process: the row-split sums round differently in float16, and a 2-bit code may flip with them."""
     import test_parallel
     from test_parallel import _free_port, run_processes
 

@@ -101,14 +101,15 @@ def run_processes(target, args: list[tuple], logs: list[Path]) -> list[dict]:
     procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + TIMEOUT  # one allowance for the whole run, however many processes
     for p in procs:
-        p.join(TIMEOUT)
+        p.join(max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
+    where = {log.name: ("running, " if p.is_alive() else "ended, ") + _stages(log) for p, log in zip(procs, logs)}
     for p in alive:
         p.kill()
-    where = {log.name: _stages(log) for log in logs}
     assert not alive, (f"{len(alive)} process(es) still running after {TIMEOUT} s (a rank waiting on another); "
-                       f"each rank's last stage: {where}")
+                       f"each process and the last stage it noted: {where}")
     return [json.loads(log.read_text()) for log in logs]
 
 
