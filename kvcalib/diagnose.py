@@ -159,7 +159,10 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     rule = OutlierRule(outlier_z, outlier_ratio)
     dev = torch.device(resolve_device(device))
     rank, size = world()
-    measured: dict[int, tuple[dict, dict, int, int]] = {}  # layer -> its report, what its plots need, samples, tokens
+    measured: dict[int, tuple[dict, int, int]] = {}  # layer -> its report, samples, tokens
+    # What a layer's plots need grows with the samples and tokens: it is kept only for the layers that can be
+    # plotted (`_plottable`), at most three, so memory and what the ranks gather stay flat in the collection's size.
+    kept: dict[int, dict] = {}
     # under torchrun each rank measures its share of the layers (`kvcalib.parallel`); rank 0 writes the report
     mine = share(list(range(acts.num_layers)), rank, size)
     # shard by shard onto the device, only the shards used, the next layer read while this one is measured
@@ -171,18 +174,19 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
         if tokens == 0:
             raise SettingsError(f"the collection keeps {data['q'].shape[2]} tokens per sample, fewer than --group-size {group_size}")
         data = {k: t[..., :tokens, :] if t.dim() == 4 else t[:, :tokens] for k, t in data.items()}  # already on dev
-        # What the plots need, small enough to keep for every layer until the plotted ones are chosen.
-        kept = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
-                "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
-        measured[i] = (_layer(data, bits, group_size, rule), kept, samples, tokens)
+        measured[i] = (_layer(data, bits, group_size, rule), samples, tokens)
+        plottable = _plottable(measured, acts.num_layers, plot_layers)
+        if i in plottable:
+            kept[i] = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
+                       "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
+        kept = {j: plots for j, plots in kept.items() if j in plottable}
         tokens_per_second(bar, samples * tokens)
-    measured = merged(measured, size)
+    measured, kept = merged(measured, size), merged(kept, size)
 
     def write() -> Path:
         """The report over every layer, written once (by rank 0 under torchrun)."""
         layers = [measured[i][0] for i in range(acts.num_layers)]
-        kept = {i: measured[i][1] for i in range(acts.num_layers)}
-        samples, tokens = measured[acts.num_layers - 1][2:]
+        samples, tokens = measured[acts.num_layers - 1][1:]
         chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
         report = {
             "activations": str(acts.directory),
@@ -209,10 +213,27 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     return on_rank0(write, rank, size) or out
 
 
+def _imbalance(layer: dict) -> float:
+    """A layer's strongest key-norm imbalance: the largest max/min over its KV heads."""
+    return max(h["max_over_min"] for h in layer["norms"]["k"]["heads"])
+
+
 def _default_plot_layers(layers: list[dict]) -> list[int]:
-    """The first layer, the layer with the strongest key-norm imbalance (max/min), and the last layer."""
-    worst = max(range(len(layers)), key=lambda i: max(h["max_over_min"] for h in layers[i]["norms"]["k"]["heads"]))
+    """The first layer, the layer with the strongest key-norm imbalance (max/min; the first of equals), and the
+    last layer."""
+    worst = max(range(len(layers)), key=lambda i: _imbalance(layers[i]))
     return sorted({0, worst, len(layers) - 1})
+
+
+def _plottable(measured: dict[int, tuple], num_layers: int, plot_layers: list[int] | None) -> set[int]:
+    """The layers measured so far (`measured`: layer -> (report, ...), in increasing order) that may still be
+    plotted: those asked for, or else the first, the last and the strongest imbalance so far (the first of
+    equals). The layer `_default_plot_layers` picks over all layers is the first of equals among each rank's
+    own, so each rank keeping its own is enough."""
+    if plot_layers is not None:
+        return set(plot_layers)
+    worst = max(measured, key=lambda i: (_imbalance(measured[i][0]), -i))
+    return {0, num_layers - 1, worst}
 
 
 def summarize(report: dict) -> dict:

@@ -6,9 +6,10 @@ import torch
 from safetensors.torch import save_file
 
 from kvcalib.collect import shard_name
-from kvcalib.diagnose import diagnose
+from kvcalib.diagnose import _default_plot_layers, _plottable, diagnose
 from kvcalib.quant import round_trip
 from kvcalib.errors import SettingsError
+from kvcalib.parallel import share
 from kvcalib.quant import dequantize, quantize
 
 S, HQ, HKV, T, D, LAYERS = 3, 4, 2, 128, 32, 2
@@ -117,3 +118,28 @@ def test_bad_diagnose_settings_are_refused_before_writing(tmp_path):
         with pytest.raises(SettingsError):
             diagnose(acts, tmp_path / "diag", **kwargs)
     assert not (tmp_path / "diag").exists()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_the_plots_data_is_kept_for_at_most_three_layers_and_for_the_layers_the_report_plots(size):
+    """Each rank keeps what the plots need only for the layers `_plottable` names as it measures its share
+    (memory flat in the collection's size), and what the ranks keep together holds the layers the report then
+    chooses over all of them: first, strongest key-norm imbalance (the first of equals: the imbalances here tie
+    often), last. Planted: ties broken towards the later layer fail it."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        imbalance = torch.randint(1, 4, (n,), generator=gen).tolist()
+        layers = [{"norms": {"k": {"heads": [{"max_over_min": float(v)}, {"max_over_min": 0.5}]}}} for v in imbalance]
+        kept_by_all = set()
+        for rank in range(size):
+            measured, kept = {}, set()
+            for i in share(list(range(n)), rank, size):
+                measured[i] = (layers[i],)
+                plottable = _plottable(measured, n, None)
+                kept = {j for j in kept | {i} if j in plottable}
+                assert len(kept) <= 3
+            kept_by_all |= kept
+        assert set(_default_plot_layers(layers)) <= kept_by_all, (trial, imbalance, size)
+        assert _plottable({0: (layers[0],)}, n, [n - 1]) == {n - 1}  # asked-for layers are kept, whatever comes
+
