@@ -4,7 +4,10 @@ work) against what each does whole, read from the command's stderr as it comes."
 from __future__ import annotations
 
 import importlib.util
+import io
 from pathlib import Path
+
+from tqdm import tqdm
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -29,13 +32,19 @@ def test_only_kvcalibs_own_bars_mark_the_work(monkeypatch):
     """The bars of collect, fit-codebook, train-adapters, diagnose and eval count (by their units), alone or with
     their rank; another library's bar does not, nor a unit's word on the next line."""
     own = _calibrate(monkeypatch).OWN_BAR
-    for line in [b"collect:  50%|#####     | 16/32 [00:05<00:05,  3.1sample/s]",
-                 b"diagnose, rank 1 of 2:  12%|#2  | 2/16 [00:01<00:07, 2.0layer/s]",
-                 b"train:   0%|          | 0/400 [00:00<?, ?step/s]",
-                 b"eval: 100%|##########| 4/4 [00:02<00:00, 1.9window/s]",
-                 b"fit-codebook K d4b8 V d4b8, rank 0 of 2:  50%|#####  | 8/16 [00:09<00:09, 1.1s/layer]"]:
-        assert own.search(line), line
-    assert not own.search(b"Loading weights: 100%|##########| 291/291 [00:00<00:00, 900.1it/s]")
+
+    def drawn(desc: str, unit: str, position: int = 0) -> bytes:
+        """What tqdm writes for such a bar, as the commands make theirs (`collect.py`, `vecinfer_fit.py`, ...)."""
+        out = io.StringIO()
+        with tqdm(total=16, desc=desc, unit=unit, position=position, file=out, mininterval=0) as bar:
+            bar.update(8)
+        return out.getvalue().encode()
+
+    for desc, unit in [("collect", "sample"), ("fit-codebook K d4b8 V d4b8, rank 1 of 2", "layer"),
+                       ("train-adapters", "step"), ("diagnose, rank 0 of 2", "layer"), ("eval kivi", "window")]:
+        assert own.search(drawn(desc, unit, position=int(desc.endswith("1 of 2")))), (desc, unit)
+    assert not own.search(drawn("diagnose plots", "plot"))  # rank 0's writing, after the shared work
+    assert not own.search(drawn("Loading weights", "it"))
     assert not own.search(b"collect: 16 samples written\nstep 3")  # a unit's word outside a bar
     for end in (b"\r", b"\n"):  # a bar of other units, then a line naming a unit: one line at a time
         assert not own.search(b"Loading weights: 100%|#| 291/291 [00:00, 900it/s]" + end + b"collect: 16 samples")
