@@ -218,22 +218,24 @@ def _imbalance(layer: dict) -> float:
     return max(h["max_over_min"] for h in layer["norms"]["k"]["heads"])
 
 
+def _worst(reports: dict[int, dict]) -> int:
+    """The layer (of `reports`: layer -> its report) with the strongest key-norm imbalance, the first of equals."""
+    return max(reports, key=lambda i: (_imbalance(reports[i]), -i))
+
+
 def _default_plot_layers(layers: list[dict]) -> list[int]:
-    """The first layer, the layer with the strongest key-norm imbalance (max/min; the first of equals), and the
-    last layer."""
-    worst = max(range(len(layers)), key=lambda i: _imbalance(layers[i]))
-    return sorted({0, worst, len(layers) - 1})
+    """The first layer, the layer with the strongest key-norm imbalance (`_worst`), and the last layer."""
+    return sorted({0, _worst(dict(enumerate(layers))), len(layers) - 1})
 
 
 def _plottable(measured: dict[int, tuple], num_layers: int, plot_layers: list[int] | None) -> set[int]:
     """The layers measured so far (`measured`: layer -> (report, ...), in increasing order) that may still be
-    plotted: those asked for, or else the first, the last and the strongest imbalance so far (the first of
-    equals). The layer `_default_plot_layers` picks over all layers is the first of equals among each rank's
-    own, so each rank keeping its own is enough."""
+    plotted: those asked for, or else the first, the last and the strongest imbalance so far (`_worst`, the
+    rule `_default_plot_layers` applies to all of them). The layer it picks over all layers is the first of
+    equals among each rank's own, so each rank keeping its own is enough."""
     if plot_layers is not None:
         return set(plot_layers)
-    worst = max(measured, key=lambda i: (_imbalance(measured[i][0]), -i))
-    return {0, num_layers - 1, worst}
+    return {0, num_layers - 1, _worst({i: m[0] for i, m in measured.items()})}
 
 
 def summarize(report: dict) -> dict:

@@ -122,7 +122,8 @@ def reached(log: str, stage: str) -> None:
 
 def _stages(log: Path) -> str:
     path = Path(f"{log}.stages")
-    return path.read_text().strip().splitlines()[-1] if path.exists() and path.read_text().strip() else "none noted"
+    lines = path.read_text().strip().splitlines() if path.exists() else []
+    return lines[-1] if lines else "none noted"
 
 
 def _run(size: int, model: Path, text: Path, out: Path, tmp: Path, job: str = "collect", device: str = "cpu") -> list[dict]:
