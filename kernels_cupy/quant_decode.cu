@@ -545,72 +545,11 @@ __device__ __forceinline__ void residual_body(const QT* __restrict__ q, const __
   write_partial(&acc, red, m, l, part_acc, part_ml, b, kvh, blockIdx.x, num_parts);
 }
 
-extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
-    const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
-    const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
-    const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
-    int split_len, int num_splits, const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
-    int capr, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const int* __restrict__ lengths, const int* __restrict__ residuals) {
-  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
-  // A static cache (kvcalib/runtime/static_cache.py) keeps each sequence's flushed and residual counts in
-  // device memory, so that one captured launch serves every step: they replace T and r for row b, and
-  // splits past a row's T write empty partials (m = -inf), which `merge` skips. The launch is sized for
-  // the capacity, so each row spreads its own T over all num_splits blocks, in whole SPLIT_UNITs (128
-  // tokens and whole key groups): a 4k sequence in a 128k cache takes the wave that a 128k one does.
-  if (lengths != nullptr) {
-    T = lengths[b];
-    const int units = (T + SPLIT_UNIT - 1) / SPLIT_UNIT;
-    split_len = max(1, (units + num_splits - 1) / num_splits) * SPLIT_UNIT;
-  }
-  if (residuals != nullptr) r = residuals[b];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const long bh = (long)b * hkv + kvh;
-  __shared__ Stage ring[NSTAGE];
-  static_assert(sizeof(float) * (GQ * D + GQ * RT + 3 * GQ + REP * GQ * D) <= sizeof(Stage) * NSTAGE,
-                "ring too small for the residual window's scratch");
-  if (split >= num_splits) {  // the residual window's blocks
-    residual_body(q, kres, vres, r, capr, scale_log2, part_acc, part_ml, num_parts, split - num_splits,
-                  reinterpret_cast<float*>(ring));
-    return;
-  }
-  __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
-  __shared__ uint2 qlo[LO_MMA ? KS * 32 : 1];  // LO_MMA: the same of the rotated q's fp16 remainders
-  // the key scales' fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
-  __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
-#if SHARED_Q
-  __shared__ float4 k0part[WARPS][32];  // each warp's share of k0
-#endif
-
-  float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
-  for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
-  float vzp[VG][4];  // per value group: sum_n (z_n + 1.5 s_n) p_n, same layout
-  for (int gv = 0; gv < VG; ++gv)
-    for (int i = 0; i < 4; ++i) vzp[gv][i] = 0.f;
-  const unsigned kexp[2] = {0x54005400u, 0x4C004C00u};  // unpack8's exponents
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
-  float k0[4];
-  int group = -1;
-
-  const int start = split * split_len;
-  const int stop = min(start + split_len, T);
-  const int stages = (stop - start + ST - 1) / ST;
-  kcodes += bh * capw * D;
-  vcodes += bh * capt * VW;
-  kscale += bh * capg * D;
-  kzero += bh * capg * D;
-  vscale += bh * capt * VG;
-  vzero += bh * capt * VG;
-  knorm += HAS_NORM ? bh * capt : 0;
-  __shared__ unsigned long long bar[NSTAGE];  // the bulk loader's mbarrier per stage
-  init_stages(bar);
-  for (int s = 0; s < NSTAGE - 1; ++s) {
-    if (s < stages) issue_stage(ring[s], &bar[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
-    commit_stage();
-  }
-  // q's fragments while the first stages are in flight (the first wait_stage's barrier publishes them):
-  // entry i holds head h = (i % 32) / 4 at channels c, c + 1, c + 8, c + 9 (c = 16 (i / 32) + 2 (i % 4)).
+// q's fragments for the tensor cores, into shared memory (the first wait_stage's barrier publishes them):
+// entry i holds head h = (i % 32) / 4 at channels c, c + 1, c + 8, c + 9 (c = 16 (i / 32) + 2 (i % 4)).
+__device__ __forceinline__ void query_fragments(const QT* __restrict__ q, long bh, uint2* qraw, uint2* qlo) {
 #if ROT_K
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   // rotated into the keys' basis: warp w takes heads w, w + 4 whole, one float per lane and 32 channels;
   // q = hi + lo, two fp16 numbers (score_tiles sums both: an fp16 q alone would err by its rounding, ~2^-12
   // per channel, which took rows of peaked attention past twice SDPA's error)
@@ -646,48 +585,16 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     qraw[i] = make_uint2(pack_half2(r[0], r[1]), pack_half2(r[2], r[3]));
   }
 #endif
-  for (int s = 0; s < stages; ++s) {
-    wait_stage(&bar[s % NSTAGE], s / NSTAGE);
-    __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
-    const int next = s + NSTAGE - 1;
-    if (next < stages)
-      issue_stage(ring[next % NSTAGE], &bar[next % NSTAGE], start + next * ST, stop, kcodes, kscale, kzero, knorm,
-                  vcodes, vscale, vzero);
-    commit_stage();
-    const Stage& st = ring[s % NSTAGE];
-    const int tok0 = start + s * ST + 16 * TILES * warp;  // tile j: tokens tok0 + 16j .. + 15, stage row TILES*warp + j
-#if SHARED_Q
-    if ((start + s * ST) / G != group) {  // the whole block enters a new key group: each warp takes KS/WARPS slices
-      group = (start + s * ST) / G;
-      float part[4];
-      key_group<KS / WARPS>(qraw, qlo, st.ks[0], st.kz[0], qfrag[0], part, warp * (KS / WARPS));
-      k0part[warp][lane] = make_float4(part[0], part[1], part[2], part[3]);
-      __syncthreads();  // every slice of q~ and every share of k0 in place
-      k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
-      for (int w = 0; w < WARPS; ++w) {
-        const float4 p = k0part[w][lane];
-        k0[0] += p.x, k0[1] += p.y, k0[2] += p.z, k0[3] += p.w;
-      }
-    }
-    const uint2* qf = qfrag[0];
-    if (tok0 >= stop) continue;  // T holds whole key groups of >= 16 TILES tokens: a warp's tiles are all full or all absent
-#else
-    if (tok0 >= stop) continue;
-    if (tok0 / G != group) {  // a warp's tiles share one key group
-      group = tok0 / G;
-      const int kg = group - (start + s * ST) / G;  // the group's row in the stage
-      key_group<KS>(qraw, qlo, st.ks[kg], st.kz[kg], qfrag[warp], k0, 0);
-    }
-    const uint2* qf = qfrag[warp];
-#endif
-    const int row0 = TILES * warp;
-    float sc[TILES][4];
-    float pr[TILES][4];
-    score_tiles(st, row0, qf, qraw, qlo, k0, kexp, scale_log2, sc);
-    softmax_tiles(sc, m, l, pr, acc, vzp);
-    value_tiles(st, row0, pr, kexp, acc, vzp);
-  }
-  finish_stages();
+}
+
+// The block's partial once its stages are done: each warp's accumulators settled with the zero points and its
+// l summed over the lanes of a head column, the warps combined in the ring's memory (idle now), one partial
+// written; where values are stored rotated (ROT_V), rotated back into the model's basis first.
+__device__ __forceinline__ void write_block_partial(float (*acc)[4], const float (*vzp)[4], const float* m, float* l,
+                                                    float (*wm)[8], float (*wl)[8], Stage* ring,
+                                                    float* __restrict__ part_acc, float* __restrict__ part_ml, int b,
+                                                    int hkv, int kvh, int split, int num_parts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // ---- offsets and zero points settled; l summed over the lanes of a head column ----
   for (int u = 0; u < KS; ++u)
     for (int i = 0; i < 4; ++i) acc[u][i] += vzp[16 * u / GV][i];
@@ -695,7 +602,6 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     for (int o = 4; o < 32; o *= 2) l[e] += __shfl_xor_sync(0xffffffff, l[e], o);
   // ---- combine the four warps of the block (in the ring's memory, now idle), write one partial ----
   __syncthreads();
-  __shared__ float wm[WARPS][8], wl[WARPS][8];
   float (*wacc)[GQ][D] = reinterpret_cast<float (*)[GQ][D]>(&ring[0]);
   static_assert(sizeof(float) * WARPS * GQ * D <= sizeof(Stage) * NSTAGE, "ring too small for the warp combine");
   if (g == 0)
@@ -748,6 +654,117 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
     for (int e = 0; e < D / 32; ++e) part_acc[row * D + lane + 32 * e] = x[e];
   }
 #endif
+}
+
+extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
+    const QT* __restrict__ q, const int* __restrict__ kcodes, const __half* __restrict__ kscale,
+    const __half* __restrict__ kzero, const __half* __restrict__ knorm, const int* __restrict__ vcodes,
+    const __half* __restrict__ vscale, const __half* __restrict__ vzero, int T, int capw, int capg, int capt,
+    int split_len, int num_splits, const __half* __restrict__ kres, const __half* __restrict__ vres, int r,
+    int capr, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const int* __restrict__ lengths, const int* __restrict__ residuals) {
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
+  // A static cache (kvcalib/runtime/static_cache.py) keeps each sequence's flushed and residual counts in
+  // device memory, so that one captured launch serves every step: they replace T and r for row b, and
+  // splits past a row's T write empty partials (m = -inf), which `merge` skips. The launch is sized for
+  // the capacity, so each row spreads its own T over all num_splits blocks, in whole SPLIT_UNITs (128
+  // tokens and whole key groups): a 4k sequence in a 128k cache takes the wave that a 128k one does.
+  if (lengths != nullptr) {
+    T = lengths[b];
+    const int units = (T + SPLIT_UNIT - 1) / SPLIT_UNIT;
+    split_len = max(1, (units + num_splits - 1) / num_splits) * SPLIT_UNIT;
+  }
+  if (residuals != nullptr) r = residuals[b];
+  const int warp = threadIdx.x / 32;
+  const long bh = (long)b * hkv + kvh;
+  __shared__ Stage ring[NSTAGE];
+  static_assert(sizeof(float) * (GQ * D + GQ * RT + 3 * GQ + REP * GQ * D) <= sizeof(Stage) * NSTAGE,
+                "ring too small for the residual window's scratch");
+  if (split >= num_splits) {  // the residual window's blocks
+    residual_body(q, kres, vres, r, capr, scale_log2, part_acc, part_ml, num_parts, split - num_splits,
+                  reinterpret_cast<float*>(ring));
+    return;
+  }
+  __shared__ uint2 qraw[KS * 32];         // each lane's B fragments of q (fp16; heads GQ..7 zero)
+  __shared__ uint2 qlo[LO_MMA ? KS * 32 : 1];  // LO_MMA: the same of the rotated q's fp16 remainders
+  // the key scales' fragments: one set per warp, or one per block when a stage lies in one key group (SHARED_Q)
+  __shared__ uint2 qfrag[SHARED_Q ? 1 : WARPS][KS * 32];
+#if SHARED_Q
+  __shared__ float4 k0part[WARPS][32];  // each warp's share of k0
+  const int lane = threadIdx.x % 32;
+#endif
+
+  float acc[KS][4];  // O^T: rows channels 16u + g (+8), columns heads 2t, 2t+1
+  for (int u = 0; u < KS; ++u) acc[u][0] = acc[u][1] = acc[u][2] = acc[u][3] = 0.f;
+  float vzp[VG][4];  // per value group: sum_n (z_n + 1.5 s_n) p_n, same layout
+  for (int gv = 0; gv < VG; ++gv)
+    for (int i = 0; i < 4; ++i) vzp[gv][i] = 0.f;
+  const unsigned kexp[2] = {0x54005400u, 0x4C004C00u};  // unpack8's exponents
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // heads 2t, 2t+1; l is this lane's share
+  float k0[4];
+  int group = -1;
+
+  const int start = split * split_len;
+  const int stop = min(start + split_len, T);
+  const int stages = (stop - start + ST - 1) / ST;
+  kcodes += bh * capw * D;
+  vcodes += bh * capt * VW;
+  kscale += bh * capg * D;
+  kzero += bh * capg * D;
+  vscale += bh * capt * VG;
+  vzero += bh * capt * VG;
+  knorm += HAS_NORM ? bh * capt : 0;
+  __shared__ unsigned long long bar[NSTAGE];  // the bulk loader's mbarrier per stage
+  init_stages(bar);
+  for (int s = 0; s < NSTAGE - 1; ++s) {
+    if (s < stages) issue_stage(ring[s], &bar[s], start + s * ST, stop, kcodes, kscale, kzero, knorm, vcodes, vscale, vzero);
+    commit_stage();
+  }
+  query_fragments(q, bh, qraw, qlo);  // while the first stages are in flight
+  for (int s = 0; s < stages; ++s) {
+    wait_stage(&bar[s % NSTAGE], s / NSTAGE);
+    __syncthreads();  // stage s has landed for every thread, and stage s-1 is no longer read
+    const int next = s + NSTAGE - 1;
+    if (next < stages)
+      issue_stage(ring[next % NSTAGE], &bar[next % NSTAGE], start + next * ST, stop, kcodes, kscale, kzero, knorm,
+                  vcodes, vscale, vzero);
+    commit_stage();
+    const Stage& st = ring[s % NSTAGE];
+    const int tok0 = start + s * ST + 16 * TILES * warp;  // tile j: tokens tok0 + 16j .. + 15, stage row TILES*warp + j
+#if SHARED_Q
+    if ((start + s * ST) / G != group) {  // the whole block enters a new key group: each warp takes KS/WARPS slices
+      group = (start + s * ST) / G;
+      float part[4];
+      key_group<KS / WARPS>(qraw, qlo, st.ks[0], st.kz[0], qfrag[0], part, warp * (KS / WARPS));
+      k0part[warp][lane] = make_float4(part[0], part[1], part[2], part[3]);
+      __syncthreads();  // every slice of q~ and every share of k0 in place
+      k0[0] = k0[1] = k0[2] = k0[3] = 0.f;
+      for (int w = 0; w < WARPS; ++w) {
+        const float4 p = k0part[w][lane];
+        k0[0] += p.x, k0[1] += p.y, k0[2] += p.z, k0[3] += p.w;
+      }
+    }
+    const uint2* qf = qfrag[0];
+    if (tok0 >= stop) continue;  // T holds whole key groups of >= 16 TILES tokens: a warp's tiles are all full or all absent
+#else
+    if (tok0 >= stop) continue;
+    if (tok0 / G != group) {  // a warp's tiles share one key group
+      group = tok0 / G;
+      const int kg = group - (start + s * ST) / G;  // the group's row in the stage
+      key_group<KS>(qraw, qlo, st.ks[kg], st.kz[kg], qfrag[warp], k0, 0);
+    }
+    const uint2* qf = qfrag[warp];
+#endif
+    const int row0 = TILES * warp;
+    float sc[TILES][4];
+    float pr[TILES][4];
+    score_tiles(st, row0, qf, qraw, qlo, k0, kexp, scale_log2, sc);
+    softmax_tiles(sc, m, l, pr, acc, vzp);
+    value_tiles(st, row0, pr, kexp, acc, vzp);
+  }
+  finish_stages();
+  __shared__ float wm[WARPS][8], wl[WARPS][8];  // each warp's running max and sum per head
+  write_block_partial(acc, vzp, m, l, wm, wl, ring, part_acc, part_ml, b, hkv, kvh, split, num_parts);
 }
 
 // Combine the partials of one (batch, query head): out = (sum_s 2^(m_s-M) acc_s + 2^-M num)

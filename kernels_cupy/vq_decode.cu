@@ -557,6 +557,100 @@ __device__ __forceinline__ void value_centroids(const unsigned char* stage, cons
   }
 }
 
+// A warp's scores over its tiles of one stage: the keys' centroids gathered for tokens g and g + 8 of each tile
+// and multiplied by q~ on the tensor cores; a token before `sinks` (served as a float16 row) or at or past
+// `stop` scores -inf. sc[j][i]: tile j, head g, token 8 (i / 2) + 2t + i % 2 of the tile.
+__device__ __forceinline__ void key_scores(const unsigned char* ks_, const unsigned char* kb_, const uint4* qa, int row0,
+                                           int tok0, int stop, int sinks, float (*sc)[4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    unsigned ka[2][D / 8];  // tokens g, g + 8: this lane's D/4 channels as half2 words
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int row = row0 + 16 * j + slot_token(g + 8 * rr);
+      gather<MK, CK, KALIGNED, KROW, NK, KREPL>(ks_, row * RK * 8 + t * CK * MK, kb_, ka[rr]);
+    }
+    float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr)
+        mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
+      const int tok = tok0 + 16 * j + slot_token(8 * (i / 2) + 2 * t + i % 2);
+      sc[j][i] = tok < stop && tok >= sinks ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
+    }
+  }
+}
+
+// acc += the values of a warp's tiles of one stage weighted by their probabilities pr (rounded to half2 pairs,
+// P^T's B fragment); the values' centroids gathered tile by tile, after the softmax (fewer registers live).
+__device__ __forceinline__ void value_products(const unsigned char* vs_, const unsigned char* vb_, int row0,
+                                               const float (*pr)[4], float (*acc)[4]) {
+#pragma unroll
+  for (int j = 0; j < TILES; ++j) {
+    const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);
+    unsigned vt[4][D / 16];
+    value_centroids(vs_, vb_, row0 + 16 * j, vt);
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+      const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
+                                 __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
+      mma16816(acc[u], a, pb0, pb1);
+    }
+  }
+}
+
+// The block's partial once the ring is no longer read (l: head g's sum over the warp's lanes): each warp's
+// accumulators combined with the others' in the ring's memory (`work`), one partial written.
+__device__ __forceinline__ void write_block_partial(const float (*acc)[4], float m, float l, float (*wm)[8], float (*wl)[8],
+                                                    unsigned char* work, float* __restrict__ part_acc,
+                                                    float* __restrict__ part_ml, long bh, int part, int num_parts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // Each warp's accumulators as its lanes hold them, wacc[warp][4u + i][lane], and summed over the warps in
+  // that order: bank-conflict-free (in (head, channel) order the lanes' stores met in 4 banks: 6.7-way
+  // conflicts, ~2300 wavefronts a block, B = 1 128k d4b8).
+  float (*wacc)[KS * 4][32] = reinterpret_cast<float (*)[KS * 4][32]>(work);
+  if (t == 0) {
+    wm[warp][g] = m;
+    wl[warp][g] = l;
+  }
+  for (int u = 0; u < KS; ++u)
+    for (int i = 0; i < 4; ++i)
+      if (2 * t + (i & 1) < GQ) wacc[warp][4 * u + i][lane] = acc[u][i];
+  __syncthreads();
+  // Thread x sums the elements x + k NT, k < 8 D / NT (element e: acc[u][i] of lane e % 32, 4u + i = e / 32),
+  // all of one head h (WARPS is even): each warp's weight exp2(m_w - M) once, then the sums (every load in
+  // flight at once; weighing each element anew took 1.0 us, B = 1 128k d4b8).
+  static_assert(WARPS % 2 == 0 && 8 * D % NT == 0 && 8 * D >= NT, "a thread's elements are of one head");
+  const int h = 2 * t + (warp & 1);
+  if (h < GQ) {
+    float M = NEG_INF, f[WARPS], den = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      f[w] = wm[w][h] == NEG_INF ? 0.f : exp2f(wm[w][h] - M);
+      den += f[w] * wl[w][h];
+    }
+    const long row = (bh * GQ + h) * num_parts + part;
+#pragma unroll
+    for (int k = 0; k < 8 * D / NT; ++k) {
+      const int ui = warp + k * WARPS, c = g * (D / 8) + 2 * (ui / 4) + (ui % 4) / 2;
+      float num = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) num += f[w] * wacc[w][ui][lane];
+      part_acc[row * D + c] = num;
+      if (c == 0) {
+        part_ml[row * 2] = M;
+        part_ml[row * 2 + 1] = den;
+      }
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     const QT* __restrict__ q, const unsigned char* __restrict__ kcodes, const unsigned char* __restrict__ vcodes,
     const __half* __restrict__ kbook, const __half* __restrict__ vbook, int kbook_groups, int vbook_groups,
@@ -582,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     r = min(residuals[b], capr);
   }
   sinks = min(sinks, T);  // the first flushed tokens are the sinks
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long bh = (long)b * hkv + kvh;
   __half* kb = reinterpret_cast<__half*>(smem);
   __half* vb = reinterpret_cast<__half*>(smem + (PAIRED_BOOKS ? 128 : KBOOK_BYTES));  // PAIRED_BOOKS: in kb's rows
@@ -726,39 +820,9 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
     const unsigned char* ks_ = kstage(s);
     const unsigned char* vs_ = vstage(s);
     float sc[TILES][4], pr[TILES][4];
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      unsigned ka[2][D / 8];  // tokens g, g + 8: this lane's D/4 channels as half2 words
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = row0 + 16 * j + slot_token(g + 8 * rr);
-        gather<MK, CK, KALIGNED, KROW, NK, KREPL>(ks_, row * RK * 8 + t * CK * MK, kb_, ka[rr]);
-      }
-      float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};  // tokens g + 8 rr as the mma's column g
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks)
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-          mma16816(c[rr], qa[ks], ka[rr][2 * ks], ka[rr][2 * ks + 1]);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // head g (rows g and g + 8: hi and lo), token 8 (i / 2) + 2t + i % 2
-        const int tok = tok0 + 16 * j + slot_token(8 * (i / 2) + 2 * t + i % 2);
-        sc[j][i] = tok < stop && tok >= sinks ? c[i / 2][i % 2] + c[i / 2][2 + i % 2] : NEG_INF;
-      }
-    }
+    key_scores(ks_, kb_, qa, row0, tok0, stop, sinks, sc);
     softmax_tiles<TILES>(sc, m, l, pr, acc);
-#pragma unroll
-    for (int j = 0; j < TILES; ++j) {
-      const unsigned pb0 = pack_half2(pr[j][0], pr[j][1]), pb1 = pack_half2(pr[j][2], pr[j][3]);  // P^T's B fragment
-      unsigned vt[4][D / 16];  // the values' centroids after the softmax, tile by tile (fewer registers live)
-      value_centroids(vs_, vb_, row0 + 16 * j, vt);
-#pragma unroll
-      for (int u = 0; u < KS; ++u) {
-        const uint4 a = make_uint4(__byte_perm(vt[0][u], vt[1][u], 0x5410), __byte_perm(vt[0][u], vt[1][u], 0x7632),
-                                   __byte_perm(vt[2][u], vt[3][u], 0x5410), __byte_perm(vt[2][u], vt[3][u], 0x7632));
-        mma16816(acc[u], a, pb0, pb1);
-      }
-    }
+    value_products(vs_, vb_, row0, pr, acc);
   }
   asm volatile("cp.async.wait_group 0;\n" ::);
   // ---- the float16 rows left (the last warp), the warps' combine (in the ring's memory, now idle), one partial ----
@@ -767,47 +831,8 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
                m, l, acc, &bars[NSTAGE]);
   for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
   __syncthreads();  // the ring is no longer read
-  __shared__ float wm[WARPS][8], wl[WARPS][8];
-  // Each warp's accumulators as its lanes hold them, wacc[warp][4u + i][lane], and summed over the warps in
-  // that order: bank-conflict-free (in (head, channel) order the lanes' stores met in 4 banks: 6.7-way
-  // conflicts, ~2300 wavefronts a block, B = 1 128k d4b8).
-  float (*wacc)[KS * 4][32] = reinterpret_cast<float (*)[KS * 4][32]>(work);
-  if (t == 0) {
-    wm[warp][g] = m;
-    wl[warp][g] = l;
-  }
-  for (int u = 0; u < KS; ++u)
-    for (int i = 0; i < 4; ++i)
-      if (2 * t + (i & 1) < GQ) wacc[warp][4 * u + i][lane] = acc[u][i];
-  __syncthreads();
-  // Thread x sums the elements x + k NT, k < 8 D / NT (element e: acc[u][i] of lane e % 32, 4u + i = e / 32),
-  // all of one head h (WARPS is even): each warp's weight exp2(m_w - M) once, then the sums (every load in
-  // flight at once; weighing each element anew took 1.0 us, B = 1 128k d4b8).
-  static_assert(WARPS % 2 == 0 && 8 * D % NT == 0 && 8 * D >= NT, "a thread's elements are of one head");
-  const int h = 2 * t + (warp & 1);
-  if (h < GQ) {
-    float M = NEG_INF, f[WARPS], den = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w][h]);
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      f[w] = wm[w][h] == NEG_INF ? 0.f : exp2f(wm[w][h] - M);
-      den += f[w] * wl[w][h];
-    }
-    const long row = (bh * GQ + h) * num_parts + part;
-#pragma unroll
-    for (int k = 0; k < 8 * D / NT; ++k) {
-      const int ui = warp + k * WARPS, c = g * (D / 8) + 2 * (ui / 4) + (ui % 4) / 2;
-      float num = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) num += f[w] * wacc[w][ui][lane];
-      part_acc[row * D + c] = num;
-      if (c == 0) {
-        part_ml[row * 2] = M;
-        part_ml[row * 2 + 1] = den;
-      }
-    }
-  }
+  __shared__ float wm[WARPS][8], wl[WARPS][8];  // each warp's running max and sum per head
+  write_block_partial(acc, m, l, wm, wl, work, part_acc, part_ml, bh, part, num_parts);
   // ---- the last part of this (batch, KV head) to get here merges ----
   // The block's partial, written by all its threads, is released by thread 0's count after the barrier (an
   // acquire-release increment at GPU scope: the pattern of cooperative groups' grid sync), and the part that
