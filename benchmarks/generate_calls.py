@@ -18,6 +18,11 @@ an earlier run on the machine left them, said beside the table):
 - `kivi128-static-uncompiled`: the same captured with nothing compiled (`compile="none"`, B=1 at 32k only);
 - `kivi128-static-compiled`: the whole step compiled by torch.compile (Inductor) before its capture
   (`compile="step"`, B=1 at 32k only: its compilation takes minutes in a cold process);
+- `kivi128-static-syncfree`: the same as `kivi128-static`, with `torch.multinomial` replaced in its process by a
+  draw that reads nothing back to the host (`sync_free_multinomial`; B=1 at 32k only). A measurement, not a
+  fix: torch's `multinomial` checks its probabilities with two host reads (`.item()`) each call, so each sampled
+  token waits for the step's GPU work mid-loop and leaves the GPU idle for the rest of generate's bookkeeping;
+  this row shows what sampling costs without those reads;
 - `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k, and
   the B=8 row: its padded rows decode in one launch a layer).
 A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches
@@ -47,10 +52,10 @@ from pathlib import Path
 import torch
 
 PATHS = ["fp16-static", "kivi128-static", "kivi128-static-cublas", "kivi128-static-uncompiled", "kivi128-static-compiled",
-         "kivi128-dynamic"]
+         "kivi128-static-syncfree", "kivi128-dynamic"]
 PATHS += [f"{p}-warm" for p in PATHS]
 COMPILE = {"kivi128-static": "regions", "kivi128-static-cublas": "regions", "kivi128-static-uncompiled": "none",
-           "kivi128-static-compiled": "step"}
+           "kivi128-static-compiled": "step", "kivi128-static-syncfree": "regions"}
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +67,13 @@ def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.T
     for b, n in enumerate(lengths):
         ids[b, width - n:], mask[b, width - n:] = torch.randint(1, 128000, (n,), generator=g), 1
     return ids.cuda(), mask.cuda()
+
+
+def sync_free_multinomial(probs: torch.Tensor, num_samples: int, *args, **kwargs) -> torch.Tensor:
+    """One draw per row from `probs`, as torch's single-sample `multinomial` draws it (the largest of p / E, E
+    exponential: the Gumbel-max trick), without its checks' host reads. Only `num_samples=1`, what generate asks."""
+    assert num_samples == 1 and not args and not kwargs, "sync_free_multinomial draws one sample"
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
 def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
@@ -83,11 +95,14 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
         from kvcalib.runtime import gemv_kernel
 
         gemv_kernel.MAX_ROWS = 0  # this process's steps: every product by cuBLAS
+    if base == "kivi128-static-syncfree":
+        torch.multinomial = sync_free_multinomial  # this process only: transformers' _sample calls torch.multinomial
     rows = []
     for lengths in shapes:
         if base == "kivi128-dynamic" and len(lengths) == 1 and lengths[0] > 32768:
             continue  # eager: B=1 up to 32k tells its cost (longer rows only take device time)
-        one_row = ("kivi128-static-compiled", "kivi128-static-uncompiled", "kivi128-static-cublas")
+        one_row = ("kivi128-static-compiled", "kivi128-static-uncompiled", "kivi128-static-cublas",
+                   "kivi128-static-syncfree")
         if base in one_row and lengths != [32768]:
             continue
         ids, mask = prompts_of(lengths)
