@@ -377,18 +377,20 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
+@_spread
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
-             residual_mode, trust_remote_code, device, out) -> None:
+             residual_mode, trust_remote_code, device, device_map, max_memory, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
+    from .models import parse_max_memory
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
                           candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
-                          device=device):
+                          device=device, device_map=device_map, max_memory=parse_max_memory(max_memory)):
         click.echo(f"plan written to {path}")
 
 

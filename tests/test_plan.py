@@ -407,6 +407,44 @@ def test_replaying_the_layers_before_the_item_changes_no_sensitivity(tiny_lm, mo
     assert (replayed[..., 0] > replayed[..., 2]).all()  # 1 bit hurts more than 3 in every item and head
 
 
+def test_the_layers_keep_their_own_forward_after_the_replays(tiny_lm):
+    """A model spread by accelerate wraps each layer's forward on the instance (its device hooks): the replays
+    put that forward back, so the hooks still run after the measurement, and the measurement is the same."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    import kvcalib.methods.plan_fit as plan_module
+    from kvcalib.models import attention_shape
+
+    class Counting(ModelHook):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls += 1
+            return args, kwargs
+
+    shape = attention_shape(tiny_lm.config)
+    coders = {f"tq-{b}": TurboQuant(TurboQuantConfig(bits=b, residual=16), shape) for b in (1, 2)}
+    windows = torch.randint(0, 200, (1, 32), generator=torch.Generator().manual_seed(0))
+    plain = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2")
+    layers = plan_module._decoder_layers(tiny_lm.model)
+    hooks = [Counting() for _ in layers]
+    for layer, hook in zip(layers, hooks):
+        add_hook_to_module(layer, hook)
+    try:
+        hooked = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2")
+        before = [h.calls for h in hooks]
+        with torch.no_grad():
+            tiny_lm.model(windows, use_cache=False)
+        assert [h.calls - b for h, b in zip(hooks, before)] == [1] * len(layers)
+    finally:
+        for layer in layers:
+            remove_hook_from_module(layer)
+            layer.__dict__.pop("forward", None)  # accelerate leaves the bound class forward there: the fixture as it was
+    assert torch.equal(plain, hooked)
+
+
 def test_coders_under_different_flush_rules_are_not_measured_together(tiny_lm):
     from kvcalib.models import attention_shape
 

@@ -61,6 +61,7 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
+from ..parallel import placement
 from ..defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
 from .. import vq
 from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
@@ -190,14 +191,20 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
     def log_probs(ids, attend, skip: int = 0) -> torch.Tensor:
         """Next-token log-probabilities; the first `skip` decoder layers replay their reference outputs
         (their inputs are the reference's: the item under test sits in a later layer)."""
+        # a layer's own forward, where the instance holds one (accelerate's device hooks of a spread model
+        # wrap it there), is put back after; otherwise the class's
+        own = [layers[i].__dict__.get("forward") for i in range(skip)]
         for i in range(skip):
             layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
         try:
             with torch.no_grad(), intercept(lm.model, attend):
                 return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
         finally:
-            for i in range(skip):
-                del layers[i].forward  # the class's forward again
+            for i, forward in enumerate(own):
+                if forward is None:
+                    del layers[i].forward
+                else:
+                    layers[i].forward = forward
 
     for window_ids in tqdm(windows, desc="plan: sensitivity", unit="window"):
         ids = window_ids.unsqueeze(0).to(device)
@@ -279,11 +286,14 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
               residual: int | None = None, sink_tokens: int = PLAN_SINK_TOKENS,
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
-              items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None) -> list[Path]:
+              items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None,
+              device_map: str | None = None, max_memory: dict[int | str, str] | None = None) -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
-    sensitivities, the slow part, are shared)."""
+    sensitivities, the slow part, are shared). `device_map="auto"` (with `max_memory`) spreads the model over
+    the GPUs, as `collect` and `eval` do, for a model larger than one GPU."""
+    place = placement(device, device_map, max_memory, 1)  # --max-memory alone is refused here, before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
     if not schemes:
@@ -314,7 +324,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         log.warning(f"plan: {activations} holds {held} tokens per layer; the best plans measured were fitted on "
                     f"{BEST_CALIBRATION_TOKENS} (kvcalib collect --num-samples 64 --seq-len 512: +3.2% over fp16 at "
                     "2.24 bits on the held-out pydoc text, +4.4% from collect's default 16 x 512)")
-    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
+    lm = load_model(model, **place, trust_remote_code=trust_remote_code)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
