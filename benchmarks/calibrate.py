@@ -7,9 +7,11 @@ peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA cont
                                    [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (`--train-layers`, 0-1 by
-default), diagnose, eval (KIVI-2, 4 windows of `--seq-len`). `--nproc N` runs each
+default), diagnose, plan (`--budget`, one process: it is not data-parallel), eval (each of `--eval-methods`, KIVI-2
+by default, 4 windows of `--seq-len`; vecinfer, kvlinc and plan evaluate the work directory's d4b8 codebooks,
+adapters and plan). `--nproc N` runs each
 under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--device-map auto` spreads the
-model of collect and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
+model of collect, plan and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
 diagnose) beside each step (of those run: `--steps` picks some, e.g. `fit-d8b12`, and `--keep` reuses
@@ -40,7 +42,8 @@ GIB = 2**30
 # kvcalib's own progress bars, by their units, within one line of tqdm's output (another library's bar counts
 # other units; kvcalib turns transformers' loading bars off)
 OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")
-STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "eval")  # in the order they run
+STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "plan", "eval")  # in the order they run
+EVAL_METHODS = ("fp16", "kivi", "oscar", "turboquant", "vecinfer", "kvlinc", "plan")
 
 
 def gpu_memory(pids: set[int]) -> int:
@@ -152,8 +155,14 @@ def main() -> None:
     parser.add_argument("--work", default="runs/calibrate", help="Scratch directory (removed first unless --keep).")
     parser.add_argument("--steps", default="all", help="all, or some of: " + ", ".join(STEPS))
     parser.add_argument("--keep", action="store_true", help="Keep the work directory (a collection made earlier).")
+    parser.add_argument("--budget", type=float, default=2.25, help="plan --budget.")
+    parser.add_argument("--eval-methods", default="kivi", help="eval's methods, comma-separated, of "
+                        + ", ".join(EVAL_METHODS))
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
+    methods = [m for m in args.eval_methods.split(",") if m]
+    if not methods or (odd := [m for m in methods if m not in EVAL_METHODS]):
+        parser.error(f"--eval-methods: choose of {', '.join(EVAL_METHODS)}" + (f"; got {', '.join(odd)}" if methods else ""))
     work = Path(args.work)
     chosen = list(STEPS) if args.steps == "all" else args.steps.split(",")
     if unknown := [c for c in chosen if c not in STEPS]:
@@ -161,33 +170,41 @@ def main() -> None:
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
-    launch = [sys.executable, "-m", "kvcalib"] if args.nproc == 1 else [
+    alone = [sys.executable, "-m", "kvcalib"]
+    launch = alone if args.nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
-    steps = {  # key (`STEPS`, --steps): (the table's name for it, the command)
-        "collect": ("collect", ["collect", "--model", args.model, "--num-samples", str(args.num_samples), "--seq-len",
-                                str(args.seq_len), *place, "--out", acts,
-                                *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])]),
-        "fit-d4b8": ("fit-codebook d4b8", ["fit-codebook", "--activations", acts, "--k-config", "d4b8", "--v-config",
-                                           "d4b8", "--device", args.device, "--out", str(work / "vq-d4b8")]),
-        "fit-d8b12": ("fit-codebook d8b12", ["fit-codebook", "--activations", acts, "--k-config", "d8b12", "--v-config",
-                                             "d8b12", "--device", args.device, "--out", str(work / "vq-d8b12")]),
-        "train": (f"train-adapters (layers {args.train_layers})", ["train-adapters", "--activations", acts,
-                                                                  "--layers", args.train_layers,
-                                                  "--device", args.device, "--out", str(work / "kvlinc")]),
-        "diagnose": ("diagnose", ["diagnose", "--activations", acts, "--device", args.device, "--out",
-                                  str(work / "diagnose")]),
-        "eval": ("eval (KIVI-2, 4 windows)", ["eval", "--model", args.model, "--method", "kivi", "--num-samples", "4",
-                                              "--seq-len", str(args.seq_len), *place]),
+    given = {"turboquant": ["--bits", "2"], "vecinfer": ["--artifacts", str(work / "vq-d4b8")],
+             "kvlinc": ["--artifacts", str(work / "kvlinc")], "plan": ["--artifacts", str(work / "plan")]}
+    steps = {  # key (`STEPS`, --steps): [(the table's name for it, the launcher, the command)]
+        "collect": [("collect", launch, ["collect", "--model", args.model, "--num-samples", str(args.num_samples),
+                                         "--seq-len", str(args.seq_len), *place, "--out", acts,
+                                         *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])])],
+        "fit-d4b8": [("fit-codebook d4b8", launch, ["fit-codebook", "--activations", acts, "--k-config", "d4b8",
+                                                    "--v-config", "d4b8", "--device", args.device, "--out",
+                                                    str(work / "vq-d4b8")])],
+        "fit-d8b12": [("fit-codebook d8b12", launch, ["fit-codebook", "--activations", acts, "--k-config", "d8b12",
+                                                      "--v-config", "d8b12", "--device", args.device, "--out",
+                                                      str(work / "vq-d8b12")])],
+        "train": [(f"train-adapters (layers {args.train_layers})", launch,
+                   ["train-adapters", "--activations", acts, "--layers", args.train_layers, "--device", args.device,
+                    "--out", str(work / "kvlinc")])],
+        "diagnose": [("diagnose", launch, ["diagnose", "--activations", acts, "--device", args.device, "--out",
+                                           str(work / "diagnose")])],
+        "plan": [(f"plan --budget {args.budget:g} (one process)", alone,
+                  ["plan", "--activations", acts, "--budget", str(args.budget), "--model", args.model, *place,
+                   "--out", str(work / "plan")])],
+        "eval": [(f"eval ({'KIVI-2' if m == 'kivi' else m}, 4 windows)", launch,
+                  ["eval", "--model", args.model, "--method", m, *given.get(m, []), "--num-samples", "4",
+                   "--seq-len", str(args.seq_len), *place]) for m in methods],
     }
     assert tuple(steps) == STEPS
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     rows, pipeline = [], 0.0
-    for key in (k for k in STEPS if k in chosen):  # in the pipeline's order, whatever the order given
-        name, argv = steps[key]
-        res = run(launch + argv, env)
-        if key != "eval":
+    for key, (name, launcher, argv) in ((k, c) for k in STEPS if k in chosen for c in steps[k]):  # the pipeline's order
+        res = run(launcher + argv, env)
+        if key not in ("plan", "eval"):
             pipeline += res["seconds"]
         before, during, after = res["phases"]
         rows.append(f"| {name} | {res['seconds']:.1f} | {before:.1f} / {during:.1f} / {after:.1f} | "
