@@ -20,9 +20,9 @@ an earlier run on the machine left them, said beside the table):
   (`compile="step"`, B=1 at 32k only: its compilation takes minutes in a cold process);
 - `kivi128-static-syncfree`: the same as `kivi128-static`, with `torch.multinomial` replaced in its process by a
   draw that reads nothing back to the host (`sync_free_multinomial`; B=1 at 32k only). A measurement, not a
-  fix: torch's `multinomial` checks its probabilities with two host reads (`.item()`) each call, so each sampled
-  token waits for the step's GPU work mid-loop and leaves the GPU idle for the rest of generate's bookkeeping;
-  this row shows what sampling costs without those reads;
+  fix: torch's `multinomial` checks its probabilities with two host reads (`.item()`) each call, which could
+  leave the GPU idle while generate's bookkeeping runs after them; this row tells whether those reads cost
+  anything;
 - `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k, and
   the B=8 row: its padded rows decode in one launch a layer).
 A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches

@@ -1,7 +1,8 @@
 """Whether a change to the decode kernels' source changes the machine code: each kernel file compiled by nvcc
 for sm_90 (and the cp.async loader also for sm_80) under the runtime's configurations, at a git revision and
 in the working tree, and every section of the two cubins compared byte for byte (`.text.<kernel>` is the
-SASS; `.nv.info.<kernel>` its registers and parameters; `.nv.shared.<kernel>` its shared memory). Equal
+SASS; `.nv.info` holds the registers and `.nv.info.<kernel>` the parameters; `.nv.shared.<kernel>` its shared
+memory). Equal
 sections mean an equal kernel from this nvcc: the same speed without a GPU to time it. The runtime compiles
 through CuPy's NVRTC; this compares nvcc's output only. Needs nvcc, not a GPU.
 

@@ -603,7 +603,7 @@ __device__ __forceinline__ void value_products(const unsigned char* vs_, const u
   }
 }
 
-// The block's partial once the ring is no longer read (l: head g's sum over the warp's lanes): each warp's
+// The block's partial once the ring is no longer read (l: head g's sum over the 4 lanes that hold head g): each warp's
 // accumulators combined with the others' in the ring's memory (`work`), one partial written.
 __device__ __forceinline__ void write_block_partial(const float (*acc)[4], float m, float l, float (*wm)[8], float (*wl)[8],
                                                     unsigned char* work, float* __restrict__ part_acc,
