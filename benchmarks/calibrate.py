@@ -162,7 +162,8 @@ def main() -> None:
     args = parser.parse_args()
     methods = [m for m in args.eval_methods.split(",") if m]
     if not methods or (odd := [m for m in methods if m not in EVAL_METHODS]):
-        parser.error(f"--eval-methods: choose of {', '.join(EVAL_METHODS)}" + (f"; got {', '.join(odd)}" if methods else ""))
+        got = f"; got {', '.join(odd)}" if methods else ""
+        parser.error(f"--eval-methods: choose of {', '.join(EVAL_METHODS)}{got}")
     work = Path(args.work)
     chosen = list(STEPS) if args.steps == "all" else args.steps.split(",")
     if unknown := [c for c in chosen if c not in STEPS]:

@@ -4,8 +4,8 @@ At B = 1 a decode step reads every weight once for one row of activations, and t
 that read. cuBLAS splits the smaller products (k, v, o, down) over K and adds the pieces in a second kernel;
 this kernel gives each output row one warp, which reads it 512 contiguous bytes at a time. Over the 8B
 shape's 15 GB of weights on an H100 (benchmarks/gemv.py; its table in benchmarks/history/2026-11-27.md), the
-read floor 4.86 ms: one row, cuBLAS 6.06 ms and this kernel 5.42; two rows, 6.09 and 5.72; four, even (6.12 and 6.11); eight, cuBLAS the faster
-(5.99 against 7.2 at best). So the kernel takes up to `MAX_ROWS` rows.
+read floor 4.86 ms: one row, cuBLAS 6.06 ms and this kernel 5.42; two rows, 6.09 and 5.72; four, even (6.12 and
+6.11); eight, cuBLAS the faster (5.99 against 7.2 at best). So the kernel takes up to `MAX_ROWS` rows.
 
 `linear(x, weight, bias)` is `F.linear` by the kernel where it applies (`applies`), by `F.linear` otherwise.
 The static cache's decode step switches `nn.Linear.forward` to `FAST_FORWARD`, which calls it, while the step
