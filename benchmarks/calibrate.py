@@ -3,13 +3,13 @@ own process), timed, with its peak host memory (the process's maximum resident s
 peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA context included).
 
     python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
-                                   [--device auto] [--work runs/calibrate] [--steps all] [--keep] [--train-layers 0-1]
-                                   [--results FILE]
+                                   [--device auto | --device-map auto] [--work runs/calibrate] [--steps all] [--keep]
+                                   [--train-layers 0-1] [--budget 2.25] [--eval-methods kivi] [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (`--train-layers`, 0-1 by
 default), diagnose, plan (`--budget`, one process: it is not data-parallel), eval (each of `--eval-methods`, KIVI-2
 by default, 4 windows of `--seq-len`; vecinfer, kvlinc and plan evaluate the work directory's d4b8 codebooks,
-adapters and plan). `--nproc N` runs each
+adapters and plan; each eval's perplexity and effective bits are in its row). `--nproc N` runs each
 under `torchrun --nproc-per-node N` (data-parallel, `kvcalib.parallel`); `--device-map auto` spreads the
 model of collect, plan and eval over the GPUs instead. Build the model first with `kvcalib make-model` (its
 time is not counted: a user has a model); on a machine without the embedded GGUF, with `--tokenizer DIR`,
@@ -27,6 +27,7 @@ V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' d
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -151,7 +152,8 @@ def main() -> None:
                         help="train-adapters --layers (all: every layer, the work data-parallel ranks share).")
     parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--device-map", default="none", help="auto: collect and eval spread the model over the GPUs.")
+    parser.add_argument("--device-map", default="none",
+                        help="auto: collect, plan and eval spread the model over the GPUs.")
     parser.add_argument("--work", default="runs/calibrate", help="Scratch directory (removed first unless --keep).")
     parser.add_argument("--steps", default="all", help="all, or some of: " + ", ".join(STEPS))
     parser.add_argument("--keep", action="store_true", help="Keep the work directory (a collection made earlier).")
@@ -178,6 +180,8 @@ def main() -> None:
     acts = str(work / "acts")
     given = {"turboquant": ["--bits", "2"], "vecinfer": ["--artifacts", str(work / "vq-d4b8")],
              "kvlinc": ["--artifacts", str(work / "kvlinc")], "plan": ["--artifacts", str(work / "plan")]}
+    label = {"fp16": "fp16", "kivi": "KIVI-2", "oscar": "OScaR-2", "turboquant": "TurboQuant-2",
+             "vecinfer": "VecInfer d4b8", "kvlinc": "KVLinC-2", "plan": f"plan-{args.budget:g}"}
     steps = {  # key (`STEPS`, --steps): [(the table's name for it, the launcher, the command)]
         "collect": [("collect", launch, ["collect", "--model", args.model, "--num-samples", str(args.num_samples),
                                          "--seq-len", str(args.seq_len), *place, "--out", acts,
@@ -196,9 +200,9 @@ def main() -> None:
         "plan": [(f"plan --budget {args.budget:g} (one process)", alone,
                   ["plan", "--activations", acts, "--budget", str(args.budget), "--model", args.model, *place,
                    "--out", str(work / "plan")])],
-        "eval": [(f"eval ({'KIVI-2' if m == 'kivi' else m}, 4 windows)", launch,
+        "eval": [(f"eval ({label[m]}, 4 windows)", launch,
                   ["eval", "--model", args.model, "--method", m, *given.get(m, []), "--num-samples", "4",
-                   "--seq-len", str(args.seq_len), *place]) for m in methods],
+                   "--seq-len", str(args.seq_len), *place, "--json", str(work / f"eval-{m}.json")]) for m in methods],
     }
     assert tuple(steps) == STEPS
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -208,16 +212,21 @@ def main() -> None:
         if key not in ("plan", "eval"):
             pipeline += res["seconds"]
         before, during, after = res["phases"]
+        scored = ""  # an eval's perplexity at its effective bits, from its --json
+        if key == "eval":  # run() stops the benchmark where a command fails
+            got = json.loads(Path(argv[argv.index("--json") + 1]).read_text())
+            scored = f"{got['perplexity']:.3f} at {got['effective_bits']:.3f} bits"
         rows.append(f"| {name} | {res['seconds']:.1f} | {before:.1f} / {during:.1f} / {after:.1f} | "
-                    f"{res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} |")
+                    f"{res['rss'] / GIB:.2f} | {res['gpu'] / GIB:.2f} | {scored} |")
         print(rows[-1], flush=True)
     how = f"{args.nproc} process(es)" + (", --device-map auto" if args.device_map == "auto" else f", --device {args.device}")
     stored = f", {args.max_tokens} stored per layer" if args.max_tokens else ""
     some = "" if chosen == list(STEPS) else f"; steps {', '.join(chosen)}"
     lines = [f"model {args.model}; {args.num_samples} x {args.seq_len} tokens{stored}; {how}{some}", "",
              "| step | seconds | before / during / after its progress bars, s | peak host RSS GiB (largest process) "
-             "| peak GPU GiB (all processes) |",
-             "|---|---:|---:|---:|---:|", *rows, f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | | |"]
+             "| peak GPU GiB (all processes) | perplexity (eval) |",
+             "|---|---:|---:|---:|---:|---|", *rows,
+             f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | | | |"]
     import torch
 
     machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

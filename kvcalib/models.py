@@ -260,6 +260,14 @@ def parse_max_memory(text: str | None) -> dict[int | str, str] | None:
     return out
 
 
+def check_spread(device: str | None, device_map: str | None) -> None:
+    """`device_map` is auto or none, and auto takes no `device` of its own (it spreads the model over every GPU)."""
+    if device_map not in (None, "none", "auto"):
+        raise SettingsError(f"--device-map must be auto or none, got {device_map!r}")
+    if device_map == "auto" and device not in (None, "auto"):
+        raise SettingsError(f"--device {device} and --device-map auto: give one (auto spreads the model over every GPU)")
+
+
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
                dtype: torch.dtype | None = None, trust_remote_code: bool = False,
                device_map: str | None = None, max_memory: dict[int | str, str] | None = None) -> LoadedModel:
@@ -274,11 +282,8 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
     """
     if isinstance(spec, LoadedModel):
         return spec
-    if device_map not in (None, "none", "auto"):
-        raise SettingsError(f"--device-map must be auto or none, got {device_map!r}")
+    check_spread(device, device_map)
     if device_map == "auto":
-        if device not in (None, "auto"):
-            raise SettingsError(f"--device {device} and --device-map auto: give one (auto spreads the model over every GPU)")
         dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
         memory = None if not max_memory else tuple(sorted(max_memory.items(), key=str))
         return _load_cached(spec, "auto-map", dtype, trust_remote_code, memory)

@@ -25,7 +25,7 @@ from typing import TypeVar
 import torch
 
 from .errors import SettingsError
-from .models import resolve_device
+from .models import check_spread, resolve_device
 
 T = TypeVar("T")
 
@@ -69,7 +69,9 @@ def local_device(device: str) -> str:
 
 def placement(device: str | None, device_map: str | None, max_memory: dict | None, size: int) -> dict:
     """`load_model`'s placement arguments for this process: its own GPU under torchrun (`local_device`),
-    or the model spread over every GPU with `--device-map auto` (one process: not under torchrun)."""
+    or the model spread over every GPU with `--device-map auto` (one process: not under torchrun). A placement
+    given twice is refused here, before the command reads or writes anything."""
+    check_spread(device, device_map)
     if device_map == "auto":
         if size > 1:
             raise SettingsError("--device-map auto spreads one model over every GPU of one process; under torchrun each "

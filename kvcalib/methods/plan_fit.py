@@ -193,14 +193,15 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
         (their inputs are the reference's: the item under test sits in a later layer)."""
         # a layer's own forward, where the instance holds one (accelerate's device hooks of a spread model
         # wrap it there), is put back after; otherwise the class's
-        own = [layers[i].__dict__.get("forward") for i in range(skip)]
-        for i in range(skip):
-            layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
+        own = {}  # layer index: what its instance held, for the layers swapped so far
         try:
+            for i in range(skip):
+                own[i] = layers[i].__dict__.get("forward")
+                layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
             with torch.no_grad(), intercept(lm.model, attend):
                 return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
         finally:
-            for i, forward in enumerate(own):
+            for i, forward in own.items():
                 if forward is None:
                     del layers[i].forward
                 else:
@@ -293,7 +294,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
     sensitivities, the slow part, are shared). `device_map="auto"` (with `max_memory`) spreads the model over
     the GPUs, as `collect` and `eval` do, for a model larger than one GPU."""
-    place = placement(device, device_map, max_memory, 1)  # --max-memory alone is refused here, before anything runs
+    place = placement(device, device_map, max_memory, 1)  # a placement given wrong is refused before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
     if not schemes:
