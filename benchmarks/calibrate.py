@@ -44,7 +44,9 @@ GIB = 2**30
 # other units; kvcalib turns transformers' loading bars off)
 OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")
 STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "plan", "eval")  # in the order they run
-EVAL_METHODS = ("fp16", "kivi", "oscar", "turboquant", "vecinfer", "kvlinc", "plan")
+# eval's methods (--eval-methods) and their rows' names: KIVI-2 and OScaR-2 at eval's defaults, TurboQuant at 2 bits
+EVAL_METHODS = {"fp16": "fp16", "kivi": "KIVI-2", "oscar": "OScaR-2", "turboquant": "TurboQuant-2",
+                "vecinfer": "VecInfer d4b8", "kvlinc": "KVLinC-2", "plan": "plan"}
 
 
 def gpu_memory(pids: set[int]) -> int:
@@ -180,8 +182,6 @@ def main() -> None:
     acts = str(work / "acts")
     given = {"turboquant": ["--bits", "2"], "vecinfer": ["--artifacts", str(work / "vq-d4b8")],
              "kvlinc": ["--artifacts", str(work / "kvlinc")], "plan": ["--artifacts", str(work / "plan")]}
-    label = {"fp16": "fp16", "kivi": "KIVI-2", "oscar": "OScaR-2", "turboquant": "TurboQuant-2",
-             "vecinfer": "VecInfer d4b8", "kvlinc": "KVLinC-2", "plan": f"plan-{args.budget:g}"}
     steps = {  # key (`STEPS`, --steps): [(the table's name for it, the launcher, the command)]
         "collect": [("collect", launch, ["collect", "--model", args.model, "--num-samples", str(args.num_samples),
                                          "--seq-len", str(args.seq_len), *place, "--out", acts,
@@ -200,7 +200,7 @@ def main() -> None:
         "plan": [(f"plan --budget {args.budget:g} (one process)", alone,
                   ["plan", "--activations", acts, "--budget", str(args.budget), "--model", args.model, *place,
                    "--out", str(work / "plan")])],
-        "eval": [(f"eval ({label[m]}, 4 windows)", launch,
+        "eval": [(f"eval ({EVAL_METHODS[m]}, 4 windows)", launch,
                   ["eval", "--model", args.model, "--method", m, *given.get(m, []), "--num-samples", "4",
                    "--seq-len", str(args.seq_len), *place, "--json", str(work / f"eval-{m}.json")]) for m in methods],
     }
