@@ -4,7 +4,7 @@ peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA cont
 
     python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
                                    [--device auto | --device-map auto] [--work runs/calibrate] [--steps all] [--keep]
-                                   [--train-layers 0-1] [--budget 2.25] [--eval-methods kivi] [--results FILE]
+                                   [--train-layers 0-1] [--train-samples 8] [--budget 2.25] [--eval-methods kivi] [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (`--train-layers`, 0-1 by
 default), diagnose, plan (`--budget`, one process: it is not data-parallel), eval (each of `--eval-methods`, KIVI-2
@@ -20,7 +20,8 @@ largest of the processes of a step. Each step's time is also split around its ow
 before (process, CUDA, the model or the collection's index), during (the chunks, layers or windows the ranks share under
 torchrun) and after (gathering, rank 0's writing): what data-parallel can shrink and what it cannot. `--max-tokens N` is
 collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
-of positions in each window). An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
+of positions in each window); train-adapters trains on whole windows, so with `--max-tokens` the train step first
+collects `--train-samples` windows (8 by default) whole, its own row. An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
 V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk holds beside the model.
 """
 
@@ -42,7 +43,7 @@ from results import RESULTS, record
 GIB = 2**30
 # kvcalib's own progress bars, by their units, within one line of tqdm's output (another library's bar counts
 # other units; kvcalib turns transformers' loading bars off)
-OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window)")
+OWN_BAR = re.compile(rb"%\|[^\r\n]*(sample|layer|step|window|forward)")
 STEPS = ("collect", "fit-d4b8", "fit-d8b12", "train", "diagnose", "plan", "eval")  # in the order they run
 # eval's methods (--eval-methods) and their rows' names: KIVI-2 and OScaR-2 at eval's defaults, TurboQuant at 2 bits
 EVAL_METHODS = {"fp16": "fp16", "kivi": "KIVI-2", "oscar": "OScaR-2", "turboquant": "TurboQuant-2",
@@ -150,6 +151,9 @@ def main() -> None:
     parser.add_argument("--num-samples", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--max-tokens", type=int, default=None, help="collect --max-tokens: stored tokens per layer.")
+    parser.add_argument("--train-samples", type=int, default=8,
+                        help="With --max-tokens: the windows collected whole for train-adapters (it trains on whole "
+                             "windows, which a collection of sampled positions does not hold).")
     parser.add_argument("--train-layers", default="0-1",
                         help="train-adapters --layers (all: every layer, the work data-parallel ranks share).")
     parser.add_argument("--nproc", type=int, default=1, help="Processes per step under torchrun (data-parallel).")
@@ -180,6 +184,7 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
+    whole = str(work / "acts-whole")  # training's collection where --max-tokens samples positions (it needs whole windows)
     given = {"turboquant": ["--bits", "2"], "vecinfer": ["--artifacts", str(work / "vq-d4b8")],
              "kvlinc": ["--artifacts", str(work / "kvlinc")], "plan": ["--artifacts", str(work / "plan")]}
     steps = {  # key (`STEPS`, --steps): [(the table's name for it, the launcher, the command)]
@@ -192,9 +197,12 @@ def main() -> None:
         "fit-d8b12": [("fit-codebook d8b12", launch, ["fit-codebook", "--activations", acts, "--k-config", "d8b12",
                                                       "--v-config", "d8b12", "--device", args.device, "--out",
                                                       str(work / "vq-d8b12")])],
-        "train": [(f"train-adapters (layers {args.train_layers})", launch,
-                   ["train-adapters", "--activations", acts, "--layers", args.train_layers, "--device", args.device,
-                    "--out", str(work / "kvlinc")])],
+        "train": [*([(f"collect for training ({args.train_samples} x {args.seq_len}, whole windows)", launch,
+                      ["collect", "--model", args.model, "--num-samples", str(args.train_samples), "--seq-len",
+                       str(args.seq_len), *place, "--out", whole])] if args.max_tokens else []),
+                  (f"train-adapters (layers {args.train_layers})", launch,
+                   ["train-adapters", "--activations", whole if args.max_tokens else acts, "--layers",
+                    args.train_layers, "--device", args.device, "--out", str(work / "kvlinc")])],
         "diagnose": [("diagnose", launch, ["diagnose", "--activations", acts, "--device", args.device, "--out",
                                            str(work / "diagnose")])],
         "plan": [(f"plan --budget {args.budget:g} (one process)", alone,
@@ -229,7 +237,8 @@ def main() -> None:
              f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | | | |"]
     import torch
 
-    machine = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    gpus = torch.cuda.device_count()
+    machine = "CPU" if not gpus else f"{gpus} x {torch.cuda.get_device_name()}" if gpus > 1 else torch.cuda.get_device_name()
     trained = "" if args.train_layers == "0-1" else f", adapters on layers {args.train_layers}"
     title = (f"Calibration pipeline, {machine}, {Path(args.model).name}, {args.num_samples} x {args.seq_len}, "
              f"{how}{trained}")

@@ -80,6 +80,9 @@ def reused_cache(owner, batch: int, length: int):
     if held is not None and held.max_batch >= batch and held.max_length >= length:
         return held
     room = max(length, min(1 << (length - 1).bit_length(), max_context(owner.loaded.config) or length))
+    if held is not None:  # outgrown: its captured step's memory goes before the next one is captured
+        held.close()
+        owner.static = None
     cache = runtime_cache(owner.loaded, owner.method, max_batch=batch, max_length=room)
     if hasattr(cache, "max_batch"):  # StaticKvcalibCache; a KvcalibCache holds one batch's tokens only
         owner.static = cache

@@ -29,7 +29,7 @@ def test_the_phases_are_before_the_first_bar_between_the_bars_and_after_the_last
 
 
 def test_only_kvcalibs_own_bars_mark_the_work(monkeypatch):
-    """The bars of collect, fit-codebook, train-adapters, diagnose and eval count (by their units), alone or with
+    """The bars of collect, fit-codebook, train-adapters, diagnose, plan and eval count (by their units), alone or with
     their rank; another library's bar does not, nor a unit's word on the next line."""
     own = _calibrate(monkeypatch).OWN_BAR
 
@@ -41,7 +41,8 @@ def test_only_kvcalibs_own_bars_mark_the_work(monkeypatch):
         return out.getvalue().encode()
 
     for desc, unit in [("collect", "sample"), ("fit-codebook K d4b8 V d4b8, rank 1 of 2", "layer"),
-                       ("train-adapters", "step"), ("diagnose, rank 0 of 2", "layer"), ("eval kivi", "window")]:
+                       ("train-adapters", "step"), ("diagnose, rank 0 of 2", "layer"), ("plan: sensitivity", "forward"),
+                       ("eval kivi", "window")]:
         assert own.search(drawn(desc, unit, position=int(desc.endswith("1 of 2")))), (desc, unit)
     assert not own.search(drawn("diagnose plots", "plot"))  # rank 0's writing, after the shared work
     assert not own.search(drawn("Loading weights", "it"))

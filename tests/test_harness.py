@@ -115,16 +115,21 @@ def test_kvcalib_lm_eval_refuses_bad_input_in_one_line_before_loading_a_model(ar
 def test_a_static_cache_is_kept_for_the_batches_it_holds_and_a_dynamic_one_is_made_per_batch(monkeypatch):
     """`kvcalib lm-eval` on a GPU: one static cache (and its captured step) serves every later batch of no more
     rows and tokens, sized for the next power of two of the first batch's length, up to the model's context;
-    a dynamic cache holds one batch's tokens, so each batch gets a new one."""
+    a dynamic cache holds one batch's tokens, so each batch gets a new one. An outgrown static cache is closed
+    (its captured step's memory freed) before the next is made."""
     from types import SimpleNamespace
 
     import kvcalib.harness as harness
 
-    made = []
+    made, closed = [], []
 
     def fake(model, method, max_batch, max_length):
         made.append((max_batch, max_length))
-        return SimpleNamespace(max_batch=max_batch, max_length=max_length) if method == "static" else object()
+        if method != "static":
+            return object()
+        cache = SimpleNamespace(max_batch=max_batch, max_length=max_length)
+        cache.close = lambda: closed.append((cache.max_batch, cache.max_length, len(made)))
+        return cache
 
     monkeypatch.setattr(harness, "runtime_cache", fake)
     config = SimpleNamespace(max_position_embeddings=8192)
@@ -132,9 +137,11 @@ def test_a_static_cache_is_kept_for_the_batches_it_holds_and_a_dynamic_one_is_ma
     first = harness.reused_cache(owner, 4, 5000)
     assert made == [(4, 8192)] and owner.static is first
     assert harness.reused_cache(owner, 4, 3000) is first and harness.reused_cache(owner, 2, 8192) is first
+    assert not closed
     assert harness.reused_cache(owner, 8, 100) is not first and made[-1] == (8, 128)
+    assert closed == [(4, 8192, 1)]  # the first, closed before the second was made
     harness.reused_cache(owner, 8, 9000)  # past the context: sized for the batch as asked
-    assert made[-1] == (8, 9000)
+    assert made[-1] == (8, 9000) and closed == [(4, 8192, 1), (8, 128, 2)]
     dynamic = SimpleNamespace(loaded=owner.loaded, method="dynamic", static=None)
     assert harness.reused_cache(dynamic, 1, 10) is not harness.reused_cache(dynamic, 1, 10)
     assert dynamic.static is None

@@ -206,8 +206,11 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         with torch.no_grad():
             out = model.generate(prompts[0][None], past_key_values=cache, max_new_tokens=30, do_sample=False)
         reached(log, "model.generate, regions compiled")
+        captured_in_generate = isinstance(cache.decoder, CapturedDecoder)
+        cache.close()  # before as_rank destroys the process group, which waits forever on a live graph's collectives
+        reached(log, "closed")
         return {"heads": cache.layers[0].packed.kres.shape[1], "served": served[True], "eager": served[False],
-                "generate": out[0, 37:].tolist(), "captured_in_generate": isinstance(cache.decoder, CapturedDecoder)}
+                "generate": out[0, 37:].tolist(), "captured_in_generate": captured_in_generate}
 
     as_rank(rank, size, port, log, work)
 

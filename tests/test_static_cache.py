@@ -306,3 +306,41 @@ def test_a_static_layer_appends_through_the_module_level_write_token():
         static_cache.write_token = eager
     assert calls == [5] and layer.residual.tolist() == [1, 1]
     assert torch.equal(layer.kernel_layer.kres[:, :, 0], k[:, :, 0])
+
+
+class _Graph:
+    """A stand-in for torch.cuda.CUDAGraph that counts its resets."""
+
+    def __init__(self):
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_refused():
+    """`close` (and the end of a `with` block) frees the graphs `model.generate` captured, which under tensor
+    parallelism must be gone before `destroy_process_group` (a live graph's NCCL collectives make it wait
+    forever); the bookkeeping is checked here with stand-in graphs, the release on GPUs in
+    tests/test_static_cache_gpu.py and tests/test_multi_gpu.py."""
+    from kvcalib.runtime.captured import CapturedDecoder
+    from kvcalib.runtime.static_cache import StaticKvcalibCache
+
+    def captured() -> CapturedDecoder:
+        decoder = object.__new__(CapturedDecoder)  # no capture without CUDA: the graphs are stand-ins
+        decoder.graphs, decoder.outputs = {True: _Graph(), False: _Graph()}, {True: torch.zeros(1), False: torch.zeros(1)}
+        return decoder
+
+    cache = object.__new__(StaticKvcalibCache)
+    cache.decoder = decoder = captured()
+    graphs = list(decoder.graphs.values())
+    cache.close()
+    assert cache.decoder is None and [g.resets for g in graphs] == [1, 1] and not decoder.outputs
+    with pytest.raises(SettingsError, match="closed"):
+        decoder.step(torch.zeros(1, dtype=torch.long))
+    cache.close()  # a closed cache closes again without touching anything
+    assert [g.resets for g in graphs] == [1, 1]
+    with cache as held:
+        held.decoder = captured()
+        graphs = list(held.decoder.graphs.values())
+    assert cache.decoder is None and [g.resets for g in graphs] == [1, 1]

@@ -313,6 +313,30 @@ def test_the_serving_loop_gives_the_same_tokens_captured_and_eager():
     assert served[True] == served[False]
 
 
+def test_a_closed_cache_frees_its_captured_step_and_the_next_generate_captures_it_again():
+    """`close` resets the graphs `model.generate` captured (a closed step refuses to replay), and the next call
+    captures anew and decodes the same tokens; a `with` block closes the cache at its end."""
+    from kvcalib.errors import SettingsError
+    from kvcalib.runtime.captured import CapturedDecoder
+
+    model = _model()
+    prompt = torch.randint(0, 1000, (1, 45), generator=torch.Generator().manual_seed(6)).to(DEV)
+    cache = StaticKvcalibCache(model, "kivi", SETTINGS, max_batch=1, max_length=256, compile="none")
+    with torch.no_grad():
+        first = model.generate(prompt, past_key_values=cache, max_new_tokens=40, do_sample=False)
+    decoder = cache.decoder
+    assert isinstance(decoder, CapturedDecoder)
+    cache.close()
+    assert cache.decoder is None and not decoder.graphs
+    with pytest.raises(SettingsError, match="closed"):
+        decoder.step(first[:, -1])
+    with cache, torch.no_grad():
+        again = model.generate(prompt, past_key_values=cache, max_new_tokens=40, do_sample=False)
+        assert isinstance(cache.decoder, CapturedDecoder) and cache.decoder is not decoder
+    assert cache.decoder is None
+    assert torch.equal(first, again)
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through_a_refilled_slot(name):
     from kvcalib.attention import AttentionOptions

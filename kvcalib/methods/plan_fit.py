@@ -207,7 +207,10 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 else:
                     layers[i].forward = forward
 
-    for window_ids in tqdm(windows, desc="plan: sensitivity", unit="window"):
+    # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
+    # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
+    bar = tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward")
+    for window_ids in windows:
         ids = window_ids.unsqueeze(0).to(device)
 
         def per_kv_head(diff: torch.Tensor) -> torch.Tensor:
@@ -230,6 +233,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
         finally:
             for hook in hooks:
                 hook.remove()
+        bar.update()
         for target, which in itertools.product(range(shape.num_layers), (0, 1)):
             def one_item(layer: int, q, k, v, opts: AttentionOptions):
                 k16, v16, flushed, ref = cache_of(k, v, q, opts)
@@ -241,6 +245,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
 
             logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
             kl[target, which] += (ref_logp.exp() * (ref_logp - logp)).sum().cpu()
+            bar.update()
+    bar.close()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
     return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
 

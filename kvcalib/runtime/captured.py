@@ -221,6 +221,9 @@ class Decoder:
         self.cache.advance()
         self.ids.copy_(tokens.view(-1, 1))
 
+    def close(self) -> None:
+        """Release what the step holds beyond the cache (`CapturedDecoder`: its graphs); an eager step holds nothing."""
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append `tokens` (B,) at every slot and return the next-token logits (B, vocab)."""
         self._take(tokens)
@@ -283,10 +286,21 @@ class CapturedDecoder(Decoder):
         (overwritten by the next step: clone to keep them). `captured=False` runs the step eagerly."""
         if not captured:
             return super().step(tokens)
+        if not self.graphs:
+            raise SettingsError("this captured step was closed: capture a new one (CapturedDecoder(model, cache))")
         self._take(tokens)
         flush = self.cache.layers[0].flush
         self.graphs[flush].replay()
         return self.outputs[flush]
+
+    def close(self) -> None:
+        """Free the captured graphs (and their memory pools' hold on the outputs); a later `step` refuses.
+        Under tensor parallelism a live graph holding NCCL collectives keeps `destroy_process_group` from
+        destroying the communicator (it waits forever), so a rank must close its graphs first."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
 
 
 def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_new_tokens: int,
@@ -316,15 +330,18 @@ def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_
                 return
             cache.release(slot)
 
-    for slot in range(cache.max_batch):
-        fill(slot)
-    while live:
-        nxt = decoder.step(nxt).argmax(-1)
-        tokens = nxt.tolist()  # one transfer a step, not one a slot
-        for slot, i in list(live.items()):
-            out[i].append(tokens[slot])
-            if len(out[i]) == max_new_tokens:
-                del live[slot]
-                cache.release(slot)
-                fill(slot)
+    try:
+        for slot in range(cache.max_batch):
+            fill(slot)
+        while live:
+            nxt = decoder.step(nxt).argmax(-1)
+            tokens = nxt.tolist()  # one transfer a step, not one a slot
+            for slot, i in list(live.items()):
+                out[i].append(tokens[slot])
+                if len(out[i]) == max_new_tokens:
+                    del live[slot]
+                    cache.release(slot)
+                    fill(slot)
+    finally:
+        decoder.close()  # its graphs go now, not at some later garbage collection (`CapturedDecoder.close`)
     return out

@@ -43,7 +43,9 @@ place (a `scatter_` there copies the whole buffer at every step). The flush rule
 Under transformers' tensor parallelism (`tp_plan="auto"` under torchrun) each rank's cache holds its own KV
 heads (transformers splits the key and value projections into equal contiguous parts), and a method with data
 per KV head gives the rank its heads' part (`kvcalib.runtime.cache.for_this_rank`); each rank captures its
-own step, the collectives of the row-split projections in it.
+own step, the collectives of the row-split projections in it. Close the cache (`close`, or a `with` block) before
+`torch.distributed.destroy_process_group()`: while a graph holding NCCL collectives lives, the communicator cannot
+be destroyed and that call waits forever.
 
 Sequences of different lengths share the batch; a slot is freed (`release`) and refilled (`prefill`)
 while the others keep their state. A prompt is prefilled into its slot on its own, attends in float16
@@ -429,6 +431,21 @@ class StaticKvcalibCache(Cache):
         if tokens.shape[0] < self.max_batch:
             tokens = torch.cat([tokens, tokens.new_zeros(self.max_batch - tokens.shape[0])])
         return self.decoder.step(tokens)
+
+    def close(self) -> None:
+        """Free the step `model.generate` captured (its CUDA graphs); the next `generate` call captures anew.
+        Under torchrun with tensor parallelism, close every such cache before `destroy_process_group`: a live
+        graph holding NCCL collectives keeps the communicator from being destroyed, and the call never returns
+        (`CapturedDecoder.close`). `with StaticKvcalibCache(...) as cache:` closes it at the block's end."""
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+
+    def __enter__(self) -> StaticKvcalibCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
