@@ -29,10 +29,10 @@ import sys
 import torch
 
 from kvcalib.quant import dequantize, quantize
-from kvcalib.int2_layout import pack, reference_decode
-from kvcalib.runtime.int2_kernel import fused_decode
-from kvcalib.runtime.vq_kernel import vq_decode
-from kvcalib.vq_layout import reference_decode as vq_reference
+from kvcalib.formats.int2.layout import pack, reference_decode
+from kvcalib.formats.int2.launch import fused_decode
+from kvcalib.formats.vq.launch import vq_decode
+from kvcalib.formats.vq.layout import reference_decode as vq_reference
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
@@ -116,11 +116,11 @@ def layer_bytes(layer, q) -> int:
 
 
 def vq_layer(b: int, length: int, config: str, kres: torch.Tensor, vres: torch.Tensor):
-    """A VecInfer layer (`kvcalib.vq_layout`) of `length` flushed tokens: random codes under random
+    """A VecInfer layer (`kvcalib.formats.vq.layout`) of `length` flushed tokens: random codes under random
     per-layer codebooks of `config` for keys and values (the bytes a step reads do not depend on their
     values; the error column compares the kernel with the float64 reference over these same codes)."""
     from kvcalib import vq
-    from kvcalib.vq_layout import append_block
+    from kvcalib.formats.vq.layout import append_block
 
     c = vq.VQConfig.parse(config)
     books = [torch.randn(1, c.centroids, c.dim, device="cuda").half() for _ in "kv"]

@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from kvcalib.int2_layout import pack, reference_decode
-from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.formats.int2.layout import pack, reference_decode
+from kvcalib.formats.int2.launch import fused_decode
 from results import RESULTS, record
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100

@@ -1,5 +1,5 @@
 """CPU emulation of how the fused decode kernel accumulates values, to predict its error against
-float64 for each code-unpack scheme of kernels_cupy/quant_decode.cu without a GPU.
+float64 for each code-unpack scheme of kernels_cupy/int2_decode.cu without a GPU.
 
     python benchmarks/decode_precision_emulated.py [--tokens 4704] [--bits 24] [--heads 4]
 
@@ -9,7 +9,7 @@ mma.m16n8k16: fp16 operands, products exact, and, per mma, the 16 products and t
 aligned to the largest exponent, truncated to `--bits` bits and summed, the result truncated to
 float32 (the tensor cores' accumulation as Fasi et al., "Numerical behavior of NVIDIA tensor cores",
 PeerJ CS 2021, measured it). Values: unit randn, KIVI-2 per token over 128 channels; scores unit
-randn (diffuse attention). Schemes (quant_decode.cu): 0 offsets 64/16 in the codes, subtracted by
+randn (diffuse attention). Schemes (int2_decode.cu): 0 offsets 64/16 in the codes, subtracted by
 an mma; 2 codes alone; 3 centred codes and zero points; "SDPA-like": fp16 values, one chain.
 Prints the worst head's ‖o − o_ref‖/‖o_ref‖ against float64.
 """

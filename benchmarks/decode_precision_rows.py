@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from kvcalib.hadamard import rotate
-from kvcalib.int2_layout import _block_untranspose, from_tensor_core_order, reference_decode
-from kvcalib.runtime.int2_kernel import fused_decode, partition
+from kvcalib.formats.int2.layout import _block_untranspose, from_tensor_core_order, reference_decode
+from kvcalib.formats.int2.launch import fused_decode, partition
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_int2_kernel_gpu import _long_layer, _row_errors, _sdpa  # noqa: E402  (the tests' own inputs and peer)

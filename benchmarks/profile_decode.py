@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from kvcalib.int2_layout import pack
-from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.formats.int2.layout import pack
+from kvcalib.formats.int2.launch import fused_decode
 
 for length in map(int, sys.argv[1:] or ["131072"]):
     torch.manual_seed(0)

@@ -6,9 +6,9 @@ memory). Equal
 sections mean an equal kernel from this nvcc: the same speed without a GPU to time it. The runtime compiles
 through CuPy's NVRTC; this compares nvcc's output only. Needs nvcc, not a GPU.
 
-    python benchmarks/sass_same.py [--rev HEAD] [--files quant_decode.cu,vq_decode.cu] [--jobs 2]
+    python benchmarks/sass_same.py [--rev HEAD] [--files int2_decode.cu,vq_decode.cu] [--jobs 2]
 
-The configurations are the runtime's define sets (kvcalib/runtime/int2_kernel.py, vq_kernel.py's `plan`):
+The configurations are the runtime's define sets (kvcalib/formats/int2/launch.py, formats/vq/launch.py's `plan`):
 INT2 at head_dim 64 and 128, key and value groups the methods use, 1 to 8 query heads per KV head, with and
 without key norms and rotations; VecInfer at both head dims, three codebook shapes, 1 to 8 query heads,
 with and without replicated books, code rows for the bulk copies and for cp.async, bfloat16 queries too.
@@ -51,7 +51,7 @@ def int2_sets() -> list[tuple[str, dict]]:
 
 
 def vq_sets() -> list[tuple[str, dict]]:
-    """Code rows in 16-byte units (`vq_kernel._unit`: the bulk-copy rows, BULK_ROWS, and books staged in the
+    """Code rows in 16-byte units (`formats.vq.launch._unit`: the bulk-copy rows, BULK_ROWS, and books staged in the
     ring where replicated) and in 4-byte ones (cp.async), float16 and bfloat16 queries."""
     sets = []
     for d in (64, 128):
@@ -68,7 +68,7 @@ def vq_sets() -> list[tuple[str, dict]]:
     return sets
 
 
-SETS = {"quant_decode.cu": int2_sets, "vq_decode.cu": vq_sets}
+SETS = {"int2_decode.cu": int2_sets, "vq_decode.cu": vq_sets}
 
 
 def source_of(files: dict[str, str], filename: str, seen: set | None = None) -> str:

@@ -1,5 +1,5 @@
 """A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu): warps per block,
-pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.runtime.vq_kernel.plan`
+pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.formats.vq.launch.plan`
 picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
 replays). Prints a table; `--results FILE` records it.
 
@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-import kvcalib.runtime.vq_kernel as vk
+import kvcalib.formats.vq.launch as vk
 from decode import D, HKV, HQ, timed, vq_bytes, vq_inputs, vq_layer, worst_row
-from kvcalib.vq_layout import reference_decode
+from kvcalib.formats.vq.layout import reference_decode
 from results import record
 
-PLANS = {  # name: the launch parameters set by hand (`vq_kernel.plan`'s tuning)
+PLANS = {  # name: the launch parameters set by hand (`formats.vq.launch.plan`'s tuning)
     "chosen": {},
     "4 warps, 2 stages": {"WARPS": 4, "TILES": 2, "NSTAGE": 2},
     "4 warps, 4 stages": {"WARPS": 4, "TILES": 2, "NSTAGE": 4},

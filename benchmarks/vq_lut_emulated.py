@@ -1,6 +1,6 @@
 """CPU emulation of the lookup-table VecInfer decode kernel (not written yet), to choose its
 arithmetic without a GPU: each candidate's worst row error against the float64 reference of the same
-codes (`kvcalib.vq_layout.reference_decode`'s computation), beside the peer's, SDPA fp16 over the
+codes (`kvcalib.formats.vq.layout.reference_decode`'s computation), beside the peer's, SDPA fp16 over the
 dequantized cache, on the same rows. The runtime's accuracy rule: a kernel's row error at most 2x the
 peer's on that row.
 

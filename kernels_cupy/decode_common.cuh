@@ -1,4 +1,4 @@
-// Device helpers both decode kernels use (quant_decode.cu, vq_decode.cu): element conversions, the
+// Device helpers both decode kernels use (int2_decode.cu, vq_decode.cu): element conversions, the
 // warp's Hadamard transform of a D-vector, the tensor-core pieces (mma, 8x8 transpose, half2 packing), and
 // the bulk-copy engine's copy into shared memory and the mbarrier it completes on (sm_90; a kernel that does
 // not call them, as on the cp.async loaders, compiles without them).

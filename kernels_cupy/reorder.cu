@@ -1,4 +1,4 @@
-// 2-bit codes of kvcalib.quant's packed layout -> the tensor-core order of kvcalib/int2_layout.py,
+// 2-bit codes of kvcalib.quant's packed layout -> the tensor-core order of kvcalib/formats/int2/layout.py,
 // for the blocks a runtime flush appends (the torch reference, `to_tensor_core_order`, is the spec).
 //
 // Layouts (n = 16-token block, bh = batch * kv heads, D = head_dim):

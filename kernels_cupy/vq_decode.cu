@@ -1,7 +1,7 @@
 // Fused VecInfer decode attention over codebook codes: the INT2 kernel's tensor-core pipeline
-// (quant_decode.cu) with a codebook gather where that kernel unpacks 2-bit codes.
+// (int2_decode.cu) with a codebook gather where that kernel unpacks 2-bit codes.
 //
-// Reads the layout of kvcalib/vq_layout.py (its module docstring has the table), for one new query per
+// Reads the layout of kvcalib/formats/vq/layout.py (its module docstring has the table), for one new query per
 // head q (B, Hq, D), QT (fp16 or bf16), in the model's basis:
 //   kcodes, vcodes (B, HKV, CAPT, RK | RV) uint8   each flushed token's codes, LSB-first bitstream rows
 //   kbook (G, 2^MK, NK), vbook (G, 2^MV, NV) fp16   codebooks, G = 1 (shared) or HKV (one per KV head)
@@ -84,7 +84,7 @@
 #define KROW (PAIRED_BOOKS ? 256 : KREPL * 2 * NK)
 #define VROW (PAIRED_BOOKS ? 256 : VREPL * 2 * NV)
 
-// Shared memory of one block, carved in this order (kvcalib/runtime/vq_kernel.py `shared_bytes` mirrors it).
+// Shared memory of one block, carved in this order (kvcalib/formats/vq/launch.py `shared_bytes` mirrors it).
 #define KBOOK_BYTES (((1 << MK) * NK * 2 * KREPL + 15) / 16 * 16)
 #define VBOOK_BYTES (((1 << MV) * NV * 2 * VREPL + 15) / 16 * 16)
 #define KSTAGE_BYTES ((ST * RK + 15) / 16 * 16 + 16)  // + 16: the code reader loads a word past a row
@@ -431,7 +431,7 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {
   static_assert(MERGE_ROUND >= 8, "the ring's memory holds a round of the merge's weights");
-  static_assert(NT >= GQ * D / 4, "a thread for each 4 channels of each head (kvcalib/runtime/vq_kernel.py, _min_warps)");
+  static_assert(NT >= GQ * D / 4, "a thread for each 4 channels of each head (kvcalib/formats/vq/launch.py, _min_warps)");
   __shared__ float head_m[8], head_den[8], head_alpha[8];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float (*mw)[MERGE_ROUND] = reinterpret_cast<float (*)[MERGE_ROUND]>(w);  // the round's m, then its weights
@@ -668,7 +668,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) vq_partial(
   }
   const int part = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z, hkv = gridDim.y, num_parts = gridDim.x;
   // A captured step reads each sequence's counts on the device and spreads its own T over all the
-  // splits, in whole stages (quant_decode.cu's `packed_partial` does the same).
+  // splits, in whole stages (int2_decode.cu's `packed_partial` does the same).
   if (lengths != nullptr) {  // both or neither (the host checks); clamped to the buffers, whatever a caller wrote
     T = min(lengths[b], capt);
     const int units = (T + ST - 1) / ST;

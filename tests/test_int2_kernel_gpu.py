@@ -10,8 +10,8 @@ worse than that peer anywhere, not only on average.
 import pytest
 import torch
 
-from kvcalib.int2_layout import pack, reference_decode
-from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.formats.int2.layout import pack, reference_decode
+from kvcalib.formats.int2.launch import fused_decode
 
 cupy = pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
@@ -198,8 +198,8 @@ def test_rows_with_device_counts_each_split_their_own_length_over_the_launch(gro
     launch, what lies past each row's counts poisoned, each row held to the accuracy rule against the
     float64 reference over that row alone. A split that left a row's last tokens unread, or read past
     them, fails the rule or the finiteness check."""
-    from kvcalib.int2_layout import PackedLayer
-    from kvcalib.runtime.int2_kernel import partition
+    from kvcalib.formats.int2.layout import PackedLayer
+    from kvcalib.formats.int2.launch import partition
 
     d, hkv, cap = 128, 2, 33280
     flushed, residual = [0, 256, 4224, cap], [3, 0, 127, 64]
@@ -232,7 +232,7 @@ def test_rows_with_device_counts_each_split_their_own_length_over_the_launch(gro
 @pytest.mark.parametrize("shape", [(1, 1, 16), (3, 2, 48), (1, 8, 4096)])
 def test_reorder_kernel_equals_the_torch_tensor_core_order(d, which, shape):
     from kvcalib.quant import pack_bits
-    from kvcalib.int2_layout import reorder_packed, to_tensor_core_order
+    from kvcalib.formats.int2.layout import reorder_packed, to_tensor_core_order
 
     codes = torch.randint(0, 4, (*shape, d), device=DEV)
     words = pack_bits(codes, 2, -2 if which == "k" else -1)

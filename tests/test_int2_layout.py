@@ -1,4 +1,4 @@
-"""The INT2 layout the fused kernel reads (kvcalib.int2_layout, CPU): tensor-core order of the codes and its reference."""
+"""The INT2 layout the fused kernel reads (kvcalib.formats.int2.layout, CPU): tensor-core order of the codes and its reference."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcalib.quant import dequantize, quantize
-from kvcalib.int2_layout import append_block, from_tensor_core_order, pack, reference_decode, to_tensor_core_order
+from kvcalib.formats.int2.layout import append_block, from_tensor_core_order, pack, reference_decode, to_tensor_core_order
 from tolerances import U64, gamma
 
 
@@ -112,7 +112,7 @@ def test_reference_decode_with_one_code_flipped_breaks_the_bound(which):
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_reordering_packed_words_equals_reordering_codes(d, which):
     from kvcalib.quant import pack_bits
-    from kvcalib.int2_layout import reorder_packed
+    from kvcalib.formats.int2.layout import reorder_packed
 
     codes = torch.randint(0, 4, (2, 3, 48, d))
     words = pack_bits(codes, 2, -2 if which == "k" else -1)

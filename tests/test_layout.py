@@ -98,7 +98,7 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     assert any({"kvcalib.quant", "kvcalib.methods.kivi"} <= set(c) for c in _cycles(graph))
 
 
-BELOW_THE_RUNTIME = ("kvcalib.methods", "kvcalib.int2_layout", "kvcalib.vq_layout", "kvcalib.quant", "kvcalib.vq",
+BELOW_THE_RUNTIME = ("kvcalib.methods", "kvcalib.formats", "kvcalib.quant", "kvcalib.vq",
                      "kvcalib.attention", "kvcalib.hadamard")
 
 

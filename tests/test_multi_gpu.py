@@ -47,7 +47,7 @@ def test_quantize_on_the_second_gpu_equals_torch(on_second_gpu, bits, axis):
 
 
 def test_reorder_on_the_second_gpu_equals_the_cpu(on_second_gpu):
-    from kvcalib.int2_layout import reorder_packed
+    from kvcalib.formats.int2.layout import reorder_packed
 
     keys = torch.randint(-2**31, 2**31 - 1, (2, 2, 4, 64), dtype=torch.int32)  # (.., T/16, D) packed along tokens
     values = torch.randint(-2**31, 2**31 - 1, (2, 2, 64, 4), dtype=torch.int32)  # (.., T, D/16) along channels

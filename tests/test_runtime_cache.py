@@ -318,7 +318,8 @@ def _cpu_kernels(monkeypatch, launches: list[int]) -> None:
     kernel with counts on the device reads. `launches` gets each launch's batch size."""
     import dataclasses
 
-    from kvcalib import int2_layout, vq_layout
+    from kvcalib.formats.int2 import layout as int2_layout
+    from kvcalib.formats.vq import layout as vq_layout
 
     def rows_of(layer, counts):
         if counts is None:

@@ -9,7 +9,7 @@ import torch
 from kvcalib.errors import SettingsError
 from kvcalib.methods import MethodSettings, build_method
 from kvcalib.models import AttentionShape
-from kvcalib.int2_layout import kernel_parts
+from kvcalib.formats.int2.layout import kernel_parts
 from kvcalib.methods.kvlinc import Adapter, features
 from kvcalib.runtime.cache import check_static
 from kvcalib.runtime.static_cache import StaticLayer, _masked_write

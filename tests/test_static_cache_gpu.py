@@ -23,12 +23,12 @@ import dataclasses
 import pytest
 import torch
 
-from kvcalib.int2_layout import PackedLayer, reference_decode
+from kvcalib.formats.int2.layout import PackedLayer, reference_decode
 from kvcalib.methods import MethodSettings, build_method
 from kvcalib.methods.kvlinc import Adapter
 from kvcalib.models import AttentionShape
 from kvcalib.runtime.cache import CompressedLayer
-from kvcalib.runtime.int2_kernel import fused_decode
+from kvcalib.formats.int2.launch import fused_decode
 from kvcalib.runtime.static_cache import StaticKvcalibCache, StaticLayer
 
 pytest.importorskip("cupy", reason="the fused kernel needs cupy (pip install kvcalib[cuda13] or [cuda12])")
@@ -201,8 +201,8 @@ def test_a_vecinfer_layer_attends_each_slot_over_its_own_counts_within_the_kerne
     """Slots of different lengths (a flush at the first step, at once, later), a token a step: each row of
     the VecInfer kernel's output, counts read on the device, against the float64 reference over that slot's
     own codes and residual, held to the kernel's rule (tests/test_vq_kernel_gpu.py)."""
-    from kvcalib.runtime.vq_kernel import vq_decode
-    from kvcalib.vq_layout import VQLayer, reference_decode as vq_reference
+    from kvcalib.formats.vq.launch import vq_decode
+    from kvcalib.formats.vq.layout import VQLayer, reference_decode as vq_reference
     from test_vq_kernel_gpu import _sdpa as vq_sdpa
 
     shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=2, head_dim=d)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from kvcalib import vq, vq_layout
+from kvcalib import vq
+from kvcalib.formats.vq import layout as vq_layout
 from kvcalib.cli import main
 from kvcalib.collect import collect
 from kvcalib.errors import KvcalibError, SettingsError

@@ -1,5 +1,5 @@
 """The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu) against the float64 reference of
-the same codes (`kvcalib.vq_layout.reference_decode`), row by row, under the runtime's accuracy rule: each
+the same codes (`kvcalib.formats.vq.layout.reference_decode`), row by row, under the runtime's accuracy rule: each
 row's error at most twice that of SDPA in float16 over the dequantized cache, plus 1e-4
 (tests/test_int2_kernel_gpu.py). Per-layer and per-head codebooks, key and value configurations that
 differ, sinks on and off, residual windows empty to nearly full, flushed lengths from none to 20k tokens;
@@ -10,13 +10,13 @@ import torch
 
 from kvcalib import vq
 from kvcalib.methods.vecinfer import keys_from_codec
-from kvcalib.vq_layout import reference_decode
+from kvcalib.formats.vq.layout import reference_decode
 
 pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
 
-from kvcalib.runtime.vq_kernel import vq_decode  # noqa: E402  (after the skip: it needs cupy)
+from kvcalib.formats.vq.launch import vq_decode  # noqa: E402  (after the skip: it needs cupy)
 from test_int2_kernel_gpu import FLOOR, _row_errors  # noqa: E402
 from test_vq_layout import _layer, _method  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention(capacity
     device memory; rows of odd capacity (4101 x 24 bytes) are copied 4 bytes at a time. Every sequence must get
     the attention of its own prefix, as the float64 reference over that prefix alone gives it, and nothing
     past its counts (poisoned) may move it."""
-    from kvcalib.vq_layout import VQLayer
+    from kvcalib.formats.vq.layout import VQLayer
 
     method = _on_device(_method("layer", "d8b12", "d4b8", 3, d=128))
     g = torch.Generator(device=DEV).manual_seed(capacity)
@@ -188,7 +188,7 @@ def test_one_launch_merges_on_counters_it_leaves_at_zero_and_streams_keep_their_
     after launches of every partition (float16 rows only; splits fewer than the rows' chunks; more) the
     counters are back at zero, and launches on two streams at once each give their own sequence's bytes.
     Planted error: a counter left at 1 by a launch would be seen (it stays nonzero after the next)."""
-    from kvcalib.runtime import vq_kernel
+    from kvcalib.formats.vq import launch as vq_kernel
 
     method = _on_device(_method("layer", "d4b8", "d8b12", 2, d=128))
     g = torch.Generator(device=DEV).manual_seed(11)

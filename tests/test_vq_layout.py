@@ -1,4 +1,4 @@
-"""The VecInfer kernel layout's float64 reference (`kvcalib.vq_layout`): the lookup-table
+"""The VecInfer kernel layout's float64 reference (`kvcalib.formats.vq.layout`): the lookup-table
 computation a fused kernel will do gives, in float64, attention over the very cache it reads, dequantized
 and taken back to the keys' own basis, for per-layer and per-head codebooks, key and value
 configurations that differ, sink tokens on and off, and every residual length kind (empty, partial); and
@@ -12,7 +12,7 @@ from kvcalib.hadamard import rotate
 from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig, keys_from_codec, queries_to_codec
 from kvcalib.models import AttentionShape
 from kvcalib import vq
-from kvcalib.vq_layout import append_block, reference_decode
+from kvcalib.formats.vq.layout import append_block, reference_decode
 
 # float64 sums of a few hundred terms: the two computations agree to ~1e-14 relative; 1e-10 is far above
 # that and far below a single wrong code (a centroid apart: ~1e-1).
@@ -119,7 +119,7 @@ def test_the_reference_reads_nothing_past_its_counts_and_each_head_reads_its_own
 def test_the_kernel_refuses_codebooks_beyond_its_shared_memory_with_the_limit_named():
     """d8b16 keys: a 1 MiB codebook (65536 x 8 float16), more than a block's shared memory."""
     from kvcalib.errors import SettingsError
-    from kvcalib.runtime.vq_kernel import MIN_STAGES, SHARED_LIMIT, check, shared_bytes
+    from kvcalib.formats.vq.launch import MIN_STAGES, SHARED_LIMIT, check, shared_bytes
 
     method = _method("layer", "d8b16", "d4b8", 0, d=32)
     g = torch.Generator().manual_seed(0)
@@ -136,8 +136,8 @@ def test_no_block_has_fewer_threads_than_the_merge_writes_channels():
     4 warps and not one of 8: with 4 query heads per KV head the plan falls back to 4 warps; with 8 it may not
     (4 warps wrote half of the output), and the layer is refused in one line, and not offered to the runtime."""
     from kvcalib.errors import SettingsError
-    from kvcalib.runtime.vq_kernel import SHARED_LIMIT, check, plan, supports
-    from kvcalib.vq_layout import VQBooks
+    from kvcalib.formats.vq.launch import SHARED_LIMIT, check, plan, supports
+    from kvcalib.formats.vq.layout import VQBooks
 
     for heads, warps in ((4, 4), (8, None)):
         method = _method("layer", "d16b12", "d4b12", 0, d=128, heads=heads, kv_heads=1, smooth=False)

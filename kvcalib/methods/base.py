@@ -32,9 +32,9 @@ import torch
 from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
-from ..int2_layout import Int2Spec
+from ..formats.int2.layout import Int2Spec
 from ..quant import Quantized
-from ..vq_layout import VQBooks
+from ..formats.vq.layout import VQBooks
 
 
 def kv_head_part(shape, start: int, stop: int):
@@ -67,10 +67,10 @@ class KernelLayout:
     "no kernel layout, no decoding state", and the runtime decodes such a method with the torch reference
     (`Method.decode` over the dequantized blocks), which every method has. A method whose flushed blocks a
     fused kernel reads overrides one layout's pair, and the basis and state members it needs:
-    - `int2_spec`, `int2_parts`: its blocks in the INT2 layout (`kvcalib.int2_layout`, which
-      `kernels_cupy/quant_decode.cu` reads); KIVI, OScaR, KVLinC. Read by `runtime/cache.py` (the kernel
+    - `int2_spec`, `int2_parts`: its blocks in the INT2 layout (`kvcalib.formats.int2.layout`, which
+      `kernels_cupy/int2_decode.cu` reads); KIVI, OScaR, KVLinC. Read by `runtime/cache.py` (the kernel
       choice, each flush, each decode step) and `runtime/static_cache.py` (its buffers, each flush).
-    - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.vq_layout`, which
+    - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq.layout`, which
       `kernels_cupy/vq_decode.cu` reads); VecInfer. Read where the INT2 pair is.
     - `rotated_keys`, `rotated_values`: INT2 blocks stored in the Hadamard basis (OScaR; KVLinC's values, and
       its keys with `keys="oscar"`): both caches write them into `PackedLayer`, whose kernel rotates the
@@ -86,7 +86,7 @@ class KernelLayout:
     rotated_values = False  # flushed values are stored in the Hadamard basis: the kernel rotates their sums back
 
     def int2_spec(self) -> Int2Spec | None:
-        """The flushed blocks as the INT2 kernel would read them (`kvcalib.int2_layout`), or None."""
+        """The flushed blocks as the INT2 kernel would read them (`kvcalib.formats.int2.layout`), or None."""
         return None
 
     def int2_parts(self, packed: Any) -> tuple[Quantized, Quantized, torch.Tensor | None]:
@@ -94,7 +94,7 @@ class KernelLayout:
         raise NotImplementedError(f"{self.name} has no INT2 layout")
 
     def vq_books(self, layer: int) -> VQBooks | None:
-        """The flushed blocks as the VecInfer kernel would read them (`kvcalib.vq_layout`): the layer's
+        """The flushed blocks as the VecInfer kernel would read them (`kvcalib.formats.vq.layout`): the layer's
         codebooks and the keys' transform, with `vq_parts` giving a block's code rows; or None."""
         return None
 

@@ -14,7 +14,7 @@ import torch
 
 from ..defaults import DEFAULTS
 from ..errors import SettingsError
-from ..int2_layout import Int2Spec
+from ..formats.int2.layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
 from ..quant import Quantized, dequantize, quantize
 from .base import Method, MethodSettings

@@ -234,6 +234,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
             for hook in hooks:
                 hook.remove()
         bar.update()
+        ref_p = ref_logp.exp()  # once a window, not once an item
         for target, which in itertools.product(range(shape.num_layers), (0, 1)):
             def one_item(layer: int, q, k, v, opts: AttentionOptions):
                 k16, v16, flushed, ref = cache_of(k, v, q, opts)
@@ -244,7 +245,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
 
             logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
-            kl[target, which] += (ref_logp.exp() * (ref_logp - logp)).sum().cpu()
+            kl[target, which] += (ref_p * (ref_logp - logp)).sum().cpu()
             bar.update()
     bar.close()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor

@@ -19,10 +19,10 @@ default, `--residual`), as for KIVI. The evaluation reads decompressed keys back
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
 the queries; `VecInfer.key_scores` is the lookup-table form, q̃ · codebookᵀ indexed by the codes, and is
 tested against dequantize-then-dot. On CUDA the runtime decodes with the fused kernel
-(kernels_cupy/vq_decode.cu, `kvcalib.runtime.vq_kernel`), which the method declares by `vq_books` and
+(kernels_cupy/vq_decode.cu, `kvcalib.formats.vq.launch`), which the method declares by `vq_books` and
 `vq_parts`; the layout it reads, the float64 reference of its whole computation (sinks and residual
 included) and the transforms into and out of the codec basis (`keys_to_codec`, `keys_from_codec`,
-`queries_to_codec`, which this module uses) are `kvcalib.vq_layout`.
+`queries_to_codec`, which this module uses) are `kvcalib.formats.vq.layout`.
 
 Artifact (`kvcalib.artifacts`), per layer i: `layers.{i}.k_codebook` and `layers.{i}.v_codebook`
 float16 (G, 2^M, N) with G = 1 (granularity "layer") or the KV head count ("head"), and, when
@@ -43,7 +43,7 @@ from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
-from ..vq_layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
+from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ model's attention runs through the registered attention function `kvcalib_runtim
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
-  `vq_books`, `vq_parts`): on CUDA, where `kvcalib.runtime.int2_kernel.supports` the method's blocks
-  (kivi, kvlinc, oscar today) or `kvcalib.runtime.vq_kernel.supports` them (vecinfer), a fused kernel
+  `vq_books`, `vq_parts`): on CUDA, where `kvcalib.formats.int2.launch.supports` the method's blocks
+  (kivi, kvlinc, oscar today) or `kvcalib.formats.vq.launch.supports` them (vecinfer), a fused kernel
   of `kernels_cupy/` reads them; elsewhere the torch reference (`Method.decode` over the dequantized
   blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
@@ -40,15 +40,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
-from ..int2_layout import PackedLayer, append_block
+from ..formats.int2.layout import PackedLayer, append_block
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
-from ..vq_layout import VQLayer
-from ..vq_layout import append_block as vq_append
-from ..vq_layout import flushed_kv as vq_flushed_kv
-from .int2_kernel import fused_decode, supports
-from .vq_kernel import supports as vq_supports
-from .vq_kernel import vq_decode
+from ..formats.vq.layout import VQLayer
+from ..formats.vq.layout import append_block as vq_append
+from ..formats.vq.layout import flushed_kv as vq_flushed_kv
+from ..formats.int2.launch import fused_decode, supports
+from ..formats.vq.launch import supports as vq_supports
+from ..formats.vq.launch import vq_decode
 
 log = logging.getLogger(__name__)
 IMPLEMENTATION = "kvcalib_runtime"
@@ -277,7 +277,7 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) 
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
     elif not (int2 or vecinfer):
         why = (f"--method {method.name} has no fused INT2 or VecInfer layout at these settings "
-               "(`int2_kernel.supports`, `vq_kernel.supports`)")
+               "(`formats.int2.launch.supports`, `formats.vq.launch.supports`)")
     elif method.window or method.sink:
         why = "it flushes blockwise, without float16 sink tokens"
     elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
@@ -360,7 +360,7 @@ class _RowsSideBySide:
     device, as a static cache's slots are (`fused_decode(counts=)`, `vq_decode(lengths=, residuals=)`).
 
     The flushed buffers are stacked once, padded to the largest capacity, and each row's own buffers become
-    views of its row of the stack: a row's later flushes write into the stack in place (`int2_layout.grow`
+    views of its row of the stack: a row's later flushes write into the stack in place (`formats.int2.layout.grow`
     writes within capacity), so the stack is made again only when a row outgrows it (its buffers then are new
     tensors: a doubling, a few times over a sequence). The float16 residuals, which each append replaces, are
     copied side by side at every step (at most a block of tokens a row); the decoding states (KVLinC's S and
@@ -526,7 +526,7 @@ def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLaye
     """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, with the method's
     correction terms entering at the merge; (B, Hq, 1, D) in the compute dtype. Everything here is in the
     model's basis: where the method stores blocks rotated, the kernel rotates the query for them and their
-    partial outputs back (`kvcalib.int2_layout`). `counts`: a static cache's per-sequence counts on the device."""
+    partial outputs back (`kvcalib.formats.int2.layout`). `counts`: a static cache's per-sequence counts on the device."""
     terms = method.correction(layer, q, state)
     if terms is not None:
         terms = (terms[0][:, :, 0], terms[1][:, :, 0])  # the single new position

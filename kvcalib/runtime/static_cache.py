@@ -25,7 +25,7 @@ The same cache serves kvcalib's own loop, which refills a finished sequence's sl
 
 Like transformers' StaticCache, every buffer is allocated once, for `max_batch` sequences of up to
 `max_length` tokens. Unlike it, what each sequence holds is counted in device memory: `flushed` (B,)
-tokens packed in INT2 blocks (the layout of `kvcalib.int2_layout`, which the fused kernel reads) and
+tokens packed in INT2 blocks (the layout of `kvcalib.formats.int2.layout`, which the fused kernel reads) and
 `residual` (B,) float16 tokens waiting, R at most. The kernel reads both counts itself
 (`fused_decode(..., counts=...)`), so its launch is the same at every step.
 
@@ -77,10 +77,10 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..attention import AttentionOptions
 from ..errors import SettingsError
 from ..hadamard import hadamard
-from ..int2_layout import PackedLayer, kernel_parts
+from ..formats.int2.layout import PackedLayer, kernel_parts
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
-from ..vq_layout import VQLayer
+from ..formats.vq.layout import VQLayer
 from .cache import (IMPLEMENTATION, check_static, for_this_rank, fused_attend, hand_to_attention,
                     register_attention, tensor_parallel_size, vq_attend)
 from .captured import CapturedDecoder, Decoder, compile_mode

@@ -4,11 +4,11 @@
 //   - T flushed tokens stored packed: keys per-channel (2-bit codes, fp16 scale/zero per G tokens
 //     and channel), optional fp16 per-token key norms (OScaR: key = norm * dequant), values per-token
 //     (2-bit codes, fp16 scale/zero per GV channels and token), the codes (and value scales/zeros)
-//     of each 16-token block in the tensor-core order of kvcalib/int2_layout.py;
+//     of each 16-token block in the tensor-core order of kvcalib/formats/int2/layout.py;
 //   - r < R residual tokens in fp16 (`residual_body`: extra blocks of the same launch, RT tokens each).
 // Dequantization happens in registers (tensor-core path below); nothing full-size is written back.
 //
-// Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/int2_layout.py):
+// Memory layout (capacity-strided, so the runtime appends in place; see kvcalib/formats/int2/layout.py):
 //   q        (B, HKV*GQ, D)            QT (half or bf16), in the model's basis
 //   kcodes   (B, HKV, CAPW, D)  int32  row n: the D words of tokens 16n..16n+15, tensor-core order
 //   kscale,kzero (B, HKV, CAPG, D) fp16   group g covers tokens G*g..G*g+G-1
@@ -30,10 +30,10 @@
 // Bytes that must move per (batch, kv head): T*D/4 (key codes) + T*D/4 (value codes) +
 // 4*T*D/G (key scale+zero) + 4*T*D/GV (value scale+zero) + 2*T (norms) + 4*r*D (residual).
 //
-// Compile-time parameters (#define, set by kvcalib/runtime/int2_kernel.py): D, G, GV (>= 16), GQ (<= 8),
+// Compile-time parameters (#define, set by kvcalib/formats/int2/launch.py): D, G, GV (>= 16), GQ (<= 8),
 // BLOCKS_PER_SM (resident blocks of packed_partial per SM: its register budget, and the wave size),
 // HAS_NORM, ROT_K, ROT_V, QT, CP_ASYNC_LOADER (1: the cp.async stage loader on sm_90 too), SPLIT_UNIT (tokens a split
-// is a whole number of, `int2_kernel.split_unit`). Queries are rounded to fp16 for the tensor
+// is a whole number of, `kvcalib.formats.int2.launch.split_unit`). Queries are rounded to fp16 for the tensor
 // cores whatever QT is (a rotated one, ROT_K, to a pair of fp16 numbers, hi + lo).
 
 #include "decode_common.cuh"
@@ -118,7 +118,7 @@ __device__ __forceinline__ void write_partial(float (*acc)[GQ], float* red, cons
 //          q.k_n = sum_c q_c s_c (x_cn - 1) + sum_c q_c (z_c + s_c)  ->  A = (x - 1) o s, B = q,
 //   values (per token n: scale s_n, zero z_n of the channel's group):
 //          sum_n p_n v_nc = sum_n (x_nc - 1.5) (p_n s_n) + sum_n p_n (z_n + 1.5 s_n)  ->  B = p~ = p o s.
-// The codes arrive in the tensor-core order of kvcalib/int2_layout.py: a lane's D/32 words
+// The codes arrive in the tensor-core order of kvcalib/formats/int2/layout.py: a lane's D/32 words
 // hold exactly its A fragments, and one AND-OR per register makes half2(off + x), an fp16 exponent
 // making the code bits the units digit (`unpack8`; the offset depends on the register). The zero point
 // terms are exact sums on the tensor cores: per key group the score constants k0 = Q.z + Q.s (one mma,
@@ -774,7 +774,7 @@ extern "C" __global__ void __launch_bounds__(NT, BLOCKS_PER_SM) packed_partial(
 // 32 MP partials' (m, l) (lane p holds partials p, p + 32, ...) and the first MA accumulators of
 // the lane's channel are all loaded before any is used: up to MA partials cost about one round
 // trip to L2. Rounds of 32 MP partials: their weights go through the warp's shared row `w`.
-#define MERGE_WARPS 4  // kvcalib/runtime/int2_kernel.py launches 32 * MERGE_WARPS threads per block
+#define MERGE_WARPS 4  // kvcalib/formats/int2/launch.py launches 32 * MERGE_WARPS threads per block
 #define MP 4   // partials' (m, l) per lane and round (32 * MP partials)
 #define MA 64  // accumulators per lane loaded up front
 

@@ -2,10 +2,10 @@
 
 Used by vecinfer (`Method.vq_books`, `VecInfer`'s).
 
-The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.runtime.vq_kernel`) reads this layout;
+The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.formats.vq.launch`) reads this layout;
 this module fixes what it reads and computes, from the definition, what it must return, so that the
 kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kernel is tested against
-`kvcalib.int2_layout.reference_decode`.
+`kvcalib.formats.int2.layout.reference_decode`.
 
 `VQLayer` holds one layer's VecInfer cache (`kvcalib.methods.vecinfer`) in capacity-sized buffers:
 
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import vq
-from .hadamard import rotate
-from .int2_layout import grow
+from ... import vq
+from ...hadamard import rotate
+from ..int2.layout import grow
 
 
 # The codec's bases (module docstring): VecInfer's method codes keys with these, the layout holds them so.

@@ -1,8 +1,8 @@
-"""The fused INT2 decode kernel (kernels_cupy/quant_decode.cu): what it can read, and its launch.
+"""The fused INT2 decode kernel (kernels_cupy/int2_decode.cu): what it can read, and its launch.
 
 `supports` is the one statement of the kernel's input limits: the runtime asks it before it lays a
 method's flushed blocks out for the kernel, and `fused_decode` refuses what it refuses. The layout
-it reads, and the torch reference it is tested against, are `kvcalib.int2_layout`.
+it reads, and the torch reference it is tested against, are `kvcalib.formats.int2.layout`.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import functools
 import math
 import torch
 
-from ..int2_layout import TILE, Int2Spec, PackedLayer
+from .layout import TILE, Int2Spec, PackedLayer
 
-RESIDUAL_CHUNK = 16  # RT in quant_decode.cu: residual tokens per block
-MERGE_WARPS = 4  # MERGE_WARPS in quant_decode.cu: warps per block of `merge`
+RESIDUAL_CHUNK = 16  # RT in int2_decode.cu: residual tokens per block
+MERGE_WARPS = 4  # MERGE_WARPS in int2_decode.cu: warps per block of `merge`
 BLOCKS_PER_SM = 4  # resident decode blocks per SM: the kernel's register budget and the size of one wave
 HEAD_DIMS = (64, 128)
 MAX_GQA = 8  # query heads per KV head: the 8 columns of an mma tile
@@ -41,7 +41,7 @@ def split_unit(group: int) -> int:
 def splits(length: int, blocks_per_split: int, unit: int, slots: int, reserved: int = 0) -> tuple[int, int]:
     """(splits, tokens per split) of `length` flushed tokens: at most one wave of `slots` resident blocks,
     `blocks_per_split` of them per split (batch x KV heads), `reserved` of the wave's slots going to the
-    float16 rows' blocks; splits of whole `unit`s (quant_decode.cu: 128 tokens and whole key groups;
+    float16 rows' blocks; splits of whole `unit`s (int2_decode.cu: 128 tokens and whole key groups;
     vq_decode.cu: whole stages). With device counts a kernel re-splits each row's own length over the same
     number of splits (`packed_partial`, `vq_partial`)."""
     units = max(1, -(-length // unit))
@@ -144,7 +144,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
     with torch_stream(q.device):
         # Block (part, kv head, batch): the first num_splits stream split_len packed tokens each for the
         # GQ heads of their KV head; the others take 16 tokens of the fp16 residual window.
-        launch(kernel("quant_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
+        launch(kernel("int2_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
                (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
                 ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
                 i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
@@ -153,7 +153,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
                 ptr(counts[0] if counts else None), ptr(counts[1] if counts else None)), checked)
         # Warp per (batch, query head, 32 channels), MERGE_WARPS per block: merge partials (+ KVLinC terms), normalise.
         warps = b * hq * d // 32
-        launch(kernel("quant_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
+        launch(kernel("int2_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
     return out
 

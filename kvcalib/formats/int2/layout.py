@@ -1,4 +1,4 @@
-"""The INT2 cache layout the fused decode kernel reads (kernels_cupy/quant_decode.cu), and its torch reference.
+"""The INT2 cache layout the fused decode kernel reads (kernels_cupy/int2_decode.cu), and its torch reference.
 
 Used by kivi, oscar and kvlinc (`Method.int2_spec`, `Kivi`'s, which the other two inherit; at 2 bits).
 
@@ -17,7 +17,7 @@ half: half `h`, position `p` at bits `16 h + 2 p`. With r = 8 i + p, a = r % 4, 
 Each lane thus reads D/32 consecutive words holding exactly the elements of its mma.m16n8k16 A
 fragments (keys 16 tokens x 16 channels, values 16 channels x 16 tokens; register a of k-slice or
 row block n), and one AND-OR per pair of elements turns them into half2(offset + code) (see
-`quant_decode.cu`). Key words of block n are row n of `kcodes` (B, Hkv, CAPT/16, D); value words
+`int2_decode.cu`). Key words of block n are row n of `kcodes` (B, Hkv, CAPT/16, D); value words
 fill `vcodes` (B, Hkv, CAPT, D/16) row-major, so block n holds tokens 16n..16n+15. Value
 scales and zeros (B, Hkv, CAPT, D/GV) hold each block of 16 tokens as (D/GV, 16): group-major, so a
 lane reads the scales of its two tokens as one half2.
@@ -27,7 +27,7 @@ and `rotated_values`; the query, the float16 residual window, the correction ter
 in the model's basis (the kernel rotates the query for the flushed blocks and their partial output back).
 
 `reference_decode` dequantizes and attends in float64: the reference the kernel
-(`kvcalib.runtime.int2_kernel.fused_decode`) is tested against; both take KVLinC's correction terms
+(`kvcalib.formats.int2.launch.fused_decode`) is tested against; both take KVLinC's correction terms
 (numerator (B, Hq, D) and denominator (B, Hq), in exp units, in the model's basis) when given.
 """
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .hadamard import rotate
-from .quant import Quantized, dequantize_codes, quantize, unpack_bits
+from ...hadamard import rotate
+from ...quant import Quantized, dequantize_codes, quantize, unpack_bits
 
 TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `pack` allocates
 

@@ -1,6 +1,6 @@
 """The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu): what it can read, and its launch.
 
-The layout it reads and the float64 reference it is tested against are `kvcalib.vq_layout`
+The layout it reads and the float64 reference it is tested against are `kvcalib.formats.vq.layout`
 (tests/test_vq_kernel_gpu.py). One launch: the last block of each (sequence, KV head) to finish merges its
 partials (`_counters`). `lengths` and `residuals` (B,) int32 on the device make a launch that a CUDA graph
 can replay while the cache grows: it is then sized by the buffers' capacities, and each sequence's counts
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SettingsError
-from ..vq import VQConfig
-from ..vq_layout import VQBooks, VQLayer
-from .int2_kernel import MAX_GQA, _sm_count, splits
+from ...errors import SettingsError
+from ...vq import VQConfig
+from .layout import VQBooks, VQLayer
+from ..int2.launch import MAX_GQA, _sm_count, splits
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
@@ -150,7 +150,7 @@ def check(q: torch.Tensor, layer: VQLayer) -> None:
             or (layer.smooth is not None and tuple(layer.smooth.shape) != (hkv, d))):
         raise SettingsError("the VecInfer layout does not match itself: books of 2^bits entries, one or one per KV "
                             "head, sub-vectors dividing D, code rows (if any) of ceil(D / N x bits / 8) bytes, residual and "
-                            "smoothing of the query's D (kvcalib/vq_layout.py)")
+                            "smoothing of the query's D (kvcalib/formats/vq/layout.py)")
     if not _reads_subvectors(d, nk, nv):
         raise SettingsError(f"the VecInfer kernel reads sub-vectors of 2, 4 or a multiple of 8 channels, keys' at most "
                             f"d/4 = {d // 4} and values' at most d/8 = {d // 8}; this cache has {nk} (keys), {nv} (values)")
