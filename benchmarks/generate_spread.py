@@ -4,6 +4,15 @@ places it: the GPUs run one after another), one long prompt at B=1; kvcalib's ca
 fp16 paths on the same GPUs, in one process.
 
     python benchmarks/generate_spread.py [--shape llama-3.1-70b] [--context 32768] [--paths all]
+    torchrun --nproc-per-node 2 benchmarks/generate_spread.py --engine tp --model DIR [--context 32768]
+
+`--engine tp`: the other way to spread a model, transformers' tensor parallelism (`from_pretrained(DIR,
+tp_plan="auto")` under torchrun, NCCL): every GPU holds a share of every layer's heads and they run together,
+each rank's caches holding its own KV heads (the static caches capture each rank's step). Its weights are read
+from DIR, written first: `kvcalib make-model --shape llama-3.1-70b --dtype float16 --device cuda --out DIR`
+(drawn on the GPU; 141 GB, which /dev/shm holds on the lent two-GPU machine). Rank 0 times and records; the
+byte floor is then a rank's share of the weights and of the cache over one GPU's copy bandwidth (the GPUs run
+at once).
 
 Paths:
 - `fp16-dynamic`: `model.generate` as it comes (DynamicCache, SDPA, eager);
@@ -25,8 +34,10 @@ tokens are random-weight tokens and are not compared: accuracy at these bits is 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,16 +72,28 @@ def spread_model(shape: str, context: int):
     return model, config
 
 
-def floor_bytes(model, config, path: str, tokens: int) -> float:
-    """Bytes a decode step reads: every weight, and the cache of `tokens` as the path holds it."""
+def tp_model(directory: str):
+    """The model of `directory` under transformers' tensor parallelism on this rank's GPU (module docstring)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16, tp_plan="auto").eval()
+    model.generation_config.eos_token_id = None
+    return model, AutoConfig.from_pretrained(directory)
+
+
+def floor_bytes(model, config, path: str, tokens: int, ranks: int = 1) -> float:
+    """Bytes a decode step reads on one GPU: its weights (a rank's shards under tensor parallelism), and its
+    share of the cache of `tokens` as the path holds it."""
     from generate import fp16_bytes, int2_bytes
 
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a DTensor's own shard
+    weights = sum(p.numel() * p.element_size() for p in local)
     name = path.rsplit("-", 1)[0]
-    return weights + (fp16_bytes(tokens, config) if name == "fp16" else int2_bytes(tokens, name, config))
+    return weights + (fp16_bytes(tokens, config) if name == "fp16" else int2_bytes(tokens, name, config)) / ranks
 
 
-def run_path(path: str, model, context: int) -> dict:
+def run_path(path: str, model, context: int, gpus: list[int]) -> dict:
     from transformers import StaticCache
 
     from kvcalib.methods import MethodSettings
@@ -96,24 +119,28 @@ def run_path(path: str, model, context: int) -> dict:
             cache = KvcalibCache(model, method, MethodSettings(*settings))
         else:
             cache = static
-        for d in range(torch.cuda.device_count()):
+        for d in gpus:
             torch.cuda.synchronize(d)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                                  pad_token_id=0)
-        for d in range(torch.cuda.device_count()):
+        for d in gpus:
             torch.cuda.synchronize(d)
         assert out.shape[1] == context + new, (path, out.shape)
         return time.perf_counter() - t0
 
-    for d in range(torch.cuda.device_count()):
+    for d in gpus:
         torch.cuda.reset_peak_memory_stats(d)
-    first = call(1)
-    call(5)  # warm: the first decode steps (compilation, the static cache's decoder) happen here, untimed
-    t5, t69 = call(5), call(69)
+    try:
+        first = call(1)
+        call(5)  # warm: the first decode steps (compilation, the static cache's decoder) happen here, untimed
+        t5, t69 = call(5), call(69)
+    finally:
+        if static is not None:
+            static.close()  # its captured graphs go before the next path (and before the group is destroyed)
     per = (t69 - t5) / 64
-    peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in range(torch.cuda.device_count())]
+    peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in gpus]
     del static
     torch.cuda.empty_cache()
     return {"path": path, "first": first, "ttft": t5 - 4 * per, "per": per, "peak": peak}
@@ -124,21 +151,40 @@ def main() -> None:
     parser.add_argument("--shape", default="llama-3.1-70b")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
+    parser.add_argument("--engine", choices=["map", "tp"], default="map",
+                        help="map: layers in sequence over the GPUs (device_map); tp: tensor parallelism, under torchrun")
+    parser.add_argument("--model", default=None, help="--engine tp: a model directory with its weights written")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
     args = parser.parse_args()
     from generate import copy_bandwidth
 
     paths = PATHS if args.paths == "all" else args.paths.split(",")
+    tp = args.engine == "tp"
+    if tp and (args.model is None or "LOCAL_RANK" not in os.environ):
+        parser.error("--engine tp runs under torchrun --nproc-per-node N and reads --model DIR (its weights written)")
+    if tp:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     bandwidth = copy_bandwidth()  # before the weights take the memory
-    model, config = spread_model(args.shape, args.context)
+    model, config = tp_model(args.model) if tp else spread_model(args.shape, args.context)
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if tp else 1
+    gpus = [torch.cuda.current_device()] if tp else list(range(torch.cuda.device_count()))
+    lead = not tp or int(os.environ.get("RANK", "0")) == 0  # the rank that reports
     rows = []
     for path in paths:
         try:
-            rows.append(run_path(path, model, args.context))
+            rows.append(run_path(path, model, args.context, gpus))
         except Exception as err:  # a path that fails is reported in its row, the others still run
             rows.append({"path": path, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
             torch.cuda.empty_cache()
-        print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)
+        if lead:
+            print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)
+    if tp:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if not lead:
+            return
     base = next((r for r in rows if r["path"] == "fp16-dynamic" and "per" in r), None)
     fastest_fp16 = min((r["per"] for r in rows if r["path"].startswith("fp16") and "per" in r), default=None)
     lines = ["| path | first call s | TTFT s | ms/token | x fp16-dynamic | x fastest fp16 | byte floor ms | "
@@ -147,7 +193,7 @@ def main() -> None:
         if "error" in r:
             lines.append(f"| {r['path']} | failed: {r['error']} | | | | | | | |")
             continue
-        floor = floor_bytes(model, config, r["path"], args.context + 37) / bandwidth
+        floor = floor_bytes(model, config, r["path"], args.context + 37, ranks) / bandwidth
         lines.append(f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | "
                      f"{base['per'] / r['per']:.2f} | {fastest_fp16 / r['per']:.2f} | {1e3 * floor:.2f} | "
                      f"{r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |"
@@ -155,8 +201,10 @@ def main() -> None:
                      f"{1e3 * floor:.2f} | {r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |")
     from results import RESULTS, record
 
-    title = (f"Decoding a model over {torch.cuda.device_count()} GPUs through model.generate, "
-             f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}, {args.shape} shape (random init), B=1")
+    spread = f"tensor parallelism over {ranks} GPUs" if tp else f"a model over {torch.cuda.device_count()} GPUs"
+    shape = Path(args.model).name if tp else f"{args.shape} shape"
+    title = (f"Decoding {spread} through model.generate, {len(gpus) * ranks} x {torch.cuda.get_device_name()}, "
+             f"{shape} (random init), B=1")
     table = "\n".join(lines)
     print(f"\n{title}, {args.context}-token prompt\n\n{table}")
     record(f"{title}, {args.context}-token prompt", table, sys.argv, args.results or RESULTS)

@@ -64,10 +64,13 @@ def _config_fields(shape: str) -> dict:
 
 
 def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int = 0,
-               shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None, weights: str = "written") -> Path:
+               shard_bytes: int = SHARD_BYTES, tokenizer: str | None = None, weights: str = "written",
+               device: str = "cpu") -> Path:
     """Write the random model of module docstring to `out`; returns it. `tokenizer`: a directory holding a
     saved tokenizer to use instead of the embedded model's (a machine without the GGUF, e.g. one reached
-    by carrying a few MB: `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)` where the GGUF is)."""
+    by carrying a few MB: `AutoTokenizer.from_pretrained(...).save_pretrained(DIR)` where the GGUF is).
+    `device`: where written weights are drawn, the same bytes anywhere (a GPU draws a 70B model's in seconds,
+    where 16 CPU cores take many minutes), one tensor at a time, then written from host memory."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -118,7 +121,8 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
             shards = []
         for i, shard in enumerate(shards, 1):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({name: initial(name, dims, std, seed).to(DTYPES[dtype]) for name, dims in shard}, tmp / file,
+            save_file({name: initial(name, dims, std, seed, device).to(DTYPES[dtype]).cpu() for name, dims in shard},
+                      tmp / file,
                       metadata={"format": "pt"})
             weight_map |= {name: file for name, _ in shard}
         if len(shards) > 1:

@@ -280,6 +280,9 @@ CASES = {
                                                            "--out", str(c.tmp / "plan")],
     "plan with --max-memory alone": lambda c: ["plan", "--activations", str(c.acts), "--budget", "2.25",
                                                "--max-memory", "0=70GiB", "--out", str(c.tmp / "plan")],
+    "make-model drawing on a GPU this machine lacks": lambda c: [
+        "make-model", "--shape", "llama-3.1-8b", "--device", f"cuda:{torch.cuda.device_count()}",
+        "--out", str(c.tmp / "model")],
     "odd head_dim with oscar's rotation": lambda c: ["eval", "--model", str(_odd_head_dim_model(c)),
                                                      "--method", "oscar", *c.small],
     "odd head_dim with kvlinc's value rotation": lambda c: [
@@ -374,6 +377,7 @@ EXPECT = {
     "plan with a negative budget": "budget",
     "plan with --device and --device-map auto": "give one",
     "plan with --max-memory alone": "applies to --device-map auto only",
+    "make-model drawing on a GPU this machine lacks": "--device cuda:",
     "odd head_dim with oscar's rotation": "head_dim 15 is odd",
     "odd head_dim with kvlinc's value rotation": "head_dim 15 is odd",
     "odd head_dim with vecinfer's key rotation": "head_dim 15 is odd",
