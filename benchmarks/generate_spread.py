@@ -10,17 +10,19 @@ fp16 paths on the same GPUs, in one process.
 tp_plan="auto")` under torchrun, NCCL): every GPU holds a share of every layer's heads and they run together,
 each rank's caches holding its own KV heads (the static caches capture each rank's step). Its weights are read
 from DIR, written first: `kvcalib make-model --shape llama-3.1-70b --dtype float16 --device cuda --out DIR`
-(drawn on the GPU; 141 GB, which /dev/shm holds on the lent two-GPU machine). Rank 0 times and records; the
+(drawn on the GPU; 138.5 GB with the embedded tokenizer's vocabulary, which the lent two-GPU machine's 256 GiB
+/dev/shm holds). Rank 0 times and records; the
 byte floor is then a rank's share of the weights and of the cache over one GPU's copy bandwidth (the GPUs run
 at once).
 
 Paths:
 - `fp16-dynamic`: `model.generate` as it comes (DynamicCache, SDPA, eager);
 - `fp16-static`: `model.generate(past_key_values=StaticCache(...))`: transformers compiles the decode step
-  itself where it can (for a model on several GPUs Inductor does not capture CUDA graphs);
+  itself where it can (for a model's layers on several GPUs Inductor does not capture CUDA graphs; under tensor
+  parallelism each rank's step is on one GPU, and it may);
 - `kivi128-dynamic`, `oscar32-dynamic`: `KvcalibCache` (KIVI-2 G=128, OScaR-2 G=32; R=128);
-- `kivi128-static`, `oscar32-static`: `StaticKvcalibCache`; its step runs uncaptured on a model over
-  several GPUs (one CUDA graph records one GPU's work).
+- `kivi128-static`, `oscar32-static`: `StaticKvcalibCache`; its step runs uncaptured on a model's layers over
+  several GPUs (one CUDA graph records one GPU's work), captured on each rank under tensor parallelism.
 
 Per path: `first call` (generate of 1 new token: prefill and first token, no decode step), a call of 5
 new tokens untimed (the first decode steps: compilation, the static cache's decoder), then ms/token =
@@ -34,6 +36,7 @@ tokens are random-weight tokens and are not compared: accuracy at these bits is 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -76,8 +79,14 @@ def tp_model(directory: str):
     """The model of `directory` under transformers' tensor parallelism on this rank's GPU (module docstring)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from transformers.distributed import DistributedConfig
+
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16, tp_plan="auto").eval()
+    # before the process group exists (from_pretrained makes it): NCCL's support for mixing captured and eager
+    # collectives slows both, and here they never run at once (transformers' own advice under tensor parallelism)
+    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16,
+                                                 distributed_config=DistributedConfig(tp_plan="auto")).eval()
     model.generation_config.eos_token_id = None
     return model, AutoConfig.from_pretrained(directory)
 
@@ -139,6 +148,10 @@ def run_path(path: str, model, context: int, gpus: list[int]) -> dict:
     finally:
         if static is not None:
             static.close()  # its captured graphs go before the next path (and before the group is destroyed)
+        # and those Inductor captured for fp16-static (generate compiles a StaticCache's step, "reduce-overhead"):
+        # under tensor parallelism they hold the all-reduces too
+        torch._dynamo.reset()
+        gc.collect()
     per = (t69 - t5) / 64
     peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in gpus]
     del static
@@ -152,7 +165,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--engine", choices=["map", "tp"], default="map",
-                        help="map: layers in sequence over the GPUs (device_map); tp: tensor parallelism, under torchrun")
+                        help="map: layers in sequence over the GPUs (device_map); tp: tensor parallelism (torchrun)")
     parser.add_argument("--model", default=None, help="--engine tp: a model directory with its weights written")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
     args = parser.parse_args()
@@ -174,7 +187,9 @@ def main() -> None:
         try:
             rows.append(run_path(path, model, args.context, gpus))
         except Exception as err:  # a path that fails is reported in its row, the others still run
-            rows.append({"path": path, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
+            if tp:  # one rank's failure leaves the others waiting in a collective: stop every rank (torchrun)
+                raise
+            rows.append({"path": path, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"})
             torch.cuda.empty_cache()
         if lead:
             print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)

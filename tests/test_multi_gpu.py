@@ -190,7 +190,10 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
 
         torch.cuda.set_device(rank)
         reached(log, "started")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16, tp_plan="auto").eval()
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float16,
+                                                     distributed_config=DistributedConfig(tp_plan="auto")).eval()
         model.generation_config.eos_token_id = None
         reached(log, "model loaded under tp_plan=auto")
         lm = LoadedModel(model=model, tokenizer=None, spec="tiny")

@@ -1,7 +1,7 @@
-"""`KvcalibCache` under transformers' tensor parallelism (`from_pretrained(..., tp_plan="auto")` under torchrun):
-two CPU processes joined by gloo, as `torchrun --nproc-per-node 2` starts them, each holding half of every
-layer's heads and its own heads' cache. Greedy decoding through `model.generate` gives the one-process tokens,
-and logits within float64 round-off: the model is float64, so the ranks' partial sums of the row-split
+"""`KvcalibCache` under transformers' tensor parallelism (`from_pretrained(...,
+distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun): two CPU processes joined by gloo, as
+`torchrun --nproc-per-node 2` starts them, each holding half of every layer's heads and its own heads' cache.
+Greedy decoding through `model.generate` gives the one-process tokens, and logits within float64 round-off: the model is float64, so the ranks' partial sums of the row-split
 projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
 relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
 by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's adapters, calibrated
@@ -27,6 +27,7 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     """Each method's greedy tokens and logits through model.generate, and what a per-head method and the static
     cache say under tensor parallelism."""
     from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
 
     from kvcalib.errors import SettingsError
     from kvcalib.methods import MethodSettings
@@ -36,8 +37,8 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     from kvcalib.runtime.static_cache import StaticKvcalibCache
     from test_runtime_cache import _kvlinc_with_adapters, _plan, _turboquant_per_head, _vecinfer_with_sinks
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64,
-                                                 **({"tp_plan": "auto"} if tensor_parallel else {}))
+    parallel = {"distributed_config": DistributedConfig(tp_plan="auto")} if tensor_parallel else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, **parallel)
     model.generation_config.eos_token_id = None
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
     prompt = torch.randint(1, 512, (1, 37), generator=torch.Generator().manual_seed(0))

@@ -257,19 +257,23 @@ class CapturedDecoder(Decoder):
         mode = "thread_local" if tensor_parallel_size(model) > 1 else "global"
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
-        for flush in (True, False):  # each in its own memory pool: they replay in any order
-            self._set_flush(flush)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warmup):
-                    self._call()
-                    self._restore(saved)
-            torch.cuda.current_stream(device).wait_stream(side)
-            self.graphs[flush] = torch.cuda.CUDAGraph()
-            with _no_collection(), torch.cuda.graph(self.graphs[flush], capture_error_mode=mode):
-                self.outputs[flush] = self._call()
-            self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
+        try:
+            for flush in (True, False):  # each in its own memory pool: they replay in any order
+                self._set_flush(flush)
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    for _ in range(warmup):
+                        self._call()
+                        self._restore(saved)
+                torch.cuda.current_stream(device).wait_stream(side)
+                self.graphs[flush] = torch.cuda.CUDAGraph()
+                with _no_collection(), torch.cuda.graph(self.graphs[flush], capture_error_mode=mode):
+                    self.outputs[flush] = self._call()
+                self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
+        except BaseException:
+            self.close()  # a graph already captured goes now: no one holds this decoder to close it later
+            raise
         self._set_flush(True)
 
     def _set_flush(self, flush: bool) -> None:
