@@ -1,15 +1,14 @@
 """`KvcalibCache` under transformers' tensor parallelism (`from_pretrained(...,
 distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun): two CPU processes joined by gloo, as
-`torchrun --nproc-per-node 2` starts them, each holding half of every layer's heads and its own heads' cache.
-Greedy decoding through `model.generate` gives the one-process tokens, and logits within float64 round-off: the model is float64, so the ranks' partial sums of the row-split
-projections, added by the all-reduce in another order than one process adds them, differ by ~1e-16
-relative (1e-9 is a bound several orders above that and below any cache error: a 2-bit cache moves logits
-by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's adapters, calibrated
-TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part; one without (VecInfer with
-shared codebooks and no smoothing) serves every rank as it is. The static cache runs on
-CUDA only: here its construction is checked (its CUDA check set aside), each rank's buffers holding the rank's
-own KV heads, and a VecInfer cache its own heads' smoothing (tests/test_multi_gpu.py decodes with it on two
-GPUs)."""
+`torchrun --nproc-per-node 2` starts them, each holding half of every layer's heads and its own heads' cache. Greedy
+decoding through `model.generate` gives the one-process tokens, and logits within float64 round-off: the model is
+float64, so the ranks' partial sums of the row-split projections, added by the all-reduce in another order than one
+process adds them, differ by ~1e-16 relative (1e-9 is a bound several orders above that and below any cache error: a
+2-bit cache moves logits by ~1e-2). Methods that hold data per KV head (VecInfer's smoothing and codebooks, KVLinC's
+adapters, calibrated TurboQuant's per-head codebooks, a plan's schemes) give each rank its own heads' part; one
+without (VecInfer with shared codebooks and no smoothing) serves every rank as it is. The static cache runs on CUDA
+only: here its construction is checked (its CUDA check set aside), each rank's buffers holding the rank's own KV
+heads, and a VecInfer cache its own heads' smoothing (tests/test_multi_gpu.py decodes with it on two GPUs)."""
 
 from __future__ import annotations
 
