@@ -4,7 +4,8 @@ peak GPU memory (the process's, sampled from `nvidia-smi` every 0.2 s, CUDA cont
 
     python benchmarks/calibrate.py --model DIR [--num-samples 64] [--seq-len 2048] [--max-tokens N] [--nproc 1]
                                    [--device auto | --device-map auto] [--work runs/calibrate] [--steps all] [--keep]
-                                   [--train-layers 0-1] [--train-samples 8] [--budget 2.25] [--eval-methods kivi] [--results FILE]
+                                   [--train-layers 0-1] [--train-samples 8] [--budget 2.25] [--eval-methods kivi]
+                                   [--results FILE]
 
 Steps: collect (`--num-samples` x `--seq-len`), fit-codebook d4b8 and d8b12, train-adapters (`--train-layers`, 0-1 by
 default), diagnose, plan (`--budget`, one process: it is not data-parallel), eval (each of `--eval-methods`, KIVI-2
@@ -16,13 +17,14 @@ time is not counted: a user has a model); on a machine without the embedded GGUF
 a tokenizer saved where the GGUF is (a few MB to carry). The table gives the pipeline's total (collect, fits, training,
 diagnose) beside each step (of those run: `--steps` picks some, e.g. `fit-d8b12`, and `--keep` reuses
 the work directory's collection, to spread a pipeline over runs of limited length); host memory is the
-largest of the processes of a step. Each step's time is also split around its own progress bars (`phases`):
-before (process, CUDA, the model or the collection's index), during (the chunks, layers or windows the ranks share under
-torchrun) and after (gathering, rank 0's writing): what data-parallel can shrink and what it cannot. `--max-tokens N` is
-collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample
-of positions in each window); train-adapters trains on whole windows, so with `--max-tokens` the train step first
-collects `--train-samples` windows (8 by default) whole, its own row. An 8B model stores 393 kB per token over its 32 layers (Q of 32 heads, K and
-V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk holds beside the model.
+largest of the processes of a step. Each step's time is also split around its own progress bars (`phases`): before
+(process, CUDA, the model or the collection's index), during (the chunks, layers or windows the ranks share under
+torchrun) and after (gathering, rank 0's writing): what data-parallel can shrink and what it cannot. `--max-tokens
+N` is collect's own: every window runs through the model whole, N tokens per layer are stored (a seeded sample of
+positions in each window); train-adapters trains on whole windows, so with `--max-tokens` the train step first
+collects `--train-samples` windows (8 by default) whole, its own row. An 8B model stores 393 kB per token over its
+32 layers (Q of 32 heads, K and V of 8, float16): 64 x 2048 tokens whole is 51 GB, more than the GPU machines' disk
+holds beside the model.
 """
 
 from __future__ import annotations
@@ -184,13 +186,15 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
-    whole = str(work / "acts-whole")  # training's collection where --max-tokens samples positions (it needs whole windows)
+    whole = str(work / "acts-whole")  # training's collection (whole windows) where --max-tokens samples positions
+
+    def collect(samples: int, out: str, stored: int | None) -> list[str]:
+        return ["collect", "--model", args.model, "--num-samples", str(samples), "--seq-len", str(args.seq_len), *place,
+                "--out", out, *(["--max-tokens", str(stored)] if stored else [])]
     given = {"turboquant": ["--bits", "2"], "vecinfer": ["--artifacts", str(work / "vq-d4b8")],
              "kvlinc": ["--artifacts", str(work / "kvlinc")], "plan": ["--artifacts", str(work / "plan")]}
     steps = {  # key (`STEPS`, --steps): [(the table's name for it, the launcher, the command)]
-        "collect": [("collect", launch, ["collect", "--model", args.model, "--num-samples", str(args.num_samples),
-                                         "--seq-len", str(args.seq_len), *place, "--out", acts,
-                                         *(["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])])],
+        "collect": [("collect", launch, collect(args.num_samples, acts, args.max_tokens))],
         "fit-d4b8": [("fit-codebook d4b8", launch, ["fit-codebook", "--activations", acts, "--k-config", "d4b8",
                                                     "--v-config", "d4b8", "--device", args.device, "--out",
                                                     str(work / "vq-d4b8")])],
@@ -198,8 +202,7 @@ def main() -> None:
                                                       "--v-config", "d8b12", "--device", args.device, "--out",
                                                       str(work / "vq-d8b12")])],
         "train": [*([(f"collect for training ({args.train_samples} x {args.seq_len}, whole windows)", launch,
-                      ["collect", "--model", args.model, "--num-samples", str(args.train_samples), "--seq-len",
-                       str(args.seq_len), *place, "--out", whole])] if args.max_tokens else []),
+                      collect(args.train_samples, whole, None))] if args.max_tokens else []),
                   (f"train-adapters (layers {args.train_layers})", launch,
                    ["train-adapters", "--activations", whole if args.max_tokens else acts, "--layers",
                     args.train_layers, "--device", args.device, "--out", str(work / "kvlinc")])],
@@ -237,8 +240,10 @@ def main() -> None:
              f"| pipeline: collect + fits + training + diagnose | {pipeline:.1f} | | | | |"]
     import torch
 
-    gpus = torch.cuda.device_count()
-    machine = "CPU" if not gpus else f"{gpus} x {torch.cuda.get_device_name()}" if gpus > 1 else torch.cuda.get_device_name()
+    # the GPUs the run used: all of them where the model is spread or each process takes its own, else one
+    used = torch.cuda.device_count() if args.device_map == "auto" else args.nproc
+    machine = "CPU" if not torch.cuda.is_available() else (
+        f"{used} x {torch.cuda.get_device_name()}" if used > 1 else torch.cuda.get_device_name())
     trained = "" if args.train_layers == "0-1" else f", adapters on layers {args.train_layers}"
     title = (f"Calibration pipeline, {machine}, {Path(args.model).name}, {args.num_samples} x {args.seq_len}, "
              f"{how}{trained}")

@@ -7,13 +7,12 @@ fp16 paths on the same GPUs, in one process.
     torchrun --nproc-per-node 2 benchmarks/generate_spread.py --engine tp --model DIR [--context 32768]
 
 `--engine tp`: the other way to spread a model, transformers' tensor parallelism (`from_pretrained(DIR,
-tp_plan="auto")` under torchrun, NCCL): every GPU holds a share of every layer's heads and they run together,
-each rank's caches holding its own KV heads (the static caches capture each rank's step). Its weights are read
-from DIR, written first: `kvcalib make-model --shape llama-3.1-70b --dtype float16 --device cuda --out DIR`
-(drawn on the GPU; 138.5 GB with the embedded tokenizer's vocabulary, which the lent two-GPU machine's 256 GiB
-/dev/shm holds). Rank 0 times and records; the
-byte floor is then a rank's share of the weights and of the cache over one GPU's copy bandwidth (the GPUs run
-at once).
+distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun, NCCL): every GPU holds a share of every
+layer's heads and they run together, each rank's caches holding its own KV heads (the static caches capture each
+rank's step). Its weights are read from DIR, written first: `kvcalib make-model --shape llama-3.1-70b --dtype
+float16 --device cuda --out DIR` (drawn on the GPU; 138.5 GB with the embedded tokenizer's vocabulary, which the
+lent two-GPU machine's 256 GiB /dev/shm holds). Rank 0 times and records; the byte floor is then a rank's share of
+the weights and of the cache over one GPU's copy bandwidth (the GPUs run at once).
 
 Paths:
 - `fp16-dynamic`: `model.generate` as it comes (DynamicCache, SDPA, eager);
@@ -76,19 +75,18 @@ def spread_model(shape: str, context: int):
 
 
 def tp_model(directory: str):
-    """The model of `directory` under transformers' tensor parallelism on this rank's GPU (module docstring)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    """The model of `directory` under transformers' tensor parallelism on this rank's GPU, the current device
+    (module docstring)."""
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # before the process group exists (from_pretrained makes it): NCCL's support for mixing captured and eager
     # collectives slows both, and here they never run at once (transformers' own advice under tensor parallelism)
     os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16,
                                                  distributed_config=DistributedConfig(tp_plan="auto")).eval()
     model.generation_config.eos_token_id = None
-    return model, AutoConfig.from_pretrained(directory)
+    return model, model.config
 
 
 def floor_bytes(model, config, path: str, tokens: int, ranks: int = 1) -> float:
@@ -179,9 +177,11 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     bandwidth = copy_bandwidth()  # before the weights take the memory
     model, config = tp_model(args.model) if tp else spread_model(args.shape, args.context)
-    ranks = int(os.environ.get("WORLD_SIZE", "1")) if tp else 1
+    from kvcalib.runtime.cache import tensor_parallel_rank, tensor_parallel_size
+
+    ranks = tensor_parallel_size(model)
     gpus = [torch.cuda.current_device()] if tp else list(range(torch.cuda.device_count()))
-    lead = not tp or int(os.environ.get("RANK", "0")) == 0  # the rank that reports
+    lead = tensor_parallel_rank(model) == 0  # the rank that reports
     rows = []
     for path in paths:
         try:
@@ -218,7 +218,8 @@ def main() -> None:
 
     spread = f"tensor parallelism over {ranks} GPUs" if tp else f"a model over {torch.cuda.device_count()} GPUs"
     shape = Path(args.model).name if tp else f"{args.shape} shape"
-    title = (f"Decoding {spread} through model.generate, {len(gpus) * ranks} x {torch.cuda.get_device_name()}, "
+    cards = f"{ranks if tp else len(gpus)} x {torch.cuda.get_device_name()}"
+    title = (f"Decoding {spread} through model.generate, {cards}, "
              f"{shape} (random init), B=1")
     table = "\n".join(lines)
     print(f"\n{title}, {args.context}-token prompt\n\n{table}")

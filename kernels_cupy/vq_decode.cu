@@ -431,7 +431,7 @@ __device__ __forceinline__ void rows_tiles(int r0, int nrows, int c_first, int c
 __device__ __forceinline__ void merge_parts(long bh, int num_parts, const float* part_acc, const float* part_ml,
                                             QT* __restrict__ out, float* w) {
   static_assert(MERGE_ROUND >= 8, "the ring's memory holds a round of the merge's weights");
-  static_assert(NT >= GQ * D / 4, "a thread for each 4 channels of each head (kvcalib/formats/vq/launch.py, _min_warps)");
+  static_assert(NT >= GQ * D / 4, "a thread for each 4 channels of each head (formats/vq/launch.py, _min_warps)");
   __shared__ float head_m[8], head_den[8], head_alpha[8];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float (*mw)[MERGE_ROUND] = reinterpret_cast<float (*)[MERGE_ROUND]>(w);  // the round's m, then its weights

@@ -1,4 +1,5 @@
-"""The INT2 layout the fused kernel reads (kvcalib.formats.int2.layout, CPU): tensor-core order of the codes and its reference."""
+"""The INT2 layout the fused kernel reads (kvcalib.formats.int2.layout, CPU): tensor-core order of the codes and its
+reference."""
 
 import dataclasses
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 from kvcalib.quant import dequantize, quantize
-from kvcalib.formats.int2.layout import append_block, from_tensor_core_order, pack, reference_decode, to_tensor_core_order
+from kvcalib.formats.int2.layout import (append_block, from_tensor_core_order, pack, reference_decode,
+                                         to_tensor_core_order)
 from tolerances import U64, gamma
 
 

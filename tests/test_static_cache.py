@@ -328,7 +328,8 @@ def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_
 
     def captured() -> CapturedDecoder:
         decoder = object.__new__(CapturedDecoder)  # no capture without CUDA: the graphs are stand-ins
-        decoder.graphs, decoder.outputs = {True: _Graph(), False: _Graph()}, {True: torch.zeros(1), False: torch.zeros(1)}
+        decoder.graphs = {True: _Graph(), False: _Graph()}
+        decoder.outputs = {True: torch.zeros(1), False: torch.zeros(1)}
         return decoder
 
     cache = object.__new__(StaticKvcalibCache)

@@ -33,8 +33,8 @@ from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
 from ..formats.int2.layout import Int2Spec
-from ..quant import Quantized
 from ..formats.vq.layout import VQBooks
+from ..quant import Quantized
 
 
 def kv_head_part(shape, start: int, stop: int):

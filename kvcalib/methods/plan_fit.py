@@ -209,45 +209,44 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
 
     # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
     # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
-    bar = tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward")
-    for window_ids in windows:
-        ids = window_ids.unsqueeze(0).to(device)
+    with tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward") as bar:
+        for window_ids in windows:
+            ids = window_ids.unsqueeze(0).to(device)
 
-        def per_kv_head(diff: torch.Tensor) -> torch.Tensor:
-            """Σ diff² over (B, Hq, T, d) per KV head: query heads j * g .. (j + 1) * g - 1 read KV head j."""
-            b, hq, t, d = diff.shape
-            return diff.double().pow(2).reshape(b, shape.num_kv_heads, -1).sum((0, 2)).cpu()
+            def per_kv_head(diff: torch.Tensor) -> torch.Tensor:
+                """Σ diff² over (B, Hq, T, d) per KV head: query heads j * g .. (j + 1) * g - 1 read KV head j."""
+                b, hq, t, d = diff.shape
+                return diff.double().pow(2).reshape(b, shape.num_kv_heads, -1).sum((0, 2)).cpu()
 
-        def reference(layer: int, q, k, v, opts: AttentionOptions):
-            k16, v16, flushed, ref = cache_of(k, v, q, opts)
-            for j, name in enumerate(names):
-                held: Held = hold(coders[name], layer, k, v)
-                err[layer, 0, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, held.k, v16, flushed) - ref)
-                err[layer, 1, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref)
-            return ref
-
-        hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
-                 for i, layer in enumerate(layers)]
-        try:
-            ref_logp = log_probs(ids, reference)
-        finally:
-            for hook in hooks:
-                hook.remove()
-        bar.update()
-        ref_p = ref_logp.exp()  # once a window, not once an item
-        for target, which in itertools.product(range(shape.num_layers), (0, 1)):
-            def one_item(layer: int, q, k, v, opts: AttentionOptions):
+            def reference(layer: int, q, k, v, opts: AttentionOptions):
                 k16, v16, flushed, ref = cache_of(k, v, q, opts)
-                if layer != target:
-                    return ref
-                held: Held = hold(coders[anchor], layer, k, v)
-                kh, vh = (held.k, v16) if which == 0 else (k16, held.v)
-                return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
+                for j, name in enumerate(names):
+                    held: Held = hold(coders[name], layer, k, v)
+                    err[layer, 0, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, held.k, v16, flushed) - ref)
+                    err[layer, 1, :, j] += per_kv_head(mixed_attention(q, k16, v16, opts, k16, held.v, flushed) - ref)
+                return ref
 
-            logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
-            kl[target, which] += (ref_p * (ref_logp - logp)).sum().cpu()
+            hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
+                     for i, layer in enumerate(layers)]
+            try:
+                ref_logp = log_probs(ids, reference)
+            finally:
+                for hook in hooks:
+                    hook.remove()
             bar.update()
-    bar.close()
+            ref_p = ref_logp.exp()  # once a window, not once an item
+            for target, which in itertools.product(range(shape.num_layers), (0, 1)):
+                def one_item(layer: int, q, k, v, opts: AttentionOptions):
+                    k16, v16, flushed, ref = cache_of(k, v, q, opts)
+                    if layer != target:
+                        return ref
+                    held: Held = hold(coders[anchor], layer, k, v)
+                    kh, vh = (held.k, v16) if which == 0 else (k16, held.v)
+                    return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
+
+                logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
+                kl[target, which] += (ref_p * (ref_logp - logp)).sum().cpu()
+                bar.update()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
     return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
 

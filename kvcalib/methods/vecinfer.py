@@ -41,9 +41,9 @@ from .. import vq
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from ..hadamard import rotate
 from ..models import AttentionShape, LoadedModel
-from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)

@@ -40,15 +40,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
+from ..formats.int2.launch import fused_decode, supports
 from ..formats.int2.layout import PackedLayer, append_block
-from ..methods import Method, MethodSettings, build_method, keep_sinks
-from ..models import LoadedModel, attention_shape
+from ..formats.vq.launch import supports as vq_supports
+from ..formats.vq.launch import vq_decode
 from ..formats.vq.layout import VQLayer
 from ..formats.vq.layout import append_block as vq_append
 from ..formats.vq.layout import flushed_kv as vq_flushed_kv
-from ..formats.int2.launch import fused_decode, supports
-from ..formats.vq.launch import supports as vq_supports
-from ..formats.vq.launch import vq_decode
+from ..methods import Method, MethodSettings, build_method, keep_sinks
+from ..models import LoadedModel, attention_shape
 
 log = logging.getLogger(__name__)
 IMPLEMENTATION = "kvcalib_runtime"
@@ -526,7 +526,8 @@ def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLaye
     """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, with the method's
     correction terms entering at the merge; (B, Hq, 1, D) in the compute dtype. Everything here is in the
     model's basis: where the method stores blocks rotated, the kernel rotates the query for them and their
-    partial outputs back (`kvcalib.formats.int2.layout`). `counts`: a static cache's per-sequence counts on the device."""
+    partial outputs back (`kvcalib.formats.int2.layout`). `counts`: a static cache's per-sequence counts on the
+    device."""
     terms = method.correction(layer, q, state)
     if terms is not None:
         terms = (terms[0][:, :, 0], terms[1][:, :, 0])  # the single new position

@@ -76,11 +76,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
-from ..hadamard import hadamard
 from ..formats.int2.layout import PackedLayer, kernel_parts
+from ..formats.vq.layout import VQLayer
+from ..hadamard import hadamard
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
-from ..formats.vq.layout import VQLayer
 from .cache import (IMPLEMENTATION, check_static, for_this_rank, fused_attend, hand_to_attention,
                     register_attention, tensor_parallel_size, vq_attend)
 from .captured import CapturedDecoder, Decoder, compile_mode

@@ -13,8 +13,8 @@ import torch
 
 from ...errors import SettingsError
 from ...vq import VQConfig
-from .layout import VQBooks, VQLayer
 from ..int2.launch import MAX_GQA, _sm_count, splits
+from .layout import VQBooks, VQLayer
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
