@@ -1,4 +1,4 @@
-// Fused decode attention over the packed INT2 cache of kvcalib.quant (KIVI, OScaR).
+// Fused decode attention over the packed INT2 cache of kvcalib.quant (KIVI, OScaR, KVLinC).
 //
 // Computes, for one new query per (batch, query head), softmax(q K^T * scale) V over
 //   - T flushed tokens stored packed: keys per-channel (2-bit codes, fp16 scale/zero per G tokens
