@@ -187,9 +187,11 @@ def main() -> None:
         try:
             rows.append(run_path(path, model, args.context, gpus))
         except Exception as err:  # a path that fails is reported in its row, the others still run
-            if tp:  # one rank's failure leaves the others waiting in a collective: stop every rank (torchrun)
-                raise
             rows.append({"path": path, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"})
+            if tp:  # one rank's failure leaves the others waiting in a collective: stop every rank (torchrun),
+                if lead:  # the rows run so far recorded first
+                    report(rows, args, model, config, ranks, bandwidth, gpus)
+                raise
             torch.cuda.empty_cache()
         if lead:
             print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)
@@ -200,6 +202,11 @@ def main() -> None:
             dist.destroy_process_group()
         if not lead:
             return
+    report(rows, args, model, config, ranks, bandwidth, gpus)
+
+
+def report(rows: list[dict], args, model, config, ranks: int, bandwidth: float, gpus: list[int]) -> None:
+    """Print and record the table of `rows` (a failed path's row says why)."""
     base = next((r for r in rows if r["path"] == "fp16-dynamic" and "per" in r), None)
     fastest_fp16 = min((r["per"] for r in rows if r["path"].startswith("fp16") and "per" in r), default=None)
     lines = ["| path | first call s | TTFT s | ms/token | x fp16-dynamic | x fastest fp16 | byte floor ms | "
@@ -216,15 +223,17 @@ def main() -> None:
                      f"{1e3 * floor:.2f} | {r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |")
     from results import RESULTS, record
 
-    spread = f"tensor parallelism over {ranks} GPUs" if tp else f"a model over {torch.cuda.device_count()} GPUs"
-    shape = Path(args.model).name if tp else f"{args.shape} shape"
+    tp = args.engine == "tp"
     cards = f"{ranks if tp else len(gpus)} x {torch.cuda.get_device_name()}"
-    title = (f"Decoding {spread} through model.generate, {cards}, "
-             f"{shape} (random init), B=1")
+    if tp:
+        title = (f"Decoding under tensor parallelism over {ranks} GPUs through model.generate, {cards}, "
+                 f"the model of {Path(args.model).name}, B=1")
+    else:
+        title = (f"Decoding a model over {len(gpus)} GPUs through model.generate, {cards}, {args.shape} shape "
+                 "(random init), B=1")
     table = "\n".join(lines)
     print(f"\n{title}, {args.context}-token prompt\n\n{table}")
     record(f"{title}, {args.context}-token prompt", table, sys.argv, args.results or RESULTS)
-
 
 if __name__ == "__main__":
     main()
