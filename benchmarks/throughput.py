@@ -4,6 +4,14 @@ random-initialised Llama-3.1-8B-shaped model of benchmarks/generate.py (fp16).
 
     python benchmarks/throughput.py [--budget-gib 70] [--contexts 32768,131072] [--steps 64] [--caches all]
                                     [--start-batch CACHE=B,...]
+    torchrun --nproc-per-node 2 benchmarks/throughput.py --model DIR [--budget-gib 70] [--contexts 32768] ...
+
+Under torchrun (`--model DIR`, its weights written: `kvcalib make-model --shape llama-3.1-70b --dtype float16
+--device cuda --out DIR`) the model is DIR's under transformers' tensor parallelism (generate_spread.py's
+`tp_model`): every GPU holds a share of every layer's heads, each rank's cache its own KV heads. The budget
+is then a GPU's (`--budget-gib` on each, its share of the weights included); the ranks probe and measure the
+same batch (the smallest any rank fits, the largest peak any rank saw), and rank 0 times and records; the byte
+floor is a rank's share of the weights and of the cache.
 
 Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
@@ -47,6 +55,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import os
 import statistics
 import sys
 
@@ -57,6 +66,7 @@ from generate import CACHES as INT2_CACHES
 from generate import VECINFER
 from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, spoken, timed_steps
 from kvcalib.models import LoadedModel
+from kvcalib.runtime.cache import tensor_parallel_rank, tensor_parallel_size
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
@@ -68,12 +78,14 @@ PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vre
 
 
 def build(name: str, lm: LoadedModel, batch: int, length: int):
-    """The cache `name` with `batch` slots of `length` tokens, every buffer allocated."""
+    """The cache `name` with `batch` slots of `length` tokens, every buffer allocated (under tensor parallelism,
+    this rank's KV heads)."""
     if name == "fp16-static-compile":
         c = lm.model.config
         lm.model.set_attn_implementation("sdpa")
         cache = StaticCache(config=c, max_cache_len=length)
-        cache.early_initialization(batch, c.num_key_value_heads, c.head_dim, torch.float16, torch.device("cuda"))
+        heads = c.num_key_value_heads // tensor_parallel_size(lm.model)
+        cache.early_initialization(batch, heads, c.head_dim, torch.float16, torch.device("cuda"))
         return cache
     return StaticKvcalibCache(lm, kvcalib_method(name.split("-")[0], lm), max_batch=batch, max_length=length)
 
@@ -171,6 +183,24 @@ def prefilled(name: str, lm: LoadedModel, length: int, prompt: torch.Tensor):
     return one
 
 
+def prompt_ids(vocab: int, count: int, seed: int) -> torch.Tensor:
+    """`count` random token ids on the GPU, the same on every rank (tensor parallelism feeds each rank the same
+    tokens)."""
+    return torch.randint(0, vocab, (count,), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+def agree(value: float, most: bool) -> float:
+    """Under tensor parallelism, the largest (`most`) or smallest `value` over the ranks, so that every rank
+    takes the same batch and the same decisions (a rank alone would wait in a collective); else `value`."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if most else dist.ReduceOp.MIN)
+    return t.item()
+
+
 def fill(cache, one, batch: int, ctx: int) -> None:
     """Slots holding the prompt of `one` (module docstring: one prefill copied), or fp16 noise (`one` None)."""
     if one is None:
@@ -196,7 +226,7 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int, profil
     release()
     length = ctx + steps + 16
     with torch.no_grad():
-        one = prefilled(name, lm, length, torch.randint(0, lm.model.config.vocab_size, (1, ctx), device="cuda"))
+        one = prefilled(name, lm, length, prompt_ids(lm.model.config.vocab_size, ctx, ctx)[None])
         cache = build(name, lm, batch, length)
         fill(cache, one, batch, ctx)
     del one
@@ -207,13 +237,15 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int, profil
     else:
         decoder = CapturedDecoder(lm.model, cache, compile=name.endswith("-static-compiled"))  # (compiled and) captured here
         step, warm = (lambda t: decoder.step(t).argmax(-1)), 3
-    tokens = torch.randint(0, lm.model.config.vocab_size, (batch,), device="cuda")
+    tokens = prompt_ids(lm.model.config.vocab_size, batch, 1)
     with torch.no_grad():
         _, warmed = timed_steps(step, tokens, warm)  # compile and capture happen here
         seconds, _ = timed_steps(step, warmed[-1], steps)
-    peak = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    peak = agree(torch.cuda.max_memory_allocated(), True), agree(torch.cuda.max_memory_reserved(), True)
     if profile:
         profile_kinds(step, warmed[-1], profile, f"{ctx} {name} B={batch}", statistics.median(seconds))
+    if name != "fp16-static-compile":
+        decoder.close()  # its graphs now (under tensor parallelism they hold NCCL collectives)
     del cache, step
     median, p99 = median_p99(seconds)
     return {"median": median, "p99": p99, "peak": peak}
@@ -253,8 +285,13 @@ def main() -> None:
                              "found: each measure is a compile); the budget check and re-measure still apply")
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after timing, profile this many steps of each measured batch (GPU time by kind)")
+    parser.add_argument("--model", default=None,
+                        help="under torchrun: a model directory with its weights written, run under tensor parallelism")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
+    tp = "LOCAL_RANK" in os.environ
+    if tp != (args.model is not None):
+        parser.error("--model DIR runs under torchrun --nproc-per-node N (tensor parallelism), and torchrun needs it")
     caches = CACHES if args.caches == "all" else args.caches.split(",")
     start = {}
     for item in (args.start_batch.split(",") if args.start_batch else []):
@@ -264,13 +301,22 @@ def main() -> None:
         start[name] = int(value)
     contexts = [int(c) for c in args.contexts.split(",")]
     budget = args.budget_gib * GIB
+    if tp:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     bandwidth = copy_bandwidth()
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
-    lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    weights = torch.cuda.memory_allocated()
-    lines = [f"budget {args.budget_gib:g} GiB; weights {weights / GIB:.2f} GiB allocated; copy bandwidth "
+    if tp:
+        from generate_spread import tp_model
+
+        model, _ = tp_model(args.model)
+    else:
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
+    lm = LoadedModel(model=model, tokenizer=None, spec=args.model or "llama-3.1-8b-shaped (random)")
+    ranks, lead = tensor_parallel_size(model), tensor_parallel_rank(model) == 0
+    weights = torch.cuda.memory_allocated()  # this rank's share under tensor parallelism
+    each = " a GPU" if tp else ""
+    lines = [f"budget {args.budget_gib:g} GiB{each}; weights {weights / GIB:.2f} GiB allocated{each}; copy bandwidth "
              f"{bandwidth / 1e12:.2f} TB/s; {args.steps} timed steps after the warm-up", "",
              "| context | cache | GiB per slot: cache + workspace | largest batch | peak GiB allocated / reserved | ms/step median "
              "| p99 | tokens/s | byte-floor tokens/s | median/floor | x fp16 tokens/s | x fp16's byte floor |",
@@ -282,30 +328,42 @@ def main() -> None:
             (c1, w1), (c2, w2) = (probe(name, lm, b, length, ctx) for b in (1, 2))
             per_slot = (c2 - c1) + (w2 - w1)
             fixed = (2 * c1 - c2) + (2 * w1 - w2)
-            batch = int((budget - weights - fixed) // per_slot)
+            batch = int(agree((budget - weights - fixed) // per_slot, False))
             print(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
                   f"at B=1/2 -> batch {batch}", flush=True)
             if name in start:
                 batch = start[name]
                 print(f"{ctx} {name}: starting at B={batch} (--start-batch)", flush=True)
-            res = measure(name, lm, batch, ctx, args.steps, args.profile)
+            res = measure(name, lm, batch, ctx, args.steps, args.profile) if batch >= 1 else None
             for _ in range(2):  # the compiled step may hold more than the eager probe saw: fit it in the budget
+                if res is None:
+                    break
                 over = res["peak"][0] - budget
                 if over <= 0:
                     break
                 print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
                       f"peak allocated {res['peak'][0] / GIB:.2f} GiB (over the budget)", flush=True)  # kept if cut
                 surplus = over / batch  # spread over the slots, as the probe's workspace is
-                smaller = min(batch - 1, int((budget - weights - fixed) // (per_slot + surplus)))
+                smaller = min(batch - 1, int(agree((budget - weights - fixed) // (per_slot + surplus), False)))
                 print(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
                       flush=True)
-                batch, res = smaller, measure(name, lm, smaller, ctx, args.steps)
-            floor = (weights + batch * held_bytes(name, ctx, model.config)) / bandwidth
+                batch, res = smaller, measure(name, lm, smaller, ctx, args.steps) if smaller >= 1 else None
+            if res is None:  # not one sequence of this context fits beside the weights (the 70B's fp16 at 32k, say)
+                rows[name] = (per_slot, c2 - c1, 0, None, None)
+                print(f"{ctx} {name}: holds no sequence of {ctx} tokens in the budget", flush=True)
+                continue
+            floor = (weights + batch * held_bytes(name, ctx, model.config) / ranks) / bandwidth
             rows[name] = (per_slot, c2 - c1, batch, res, floor)
             print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
                   f"peak allocated {res['peak'][0] / GIB:.2f}, reserved {res['peak'][1] / GIB:.2f} GiB", flush=True)
         base = rows.get("fp16-static-compile")
+        if base is not None and base[3] is None:
+            base = None  # fp16 holds no sequence: no ratio to it
         for name, (per_slot, cache_slot, batch, res, floor) in rows.items():
+            if res is None:
+                lines.append(f"| {ctx} | {name} | {cache_slot / GIB:.3f} + {(per_slot - cache_slot) / GIB:.3f} | 0: holds "
+                             "no sequence in the budget | | | | 0 | | | | |")
+                continue
             rate = batch / res["median"]
             versus = "-" if base is None else f"{rate / (base[2] / base[3]['median']):.1f}"
             # against the tokens/s fp16 would reach at its own byte floor with its slots (a paged fp16 engine
@@ -315,8 +373,17 @@ def main() -> None:
                          f"{res['peak'][0] / GIB:.1f} / {res['peak'][1] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
                          f"{batch / floor:.0f} | {res['median'] / floor:.2f} | {versus} | {floor_versus} |")
         print("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
-    title = (f"Decode throughput in a fixed memory budget, every method at {spoken(contexts)}, "
-             f"{torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)")
+    if tp:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()  # every decoder closed (`measure`), Inductor's graphs released
+        if not lead:
+            return
+        title = (f"Decode throughput in a fixed memory budget per GPU under tensor parallelism at {spoken(contexts)}, "
+                 f"{ranks} x {torch.cuda.get_device_name()}, the model of {os.path.basename(args.model.rstrip('/'))}")
+    else:
+        title = (f"Decode throughput in a fixed memory budget, every method at {spoken(contexts)}, "
+                 f"{torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)")
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)
