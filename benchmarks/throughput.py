@@ -11,7 +11,8 @@ Under torchrun (`--model DIR`, its weights written: `kvcalib make-model --shape 
 `tp_model`): every GPU holds a share of every layer's heads, each rank's cache its own KV heads. The budget
 is then a GPU's (`--budget-gib` on each, its share of the weights included); the ranks probe and measure the
 same batch (the smallest any rank fits, the largest peak any rank saw), and rank 0 times and records; the byte
-floor is a rank's share of the weights and of the cache.
+floor is a rank's share of the weights and of the cache. kvcalib's `-static-compiled` step is captured with its
+regions compiled there (`compile="regions"`, what `model.generate` runs), not the whole step.
 
 Caches, each at its fastest path in generate.py:
 - `fp16-static-compile`: transformers' StaticCache, the forward under `torch.compile(mode="reduce-overhead")`;
@@ -235,7 +236,10 @@ def measure(name: str, lm: LoadedModel, batch: int, ctx: int, steps: int, profil
     if name == "fp16-static-compile":
         step, warm = fp16_step(lm.model, cache, batch, ctx, compiled=True), 6
     else:
-        decoder = CapturedDecoder(lm.model, cache, compile=name.endswith("-static-compiled"))  # (compiled and) captured here
+        # (compiled and) captured here; under tensor parallelism its regions compiled, as `model.generate` serves it
+        # there (the whole step's compile has not run with the ranks' collectives)
+        compiled = ("regions" if tensor_parallel_size(lm.model) > 1 else True) if name.endswith("-static-compiled") else False
+        decoder = CapturedDecoder(lm.model, cache, compile=compiled)
         step, warm = (lambda t: decoder.step(t).argmax(-1)), 3
     tokens = prompt_ids(lm.model.config.vocab_size, batch, 1)
     with torch.no_grad():
@@ -376,7 +380,8 @@ def main() -> None:
     if tp:
         import torch.distributed as dist
 
-        dist.destroy_process_group()  # every decoder closed (`measure`), Inductor's graphs released
+        release()  # Inductor's graphs of a compiled fp16 step hold the all-reduces too: freed before the group goes
+        dist.destroy_process_group()  # (every kvcalib decoder is closed in `measure`)
         if not lead:
             return
         title = (f"Decode throughput in a fixed memory budget per GPU under tensor parallelism at {spoken(contexts)}, "
