@@ -176,7 +176,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
                  artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
                  repetition_penalty, seed, trust_remote_code, device) -> None:
-    """Continue a prompt through a compressed cache, streaming the tokens to stdout."""
+    """Continue a prompt through a compressed cache, streaming the tokens to stdout. Under torchrun
+    (--nproc-per-node N) the model is split over the GPUs by tensor parallelism and rank 0 streams."""
     from .generate import generate
     from .methods import MethodSettings
 

@@ -8,10 +8,17 @@ static cache whose decode steps replay one captured CUDA graph, where it holds t
 (`kvcalib.runtime.static_cache`); elsewhere `KvcalibCache`, whose steps run the fused kernels where the
 method has one on CUDA and the torch reference otherwise. `--method fp16` decodes with transformers'
 own float16 cache, for comparison.
+
+Under torchrun (`torchrun --nproc-per-node N -m kvcalib generate --model DIR ...`) the model is loaded under
+transformers' tensor parallelism, each rank holding its share of every layer's heads on its own GPU, and each
+rank's cache its own KV heads; the ranks decode together and rank 0 streams the text. This is the fast way to
+decode a model larger than one GPU (benchmarks/RESULTS.md, "Several GPUs of one host"); `device_map="auto"`
+(the layers in sequence) is the fallback.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TextIO
 
 import torch
@@ -19,7 +26,8 @@ from transformers import TextStreamer
 
 from .errors import SettingsError
 from .methods import Method, MethodSettings, build_method
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context, resolve_device
+from .parallel import local_device, world
 
 
 def runtime_cache(model: LoadedModel, method: Method, max_batch: int, max_length: int):
@@ -60,7 +68,7 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
     if do_sample and (temperature <= 0 or not 0 < top_p <= 1 or top_k < 0):
         raise SettingsError(f"sampling takes --temperature > 0, 0 < --top-p <= 1 and --top-k >= 0; got "
                             f"{temperature}, {top_p}, {top_k}")
-    lm = load_model(model, device, trust_remote_code=trust_remote_code)
+    lm = _load(model, device, trust_remote_code)
     if lm.tokenizer is None:
         raise SettingsError(f"{lm.spec} has no tokenizer: generate needs one to read the prompt and write the text")
     compressed = build_method(method, attention_shape(lm.config), settings, artifacts, lm)
@@ -71,14 +79,38 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
         raise SettingsError(f"the prompt's {length - max_new_tokens} tokens and --max-new-tokens {max_new_tokens} "
                             f"pass the model's context of {limit}: shorten one")
     cache = runtime_cache(lm, compressed, max_batch=1, max_length=length)
-    streamer = None if stream is None else _Streamer(lm.tokenizer, stream)
-    torch.manual_seed(seed)
+    from .runtime.cache import tensor_parallel_rank
+
+    lead = tensor_parallel_rank(lm.model) == 0  # under tensor parallelism one rank writes the text
+    streamer = None if stream is None or not lead else _Streamer(lm.tokenizer, stream)
+    torch.manual_seed(seed)  # the same on every rank: tensor-parallel ranks sample the same tokens
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k) if do_sample else {}
-    with torch.no_grad():
-        out = lm.model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                repetition_penalty=repetition_penalty, streamer=streamer,
-                                pad_token_id=lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id, **sampling)
+    try:
+        with torch.no_grad():
+            out = lm.model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens,
+                                    do_sample=do_sample, repetition_penalty=repetition_penalty, streamer=streamer,
+                                    pad_token_id=lm.tokenizer.pad_token_id or lm.tokenizer.eos_token_id, **sampling)
+    finally:
+        if hasattr(cache, "close"):  # a static cache's captured graphs, freed now (under tensor parallelism they
+            cache.close()            # hold NCCL collectives, which must be gone before the process group is)
     return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _load(model: str | LoadedModel, device: str | None, trust_remote_code: bool) -> LoadedModel:
+    """The model on `device`; under torchrun (several processes) under tensor parallelism, the process group
+    joined first (`kvcalib.parallel.world`: NCCL between GPUs, gloo on CPUs, left at exit)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or isinstance(model, LoadedModel):
+        return load_model(model, device, trust_remote_code=trust_remote_code)
+    here = local_device(resolve_device(device))  # refuses --device cuda:N: every rank takes its own GPU
+    if here == "cpu" and torch.cuda.is_available():
+        raise SettingsError("--device cpu under torchrun on a machine with GPUs: tensor parallelism puts each rank "
+                            "on its own GPU (give --device auto or cuda), or run without torchrun")
+    # before the group's communicator exists: NCCL's support for mixing captured and eager collectives slows both,
+    # and a decode step's captured all-reduces never run beside eager ones (transformers' advice under tensor
+    # parallelism)
+    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
+    world()
+    return load_model(model, trust_remote_code=trust_remote_code, tensor_parallel=True)
 
 
 class _Streamer(TextStreamer):

@@ -186,6 +186,9 @@ def _remote_code_message(spec: str) -> str:
             "run unless asked: pass --trust-remote-code if you trust where the model comes from")
 
 
+TENSOR_PARALLEL = "tensor-parallel"  # `_load_cached`'s placement for `load_model(tensor_parallel=True)`
+
+
 @functools.lru_cache(maxsize=1)
 def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool,
                  max_memory: tuple[tuple[int | str, str], ...] | None = None) -> LoadedModel:
@@ -194,6 +197,10 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
 
     hf_logging.disable_progress_bar()
     target, kwargs = _resolve(spec)
+    if device == TENSOR_PARALLEL and kwargs.get("generated"):
+        raise SettingsError(f"{spec}: tensor parallelism reads each rank's share of the weights from disk, and this "
+                            "directory's are drawn at load (make-model --weights generated): write them "
+                            "(make-model --weights written --device cuda)")
     is_local = Path(target).exists()
     if not is_local:
         _check_hub_reachable(spec)
@@ -207,8 +214,14 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
         if kwargs.pop("generated", False):
             model = generated_model(Path(target), dtype, device, memory)
         else:
-            placement = ({"device_map": "auto"} | ({"max_memory": memory} if memory else {})
-                         if device == "auto-map" else {"device_map": {"": device}})
+            if device == TENSOR_PARALLEL:  # each rank its share of every layer's heads, on its own device
+                from transformers.distributed import DistributedConfig
+
+                placement = {"distributed_config": DistributedConfig(tp_plan="auto")}
+            elif device == "auto-map":
+                placement = {"device_map": "auto"} | ({"max_memory": memory} if memory else {})
+            else:
+                placement = {"device_map": {"": device}}
             model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype, **placement, **kwargs)
     except (OSError, ValueError, ImportError) as err:
         if "trust_remote_code" in str(err):
@@ -270,18 +283,26 @@ def check_spread(device: str | None, device_map: str | None) -> None:
 
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
                dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-               device_map: str | None = None, max_memory: dict[int | str, str] | None = None) -> LoadedModel:
+               device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
+               tensor_parallel: bool = False) -> LoadedModel:
     """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
     `trust_remote_code` lets transformers run the model's own code, if its config asks for it.
     `device_map="auto"`: the layers spread over every GPU of the machine (a model larger than one GPU),
     each within `max_memory` ({0: "70GiB", "cpu": "100GiB"}, `parse_max_memory`) where given; `device`
     is then not given. Without it the weights go straight to `device`.
 
+    `tensor_parallel` (under torchrun, the process group joined: `kvcalib.parallel.world`): transformers' tensor
+    parallelism, `from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`, each rank holding its
+    share of every layer's heads on its own device (the current CUDA device, or the CPU); `device` is then that.
+
     The last model loaded stays cached in the process, so a Python session that collects and then
     evaluates loads it once.
     """
     if isinstance(spec, LoadedModel):
         return spec
+    if tensor_parallel:
+        dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+        return _load_cached(spec, TENSOR_PARALLEL, dtype, trust_remote_code)
     check_spread(device, device_map)
     if device_map == "auto":
         dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)

@@ -242,3 +242,29 @@ def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_re
         assert r["served"] == r["eager"] and [len(t) for t in r["served"]] == [30, 30, 30]
         assert len(r["generate"]) == 30
     assert ranks[0]["served"] == ranks[1]["served"] and ranks[0]["generate"] == ranks[1]["generate"]
+
+
+def test_kvcalib_generate_under_torchrun_serves_the_static_cache_split_over_two_gpus(tmp_path, tokenizer, monkeypatch):
+    """`torchrun --nproc-per-node 2 -m kvcalib generate ...` on two GPUs: each rank loads its share of the heads
+    (tensor parallelism), serves `StaticKvcalibCache` (its step captured, the all-reduces inside), and the ranks
+    write one text: rank 0 streams it, both return the same (every rank gets the all-reduced logits). Both ranks
+    end: `generate` closes the cache before the process group goes (a live graph's collectives would hold it;
+    `run_processes` fails a rank that does not end). Not compared with one process: float16's row-split sums round
+    differently (test above)."""
+    import test_parallel
+    from test_parallel import _free_port, run_processes
+    from test_tensor_parallel import _generate_child
+
+    monkeypatch.setattr(test_parallel, "TIMEOUT", 600)  # each rank compiles the cache's regions, cold
+    model_dir = tmp_path / "model"
+    tiny_model("llama", seed=5, head_dim=64, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=2).half().save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    port, logs = _free_port(), [tmp_path / f"generate{r}.json" for r in range(2)]
+    ranks = run_processes(_generate_child, [(r, 2, port, str(model_dir), str(logs[r]), "cuda") for r in range(2)],
+                          logs)
+    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    for r in ranks:
+        assert r["ranks"] == 2 and r["cache"] == "StaticKvcalibCache"
+    assert ranks[0]["text"] == ranks[1]["text"] != ""
+    assert ranks[0]["streamed"].strip() == ranks[0]["text"].strip() and ranks[1]["streamed"] == ""

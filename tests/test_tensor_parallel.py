@@ -151,3 +151,58 @@ def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, alone, tm
         with pytest.raises(AssertionError):
             _as_one_process(ranks[1], alone, name)
     _as_one_process(ranks[1], alone, "kivi")
+
+
+def _generate(model_dir: str, device: str = "cpu", residual: int = 16) -> dict:
+    """`kvcalib generate`'s function as a process runs it (under torchrun: tensor parallelism): the text it
+    returns, what it streamed, how the model it loaded is split and which cache served it."""
+    import io
+
+    import kvcalib.generate as module
+    from kvcalib.methods import MethodSettings
+    from kvcalib.runtime.cache import tensor_parallel_size
+
+    loaded, caches, load, make = [], [], module.load_model, module.runtime_cache
+    module.load_model = lambda *args, **kwargs: loaded.append(load(*args, **kwargs)) or loaded[-1]  # what it loads
+    module.runtime_cache = lambda *args, **kwargs: caches.append(make(*args, **kwargs)) or caches[-1]  # and serves
+    stream = io.StringIO()
+    try:
+        text = module.generate("The list holds", model=model_dir, method="kivi", max_new_tokens=12, device=device,
+                               stream=stream, settings=MethodSettings(bits=2, group_size=16, residual=residual))
+    finally:
+        module.load_model, module.runtime_cache = load, make
+    return {"text": text, "streamed": stream.getvalue(), "ranks": tensor_parallel_size(loaded[-1].model),
+            "cache": type(caches[-1]).__name__}
+
+
+def _generate_child(rank: int, size: int, port: int, model_dir: str, log: str, device: str = "cpu") -> None:
+    torch.set_num_threads(1)
+    as_rank(rank, size, port, log, lambda: _generate(model_dir, device))
+
+
+def test_kvcalib_generate_under_torchrun_decodes_under_tensor_parallelism_as_one_process(tiny_model_dir, tmp_path):
+    """`torchrun --nproc-per-node 2 -m kvcalib generate ...`: both ranks load the model split in two (each its share
+    of the heads) and continue the prompt to one process's text, greedily; rank 0 alone streams it. (The model is
+    float32 here: the ranks' partial sums, added in another order, move logits by ~1e-7 relative, far below the
+    gaps between this random model's top tokens, so the greedy text is the same.)"""
+    torch.set_num_threads(1)
+    alone = _generate(str(tiny_model_dir))
+    assert alone["ranks"] == 1 and alone["streamed"].strip() == alone["text"].strip() != ""
+    assert alone["cache"] == "KvcalibCache"  # on the CPU (the static cache's own test is tests/test_multi_gpu.py)
+    port, logs = _free_port(), [tmp_path / f"generate{r}.json" for r in range(2)]
+    ranks = run_processes(_generate_child, [(r, 2, port, str(tiny_model_dir), str(logs[r])) for r in range(2)], logs)
+    assert all(r["ok"] for r in ranks), [r.get("trace") for r in ranks]
+    for r in ranks:
+        assert r["ranks"] == 2 and r["text"] == alone["text"]
+    assert ranks[0]["streamed"] == alone["streamed"] and ranks[1]["streamed"] == ""
+
+
+def test_tensor_parallelism_refuses_weights_drawn_at_load_in_one_line(tmp_path):
+    """A `make-model --weights generated` directory holds no weights to split: refused before anything loads."""
+    from kvcalib.errors import SettingsError
+    from kvcalib.models import GENERATED, load_model
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / GENERATED).write_text("{}")
+    with pytest.raises(SettingsError, match="tensor parallelism reads each rank's share"):
+        load_model(str(tmp_path), tensor_parallel=True)
