@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--steps", default="all", help="all, or some of: " + ", ".join(STEPS))
     parser.add_argument("--keep", action="store_true", help="Keep the work directory (a collection made earlier).")
     parser.add_argument("--budget", type=float, default=2.25, help="plan --budget.")
+    parser.add_argument("--plan-windows", type=int, default=None,
+                        help="plan --windows (its default: 4 held-out windows; each runs the model 1 + 2 x layers times)")
     parser.add_argument("--eval-methods", default="kivi", help="eval's methods, comma-separated, of "
                         + ", ".join(EVAL_METHODS))
     parser.add_argument("--results", default=str(RESULTS))
@@ -186,6 +188,7 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
+    windows = f" --windows {args.plan_windows}" if args.plan_windows else ""
     whole = str(work / "acts-whole")  # training's collection (whole windows) where --max-tokens samples positions
 
     def collect(samples: int, out: str, stored: int | None) -> list[str]:
@@ -208,9 +211,9 @@ def main() -> None:
                     args.train_layers, "--device", args.device, "--out", str(work / "kvlinc")])],
         "diagnose": [("diagnose", launch, ["diagnose", "--activations", acts, "--device", args.device, "--out",
                                            str(work / "diagnose")])],
-        "plan": [(f"plan --budget {args.budget:g} (one process)", alone,
+        "plan": [(f"plan --budget {args.budget:g}{windows} (one process)", alone,
                   ["plan", "--activations", acts, "--budget", str(args.budget), "--model", args.model, *place,
-                   "--out", str(work / "plan")])],
+                   *(["--windows", str(args.plan_windows)] if args.plan_windows else []), "--out", str(work / "plan")])],
         "eval": [(f"eval ({EVAL_METHODS[m]}, 4 windows)", launch,
                   ["eval", "--model", args.model, "--method", m, *given.get(m, []), "--num-samples", "4",
                    "--seq-len", str(args.seq_len), *place, "--json", str(work / f"eval-{m}.json")]) for m in methods],
