@@ -188,7 +188,7 @@ def main() -> None:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc), "-m", "kvcalib"]
     place = ["--device-map", "auto"] if args.device_map == "auto" else ["--device", args.device]
     acts = str(work / "acts")
-    windows = f" --windows {args.plan_windows}" if args.plan_windows else ""
+    windows = ["--windows", str(args.plan_windows)] if args.plan_windows is not None else []  # else plan's default
     whole = str(work / "acts-whole")  # training's collection (whole windows) where --max-tokens samples positions
 
     def collect(samples: int, out: str, stored: int | None) -> list[str]:
@@ -211,9 +211,9 @@ def main() -> None:
                     args.train_layers, "--device", args.device, "--out", str(work / "kvlinc")])],
         "diagnose": [("diagnose", launch, ["diagnose", "--activations", acts, "--device", args.device, "--out",
                                            str(work / "diagnose")])],
-        "plan": [(f"plan --budget {args.budget:g}{windows} (one process)", alone,
+        "plan": [(" ".join(["plan --budget", f"{args.budget:g}", *windows, "(one process)"]), alone,
                   ["plan", "--activations", acts, "--budget", str(args.budget), "--model", args.model, *place,
-                   *(["--windows", str(args.plan_windows)] if args.plan_windows else []), "--out", str(work / "plan")])],
+                   *windows, "--out", str(work / "plan")])],
         "eval": [(f"eval ({EVAL_METHODS[m]}, 4 windows)", launch,
                   ["eval", "--model", args.model, "--method", m, *given.get(m, []), "--num-samples", "4",
                    "--seq-len", str(args.seq_len), *place, "--json", str(work / f"eval-{m}.json")]) for m in methods],

@@ -77,14 +77,9 @@ def spread_model(shape: str, context: int):
 def tp_model(directory: str):
     """The model of `directory` under transformers' tensor parallelism on this rank's GPU, the current device
     (module docstring)."""
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
+    from kvcalib.models import load_model
 
-    # before the process group exists (from_pretrained makes it): NCCL's support for mixing captured and eager
-    # collectives slows both, and here they never run at once (transformers' own advice under tensor parallelism)
-    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float16,
-                                                 distributed_config=DistributedConfig(tp_plan="auto")).eval()
+    model = load_model(directory, dtype=torch.float16, tensor_parallel=True).model  # the process group joined first
     model.generation_config.eos_token_id = None
     return model, model.config
 
@@ -234,6 +229,7 @@ def report(rows: list[dict], args, model, config, ranks: int, bandwidth: float, 
     table = "\n".join(lines)
     print(f"\n{title}, {args.context}-token prompt\n\n{table}")
     record(f"{title}, {args.context}-token prompt", table, sys.argv, args.results or RESULTS)
+
 
 if __name__ == "__main__":
     main()

@@ -318,6 +318,7 @@ def main() -> None:
             model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec=args.model or "llama-3.1-8b-shaped (random)")
     ranks, lead = tensor_parallel_size(model), tensor_parallel_rank(model) == 0
+    say = print if lead else (lambda *args, **kwargs: None)  # under tensor parallelism rank 0 reports
     weights = torch.cuda.memory_allocated()  # this rank's share under tensor parallelism
     each = " a GPU" if tp else ""
     lines = [f"budget {args.budget_gib:g} GiB{each}; weights {weights / GIB:.2f} GiB allocated{each}; copy bandwidth "
@@ -333,11 +334,11 @@ def main() -> None:
             per_slot = (c2 - c1) + (w2 - w1)
             fixed = (2 * c1 - c2) + (2 * w1 - w2)
             batch = int(agree((budget - weights - fixed) // per_slot, False))
-            print(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
+            say(f"{ctx} {name}: cache {c1 / GIB:.3f}/{c2 / GIB:.3f} GiB, workspace {w1 / GIB:.3f}/{w2 / GIB:.3f} GiB "
                   f"at B=1/2 -> batch {batch}", flush=True)
             if name in start:
                 batch = start[name]
-                print(f"{ctx} {name}: starting at B={batch} (--start-batch)", flush=True)
+                say(f"{ctx} {name}: starting at B={batch} (--start-batch)", flush=True)
             res = measure(name, lm, batch, ctx, args.steps, args.profile) if batch >= 1 else None
             for _ in range(2):  # the compiled step may hold more than the eager probe saw: fit it in the budget
                 if res is None:
@@ -345,20 +346,20 @@ def main() -> None:
                 over = res["peak"][0] - budget
                 if over <= 0:
                     break
-                print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
+                say(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
                       f"peak allocated {res['peak'][0] / GIB:.2f} GiB (over the budget)", flush=True)  # kept if cut
                 surplus = over / batch  # spread over the slots, as the probe's workspace is
                 smaller = min(batch - 1, int(agree((budget - weights - fixed) // (per_slot + surplus), False)))
-                print(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
+                say(f"{ctx} {name}: B={batch} peaks {over / GIB:.2f} GiB over the budget; measuring B={smaller}",
                       flush=True)
                 batch, res = smaller, measure(name, lm, smaller, ctx, args.steps) if smaller >= 1 else None
             if res is None:  # not one sequence of this context fits beside the weights (the 70B's fp16 at 32k, say)
                 rows[name] = (per_slot, c2 - c1, 0, None, None)
-                print(f"{ctx} {name}: holds no sequence of {ctx} tokens in the budget", flush=True)
+                say(f"{ctx} {name}: holds no sequence of {ctx} tokens in the budget", flush=True)
                 continue
             floor = (weights + batch * held_bytes(name, ctx, model.config) / ranks) / bandwidth
             rows[name] = (per_slot, c2 - c1, batch, res, floor)
-            print(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
+            say(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
                   f"peak allocated {res['peak'][0] / GIB:.2f}, reserved {res['peak'][1] / GIB:.2f} GiB", flush=True)
         base = rows.get("fp16-static-compile")
         if base is not None and base[3] is None:
@@ -376,7 +377,7 @@ def main() -> None:
             lines.append(f"| {ctx} | {name} | {cache_slot / GIB:.3f} + {(per_slot - cache_slot) / GIB:.3f} | {batch} | "
                          f"{res['peak'][0] / GIB:.1f} / {res['peak'][1] / GIB:.1f} | {1e3 * res['median']:.2f} | {1e3 * res['p99']:.2f} | {rate:.0f} | "
                          f"{batch / floor:.0f} | {res['median'] / floor:.2f} | {versus} | {floor_versus} |")
-        print("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
+        say("\n".join(lines), flush=True)  # so far: a run cut short still shows its finished contexts
     if tp:
         import torch.distributed as dist
 
@@ -390,7 +391,7 @@ def main() -> None:
         title = (f"Decode throughput in a fixed memory budget, every method at {spoken(contexts)}, "
                  f"{torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
+    say(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results)
 
 

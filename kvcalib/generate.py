@@ -12,8 +12,8 @@ own float16 cache, for comparison.
 Under torchrun (`torchrun --nproc-per-node N -m kvcalib generate --model DIR ...`) the model is loaded under
 transformers' tensor parallelism, each rank holding its share of every layer's heads on its own GPU, and each
 rank's cache its own KV heads; the ranks decode together and rank 0 streams the text. This is the fast way to
-decode a model larger than one GPU (benchmarks/RESULTS.md, "Several GPUs of one host"); `device_map="auto"`
-(the layers in sequence) is the fallback.
+decode a model larger than one GPU (benchmarks/RESULTS.md, "Several GPUs of one host"). From Python, a model
+loaded with `device_map="auto"` (the layers in sequence over the GPUs) decodes too, 4 to 7x slower.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from transformers import TextStreamer
 from .errors import SettingsError
 from .methods import Method, MethodSettings, build_method
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context, resolve_device
-from .parallel import local_device, world
+from .parallel import local_device
 
 
 def runtime_cache(model: LoadedModel, method: Method, max_batch: int, max_length: int):
@@ -97,19 +97,13 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
 
 
 def _load(model: str | LoadedModel, device: str | None, trust_remote_code: bool) -> LoadedModel:
-    """The model on `device`; under torchrun (several processes) under tensor parallelism, the process group
-    joined first (`kvcalib.parallel.world`: NCCL between GPUs, gloo on CPUs, left at exit)."""
+    """The model on `device`; under torchrun (several processes) under tensor parallelism (`load_model`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or isinstance(model, LoadedModel):
         return load_model(model, device, trust_remote_code=trust_remote_code)
     here = local_device(resolve_device(device))  # refuses --device cuda:N: every rank takes its own GPU
     if here == "cpu" and torch.cuda.is_available():
         raise SettingsError("--device cpu under torchrun on a machine with GPUs: tensor parallelism puts each rank "
                             "on its own GPU (give --device auto or cuda), or run without torchrun")
-    # before the group's communicator exists: NCCL's support for mixing captured and eager collectives slows both,
-    # and a decode step's captured all-reduces never run beside eager ones (transformers' advice under tensor
-    # parallelism)
-    os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
-    world()
     return load_model(model, trust_remote_code=trust_remote_code, tensor_parallel=True)
 
 

@@ -189,6 +189,24 @@ def _remote_code_message(spec: str) -> str:
 TENSOR_PARALLEL = "tensor-parallel"  # `_load_cached`'s placement for `load_model(tensor_parallel=True)`
 
 
+def _check_tensor_parallel(spec: str, target: str, kwargs: dict, trust_remote_code: bool) -> None:
+    """Refused in one line before anything loads: weights drawn at load (no rank can read its share of them), and
+    a model whose query or KV heads the ranks cannot split evenly."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    if kwargs.get("generated"):
+        raise SettingsError(f"{spec}: tensor parallelism reads each rank's share of the weights from disk, and this "
+                            "directory's are drawn at load (make-model --weights generated): write them "
+                            "(make-model --weights written --device cuda)")
+    config = AutoConfig.from_pretrained(target, trust_remote_code=trust_remote_code,
+                                        **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
+    shape, ranks = attention_shape(config), dist.get_world_size()
+    if shape.num_heads % ranks or shape.num_kv_heads % ranks:
+        raise SettingsError(f"{spec} has {shape.num_heads} query and {shape.num_kv_heads} KV heads, which "
+                            f"{ranks} ranks cannot split evenly: run torchrun with a process count dividing both")
+
+
 @functools.lru_cache(maxsize=1)
 def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool,
                  max_memory: tuple[tuple[int | str, str], ...] | None = None) -> LoadedModel:
@@ -197,10 +215,8 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
 
     hf_logging.disable_progress_bar()
     target, kwargs = _resolve(spec)
-    if device == TENSOR_PARALLEL and kwargs.get("generated"):
-        raise SettingsError(f"{spec}: tensor parallelism reads each rank's share of the weights from disk, and this "
-                            "directory's are drawn at load (make-model --weights generated): write them "
-                            "(make-model --weights written --device cuda)")
+    if device == TENSOR_PARALLEL:
+        _check_tensor_parallel(spec, target, kwargs, trust_remote_code)
     is_local = Path(target).exists()
     if not is_local:
         _check_hub_reachable(spec)
@@ -301,6 +317,12 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
     if isinstance(spec, LoadedModel):
         return spec
     if tensor_parallel:
+        from .parallel import world
+
+        _, ranks = world()  # the group joined first (NCCL on GPUs, gloo on CPUs), as the other commands join it
+        if ranks <= 1:
+            raise SettingsError("tensor parallelism splits a model over the processes torchrun starts: run under "
+                                "torchrun --nproc-per-node N")
         dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
         return _load_cached(spec, TENSOR_PARALLEL, dtype, trust_remote_code)
     check_spread(device, device_map)

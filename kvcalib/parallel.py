@@ -38,6 +38,9 @@ def world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        # before the communicator exists: NCCL's support for mixing captured and eager collectives slows both, and
+        # here they never run at once (a tensor-parallel decode step's captured all-reduces; transformers' advice)
+        os.environ.setdefault("NCCL_GRAPH_MIXING_SUPPORT", "0")
         if torch.cuda.is_available():  # NCCL's collectives run on the process's own GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend="nccl")

@@ -153,7 +153,7 @@ def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, alone, tm
     _as_one_process(ranks[1], alone, "kivi")
 
 
-def _generate(model_dir: str, device: str = "cpu", residual: int = 16) -> dict:
+def _generate(model_dir: str, device: str = "cpu") -> dict:
     """`kvcalib generate`'s function as a process runs it (under torchrun: tensor parallelism): the text it
     returns, what it streamed, how the model it loaded is split and which cache served it."""
     import io
@@ -168,7 +168,7 @@ def _generate(model_dir: str, device: str = "cpu", residual: int = 16) -> dict:
     stream = io.StringIO()
     try:
         text = module.generate("The list holds", model=model_dir, method="kivi", max_new_tokens=12, device=device,
-                               stream=stream, settings=MethodSettings(bits=2, group_size=16, residual=residual))
+                               stream=stream, settings=MethodSettings(bits=2, group_size=16, residual=16))
     finally:
         module.load_model, module.runtime_cache = load, make
     return {"text": text, "streamed": stream.getvalue(), "ranks": tensor_parallel_size(loaded[-1].model),
@@ -180,6 +180,8 @@ def _generate_child(rank: int, size: int, port: int, model_dir: str, log: str, d
     as_rank(rank, size, port, log, lambda: _generate(model_dir, device))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two CPU ranks: on a GPU machine generate puts each rank on its "
+                    "GPU (tests/test_multi_gpu.py holds that run)")
 def test_kvcalib_generate_under_torchrun_decodes_under_tensor_parallelism_as_one_process(tiny_model_dir, tmp_path):
     """`torchrun --nproc-per-node 2 -m kvcalib generate ...`: both ranks load the model split in two (each its share
     of the heads) and continue the prompt to one process's text, greedily; rank 0 alone streams it. (The model is
@@ -197,12 +199,23 @@ def test_kvcalib_generate_under_torchrun_decodes_under_tensor_parallelism_as_one
     assert ranks[0]["streamed"] == alone["streamed"] and ranks[1]["streamed"] == ""
 
 
-def test_tensor_parallelism_refuses_weights_drawn_at_load_in_one_line(tmp_path):
-    """A `make-model --weights generated` directory holds no weights to split: refused before anything loads."""
-    from kvcalib.errors import SettingsError
-    from kvcalib.models import GENERATED, load_model
+def test_tensor_parallelism_refuses_in_one_line_what_it_cannot_split(tmp_path, tiny_model_dir, monkeypatch):
+    """Before anything loads: outside torchrun (one process), a `make-model --weights generated` directory (its
+    weights drawn at load, none on disk to read by shares), and heads the ranks cannot split evenly (the tiny
+    model's 4 query and 2 KV heads over 3 ranks; 2 ranks split them)."""
+    import torch.distributed as dist
 
+    from kvcalib.errors import SettingsError
+    from kvcalib.models import GENERATED, _check_tensor_parallel, load_model
+
+    with pytest.raises(SettingsError, match="run under torchrun"):
+        load_model(str(tiny_model_dir), tensor_parallel=True)
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / GENERATED).write_text("{}")
     with pytest.raises(SettingsError, match="tensor parallelism reads each rank's share"):
-        load_model(str(tmp_path), tensor_parallel=True)
+        _check_tensor_parallel(str(tmp_path), str(tmp_path), {"generated": True}, False)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 3)
+    with pytest.raises(SettingsError, match="4 query and 2 KV heads, which 3 ranks cannot split evenly"):
+        _check_tensor_parallel("tiny", str(tiny_model_dir), {}, False)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    _check_tensor_parallel("tiny", str(tiny_model_dir), {}, False)
