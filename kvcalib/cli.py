@@ -435,6 +435,7 @@ def _out_of_memory(args: list[str]) -> str:
 
 
 DATA_PARALLEL = ("collect", "eval", "train-adapters", "fit-codebook", "diagnose")  # `kvcalib.parallel`
+TENSOR_PARALLEL = ("generate",)  # the model split over the processes (`kvcalib.generate`)
 
 
 def _refuse_unshared(args: list[str]) -> None:
@@ -442,8 +443,9 @@ def _refuse_unshared(args: list[str]) -> None:
     import os
 
     command = next((a for a in args if not a.startswith("-")), None)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and command is not None and command not in DATA_PARALLEL:
-        raise click.UsageError(f"{command} runs in one process; of the commands, only {', '.join(DATA_PARALLEL)} "
+    shared = DATA_PARALLEL + TENSOR_PARALLEL
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and command is not None and command not in shared:
+        raise click.UsageError(f"{command} runs in one process; of the commands, only {', '.join(shared)} "
                                "share their work under torchrun: run it without torchrun")
 
 

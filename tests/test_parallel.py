@@ -67,7 +67,7 @@ def as_rank(rank: int | None, size: int, port: int, log: str, work) -> None:
                           MASTER_PORT=str(port))
     try:
         result = {"ok": True, **work()}
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # (the command line exits on a user's error, after its one line)
         result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
     Path(log).write_text(json.dumps(result))
     import torch.distributed as dist

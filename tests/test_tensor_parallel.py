@@ -154,24 +154,29 @@ def test_a_rank_given_another_ranks_heads_decodes_otherwise(model_dir, alone, tm
 
 
 def _generate(model_dir: str, device: str = "cpu") -> dict:
-    """`kvcalib generate`'s function as a process runs it (under torchrun: tensor parallelism): the text it
-    returns, what it streamed, how the model it loaded is split and which cache served it."""
+    """`kvcalib generate` as a process runs it from the command line (under torchrun: tensor parallelism): the
+    text `generate` returns, what the command wrote to stdout, how the model it loaded is split and which cache
+    served it."""
+    import contextlib
     import io
 
     import kvcalib.generate as module
-    from kvcalib.methods import MethodSettings
+    from kvcalib.cli import main
     from kvcalib.runtime.cache import tensor_parallel_size
 
-    loaded, caches, load, make = [], [], module.load_model, module.runtime_cache
-    module.load_model = lambda *args, **kwargs: loaded.append(load(*args, **kwargs)) or loaded[-1]  # what it loads
-    module.runtime_cache = lambda *args, **kwargs: caches.append(make(*args, **kwargs)) or caches[-1]  # and serves
-    stream = io.StringIO()
+    loaded, caches, texts = [], [], []
+    load, make, run = module.load_model, module.runtime_cache, module.generate
+    module.load_model = lambda *args, **kwargs: loaded.append(load(*args, **kwargs)) or loaded[-1]  # what it loads,
+    module.runtime_cache = lambda *args, **kwargs: caches.append(make(*args, **kwargs)) or caches[-1]  # serves
+    module.generate = lambda *args, **kwargs: texts.append(run(*args, **kwargs)) or texts[-1]  # and returns
+    stdout = io.StringIO()
     try:
-        text = module.generate("The list holds", model=model_dir, method="kivi", max_new_tokens=12, device=device,
-                               stream=stream, settings=MethodSettings(bits=2, group_size=16, residual=16))
+        with contextlib.redirect_stdout(stdout):  # (an error exits: the rank's log then holds it)
+            main(["generate", "--model", model_dir, "--method", "kivi", "--bits", "2", "--group-size", "16",
+                  "--residual", "16", "--prompt", "The list holds", "--max-new-tokens", "12", "--device", device])
     finally:
-        module.load_model, module.runtime_cache = load, make
-    return {"text": text, "streamed": stream.getvalue(), "ranks": tensor_parallel_size(loaded[-1].model),
+        module.load_model, module.runtime_cache, module.generate = load, make, run
+    return {"text": texts[-1], "streamed": stdout.getvalue(), "ranks": tensor_parallel_size(loaded[-1].model),
             "cache": type(caches[-1]).__name__}
 
 
