@@ -215,14 +215,14 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
 
     hf_logging.disable_progress_bar()
     target, kwargs = _resolve(spec)
-    if device == TENSOR_PARALLEL:
-        _check_tensor_parallel(spec, target, kwargs, trust_remote_code)
     is_local = Path(target).exists()
     if not is_local:
         _check_hub_reachable(spec)
     # Given explicitly: left None, transformers would stop and ask on a terminal.
     kwargs["trust_remote_code"] = trust_remote_code
     try:
+        if device == TENSOR_PARALLEL:  # after the hub check, and its config's errors read as any load's
+            _check_tensor_parallel(spec, target, kwargs, trust_remote_code)
         tokenizer = AutoTokenizer.from_pretrained(target, **{k: v for k, v in kwargs.items() if k != "use_safetensors"})
         # Weights go straight to their device shard by shard (never the whole model through host memory);
         # `--device-map auto` spreads the layers over every GPU (accelerate, within `max_memory`).
