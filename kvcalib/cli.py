@@ -382,11 +382,14 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
+@click.option("--kmeans", type=click.Choice(["auto", "faiss", "torch"]), default="auto", show_default=True,
+              help="k-means of the vector candidates (turboquant-dDbB, vecinfer-dDbB), as fit-codebook's: auto takes "
+                   "faiss on the CPU, kvcalib's own in torch on the model's GPU where faiss has no GPU build.")
 @_spread
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
-             residual_mode, trust_remote_code, device, device_map, max_memory, out) -> None:
+             residual_mode, kmeans, trust_remote_code, device, device_map, max_memory, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
     from .models import parse_max_memory
@@ -395,7 +398,8 @@ def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, se
                           candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
-                          device=device, device_map=device_map, max_memory=parse_max_memory(max_memory)):
+                          device=device, device_map=device_map, max_memory=parse_max_memory(max_memory),
+                          kmeans=kmeans):
         click.echo(f"plan written to {path}")
 
 

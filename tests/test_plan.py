@@ -345,6 +345,60 @@ def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm, caplog):
     assert method.constant_bits() == 0 and method.block == 16
 
 
+VECTORS = ("turboquant-2", "turboquant-d4b6", "vecinfer-d4b6", "kivi-2-g8")
+
+
+@pytest.fixture
+def no_faiss(monkeypatch):
+    """faiss not installed: its import fails (what a GPU machine without faiss-gpu's wheel gives)."""
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name == "faiss":
+            raise ImportError("no faiss here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    monkeypatch.setattr(builtins, "__import__", refuse)
+
+
+def test_the_plans_vector_codebooks_are_fitted_by_the_kmeans_chosen_without_faiss(acts, tmp_path, tiny_lm, text_file,
+                                                                                   no_faiss):
+    """`kmeans="torch"` (what `auto` takes on a GPU where faiss has no GPU build): the vector candidates'
+    codebooks are kvcalib's own k-means of the same points, stored as `fit_vector_codebooks` with that library
+    gives them, the manifest says which, and eval runs the plan. faiss is absent, so a plan that still
+    called it would fail here."""
+    from kvcalib import vq
+    from kvcalib.methods.turboquant_fit import VECTOR_POINTS_PER_CENTROID, VECTOR_SEED, _rotated_units
+
+    [path] = make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=VECTORS, windows=1, seq_len=32,
+                       iters=3, residual=16, kmeans="torch")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["extra"]["kmeans"] == {"library": "torch", "gpu": False}
+    data = Activations(acts).layer(0)
+    y = _rotated_units(data, "k", SHAPE, "layer")
+    config = VQConfig(4, 6)
+    own = vq.kmeans_torch(y.reshape(1, -1, 4)[0], config, 3, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook
+    books = fit_vector_codebooks(Activations(acts), (config,), "layer", 3, library="torch", device="cpu")
+    assert torch.equal(books["d4b6"]["layers.0.k_codebook"], own.half()[None])
+    result = evaluate(tiny_lm, str(text_file), num_samples=1, seq_len=32, method="plan", artifacts=str(path), residual=16)
+    assert math.isfinite(result.perplexity)
+
+
+def test_a_plan_whose_kmeans_cannot_run_is_refused_before_anything_is_written(acts, tmp_path, tiny_lm, no_faiss):
+    """On the CPU `auto` takes faiss: without it, the vector candidates are named, with the way out."""
+    with pytest.raises(SettingsError, match=r"vector candidates \(d4b6, d4b6\).*needs faiss.*--kmeans torch"):
+        make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=VECTORS, windows=1, seq_len=32,
+                  residual=16)
+    assert not (tmp_path / "plan").exists()
+    [path] = make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=("turboquant-2", "kivi-2-g8"),
+                       windows=1, seq_len=32, iters=3, residual=16)  # no vector candidate: no k-means needed
+    assert "kmeans" not in json.loads((path / "manifest.json").read_text())["extra"]
+
+
 def test_a_residual_other_than_the_plans_is_refused(plan):
     with pytest.raises(SettingsError, match="contradicts the artifact"):
         build_method("plan", SHAPE, MethodSettings(residual=32), str(plan))

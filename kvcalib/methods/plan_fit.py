@@ -60,7 +60,8 @@ from ..attention import AttentionOptions, flushed_counts, intercept, mixed_atten
 from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
-from ..models import DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model
+from ..models import (DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model,
+                      resolve_device)
 from ..parallel import placement
 from ..defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
 from .. import vq
@@ -68,7 +69,7 @@ from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
-from .vecinfer_fit import fit_plan_codebooks
+from .vecinfer_fit import fit_plan_codebooks, kmeans_library
 
 log = logging.getLogger(__name__)
 # Calibration tokens per layer of the best plans measured (benchmarks/RESULTS.md, "Plans with vector codebooks",
@@ -279,13 +280,15 @@ def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int
     return coders
 
 
-def check_faiss(config: vq.VQConfig) -> None:
-    """Vector codebooks are fitted by faiss k-means: refuse before any work where it is not installed."""
+def kmeans_for(configs: tuple[vq.VQConfig, ...], kmeans: str, device: str) -> tuple[str, bool]:
+    """The k-means (library, on a GPU) of the vector candidates (`kmeans_library`), refused before any work
+    where it cannot run (faiss chosen and not installed), naming the candidates that need it."""
     try:
-        import faiss  # noqa: F401
-    except ImportError:
-        raise SettingsError(f"candidate turboquant-{config} fits a vector codebook with faiss, which is not installed: "
-                            "pip install kvcalib[cpu] (or drop the turboquant-dDbB candidates)") from None
+        return kmeans_library(kmeans, device)
+    except SettingsError as e:
+        shown = ", ".join(f"d{c.dim}b{c.bits}" for c in configs)
+        raise SettingsError(f"the vector candidates ({shown}) fit codebooks by k-means: {e} (or drop the turboquant-dDbB and "
+                            "vecinfer-dDbB candidates)") from None
 
 
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
@@ -294,12 +297,15 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               residual: int | None = None, sink_tokens: int = PLAN_SINK_TOKENS,
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
               items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None,
-              device_map: str | None = None, max_memory: dict[int | str, str] | None = None) -> list[Path]:
+              device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
+              kmeans: str = "auto") -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
     sensitivities, the slow part, are shared). `device_map="auto"` (with `max_memory`) spreads the model over
-    the GPUs, as `collect` and `eval` do, for a model larger than one GPU."""
+    the GPUs, as `collect` and `eval` do, for a model larger than one GPU. The vector candidates' k-means
+    runs as `fit-codebook --kmeans` chooses (`vecinfer_fit.kmeans_library`): `auto` takes faiss on the CPU,
+    kvcalib's own in torch on the model's GPU where faiss has no GPU build."""
     place = placement(device, device_map, max_memory, 1)  # a placement given wrong is refused before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
@@ -321,8 +327,9 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "turboquant" and s.dim))
     vecinfer = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "vecinfer"))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
-    for config in vectors + vecinfer:
-        check_faiss(config)
+    # where the vector codebooks are fitted: the model's (first) GPU, or the CPU
+    fit_on = resolve_device(None) if device_map == "auto" else place["device"]
+    library, gpu = ("faiss", False) if not vectors + vecinfer else kmeans_for(vectors + vecinfer, kmeans, fit_on)
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
@@ -349,10 +356,12 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     scalar, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
     tensors = {f"b{b}": t for b, t in scalar.items()}
     if vectors:
-        tensors |= fit_vector_codebooks(acts, vectors, granularity, iters, desc="plan: vector codebooks")
+        tensors |= fit_vector_codebooks(acts, vectors, granularity, iters, desc="plan: vector codebooks",
+                                        library=library, gpu=gpu, device=fit_on)
     smooth = {}
     if vecinfer:
-        books, smooth = fit_plan_codebooks(acts, vecinfer, granularity, iters, desc="plan: VecInfer codebooks")
+        books, smooth = fit_plan_codebooks(acts, vecinfer, granularity, iters, desc="plan: VecInfer codebooks",
+                                           library=library, gpu=gpu, device=fit_on)
         tensors |= {f"vecinfer_{tag}": t for tag, t in books.items()}
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity, smooth)
     step = common_flush_step(list(coders.values()))
@@ -375,7 +384,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,
             "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
-                 "anchor": anchor, "windows": windows, "seq_len": seq_len,
+                 **({"kmeans": {"library": library, "gpu": gpu}} if vectors + vecinfer else {}), "anchor": anchor, "windows": windows, "seq_len": seq_len,
                  "sensitivity_per_kv_head": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
                  "cost_bits_per_element": {p: part_cost[w].tolist() for w, p in enumerate(PARTS)},
                  "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}

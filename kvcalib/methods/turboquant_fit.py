@@ -7,6 +7,7 @@ format, rotation and norms are TurboQuant's: only the centroids differ. Saved as
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,11 +134,13 @@ VECTOR_SEED = 0
 
 
 def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer",
-                         iters: int = 50, desc: str = "fit vector codebooks") -> dict[str, dict[str, torch.Tensor]]:
+                         iters: int = 50, desc: str = "fit vector codebooks", library: str = "faiss",
+                         gpu: bool | None = None, device: str = "cpu") -> dict[str, dict[str, torch.Tensor]]:
     """Per configuration (tag `d{D}b{B}`): the tensors `layers.{i}.{k,v}_codebook` (G, 2^B, D) float16 of
-    every layer, k-means centroids (`vq.kmeans`, faiss) of the sub-vectors of D coordinates of the
-    collection's rotated unit vectors (every sub-vector position pooled; every KV head pooled, or each
-    KV head's own with granularity head), as `TurboQuantVQ` codes them."""
+    every layer (on the CPU), k-means centroids of the sub-vectors of D coordinates of the collection's
+    rotated unit vectors (every sub-vector position pooled; every KV head pooled, or each KV head's own
+    with granularity head), as `TurboQuantVQ` codes them. k-means: faiss's (`vq.kmeans`, on a GPU with
+    `gpu`), or with `library` torch kvcalib's own (`vq.kmeans_torch`) on `device`."""
     if granularity not in GRANULARITIES:
         raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
     fp = acts.fingerprint
@@ -149,10 +152,13 @@ def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gr
         data = acts.layer(i)
         for which in ("k", "v"):
             y = _rotated_units(data, which, shape, granularity)
+            if library == "torch":
+                y = y.to(device)
             for config in configs:
                 points = y.reshape(y.shape[0], -1, config.dim)
-                books = [vq.kmeans(g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook for g in points]
-                tensors[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(books).half()
+                fit = vq.kmeans_torch if library == "torch" else functools.partial(vq.kmeans, gpu=gpu)
+                books = [fit(g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook for g in points]
+                tensors[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(books).half().cpu()
     return tensors
 
 

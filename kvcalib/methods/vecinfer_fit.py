@@ -70,7 +70,7 @@ def kmeans_library(kmeans: str, device: str) -> tuple[str, bool]:
     except ImportError:
         if kmeans == "auto" and cuda:
             return "torch", True
-        raise SettingsError("fit-codebook's k-means needs faiss, which is not installed: pip install kvcalib[faiss], "
+        raise SettingsError("k-means needs faiss, which is not installed: pip install kvcalib[faiss], "
                             "or --kmeans torch") from None
     gpu = cuda and faiss.get_num_gpus() > 0
     if kmeans == "auto" and cuda and not gpu:
@@ -80,11 +80,12 @@ def kmeans_library(kmeans: str, device: str) -> tuple[str, bool]:
 
 def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], granularity: str = "layer", iters: int = 30,
                        seed: int = 0, max_points_per_centroid: int = 256,
-                       desc: str = "fit VecInfer codebooks") -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """VecInfer's fit (smoothing λ and Hadamard on keys, raw values; faiss k-means) at several
-    configurations at once, for a plan's `vecinfer-dDbB` schemes: per configuration `str(config)`, the
-    tensors `layers.{i}.{k,v}_codebook` (G, 2^B, D) float16; and `layers.{i}.k_smooth` (Hkv, d), the λ
-    every configuration's keys share."""
+                       desc: str = "fit VecInfer codebooks", library: str = "faiss", gpu: bool | None = None,
+                       device: str = "cpu") -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """VecInfer's fit (smoothing λ and Hadamard on keys, raw values; k-means by `library` as
+    `kmeans_library` chose it, torch's on `device`) at several configurations at once, for a plan's
+    `vecinfer-dDbB` schemes: per configuration `str(config)`, the tensors `layers.{i}.{k,v}_codebook`
+    (G, 2^B, D) float16 on the CPU; and `layers.{i}.k_smooth` (Hkv, d), the λ every configuration's keys share."""
     fp = acts.fingerprint
     shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
     VecInferConfig(granularity=granularity).check(shape)
@@ -94,12 +95,14 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
     books: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
     smooth = {}
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
-        data = _without_sinks(acts.layer(i, ("k", "v", "positions")), 0)
-        lam = smooth[f"layers.{i}.k_smooth"] = smoothing_factors(data["k"])
+        on = torch.device(device) if library == "torch" else torch.device("cpu")  # faiss takes host arrays
+        data = _without_sinks(acts.layer(i, ("k", "v", "positions"), device=on), 0)
+        lam = smoothing_factors(data["k"])
+        smooth[f"layers.{i}.k_smooth"] = lam.cpu()
         for config in configs:
             for which, x in _sources(data, lam, True).items():
-                fits = _fits(x, heads, config, iters, seed, max_points_per_centroid)
-                books[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half()
+                fits = _fits(x, heads, config, iters, seed, max_points_per_centroid, gpu, library)
+                books[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack([f.codebook for f in fits]).half().cpu()
     return books, smooth
 
 
