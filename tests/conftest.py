@@ -116,3 +116,20 @@ def plant(request, monkeypatch):
 
         PLANTS[name](monkeypatch)
     return name
+
+
+@pytest.fixture
+def no_faiss(monkeypatch):
+    """faiss not installed: its import fails (what a GPU machine without faiss-gpu's wheel gives)."""
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def refuse(name, *args, **kwargs):
+        if name == "faiss":
+            raise ImportError("no faiss here")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "faiss", raising=False)
+    monkeypatch.setattr(builtins, "__import__", refuse)

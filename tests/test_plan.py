@@ -348,23 +348,6 @@ def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm, caplog):
 VECTORS = ("turboquant-2", "turboquant-d4b6", "vecinfer-d4b6", "kivi-2-g8")
 
 
-@pytest.fixture
-def no_faiss(monkeypatch):
-    """faiss not installed: its import fails (what a GPU machine without faiss-gpu's wheel gives)."""
-    import builtins
-    import sys
-
-    real_import = builtins.__import__
-
-    def refuse(name, *args, **kwargs):
-        if name == "faiss":
-            raise ImportError("no faiss here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "faiss", raising=False)
-    monkeypatch.setattr(builtins, "__import__", refuse)
-
-
 def test_the_plans_vector_codebooks_are_fitted_by_the_kmeans_chosen_without_faiss(acts, tmp_path, tiny_lm, text_file,
                                                                                    no_faiss):
     """`kmeans="torch"` (what `auto` takes on a GPU where faiss has no GPU build): the vector candidates'

@@ -361,23 +361,11 @@ def test_torch_kmeans_reseeds_an_empty_cluster_by_splitting_the_largest():
     assert vq.inertia(points, fit.codebook) < 290 * (4 * vq.SPLIT_EPS) ** 2
 
 
-def test_fit_codebook_with_torch_kmeans_needs_no_faiss_and_says_so_in_the_artifact(acts, tmp_path, monkeypatch):
+def test_fit_codebook_with_torch_kmeans_needs_no_faiss_and_says_so_in_the_artifact(acts, tmp_path, no_faiss):
     """`--kmeans torch` on the CPU (what `auto` picks on a GPU without faiss-gpu): an artifact whose codebooks
     reconstruct the keys about as well as faiss's (the k-means tolerance above), made with faiss absent."""
-    import builtins
-    import sys
-
     from kvcalib.methods.vecinfer_fit import kmeans_library
 
-    real_import = builtins.__import__
-
-    def no_faiss(name, *args, **kwargs):
-        if name == "faiss":
-            raise ImportError("no faiss here")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.delitem(sys.modules, "faiss", raising=False)
-    monkeypatch.setattr(builtins, "__import__", no_faiss)
     path = _fit(acts, tmp_path / "torch", kmeans="torch")
     extra = json.loads((path / "manifest.json").read_text())["extra"]
     assert extra["kmeans"]["library"].startswith("torch ") and extra["kmeans"]["gpu"] is False
