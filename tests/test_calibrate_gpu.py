@@ -94,7 +94,7 @@ def test_fit_codebook_device_cpu_keeps_k_means_on_the_cpu_and_cuda_fits_on_the_g
     float32 sums in another order move a centroid by a few float32 units of its size, which can move a
     point across a boundary between iterations, so the codebooks are compared by how well they encode the
     keys, within 1% (k-means' own run-to-run spread is about 1%: tests/test_vecinfer.py)."""
-    faiss = pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
+    faiss = pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
     from safetensors.torch import load_file
 
     from kvcalib import vq

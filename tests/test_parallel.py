@@ -158,7 +158,7 @@ def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp
     (report.json and report.md) equal the one-process output byte for byte (run.json holds wall-clock
     seconds: apart, as in tests/test_reproducible_artifacts.py)."""
     if job == "fit-codebook":
-        pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
+        pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
     from kvcalib.artifacts import MANIFEST, TENSORS
 
     acts = tmp_path / "acts"

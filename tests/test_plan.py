@@ -345,37 +345,63 @@ def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm, caplog):
     assert method.constant_bits() == 0 and method.block == 16
 
 
-VECTORS = ("turboquant-2", "turboquant-d4b6", "vecinfer-d4b6", "kivi-2-g8")
+VECTORS = ("turboquant-2", "turboquant-d4b6", "vecinfer-d4b6")
 
 
 def test_the_plans_vector_codebooks_are_fitted_by_the_kmeans_chosen_without_faiss(acts, tmp_path, tiny_lm, text_file,
-                                                                                   no_faiss):
-    """`kmeans="torch"` (what `auto` takes on a GPU where faiss has no GPU build): the vector candidates'
-    codebooks are kvcalib's own k-means of the same points, stored as `fit_vector_codebooks` with that library
-    gives them, the manifest says which, and eval runs the plan. faiss is absent, so a plan that still
-    called it would fail here."""
-    from kvcalib import vq
-    from kvcalib.methods.turboquant_fit import VECTOR_POINTS_PER_CENTROID, VECTOR_SEED, _rotated_units
+                                                                                   no_faiss, monkeypatch):
+    """`kmeans="torch"` (what `auto` takes on a GPU where faiss has no GPU build): the plan's vector codebooks,
+    TurboQuant's and VecInfer's, are kvcalib's own k-means of the same points (each fit called with that
+    library, on the model's device), the manifest says which, and eval runs the plan. faiss is absent, so a
+    plan that still called it would fail here. With --device-map auto the fits go to the first GPU."""
+    import kvcalib.methods.plan_fit as plan_module
+    from kvcalib.artifacts import load_artifact
+    from kvcalib.methods.vecinfer_fit import fit_plan_codebooks
 
-    [path] = make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=VECTORS, windows=1, seq_len=32,
-                       iters=3, residual=16, kmeans="torch")
+    def only(vector: str):
+        """The plan whose one candidate (and anchor) is `vector`: every item takes it."""
+        [path] = make_plan(acts, 8.0, tmp_path / vector, model=tiny_lm, candidates=(vector,), anchor=vector, windows=1,
+                           seq_len=32, iters=3, residual=16, kmeans="torch")
+        art = load_artifact(path)
+        assert {name for part in ("k", "v") for layer in art.settings[part] for name in layer} == {vector}
+        return path, art
+
+    tq = fit_vector_codebooks(Activations(acts), (VQConfig(4, 6),), "layer", 3, library="torch", device="cpu")["d4b6"]
+    vi, smooth = fit_plan_codebooks(Activations(acts), (VQConfig(4, 6),), "layer", 3, library="torch", device="cpu")
+    _, art = only("turboquant-d4b6")
+    for i, part in itertools.product(range(SHAPE.num_layers), ("k", "v")):
+        assert torch.equal(art.tensors[codebook_name(i, part, "d4b6")], tq[f"layers.{i}.{part}_codebook"])
+    path, art = only("vecinfer-d4b6")
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["extra"]["kmeans"] == {"library": "torch", "gpu": False}
-    data = Activations(acts).layer(0)
-    y = _rotated_units(data, "k", SHAPE, "layer")
-    config = VQConfig(4, 6)
-    own = vq.kmeans_torch(y.reshape(1, -1, 4)[0], config, 3, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook
-    books = fit_vector_codebooks(Activations(acts), (config,), "layer", 3, library="torch", device="cpu")
-    assert torch.equal(books["d4b6"]["layers.0.k_codebook"], own.half()[None])
+    assert manifest["extra"]["kmeans"]["library"].startswith("torch ") and manifest["extra"]["kmeans"]["gpu"] is False
+    for i, part in itertools.product(range(SHAPE.num_layers), ("k", "v")):
+        assert torch.equal(art.tensors[codebook_name(i, part, "vecinfer_d4b6")], vi["d4b6"][f"layers.{i}.{part}_codebook"])
+    for name, lam in smooth.items():
+        assert lam.device.type == "cpu" and torch.equal(art.tensors[name], lam)
     result = evaluate(tiny_lm, str(text_file), num_samples=1, seq_len=32, method="plan", artifacts=str(path), residual=16)
     assert math.isfinite(result.perplexity)
 
+    asked = []
+    monkeypatch.setattr(plan_module, "kmeans_library", lambda kmeans, device: asked.append(device) or ("torch", False))
+    monkeypatch.setattr(plan_module, "load_model", lambda *args, **kwargs: tiny_lm)
+    monkeypatch.setattr(plan_module, "resolve_device", lambda device: "cuda:0" if device is None else device)
+    monkeypatch.setattr(plan_module, "placement", lambda device, device_map, max_memory, size: {"device": device})
+    for kwargs in ({"device": "cpu"}, {"device_map": "auto"}):
+        with pytest.raises(SettingsError, match="below the cheapest plan"):  # stops after the choice, before a fit
+            make_plan(acts, 0.5, tmp_path / "cheap", model=tiny_lm, candidates=VECTORS, residual=16, **kwargs)
+    assert asked == ["cpu", "cuda:0"]
+
 
 def test_a_plan_whose_kmeans_cannot_run_is_refused_before_anything_is_written(acts, tmp_path, tiny_lm, no_faiss):
-    """On the CPU `auto` takes faiss: without it, the vector candidates are named, with the way out."""
-    with pytest.raises(SettingsError, match=r"vector candidates \(d4b6, d4b6\).*needs faiss.*--kmeans torch"):
+    """On the CPU `auto` takes faiss: without it, the vector candidates are named, with the way out. An unknown
+    --kmeans is refused whatever the candidates."""
+    with pytest.raises(SettingsError, match=r"candidates turboquant-d4b6, vecinfer-d4b6 fit vector codebooks by "
+                                            r"k-means: k-means needs faiss.*--kmeans torch"):
         make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=VECTORS, windows=1, seq_len=32,
                   residual=16)
+    with pytest.raises(SettingsError, match="--kmeans must be one of"):
+        make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=("turboquant-2",), residual=16,
+                  kmeans="sometimes")
     assert not (tmp_path / "plan").exists()
     [path] = make_plan(acts, 4.0, tmp_path / "plan", model=tiny_lm, candidates=("turboquant-2", "kivi-2-g8"),
                        windows=1, seq_len=32, iters=3, residual=16)  # no vector candidate: no k-means needed

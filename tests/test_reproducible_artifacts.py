@@ -15,7 +15,7 @@ def acts(tmp_path_factory, tiny_lm, text_file):
 
 
 def _fit_codebook(acts, out, lm):
-    pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[faiss])")
+    pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
     from kvcalib.methods.vecinfer_fit import fit_codebook
 
     return fit_codebook(acts, out, k_config="d4b6", v_config="d2b5", iters=5, max_points_per_centroid=64)

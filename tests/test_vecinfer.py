@@ -324,7 +324,7 @@ def test_torch_kmeans_lands_within_the_spread_of_faiss_over_seeds(config):
     method ends in a local optimum that depends on the seed, so the tolerance is faiss's own spread over
     five seeds (1.2% at most here, 64 points per centroid), widened by that spread on each side. Its
     starting centroids alone (0 iterations, the planted error) are far outside it."""
-    pytest.importorskip("faiss", reason="the comparison is with faiss (pip install kvcalib[faiss])")
+    pytest.importorskip("faiss", reason="the comparison is with faiss (pip install kvcalib[cpu])")
     vqc = vq.VQConfig.parse(config)
     points = torch.randn(64 * vqc.centroids, vqc.dim, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.5, 3, vqc.dim)
     faiss_runs = [vq.inertia(points, vq.kmeans(points, vqc, 20, seed, 64).codebook) for seed in range(5)]

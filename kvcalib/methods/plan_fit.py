@@ -69,7 +69,7 @@ from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
-from .vecinfer_fit import fit_plan_codebooks, kmeans_library
+from .vecinfer_fit import KMEANS, fit_plan_codebooks, kmeans_library, library_version
 
 log = logging.getLogger(__name__)
 # Calibration tokens per layer of the best plans measured (benchmarks/RESULTS.md, "Plans with vector codebooks",
@@ -280,15 +280,14 @@ def candidate_coders(schemes: list[Scheme], shape: AttentionShape, residual: int
     return coders
 
 
-def kmeans_for(configs: tuple[vq.VQConfig, ...], kmeans: str, device: str) -> tuple[str, bool]:
+def kmeans_for(vector_schemes: list[Scheme], kmeans: str, device: str) -> tuple[str, bool]:
     """The k-means (library, on a GPU) of the vector candidates (`kmeans_library`), refused before any work
     where it cannot run (faiss chosen and not installed), naming the candidates that need it."""
     try:
         return kmeans_library(kmeans, device)
     except SettingsError as e:
-        shown = ", ".join(f"d{c.dim}b{c.bits}" for c in configs)
-        raise SettingsError(f"the vector candidates ({shown}) fit codebooks by k-means: {e} (or drop the turboquant-dDbB and "
-                            "vecinfer-dDbB candidates)") from None
+        shown = ", ".join(map(str, vector_schemes))
+        raise SettingsError(f"the candidates {shown} fit vector codebooks by k-means: {e} (or drop them)") from None
 
 
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
@@ -327,9 +326,12 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "turboquant" and s.dim))
     vecinfer = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "vecinfer"))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
-    # where the vector codebooks are fitted: the model's (first) GPU, or the CPU
+    if kmeans not in KMEANS:
+        raise SettingsError(f"--kmeans must be one of {', '.join(KMEANS)}, got {kmeans!r}")
+    # where the vector codebooks are fitted: the model's device, or with --device-map auto the first GPU
     fit_on = resolve_device(None) if device_map == "auto" else place["device"]
-    library, gpu = ("faiss", False) if not vectors + vecinfer else kmeans_for(vectors + vecinfer, kmeans, fit_on)
+    vector_schemes = [s for s in schemes if s.family in ("turboquant", "vecinfer") and s.dim]
+    library, gpu = kmeans_for(vector_schemes, kmeans, fit_on) if vector_schemes else ("faiss", False)
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
@@ -384,7 +386,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,
             "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
-                 **({"kmeans": {"library": library, "gpu": gpu}} if vectors + vecinfer else {}), "anchor": anchor, "windows": windows, "seq_len": seq_len,
+                 **({"kmeans": {"library": library_version(library), "gpu": gpu}} if vector_schemes else {}),
+                 "anchor": anchor, "windows": windows, "seq_len": seq_len,
                  "sensitivity_per_kv_head": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
                  "cost_bits_per_element": {p: part_cost[w].tolist() for w, p in enumerate(PARTS)},
                  "predicted_bits_per_element": predicted, "shared_bits_tokens": SHARED_BITS_TOKENS}

@@ -140,7 +140,7 @@ def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gr
     every layer (on the CPU), k-means centroids of the sub-vectors of D coordinates of the collection's
     rotated unit vectors (every sub-vector position pooled; every KV head pooled, or each KV head's own
     with granularity head), as `TurboQuantVQ` codes them. k-means: faiss's (`vq.kmeans`, on a GPU with
-    `gpu`), or with `library` torch kvcalib's own (`vq.kmeans_torch`) on `device`."""
+    `gpu`), or, with `library="torch"`, kvcalib's own (`vq.kmeans_torch`) on `device`."""
     if granularity not in GRANULARITIES:
         raise SettingsError(f"--granularity must be layer or head, got {granularity!r}")
     fp = acts.fingerprint

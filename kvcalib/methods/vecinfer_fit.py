@@ -70,7 +70,7 @@ def kmeans_library(kmeans: str, device: str) -> tuple[str, bool]:
     except ImportError:
         if kmeans == "auto" and cuda:
             return "torch", True
-        raise SettingsError("k-means needs faiss, which is not installed: pip install kvcalib[faiss], "
+        raise SettingsError("k-means needs faiss, which is not installed: pip install kvcalib[cpu] (or [cuda12]), "
                             "or --kmeans torch") from None
     gpu = cuda and faiss.get_num_gpus() > 0
     if kmeans == "auto" and cuda and not gpu:
@@ -168,13 +168,13 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     extra = {
         "activations": str(activations),
         "calibration": acts.manifest["settings"],
-        "kmeans": {"library": _library_version(library), "gpu": gpu, "training_points_per_codebook": training_points},
+        "kmeans": {"library": library_version(library), "gpu": gpu, "training_points_per_codebook": training_points},
     }
     return on_rank0(lambda: save_artifact(out, VecInfer.name, settings, fp, tensors, extra, run={"fit_seconds": seconds}),
                     rank, size) or out
 
 
-def _library_version(library: str) -> str:
+def library_version(library: str) -> str:
     """The k-means library and its version, as the artifact records it."""
     if library == "torch":
         return f"torch {torch.__version__} (kvcalib.vq.kmeans_torch)"
