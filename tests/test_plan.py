@@ -455,6 +455,20 @@ def test_bad_plan_settings_are_refused_before_anything_is_written(acts, tmp_path
     assert not (tmp_path / "plan").exists()
 
 
+def test_the_kl_in_row_chunks_is_the_whole_windows():
+    """The sensitivity's KL, KL_ROWS positions at a time (its memory), is the whole window's formula: the
+    log-probabilities bit for bit (log-softmax is per row), the sum within float64 rounding of 700 x 300
+    terms (relative 1e-12, far above 2^-52 x 210000 and far below any difference between two items)."""
+    from kvcalib.methods import plan_fit
+
+    g = torch.Generator().manual_seed(0)
+    ref, item = torch.randn(700, 300, generator=g), torch.randn(700, 300, generator=g)  # 700: two whole chunks and part
+    ref_logp = torch.log_softmax(ref.double(), -1)
+    assert torch.equal(plan_fit.log_softmax64(ref), ref_logp)
+    whole = (ref_logp.exp() * (ref_logp - torch.log_softmax(item.double(), -1))).sum()
+    assert plan_fit.KL_ROWS < 700 and torch.allclose(plan_fit.kl_sum(ref_logp, item), whole, rtol=1e-12, atol=0)
+
+
 def test_replaying_the_layers_before_the_item_changes_no_sensitivity(tiny_lm, monkeypatch):
     """The per-item forwards skip the decoder layers before the item (their reference outputs replayed):
     bit for bit what whole forwards give."""

@@ -161,6 +161,30 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
         return []
 
 
+# Positions whose float64 log-probabilities are computed at once for an item's KL: what the sensitivity holds beside
+# the reference's (T x vocabulary float64, once a window) stays this many rows (a 2048-token window over a
+# 49152-word vocabulary held five full-window float64 tensors, 4 GB, before).
+KL_ROWS = 256
+
+
+def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax of logits (T, V) in float64, KL_ROWS rows at a time (no full float64 copy of the logits)."""
+    out = torch.empty(logits.shape, dtype=torch.float64, device=logits.device)
+    for a in range(0, logits.shape[0], KL_ROWS):
+        out[a : a + KL_ROWS] = torch.log_softmax(logits[a : a + KL_ROWS].double(), -1)
+    return out
+
+
+def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of KL(reference ‖ item), from the reference's float64 log-probabilities and the
+    item's logits, in float64, KL_ROWS positions at a time."""
+    total = torch.zeros((), dtype=torch.float64, device=ref_logp.device)
+    for a in range(0, logits.shape[0], KL_ROWS):
+        ref = ref_logp[a : a + KL_ROWS]
+        total += (ref.exp() * (ref - torch.log_softmax(logits[a : a + KL_ROWS].double(), -1))).sum()
+    return total
+
+
 def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str) -> torch.Tensor:
     """s (layers, 2, KV heads, len(coders)): the sensitivity of each layer's keys (0) and values (1), per
     KV head, under each coder, in the dict's order, over `windows` (module docstring): the KL divergence
@@ -189,9 +213,9 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
     layers = _decoder_layers(lm.model)
     outputs: dict[int, object] = {}  # each decoder layer's output in the reference forward
 
-    def log_probs(ids, attend, skip: int = 0) -> torch.Tensor:
-        """Next-token log-probabilities; the first `skip` decoder layers replay their reference outputs
-        (their inputs are the reference's: the item under test sits in a later layer)."""
+    def logits(ids, attend, skip: int = 0) -> torch.Tensor:
+        """Next-token logits (T, V) as the model gives them; the first `skip` decoder layers replay their
+        reference outputs (their inputs are the reference's: the item under test sits in a later layer)."""
         # a layer's own forward, where the instance holds one (accelerate's device hooks of a spread model
         # wrap it there), is put back after; otherwise the class's
         own = {}  # layer index: what its instance held, for the layers swapped so far
@@ -200,7 +224,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 own[i] = layers[i].__dict__.get("forward")
                 layers[i].forward = lambda *args, _out=outputs[i], **kwargs: _out
             with torch.no_grad(), intercept(lm.model, attend):
-                return torch.log_softmax(lm.model(ids, use_cache=False).logits[0].double(), -1)
+                return lm.model(ids, use_cache=False).logits[0]
         finally:
             for i, forward in own.items():
                 if forward is None:
@@ -230,12 +254,11 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
             hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
                      for i, layer in enumerate(layers)]
             try:
-                ref_logp = log_probs(ids, reference)
+                ref_logp = log_softmax64(logits(ids, reference))
             finally:
                 for hook in hooks:
                     hook.remove()
             bar.update()
-            ref_p = ref_logp.exp()  # once a window, not once an item
             for target, which in itertools.product(range(shape.num_layers), (0, 1)):
                 def one_item(layer: int, q, k, v, opts: AttentionOptions):
                     k16, v16, flushed, ref = cache_of(k, v, q, opts)
@@ -245,8 +268,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                     kh, vh = (held.k, v16) if which == 0 else (k16, held.v)
                     return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
 
-                logp = log_probs(ids, one_item, skip=target if len(layers) == shape.num_layers else 0)
-                kl[target, which] += (ref_p * (ref_logp - logp)).sum().cpu()
+                skip = target if len(layers) == shape.num_layers else 0
+                kl[target, which] += kl_sum(ref_logp, logits(ids, one_item, skip=skip)).cpu()
                 bar.update()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
     return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
