@@ -115,3 +115,34 @@ def test_fit_codebook_device_cpu_keeps_k_means_on_the_cpu_and_cuda_fits_on_the_g
         sub = codec.reshape(-1, 4)  # the keys as the codebooks were fitted on them, in sub-vectors of 4
         errs = [vq.inertia(sub, books[n]["layers.0.k_codebook"][0].float()) for n in ("cuda", "torch-cpu")]
         assert abs(errs[0] - errs[1]) <= 0.01 * errs[1], errs
+
+
+def test_plan_on_a_gpu_fits_its_vector_codebooks_there_without_faiss(tmp_path, acts, tiny_model_dir, text_file, no_faiss):
+    """plan on CUDA with faiss absent (the lent GPUs have no faiss-gpu): `--kmeans auto` takes kvcalib's own
+    k-means on the model's GPU, the manifest says so, and the plan's vector codebooks are that fit's, to
+    within what the CPU and GPU runs of it differ by (the test above: about 1% of the keys' coding error);
+    eval reads the plan on the GPU."""
+    import math
+
+    from kvcalib import vq
+    from kvcalib.artifacts import load_artifact
+    from kvcalib.evaluate import evaluate
+    from kvcalib.methods.plan import codebook_name
+    from kvcalib.methods.plan_fit import make_plan
+    from kvcalib.methods.turboquant_fit import _rotated_units, fit_vector_codebooks
+    from kvcalib.models import AttentionShape
+
+    [path] = make_plan(acts, 8.0, tmp_path / "plan", model=str(tiny_model_dir), candidates=("turboquant-d4b6",),
+                       anchor="turboquant-d4b6", windows=1, seq_len=32, iters=5, residual=16, device="cuda")
+    kmeans = json.loads((path / "manifest.json").read_text())["extra"]["kmeans"]
+    assert kmeans["library"].startswith("torch ") and kmeans["gpu"] is True
+    cpu = fit_vector_codebooks(Activations(acts), (vq.VQConfig(4, 6),), "layer", 5, library="torch")["d4b6"]
+    fp = Activations(acts).fingerprint
+    shape = AttentionShape(fp["num_layers"], fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
+    points = _rotated_units(Activations(acts).layer(0), "k", shape, "layer").reshape(-1, 4)
+    book = load_artifact(path).tensors[codebook_name(0, "k", "d4b6")]
+    errs = [vq.inertia(points, b[0].float()) for b in (book, cpu["layers.0.k_codebook"])]
+    assert abs(errs[0] - errs[1]) <= 0.01 * errs[1], errs
+    result = evaluate(str(tiny_model_dir), str(text_file), num_samples=1, seq_len=32, method="plan",
+                      artifacts=str(path), residual=16, device="cuda")
+    assert math.isfinite(result.perplexity)
