@@ -135,7 +135,8 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
         s = qc @ kf.transpose(-1, -2)
         if k_held is not None:
             held = j[None, :] < flushed[start:stop, None]
-            s = torch.where(held, qc @ kh.transpose(-1, -2), s)
+            if k_held is not k:  # the held keys are the keys themselves (only the values held): the same scores
+                s = torch.where(held, qc @ kh.transpose(-1, -2), s)
         s = s * opts.scaling
         if opts.softcap:
             s = opts.softcap * _tanh(s / opts.softcap)

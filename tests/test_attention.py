@@ -96,6 +96,12 @@ def test_mixed_attention_matches_float64_reference(groups, tq, tk, softcap, wind
     _check_within(mixed_attention(q, k, v, opts, k_held, v_held, flushed),
                   *_reference(q, k, v, opts, k_held, v_held, flushed))
     _check_within(mixed_attention(q, k, v, opts), *_reference(q, k, v, opts))
+    # only the values held (the keys passed as their own held keys, as plan's sensitivity does): the same bits as
+    # with an equal copy of the keys (the scores' second product, which it skips, would select the same scores)
+    # and within the reference's bound
+    only_values = mixed_attention(q, k, v, opts, k, v_held, flushed)
+    assert torch.equal(only_values, mixed_attention(q, k, v, opts, k.clone(), v_held, flushed))
+    _check_within(only_values, *_reference(q, k, v, opts, k, v_held, flushed))
 
 
 @pytest.mark.parametrize("plant", ["sliding window one key wider", "causal mask one key late",

@@ -162,8 +162,8 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 # Positions whose float64 log-probabilities are computed at once for an item's KL: what the sensitivity holds beside
-# the reference's (T x vocabulary float64, once a window) stays this many rows (a 2048-token window over a
-# 49152-word vocabulary held five full-window float64 tensors, 4 GB, before).
+# the reference's (T x vocabulary float64 log-probabilities and probabilities, once a window) stays this many rows
+# (a 2048-token window over a 49152-word vocabulary held five full-window float64 tensors, 4 GB, before).
 KL_ROWS = 256
 
 
@@ -175,13 +175,14 @@ def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def kl_sum(ref_logp: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """Σ over positions of KL(reference ‖ item), from the reference's float64 log-probabilities and the
-    item's logits, in float64, KL_ROWS positions at a time."""
+def kl_sum(ref_logp: torch.Tensor, ref_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Σ over positions of KL(reference ‖ item), from the reference's float64 log-probabilities and
+    probabilities (its exp, computed once a window) and the item's logits, in float64, KL_ROWS positions at
+    a time."""
     total = torch.zeros((), dtype=torch.float64, device=ref_logp.device)
     for a in range(0, logits.shape[0], KL_ROWS):
-        ref = ref_logp[a : a + KL_ROWS]
-        total += (ref.exp() * (ref - torch.log_softmax(logits[a : a + KL_ROWS].double(), -1))).sum()
+        rows = slice(a, a + KL_ROWS)
+        total += (ref_p[rows] * (ref_logp[rows] - torch.log_softmax(logits[rows].double(), -1))).sum()
     return total
 
 
@@ -259,6 +260,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 for hook in hooks:
                     hook.remove()
             bar.update()
+            ref_p = ref_logp.exp()  # once a window, not once an item
             for target, which in itertools.product(range(shape.num_layers), (0, 1)):
                 def one_item(layer: int, q, k, v, opts: AttentionOptions):
                     k16, v16, flushed, ref = cache_of(k, v, q, opts)
@@ -269,7 +271,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                     return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
 
                 skip = target if len(layers) == shape.num_layers else 0
-                kl[target, which] += kl_sum(ref_logp, logits(ids, one_item, skip=skip)).cpu()
+                kl[target, which] += kl_sum(ref_logp, ref_p, logits(ids, one_item, skip=skip)).cpu()
                 bar.update()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
     return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
