@@ -10,8 +10,8 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import (DEFAULTS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS,
-                       RESIDUAL_MODES)
+from .defaults import (DEFAULTS, KMEANS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS,
+                       PLAN_SINK_TOKENS, RESIDUAL_MODES)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -326,7 +326,7 @@ def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, tru
               help="The cache keeps the first N tokens of every sequence in float16.")
 @click.option("--exclude-sinks", is_flag=True, help="Also leave those N positions out of λ and the k-means fit.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--kmeans", type=click.Choice(["auto", "faiss", "torch"]), default="auto", show_default=True,
+@click.option("--kmeans", type=click.Choice(KMEANS), default="auto", show_default=True,
               help="k-means library: faiss (its GPU build where installed), or kvcalib's own in torch on --device; "
                    "auto takes torch on CUDA where faiss has no GPU build, faiss otherwise.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
@@ -382,7 +382,7 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
-@click.option("--kmeans", type=click.Choice(["auto", "faiss", "torch"]), default="auto", show_default=True,
+@click.option("--kmeans", type=click.Choice(KMEANS), default="auto", show_default=True,
               help="k-means of the vector candidates (turboquant-dDbB, vecinfer-dDbB), as fit-codebook's: auto takes "
                    "faiss on the CPU, kvcalib's own in torch on the model's GPU where faiss has no GPU build.")
 @_spread

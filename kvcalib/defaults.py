@@ -9,6 +9,7 @@ OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residu
            "residual_mode": "--residual-mode", "keys": "--keys"}
 KVLINC_KEYS = ("kivi", "oscar")  # --keys: the key coding KVLinC's correction is trained on top of (kvcalib.methods.kvlinc)
 RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods.base` says what each does
+KMEANS = ("auto", "faiss", "torch")  # --kmeans: `kvcalib.methods.vecinfer_fit.kmeans_library` says which each takes
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)
 # (the vector schemes fit k-means codebooks with faiss: `pip install kvcalib[cpu]`)

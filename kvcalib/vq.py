@@ -154,6 +154,21 @@ def kmeans(points: torch.Tensor, config: VQConfig, iters: int, seed: int, max_po
                      training_points=min(x.shape[0], k * max_points_per_centroid))
 
 
+def kmeans_device(library: str, device: str) -> torch.device:
+    """Where the points of a k-means by `library` go: `device` for kvcalib's own, the host for faiss (it takes
+    host arrays, and moves them to its GPU itself)."""
+    return torch.device(device) if library == "torch" else torch.device("cpu")
+
+
+def kmeans_by(library: str, points: torch.Tensor, config: VQConfig, iters: int, seed: int,
+              max_points_per_centroid: int, gpu: bool | None = None) -> KMeansFit:
+    """k-means of points (P, N) by `library` (`methods.vecinfer_fit.kmeans_library` chooses it): "torch",
+    kvcalib's own (`kmeans_torch`) on the points' device; "faiss" (`kmeans`, on a GPU as `gpu` says)."""
+    if library == "torch":
+        return kmeans_torch(points, config, iters, seed, max_points_per_centroid)
+    return kmeans(points, config, iters, seed, max_points_per_centroid, gpu)
+
+
 # faiss's perturbation when it splits a cluster to re-seed an empty one (faiss/Clustering.cpp, EPS).
 SPLIT_EPS = 1 / 1024
 

@@ -69,7 +69,7 @@ from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
-from .vecinfer_fit import KMEANS, fit_plan_codebooks, kmeans_library, library_version
+from .vecinfer_fit import check_kmeans, fit_plan_codebooks, kmeans_library, library_version
 
 log = logging.getLogger(__name__)
 # Calibration tokens per layer of the best plans measured (benchmarks/RESULTS.md, "Plans with vector codebooks",
@@ -357,8 +357,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     vectors = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "turboquant" and s.dim))
     vecinfer = tuple(dict.fromkeys(vq.VQConfig(s.dim, s.bits) for s in schemes if s.family == "vecinfer"))
     check_fit_settings(tq_bits, granularity, iters)  # before the model loads, not when the fit starts
-    if kmeans not in KMEANS:
-        raise SettingsError(f"--kmeans must be one of {', '.join(KMEANS)}, got {kmeans!r}")
+    check_kmeans(kmeans)
     # where the vector codebooks are fitted: the model's device, or with --device-map auto the first GPU
     fit_on = resolve_device(None) if device_map == "auto" else place["device"]
     vector_schemes = [s for s in schemes if s.family in ("turboquant", "vecinfer") and s.dim]

@@ -7,7 +7,6 @@ format, rotation and norms are TurboQuant's: only the centroids differ. Saved as
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,16 +149,15 @@ def fit_vector_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gr
     for config in configs:
         config.check(shape.head_dim)
     tensors: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
+    on = vq.kmeans_device(library, device)
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
         data = acts.layer(i, ("k", "v"))  # the queries (most of a layer's bytes) are not fitted
         for which in ("k", "v"):
-            y = _rotated_units(data, which, shape, granularity)
-            if library == "torch":
-                y = y.to(device)
+            y = _rotated_units(data, which, shape, granularity).to(on)
             for config in configs:
                 points = y.reshape(y.shape[0], -1, config.dim)
-                fit = vq.kmeans_torch if library == "torch" else functools.partial(vq.kmeans, gpu=gpu)
-                books = [fit(g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID).codebook for g in points]
+                books = [vq.kmeans_by(library, g, config, iters, VECTOR_SEED, VECTOR_POINTS_PER_CENTROID, gpu).codebook
+                         for g in points]
                 tensors[str(config)][f"layers.{i}.{which}_codebook"] = torch.stack(books).half().cpu()
     return tensors
 

@@ -18,6 +18,7 @@ from .. import vq
 from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
 from ..collect import Activations, tokens_per_second
+from ..defaults import KMEANS
 from ..errors import SettingsError
 from ..models import AttentionShape, resolve_device
 from ..parallel import merged, on_rank0, share, world
@@ -45,23 +46,21 @@ def _fits(x: torch.Tensor, heads: list[int | None], config: vq.VQConfig, iters: 
           max_points_per_centroid: int, gpu: bool | None = None, library: str = "faiss") -> list:
     """k-means of the sub-vectors of x (S, H, T, d): one fit per KV head, or one for all (`heads` = [None]);
     `library` faiss (`vq.kmeans`, `gpu` as it takes it) or torch (`vq.kmeans_torch`, on x's device)."""
-    def fit(points: torch.Tensor) -> vq.KMeansFit:
-        if library == "torch":
-            return vq.kmeans_torch(points, config, iters, seed, max_points_per_centroid)
-        return vq.kmeans(points, config, iters, seed, max_points_per_centroid, gpu)
-
-    return [fit(_subvectors(x, h, config.dim)) for h in heads]
+    return [vq.kmeans_by(library, _subvectors(x, h, config.dim), config, iters, seed, max_points_per_centroid, gpu)
+            for h in heads]
 
 
-KMEANS = ("auto", "faiss", "torch")
+def check_kmeans(kmeans: str) -> None:
+    """Refuse a `--kmeans` that is none of `KMEANS`."""
+    if kmeans not in KMEANS:
+        raise SettingsError(f"--kmeans must be one of {', '.join(KMEANS)}, got {kmeans!r}")
 
 
 def kmeans_library(kmeans: str, device: str) -> tuple[str, bool]:
     """(library, on a GPU) that `--kmeans` and the resolved `--device` choose (module docstring): faiss's
     GPU build where it sees a GPU and the device is CUDA; torch on the device for `torch`, and for `auto`
     on CUDA without a faiss GPU build; faiss on the CPU otherwise. faiss must be installed where chosen."""
-    if kmeans not in KMEANS:
-        raise SettingsError(f"--kmeans must be one of {', '.join(KMEANS)}, got {kmeans!r}")
+    check_kmeans(kmeans)
     cuda = device.startswith("cuda")
     if kmeans == "torch":
         return "torch", cuda
@@ -94,8 +93,8 @@ def fit_plan_codebooks(acts: Activations, configs: tuple[vq.VQConfig, ...], gran
     heads = [None] if granularity == "layer" else list(range(shape.num_kv_heads))
     books: dict[str, dict[str, torch.Tensor]] = {str(c): {} for c in configs}
     smooth = {}
+    on = vq.kmeans_device(library, device)
     for i in tqdm(range(shape.num_layers), desc=f"{desc} {','.join(map(str, configs))}", unit="layer"):
-        on = torch.device(device) if library == "torch" else torch.device("cpu")  # faiss takes host arrays
         data = _without_sinks(acts.layer(i, ("k", "v", "positions"), device=on), 0)
         lam = smoothing_factors(data["k"])
         smooth[f"layers.{i}.k_smooth"] = lam.cpu()
@@ -119,7 +118,7 @@ def fit_codebook(activations: str | Path, out: str | Path, k_config: str = "d4b8
     config = VecInferConfig(k_config, v_config, granularity, smooth, hadamard, sink_tokens)
     dev = resolve_device(device)
     library, gpu = kmeans_library(kmeans, dev)
-    on = torch.device(dev) if library == "torch" else torch.device("cpu")  # faiss takes host arrays
+    on = vq.kmeans_device(library, dev)
     if iters < 1 or max_points_per_centroid < 1:
         raise SettingsError("--iters and --max-points-per-centroid must be positive")
     out = ensure_writable_dir(out)
