@@ -233,3 +233,38 @@ def test_a_command_that_does_not_share_its_work_is_refused_under_torchrun(tmp_pa
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvcalib: error: fit-turboquant runs in one process") and "\n" not in err
 
+
+
+def _threads_child(rank: int, size: int, port: int, log: str, env: dict) -> None:
+    """A rank started with `env` on top of torchrun's variables: its torch thread count once in the group."""
+    os.environ.update(env)
+
+    def work() -> dict:
+        import torch
+
+        from kvcalib.parallel import world
+
+        torch.set_num_threads(1)  # what OMP_NUM_THREADS=1 gives a process
+        world()
+        return {"threads": torch.get_num_threads()}
+
+    as_rank(rank, size, port, log, work)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU core: a rank's share of it is torchrun's one thread")
+def test_a_rank_takes_its_share_of_the_cores_where_torchrun_left_it_one_thread(tmp_path):
+    """torchrun sets OMP_NUM_THREADS=1 where the caller set none; joining the group, each rank takes the host's
+    cores over the ranks on it instead (here LOCAL_WORLD_SIZE=1 says one rank a host, so the share is every core
+    and differs from one thread on any machine of 2 cores or more); an OMP_NUM_THREADS of the caller's is kept."""
+    from kvcalib.parallel import rank_threads
+
+    cores = len(os.sched_getaffinity(0))
+    port = _free_port()
+    logs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    got = run_processes(_threads_child, [(r, 2, port, str(logs[r]), {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"})
+                                         for r in range(2)], logs)
+    assert [g.get("threads") for g in got] == [cores, cores], got
+    assert rank_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, 32) == 16
+    assert rank_threads({"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}, 2) == 1  # never fewer than one
+    assert rank_threads({"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "6"}, 32) is None  # the caller's choice
+    assert rank_threads({"OMP_NUM_THREADS": "1"}, 32) is None  # not under torchrun
