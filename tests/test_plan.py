@@ -532,3 +532,29 @@ def test_coders_under_different_flush_rules_are_not_measured_together(tiny_lm):
               "b": TurboQuant(TurboQuantConfig(bits=2, residual=32), shape)}
     with pytest.raises(ValueError, match="different rules"):
         measure_sensitivity(tiny_lm, coders, torch.zeros(1, 8, dtype=torch.long), anchor="a")
+
+
+def test_counting_a_windows_first_positions_gives_what_the_window_cut_there_gives(tiny_lm):
+    """`positions` counts some positions' predictions and attention outputs, the whole window still run. A
+    causal model's first k positions read only the first k tokens, and under the decode-exact flush rule each
+    query's cache is its own: counting only them gives the sensitivity of the window cut to k tokens. Bit for
+    bit here; 1e-6 relative allowed, as the forwards' products run over other lengths (a BLAS may sum them in
+    another order), far below the 1 against 2 bits gap the other tests check. Fails where either the KL or
+    the attention errors count every position."""
+    from kvcalib.models import attention_shape
+
+    shape = attention_shape(tiny_lm.config)
+    coders = {f"tq-{b}": TurboQuant(TurboQuantConfig(bits=b, residual=16), shape) for b in (1, 2)}
+    windows = torch.randint(0, 200, (2, 48), generator=torch.Generator().manual_seed(1))
+    k = 32  # whole flush blocks (16 tokens): the blocks flushed for the first k queries hold only their tokens
+    first = torch.zeros(windows.shape, dtype=torch.bool)
+    first[:, :k] = True
+    cut = measure_sensitivity(tiny_lm, coders, windows[:, :k].contiguous(), anchor="tq-2")
+    counted = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2", positions=first)
+    assert (cut > 0).all() and torch.allclose(counted, cut, rtol=1e-6, atol=0), (counted - cut).abs().max()
+    whole = measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2")
+    assert not torch.allclose(whole, cut, rtol=1e-2, atol=0)  # the later positions count when all do
+    assert torch.equal(measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2",
+                                           positions=torch.ones_like(first)), whole)
+    with pytest.raises(ValueError, match="the windows' shape"):
+        measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2", positions=first[:, :k])

@@ -192,14 +192,17 @@ def kl_sum(ref_logp: torch.Tensor, ref_p: torch.Tensor, logits: torch.Tensor) ->
     return total
 
 
-def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str) -> torch.Tensor:
+def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """s (layers, 2, KV heads, len(coders)): the sensitivity of each layer's keys (0) and values (1), per
     KV head, under each coder, in the dict's order, over `windows` (module docstring): the KL divergence
     of the next-token distributions when only that layer's keys or values are coded by `anchor`, times
     the squared attention-output error of the query heads that read the KV head under the coder, over
     that of all query heads under `anchor`. (A query head reads one KV head, so coding all heads at once
     gives each head's error exactly.) Summed over heads, the anchor's is the layer's KL. Every coder
-    must flush under the same rule."""
+    must flush under the same rule. `positions` (windows x tokens, bool), where given, picks the positions
+    whose next-token distributions and attention outputs count (e.g. the answer of a retrieval prompt);
+    every position otherwise. The whole window still runs: a counted position reads all before it."""
     shape = attention_shape(lm.config)
     names = list(coders)
     a = names.index(anchor)
@@ -241,12 +244,16 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
 
     # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
     # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
+    if positions is not None and positions.shape != windows.shape:
+        raise ValueError(f"positions {tuple(positions.shape)} must have the windows' shape {tuple(windows.shape)}")
     with tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward") as bar:
-        for window_ids in windows:
+        for w, window_ids in enumerate(windows):
             ids = window_ids.unsqueeze(0).to(device)
+            rows = slice(None) if positions is None else positions[w].nonzero().squeeze(-1).to(device)
 
             def per_kv_head(diff: torch.Tensor) -> torch.Tensor:
                 """Σ diff² over (B, Hq, T, d) per KV head: query heads j * g .. (j + 1) * g - 1 read KV head j."""
+                diff = diff[:, :, rows]
                 b, hq, t, d = diff.shape
                 return diff.double().pow(2).reshape(b, shape.num_kv_heads, -1).sum((0, 2)).cpu()
 
@@ -261,7 +268,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
             hooks = [layer.register_forward_hook(lambda module, args, out, i=i: outputs.__setitem__(i, out))
                      for i, layer in enumerate(layers)]
             try:
-                ref_logp = log_softmax64(logits(ids, reference))
+                ref_logp = log_softmax64(logits(ids, reference)[rows])
             finally:
                 for hook in hooks:
                     hook.remove()
@@ -277,7 +284,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                     return mixed_attention(q, k16, v16, opts, kh, vh, flushed)
 
                 skip = target if len(layers) == shape.num_layers else 0
-                kl[target, which] += kl_sum(ref_logp, ref_p, logits(ids, one_item, skip=skip)).cpu()
+                kl[target, which] += kl_sum(ref_logp, ref_p, logits(ids, one_item, skip=skip)[rows]).cpu()
                 bar.update()
     at_anchor = err[..., a : a + 1].sum(2, keepdim=True)  # the item's whole error under the anchor
     return torch.where(at_anchor > 0, kl[..., None, None] * err / at_anchor.clamp_min(1e-300), torch.zeros_like(err))
