@@ -5,7 +5,7 @@ model imports nothing else).
 
     python benchmarks/ruler_split.py requests --limit 40 --max-lengths 4096,8192 --out runs/ruler/requests.json
     python benchmarks/ruler_split.py generate --requests runs/ruler/requests.json --rows rows.json \
-        --model PATH.gguf --out runs/ruler/responses            # on the GPU machine
+        --model PATH.gguf --out runs/ruler/responses [--per-gpu 2]   # on the GPU machine
     python benchmarks/ruler_split.py score --requests runs/ruler/requests.json \
         --responses runs/ruler/responses --out runs/ruler/lmeval
 
@@ -82,7 +82,10 @@ def _method(row: dict, lm):
 
 def generate(args) -> None:
     """Each row's answers into `--out`/NAME.json, `--chunk` requests at a time, resuming where a file
-    left off (a run spread over calls of limited length)."""
+    left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once, one process
+    each, N a GPU (the embedded model leaves most of a GPU idle: on 2026-11-28 four rows ran at once on two H200s)."""
+    if args.per_gpu:
+        return _generate_at_once(args)
     import torch
     from lm_eval.api.instance import Instance
 
@@ -113,6 +116,33 @@ def generate(args) -> None:
             tmp.replace(target)
             print(f"{row['name']}: {len(got['answers'])}/{len(keys)} requests, {got['seconds']:.1f} s on {device}",
                   flush=True)
+
+
+def _generate_at_once(args) -> None:
+    """Every row (of `--only`, or all) in its own `generate` process, `--per-gpu` of them on each visible GPU
+    (CUDA_VISIBLE_DEVICES set per process); each process's output in `--out`/NAME.log."""
+    import os
+
+    import torch
+
+    names = [r["name"] for r in _rows(args.rows) if not args.only or r["name"] in args.only.split(",")]
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        raise SystemExit("--per-gpu needs a GPU")
+    if len(names) > gpus * args.per_gpu:
+        raise SystemExit(f"{len(names)} rows, room for {gpus * args.per_gpu} ({gpus} GPUs x --per-gpu {args.per_gpu})")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = [sys.executable, __file__, "generate", "--requests", args.requests, "--rows", args.rows, "--model",
+              args.model, "--batch-size", str(args.batch_size), "--chunk", str(args.chunk), "--out", args.out]
+    procs = []
+    for i, name in enumerate(names):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % gpus))
+        with open(out / f"{name}.log", "w") as log:
+            procs.append((name, subprocess.Popen(common + ["--only", name], env=env, stdout=log, stderr=subprocess.STDOUT)))
+    failed = [name for name, p in procs if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"rows {', '.join(failed)} stopped: see their logs in {out}")
 
 
 def score(args) -> None:
@@ -170,6 +200,7 @@ def main() -> None:
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--only", default=None, help="comma-separated row names")
     g.add_argument("--chunk", type=int, default=64, help="requests between saves")
+    g.add_argument("--per-gpu", type=int, default=0, help="run the rows at once, this many a GPU (0: one by one)")
     g.add_argument("--out", required=True)
     s = sub.add_parser("score")
     s.add_argument("--requests", required=True)

@@ -234,7 +234,6 @@ def test_a_command_that_does_not_share_its_work_is_refused_under_torchrun(tmp_pa
     assert err.startswith("kvcalib: error: fit-turboquant runs in one process") and "\n" not in err
 
 
-
 def _threads_child(rank: int, size: int, port: int, log: str, env: dict) -> None:
     """A rank started with `env` on top of torchrun's variables: its torch thread count once in the group."""
     os.environ.update(env)

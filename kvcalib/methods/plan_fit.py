@@ -242,10 +242,10 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 else:
                     layers[i].forward = forward
 
-    # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
-    # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
     if positions is not None and positions.shape != windows.shape:
         raise ValueError(f"positions {tuple(positions.shape)} must have the windows' shape {tuple(windows.shape)}")
+    # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
+    # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
     with tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward") as bar:
         for w, window_ids in enumerate(windows):
             ids = window_ids.unsqueeze(0).to(device)
