@@ -11,12 +11,18 @@ errors counted only where the model predicts the code's tokens (`measure_sensiti
     python benchmarks/plan_needles.py --activations runs/pdef/acts --budget 2.25 --out runs/pneedle/plan \\
         [--prompts 8] [--prompt-len 2048] [--weight 1.0] [--device cuda]
 
+`--reweight TEXT_PLAN PROMPTS_PLAN` measures nothing: it takes ordinary text's sensitivities from TEXT_PLAN (the
+plan `kvcalib plan` made on the same collection with the same windows) and the prompts' from PROMPTS_PLAN (one this
+script made, at its `--weight`, recorded in its manifest), and weighs them by `--weight` anew: a plan in the time
+of its codebook fits.
+
 The plan is an ordinary `plan` artifact: `kvcalib eval --method plan --artifacts ...` and `ruler_split.py` read it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -73,10 +79,22 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4, help="plan --windows (ordinary text)")
     parser.add_argument("--seq-len", type=int, default=512, help="plan --seq-len (ordinary text)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--reweight", nargs=2, metavar=("TEXT_PLAN", "PROMPTS_PLAN"), default=None)
     args = parser.parse_args()
 
     acts = Activations(args.activations)
     measure = plan_fit.measure_sensitivity
+
+    def reweighted(lm, coders, windows, anchor):
+        (text_extra, text_settings), (both_extra, both_settings) = (_extra(p) for p in args.reweight)
+        same = ("activations", "candidates", "anchor", "windows", "seq_len")
+        if any(text_extra[k] != both_extra[k] for k in same) or text_extra["windows"] != args.windows:
+            raise SystemExit(f"--reweight: the two plans differ in {same} or from --windows")
+        text, both = (torch.tensor([e["sensitivity_per_kv_head"][p] for p in "kv"], dtype=torch.float64).transpose(0, 1)
+                      for e in (text_extra, both_extra))
+        weight0 = both_settings["weight"]
+        print(f"reweighted: the prompts' share {weight0} -> {args.weight}")
+        return text + (args.weight / weight0) * (both - text)
 
     def with_prompts(lm, coders, windows, anchor):
         text = measure(lm, coders, windows, anchor)
@@ -88,11 +106,23 @@ def main() -> None:
               f"anchor mass {float(text[..., a].sum()):.4g} (text) and {float(copy[..., a].sum()):.4g} (prompts)")
         return text + args.weight * scale * copy
 
-    plan_fit.measure_sensitivity = with_prompts
+    plan_fit.measure_sensitivity = reweighted if args.reweight else with_prompts
     t0 = time.perf_counter()
     [path] = plan_fit.make_plan(args.activations, args.budget, args.out, model=args.model, windows=args.windows,
                                 seq_len=args.seq_len, device=args.device)
+    manifest = json.loads((path / "manifest.json").read_text())  # what --reweight needs to read it back
+    manifest["extra"]["retrieval_prompts"] = {"weight": args.weight, "prompts": args.prompts,
+                                              "prompt_len": args.prompt_len, "reweighted_from": args.reweight}
+    tmp = path / "manifest.json.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(path / "manifest.json")
     print(f"plan -> {path} in {time.perf_counter() - t0:.1f} s")
+
+
+def _extra(plan: str) -> tuple[dict, dict]:
+    """A plan artifact's manifest extra, and the prompts' settings this script recorded there ({} if none)."""
+    extra = json.loads((Path(plan) / "manifest.json").read_text())["extra"]
+    return extra, extra.get("retrieval_prompts", {"weight": 1.0})
 
 
 if __name__ == "__main__":
