@@ -86,7 +86,7 @@ def main() -> None:
     measure = plan_fit.measure_sensitivity
 
     def reweighted(lm, coders, windows, anchor):
-        (text_extra, text_settings), (both_extra, both_settings) = (_extra(p) for p in args.reweight)
+        (text_extra, _), (both_extra, both_settings) = (_extra(p) for p in args.reweight)
         same = ("activations", "candidates", "anchor", "windows", "seq_len")
         if any(text_extra[k] != both_extra[k] for k in same) or text_extra["windows"] != args.windows:
             raise SystemExit(f"--reweight: the two plans differ in {same} or from --windows")
@@ -120,7 +120,8 @@ def main() -> None:
 
 
 def _extra(plan: str) -> tuple[dict, dict]:
-    """A plan artifact's manifest extra, and the prompts' settings this script recorded there ({} if none)."""
+    """A plan artifact's manifest extra, and the prompts' settings this script recorded there (weight 1.0 where
+    none is: the plans it made before it recorded them)."""
     extra = json.loads((Path(plan) / "manifest.json").read_text())["extra"]
     return extra, extra.get("retrieval_prompts", {"weight": 1.0})
 
