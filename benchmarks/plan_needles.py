@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvcalib.atomic import write_json  # noqa: E402
 from kvcalib.collect import Activations  # noqa: E402
 from kvcalib.data import token_windows  # noqa: E402
 from kvcalib.methods import plan_fit  # noqa: E402
@@ -113,9 +114,7 @@ def main() -> None:
     manifest = json.loads((path / "manifest.json").read_text())  # what --reweight needs to read it back
     manifest["extra"]["retrieval_prompts"] = {"weight": args.weight, "prompts": args.prompts,
                                               "prompt_len": args.prompt_len, "reweighted_from": args.reweight}
-    tmp = path / "manifest.json.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
-    tmp.replace(path / "manifest.json")
+    write_json(path / "manifest.json", manifest)
     print(f"plan -> {path} in {time.perf_counter() - t0:.1f} s")
 
 

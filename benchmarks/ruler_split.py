@@ -136,8 +136,9 @@ def _generate_at_once(args) -> None:
     common = [sys.executable, __file__, "generate", "--requests", args.requests, "--rows", args.rows, "--model",
               args.model, "--batch-size", str(args.batch_size), "--chunk", str(args.chunk), "--out", args.out]
     procs = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
     for i, name in enumerate(names):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i % gpus))
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i % gpus])  # the i-th GPU this process sees
         with open(out / f"{name}.log", "w") as log:
             procs.append((name, subprocess.Popen(common + ["--only", name], env=env, stdout=log, stderr=subprocess.STDOUT)))
     failed = [name for name, p in procs if p.wait() != 0]
