@@ -6,6 +6,9 @@ model imports nothing else).
     python benchmarks/ruler_split.py requests --limit 40 --max-lengths 4096,8192 --out runs/ruler/requests.json
     python benchmarks/ruler_split.py generate --requests runs/ruler/requests.json --rows rows.json \
         --model PATH.gguf --out runs/ruler/responses [--per-gpu 2]   # on the GPU machine
+    # or one row over several processes, each with its own --out, then merged:
+    #   generate ... --only ROW --shard I/N --out responses-I   (I = 0..N-1, at once)
+    #   merge --responses responses-0 ... responses-N-1 --out runs/ruler/responses
     python benchmarks/ruler_split.py score --requests runs/ruler/requests.json \
         --responses runs/ruler/responses --out runs/ruler/lmeval
 
@@ -93,6 +96,7 @@ def generate(args) -> None:
 
     spec = json.loads(Path(args.requests).read_text())
     keys = [_key(a) for a in spec["requests"]]
+    shard, shards = _shard(args.shard)
     lm = load_model(args.model, args.device)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
@@ -102,7 +106,7 @@ def generate(args) -> None:
             continue
         target = out / f"{row['name']}.json"
         got = json.loads(target.read_text()) if target.exists() else {"row": row, "seconds": 0.0, "answers": {}}
-        todo = [i for i, k in enumerate(keys) if k not in got["answers"]]
+        todo = [i for i, k in enumerate(keys) if k not in got["answers"] and i % shards == shard]
         model = kvcalib_lm(lm, _method(row, lm), batch_size=args.batch_size) if todo else None
         for start in range(0, len(todo), args.chunk):
             part = [Instance("generate_until", {}, tuple(spec["requests"][i]), i) for i in todo[start:start + args.chunk]]
@@ -116,6 +120,14 @@ def generate(args) -> None:
             tmp.replace(target)
             print(f"{row['name']}: {len(got['answers'])}/{len(keys)} requests, {got['seconds']:.1f} s on {device}",
                   flush=True)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """`--shard I/N`: this process answers requests I, I + N, I + 2N, ... (N processes share one row)."""
+    i, n = (int(x) for x in text.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard I/N needs 0 <= I < N, got {text}")
+    return i, n
 
 
 def _generate_at_once(args) -> None:
@@ -144,6 +156,25 @@ def _generate_at_once(args) -> None:
     failed = [name for name, p in procs if p.wait() != 0]
     if failed:
         raise SystemExit(f"rows {', '.join(failed)} stopped: see their logs in {out}")
+
+
+def merge(args) -> None:
+    """One response file a row from the `--shard` runs' directories: their answers together, their seconds summed
+    (generating seconds, not wall-clock: the shards ran at once)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, dict] = {}
+    for directory in args.responses:
+        for path in sorted(Path(directory).glob("*.json")):
+            got = json.loads(path.read_text())
+            row = rows.setdefault(path.stem, {"row": got["row"], "seconds": 0.0, "answers": {}, "device": got["device"]})
+            if row["row"] != got["row"]:
+                raise SystemExit(f"{path}: another row under the name {path.stem}")
+            row["seconds"] += got["seconds"]
+            row["answers"].update(got["answers"])
+    for name, row in rows.items():
+        (out / f"{name}.json").write_text(json.dumps(row))
+        print(f"{name}: {len(row['answers'])} answers, {row['seconds']:.1f} s generating, the shards' summed -> {out / name}.json")
 
 
 def score(args) -> None:
@@ -201,15 +232,19 @@ def main() -> None:
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--only", default=None, help="comma-separated row names")
     g.add_argument("--chunk", type=int, default=64, help="requests between saves")
+    g.add_argument("--shard", default="0/1", help="I/N: answer only requests I, I+N, ... (their own --out each)")
     g.add_argument("--per-gpu", type=int, default=0, help="run the rows at once, this many a GPU (0: one by one)")
     g.add_argument("--out", required=True)
+    m = sub.add_parser("merge")
+    m.add_argument("--responses", nargs="+", required=True, help="the shards' --out directories")
+    m.add_argument("--out", required=True)
     s = sub.add_parser("score")
     s.add_argument("--requests", required=True)
     s.add_argument("--responses", required=True)
     s.add_argument("--only", default=None, help="one row's name")
     s.add_argument("--out", required=True)
     args = parser.parse_args()
-    {"requests": requests, "generate": generate, "score": score}[args.step](args)
+    {"requests": requests, "generate": generate, "merge": merge, "score": score}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
              outlier_z: float = 3.5, outlier_ratio: float = 2.0, device: str | None = None) -> Path:
     """Measure TNI in a collection and its cost to RTN quantization; write report.json, report.md, PNGs.
     `device`: where the statistics are computed (`--device`)."""
-    from .diagnose_plots import plot_report  # matplotlib is imported only here
+    from .diagnose_plots import figures, render  # matplotlib is imported only here
 
     acts = Activations(activations)
     bits = sorted(set(bits))
@@ -182,32 +182,36 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
         kept = {j: plots for j, plots in kept.items() if j in plottable}
         tokens_per_second(bar, samples * tokens)
     measured, kept = merged(measured, size), merged(kept, size)
+    layers = [measured[i][0] for i in range(acts.num_layers)]
+    samples, tokens = measured[acts.num_layers - 1][1:]
+    chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
+    report = {
+        "activations": str(acts.directory),
+        "model": acts.manifest["model"],
+        "model_fingerprint": acts.fingerprint,
+        "full_sequences": acts.full_sequences,
+        "samples": samples,
+        "tokens_per_sample": tokens,
+        "bits": bits,
+        "group_size": group_size,
+        "outlier_rule": {"z": rule.z, "ratio": rule.ratio},
+        "plot_layers": chosen,
+        "layers": layers,
+    }
+    report["summary"] = summarize(report)
+    # the plots take seconds each: under torchrun every rank draws its share, rank 0 writes them all
+    draws = figures(report, {i: kept[i] for i in chosen})
+    pngs = merged(render(draws, share(list(draws), rank, size)), size)
 
     def write() -> Path:
         """The report over every layer, written once (by rank 0 under torchrun)."""
-        layers = [measured[i][0] for i in range(acts.num_layers)]
-        samples, tokens = measured[acts.num_layers - 1][1:]
-        chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
-        report = {
-            "activations": str(acts.directory),
-            "model": acts.manifest["model"],
-            "model_fingerprint": acts.fingerprint,
-            "full_sequences": acts.full_sequences,
-            "samples": samples,
-            "tokens_per_sample": tokens,
-            "bits": bits,
-            "group_size": group_size,
-            "outlier_rule": {"z": rule.z, "ratio": rule.ratio},
-            "plot_layers": chosen,
-            "layers": layers,
-        }
-        report["summary"] = summarize(report)
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out) as tmp:
             tmp.mkdir()
             write_json(tmp / "report.json", report)
-            plots = plot_report(report, {i: kept[i] for i in chosen}, tmp)
-            (tmp / "report.md").write_text(markdown(report, plots))
+            for name in draws:
+                (tmp / name).write_bytes(pngs[name])
+            (tmp / "report.md").write_text(markdown(report, list(draws)))
         return out
 
     return on_rank0(write, rank, size) or out

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+import io
+from collections.abc import Callable
+from typing import BinaryIO
 
 import matplotlib
 
@@ -20,7 +22,7 @@ _SHOWN = 128  # token positions drawn in the per-position panels
 _COLORS = {"none": "tab:gray", "scaling": "tab:orange", "rotation": "tab:blue", "oscar": "tab:green"}
 
 
-def _norm_figure(layer: int, kept: dict, path: Path) -> None:
+def _norm_figure(layer: int, kept: dict, file: BinaryIO) -> None:
     """Box plots of per-token norms per head (top) and norms along the first positions (bottom)."""
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
     for col, name in enumerate(TENSORS):
@@ -42,11 +44,11 @@ def _norm_figure(layer: int, kept: dict, path: Path) -> None:
         ax.set_xlabel("token position")
         if heads <= 9:
             ax.legend(fontsize=7, ncol=3)
-    fig.savefig(path, dpi=90)
+    fig.savefig(file, dpi=90, format="png")
     plt.close(fig)
 
 
-def _oscar_figure(layer: int, kept: dict, bits: int, group: int, rule: OutlierRule, path: Path) -> None:
+def _oscar_figure(layer: int, kept: dict, bits: int, group: int, rule: OutlierRule, file: BinaryIO) -> None:
     """One key head of the first sample: what gets quantized under each transform, and the error."""
     k = kept["k0"]  # (H, T, d)
     norms_k = kept["norms"]["k"]  # (S, H, T)
@@ -85,11 +87,11 @@ def _oscar_figure(layer: int, kept: dict, bits: int, group: int, rule: OutlierRu
     ax.set_xlabel("token position")
     ax.set_title(f"{bits}-bit per-channel key error per token, ||k̂−k||/||k||")
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=90)
+    fig.savefig(file, dpi=90, format="png")
     plt.close(fig)
 
 
-def _error_figure(report: dict, path: Path) -> None:
+def _error_figure(report: dict, file: BinaryIO) -> None:
     """Relative quantization error per layer under each transform, keys and values, lowest bit width."""
     b = str(report["bits"][0])
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5), constrained_layout=True)
@@ -101,20 +103,29 @@ def _error_figure(report: dict, path: Path) -> None:
         ax.set_xlabel("layer")
         ax.set_ylabel("||x̂−x|| / ||x||")
         ax.legend()
-    fig.savefig(path, dpi=90)
+    fig.savefig(file, dpi=90, format="png")
     plt.close(fig)
 
 
-def plot_report(report: dict, kept: dict[int, dict], out: Path) -> list[str]:
-    """Write every plot into `out`; returns their file names. A bar counts them: the 7 figures of a
-    30-layer model take about 8 s."""
+def figures(report: dict, kept: dict[int, dict]) -> dict[str, Callable[[BinaryIO], None]]:
+    """Every plot of the report by its file name, each a function drawing it as PNG into a file: two for each
+    layer of `kept` (the plotted layers' norms and first keys), one over all layers."""
     rule = OutlierRule(**report["outlier_rule"])
-    figures = {}
+    draws = {}
     for layer, data in kept.items():
-        figures[f"norms_layer{layer:02d}.png"] = functools.partial(_norm_figure, layer, data)
-        figures[f"oscar_keys_layer{layer:02d}.png"] = functools.partial(
+        draws[f"norms_layer{layer:02d}.png"] = functools.partial(_norm_figure, layer, data)
+        draws[f"oscar_keys_layer{layer:02d}.png"] = functools.partial(
             _oscar_figure, layer, data, report["bits"][0], report["group_size"], rule)
-    figures["error_by_layer.png"] = functools.partial(_error_figure, report)
-    for name, draw in tqdm(figures.items(), desc="diagnose plots", unit="plot"):
-        draw(out / name)
-    return list(figures)
+    draws["error_by_layer.png"] = functools.partial(_error_figure, report)
+    return draws
+
+
+def render(draws: dict[str, Callable[[BinaryIO], None]], names: list[str]) -> dict[str, bytes]:
+    """The PNG bytes of the plots `names` (of `figures`). A bar counts them: the 7 figures of a 30-layer model
+    take about 7 s on one core, so under torchrun each rank draws its share."""
+    pngs = {}
+    for name in tqdm(names, desc="diagnose plots", unit="plot"):
+        with io.BytesIO() as file:
+            draws[name](file)
+            pngs[name] = file.getvalue()
+    return pngs

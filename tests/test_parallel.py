@@ -155,7 +155,7 @@ def test_two_gloo_processes_collect_the_directory_one_process_collects(tmp_path,
 def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp_path, tiny_model_dir, text_file):
     """KVLinC's adapters, VecInfer's codebooks and diagnose's figures are computed layer by layer: two ranks
     take a share of the layers each and rank 0 writes one artifact (one report), whose manifest and tensors
-    (report.json and report.md) equal the one-process output byte for byte (run.json holds wall-clock
+    (report.json, report.md and the plots, drawn a share a rank) equal the one-process output byte for byte (run.json holds wall-clock
     seconds: apart, as in tests/test_reproducible_artifacts.py)."""
     if job == "fit-codebook":
         pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
@@ -169,7 +169,11 @@ def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp
     assert all(r["ok"] for r in two), two
     layers = json.loads((acts / "plan.json").read_text())["model_fingerprint"]["num_layers"]
     assert sorted(sum((r["shares"][0] for r in two), [])) == list(range(layers)) and all(r["shares"][0] for r in two)
-    for name in (MANIFEST, TENSORS) if job != "diagnose" else ("report.json", "report.md"):
+    names = (MANIFEST, TENSORS) if job != "diagnose" else sorted(p.name for p in (tmp_path / "one").iterdir())
+    if job == "diagnose":  # the report and its plots, which the two ranks draw a share each of
+        assert {"report.json", "report.md", "norms_layer00.png", "error_by_layer.png"} <= set(names), names
+        assert names == sorted(p.name for p in (tmp_path / "two").iterdir())
+    for name in names:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
 
