@@ -368,6 +368,10 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
                    "per-coordinate codebooks, B in 1..4), turboquant-dDbB (TurboQuant's norms and rotation, a "
                    "k-means codebook of 2^B centroids of D coordinates; needs faiss), vecinfer-dDbB (VecInfer's λ, Hadamard "
                    "and codebooks; needs faiss), kivi-B-gG, oscar-B-gG.")
+@click.option("--key-candidates", default=None,
+              help="The schemes keys may take, comma-separated, each one of --candidates (default: all of them).")
+@click.option("--value-candidates", default=None,
+              help="The schemes values may take, comma-separated, each one of --candidates (default: all of them).")
 @click.option("--items", type=click.Choice(PLAN_ITEMS), default=PLAN_ITEM, show_default=True,
               help="Choose a scheme for each layer's keys and values, or for each KV head's.")
 @click.option("--anchor", default=PLAN_ANCHOR, show_default=True,
@@ -388,19 +392,25 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @_spread
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budgets, model, candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
+def plan_cmd(activations, budgets, model, candidates, key_candidates, value_candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
              residual_mode, kmeans, trust_remote_code, device, device_map, max_memory, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
     from .models import parse_max_memory
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
-                          candidates=[c for c in candidates.split(",") if c.strip()], items=items, anchor=anchor,
+                          candidates=_names(candidates), key_candidates=_names(key_candidates),
+                          value_candidates=_names(value_candidates), items=items, anchor=anchor,
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
                           device=device, device_map=device_map, max_memory=parse_max_memory(max_memory),
                           kmeans=kmeans):
         click.echo(f"plan written to {path}")
+
+
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated option's names (None where the option was not given)."""
+    return None if text is None else [c.strip() for c in text.split(",") if c.strip()]
 
 
 @cli.command("report")

@@ -558,3 +558,35 @@ def test_counting_a_windows_first_positions_gives_what_the_window_cut_there_give
                                            positions=torch.ones_like(first)), whole)
     with pytest.raises(ValueError, match="the windows' shape"):
         measure_sensitivity(tiny_lm, coders, windows, anchor="tq-2", positions=first[:, :k])
+
+
+def test_keys_and_values_take_only_the_schemes_their_own_lists_allow(acts, tmp_path, tiny_lm):
+    """--key-candidates and --value-candidates bar schemes from one part: with KIVI-4 barred from the keys and
+    KIVI-2 from the values, no key takes KIVI-4 and no value KIVI-2, where the same budget makes an unrestricted
+    plan take both (checked first). The sensitivities are measured as without
+    the lists (every candidate on both parts)."""
+    common = dict(model=tiny_lm, candidates=("kivi-2-g8", "kivi-4-g8"), anchor="kivi-2-g8", windows=1, seq_len=32,
+                  residual=16)
+    # G = 8, on keys and values alike: KIVI-2 costs 2 + 32 / 8 = 6 bits per element, KIVI-4 8, plus a sink token's
+    # 16 / 1024 (the manifest's cost_bits_per_element): KIVI-2 keys with KIVI-4 values 7.016, all KIVI-4 8.016
+    [free] = make_plan(acts, 7.1, tmp_path / "free", **common)
+    [split] = make_plan(acts, 7.1, tmp_path / "split", key_candidates=("kivi-2-g8",), value_candidates=("kivi-4-g8",),
+                        **common)
+    free, split = (json.loads((p / "manifest.json").read_text()) for p in (free, split))
+    taken = lambda m, p: {n for heads in m["settings"][p] for n in heads}  # noqa: E731
+    assert taken(free, "k") | taken(free, "v") == {"kivi-2-g8", "kivi-4-g8"}
+    assert taken(split, "k") == {"kivi-2-g8"} and taken(split, "v") == {"kivi-4-g8"}
+    assert split["extra"]["candidates_per_part"] == {"k": ["kivi-2-g8"], "v": ["kivi-4-g8"]}
+    assert split["extra"]["sensitivity_per_kv_head"] == free["extra"]["sensitivity_per_kv_head"]
+    assert split["extra"]["cost_bits_per_element"] == free["extra"]["cost_bits_per_element"]  # true costs recorded
+    assert split["extra"]["predicted_bits_per_element"] <= 7.1
+
+
+@pytest.mark.parametrize("kwargs,match", [({"key_candidates": ("kivi-4-g8",)}, "--key-candidates: kivi-4-g8 not among"),
+                                          ({"value_candidates": ()}, "--value-candidates must name"),
+                                          ({"key_candidates": ("kivi-4-g8x",)}, "kivi-4-g8x")])
+def test_a_part_list_outside_the_candidates_is_refused_before_anything_is_written(acts, tmp_path, tiny_lm, kwargs, match):
+    with pytest.raises(SettingsError, match=match):
+        make_plan(acts, 6.0, tmp_path / "plan", model=tiny_lm, candidates=("kivi-2-g8",), anchor="kivi-2-g8",
+                  residual=16, **kwargs)
+    assert not (tmp_path / "plan").exists()

@@ -79,6 +79,7 @@ BEST_CALIBRATION_TOKENS = 64 * 512
 COST_UNITS = 256  # the knapsack's cost resolution: 1/256 bit per element
 SHARED_BITS_TOKENS = 4 * 1024  # eval's default run (--num-samples 4 --seq-len 1024): codebooks amortised over it
 SEQUENCE_TOKENS = 1024  # eval's default window: float16 sink tokens amortised over it
+BARRED_COST = 1e6  # bits per element of a candidate a part may not take (--key-candidates, --value-candidates)
 
 
 def part_costs(coder: Method, shape: AttentionShape, tokens: int) -> tuple[float, float]:
@@ -328,6 +329,20 @@ def kmeans_for(vector_schemes: list[Scheme], kmeans: str, device: str) -> tuple[
         raise SettingsError(f"the candidates {shown} fit vector codebooks by k-means: {e} (or drop them)") from None
 
 
+def _part_candidates(given: Sequence[str] | None, schemes: list[Scheme], option: str) -> set[str]:
+    """The names of the schemes one part may take: `given` (each one of the candidates), or all of them."""
+    names = [str(s) for s in schemes]
+    if given is None:
+        return set(names)
+    chosen = {str(parse_scheme(c)) for c in given}
+    if not chosen:
+        raise SettingsError(f"{option} must name at least one scheme")
+    if chosen - set(names):
+        raise SettingsError(f"{option}: {', '.join(sorted(chosen - set(names)))} not among --candidates "
+                            f"({', '.join(names)})")
+    return chosen
+
+
 def make_plan(activations: str | Path, budget: float | Sequence[float], out: str | Path,
               model: str | LoadedModel = DEFAULT_MODEL, candidates: Sequence[str] = PLAN_CANDIDATES,
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
@@ -335,19 +350,24 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
               items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None,
               device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
-              kmeans: str = "auto") -> list[Path]:
+              kmeans: str = "auto", key_candidates: Sequence[str] | None = None,
+              value_candidates: Sequence[str] | None = None) -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
     sensitivities, the slow part, are shared). `device_map="auto"` (with `max_memory`) spreads the model over
     the GPUs, as `collect` and `eval` do, for a model larger than one GPU. The vector candidates' k-means
     runs as `fit-codebook --kmeans` chooses (`vecinfer_fit.kmeans_library`): `auto` takes faiss on the CPU,
-    kvcalib's own in torch on the model's GPU where faiss has no GPU build."""
+    kvcalib's own in torch on the model's GPU where faiss has no GPU build. `key_candidates` and
+    `value_candidates` (each of `candidates`; None: all of them) are the schemes keys and values may take: every
+    candidate is measured on both, and the knapsack never gives a part a scheme outside its own list."""
     place = placement(device, device_map, max_memory, 1)  # a placement given wrong is refused before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
     if not schemes:
         raise SettingsError("--candidates must name at least one scheme")
+    allowed = {p: _part_candidates(given, schemes, f"--{name}-candidates")
+               for p, given, name in (("k", key_candidates, "key"), ("v", value_candidates, "value"))}
     anchor = str(parse_scheme(anchor))
     if anchor not in map(str, schemes):
         raise SettingsError(f"--anchor {anchor} must be one of the candidates ({', '.join(map(str, schemes))})")
@@ -389,7 +409,9 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     ones = {smooth_name(i): torch.ones(shape.num_kv_heads, shape.head_dim) for i in range(shape.num_layers)}
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, standin, granularity, ones)
     part_cost = item_costs(coders, shape, residual, groups, sink_tokens, items=items)
-    cost = part_cost.repeat_interleave(heads, 0).repeat(shape.num_layers, 1)  # items (layer, part, head) in order
+    barred = torch.tensor([[str(c) not in allowed[p] for c in schemes] for p in PARTS])  # (part, candidate)
+    # items (layer, part, head) in order; a barred option costs more than any budget allows: never taken
+    cost = part_cost.masked_fill(barred, BARRED_COST).repeat_interleave(heads, 0).repeat(shape.num_layers, 1)
     for b in budgets:
         solve(torch.zeros_like(cost), cost, b)
     scalar, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
@@ -423,6 +445,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,
             "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
+                 "candidates_per_part": {p: sorted(allowed[p], key=names.index) for p in PARTS},
                  **({"kmeans": {"library": library_version(library), "gpu": gpu}} if vector_schemes else {}),
                  "anchor": anchor, "windows": windows, "seq_len": seq_len,
                  "sensitivity_per_kv_head": {p: sens[:, w].tolist() for w, p in enumerate(PARTS)},
