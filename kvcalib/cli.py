@@ -369,7 +369,8 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
                    "k-means codebook of 2^B centroids of D coordinates; needs faiss), vecinfer-dDbB (VecInfer's λ, Hadamard "
                    "and codebooks; needs faiss), kivi-B-gG, oscar-B-gG.")
 @click.option("--key-candidates", default=None,
-              help="The schemes keys may take, comma-separated, each one of --candidates (default: all of them).")
+              help="The schemes keys may take, comma-separated, each one of --candidates (default: its scalar ones, "
+                   "or all where it has none: vector codebooks on keys miscopy retrieved tokens, benchmarks/RESULTS.md).")
 @click.option("--value-candidates", default=None,
               help="The schemes values may take, comma-separated, each one of --candidates (default: all of them).")
 @click.option("--items", type=click.Choice(PLAN_ITEMS), default=PLAN_ITEM, show_default=True,

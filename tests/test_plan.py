@@ -590,3 +590,16 @@ def test_a_part_list_outside_the_candidates_is_refused_before_anything_is_writte
         make_plan(acts, 6.0, tmp_path / "plan", model=tiny_lm, candidates=("kivi-2-g8",), anchor="kivi-2-g8",
                   residual=16, **kwargs)
     assert not (tmp_path / "plan").exists()
+
+
+def test_by_default_keys_take_only_the_scalar_candidates_and_values_all(acts, tmp_path, tiny_lm):
+    """Without --key-candidates the keys may take only the candidates without a vector codebook (vector codes on
+    keys miscopied RULER's needles at 4k: defaults.PLAN_VECTOR_KEYS); the values may take every candidate, and a
+    budget below what scalar values cost makes them take a vector one."""
+    candidates = ("turboquant-2", "turboquant-d4b6", "vecinfer-d4b6")
+    [path] = make_plan(acts, 2.5, tmp_path / "plan", model=tiny_lm, candidates=candidates, windows=1, seq_len=32,
+                       iters=3, residual=16, kmeans="torch")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["extra"]["candidates_per_part"] == {"k": ["turboquant-2"], "v": list(candidates)}
+    keys, values = ({n for heads in manifest["settings"][p] for n in heads} for p in ("k", "v"))
+    assert keys == {"turboquant-2"} and values - {"turboquant-2"}

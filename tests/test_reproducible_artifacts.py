@@ -38,10 +38,11 @@ def _plan(acts, out, lm):
 
     pytest.importorskip("faiss", reason="vector codebooks need faiss (pip install kvcalib[cpu])")
     # Budget 2.0 at head_dim 16: the vector schemes (1 bit + a 1-bit norm share, 1 bit) are chosen, so
-    # their k-means codebooks and λ are among the bytes compared.
-    path = make_plan(acts, 2.0, out, model=lm, candidates=("turboquant-1", "turboquant-2", "turboquant-3", "kivi-4-g16",
-                                                             "oscar-2-g8", "turboquant-d4b4", "vecinfer-d4b4"),
-                     windows=1, seq_len=32, iters=3, residual=16)[0]
+    # their k-means codebooks and λ are among the bytes compared (keys may take them too: not the default).
+    candidates = ("turboquant-1", "turboquant-2", "turboquant-3", "kivi-4-g16", "oscar-2-g8", "turboquant-d4b4",
+                  "vecinfer-d4b4")
+    path = make_plan(acts, 2.0, out, model=lm, candidates=candidates, key_candidates=candidates, windows=1, seq_len=32,
+                     iters=3, residual=16)[0]
     names = json.loads((path / "manifest.json").read_text())["settings"]
     assert "vecinfer-d4b4" in str(names["k"]) + str(names["v"])
     return path

@@ -63,7 +63,8 @@ from ..errors import SettingsError
 from ..models import (DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model,
                       resolve_device)
 from ..parallel import placement
-from ..defaults import DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS
+from ..defaults import (DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS,
+                        PLAN_VECTOR_KEYS)
 from .. import vq
 from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
@@ -329,11 +330,13 @@ def kmeans_for(vector_schemes: list[Scheme], kmeans: str, device: str) -> tuple[
         raise SettingsError(f"the candidates {shown} fit vector codebooks by k-means: {e} (or drop them)") from None
 
 
-def _part_candidates(given: Sequence[str] | None, schemes: list[Scheme], option: str) -> set[str]:
-    """The names of the schemes one part may take: `given` (each one of the candidates), or all of them."""
+def _part_candidates(given: Sequence[str] | None, schemes: list[Scheme], option: str, vectors: bool = True) -> set[str]:
+    """The names of the schemes one part may take: `given` (each one of the candidates), or else all of them
+    (without `vectors`: the scalar ones, where there are any)."""
     names = [str(s) for s in schemes]
     if given is None:
-        return set(names)
+        scalar = [str(s) for s in schemes if not s.dim]
+        return set(names if vectors or not scalar else scalar)
     chosen = {str(parse_scheme(c)) for c in given}
     if not chosen:
         raise SettingsError(f"{option} must name at least one scheme")
@@ -359,15 +362,17 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     the GPUs, as `collect` and `eval` do, for a model larger than one GPU. The vector candidates' k-means
     runs as `fit-codebook --kmeans` chooses (`vecinfer_fit.kmeans_library`): `auto` takes faiss on the CPU,
     kvcalib's own in torch on the model's GPU where faiss has no GPU build. `key_candidates` and
-    `value_candidates` (each of `candidates`; None: all of them) are the schemes keys and values may take: every
-    candidate is measured on both, and the knapsack never gives a part a scheme outside its own list."""
+    `value_candidates` (each of `candidates`) are the schemes keys and values may take: every candidate is
+    measured on both, and the knapsack never gives a part a scheme outside its own list. None: all of them, but
+    for the keys only the scalar ones where there are any (`PLAN_VECTOR_KEYS`: vector codes on keys lose copied
+    tokens)."""
     place = placement(device, device_map, max_memory, 1)  # a placement given wrong is refused before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
     if not schemes:
         raise SettingsError("--candidates must name at least one scheme")
-    allowed = {p: _part_candidates(given, schemes, f"--{name}-candidates")
-               for p, given, name in (("k", key_candidates, "key"), ("v", value_candidates, "value"))}
+    allowed = {"k": _part_candidates(key_candidates, schemes, "--key-candidates", vectors=PLAN_VECTOR_KEYS),
+               "v": _part_candidates(value_candidates, schemes, "--value-candidates")}
     anchor = str(parse_scheme(anchor))
     if anchor not in map(str, schemes):
         raise SettingsError(f"--anchor {anchor} must be one of the candidates ({', '.join(map(str, schemes))})")
