@@ -98,6 +98,11 @@ def _method_options(fn):
     return fn
 
 
+def _names(text: str | None) -> list[str] | None:
+    """A comma-separated option's names (None where the option was not given)."""
+    return None if text is None else [c.strip() for c in text.split(",") if c.strip()]
+
+
 def _number_list(text: str, option: str, kind: type = int) -> list:
     """Comma-separated numbers of `kind` (int, or float where the option says so)."""
     try:
@@ -217,7 +222,7 @@ def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotat
 
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                               sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys)
-    results = run_tasks([t.strip() for t in tasks.split(",") if t.strip()], model=model, method=method,
+    results = run_tasks(_names(tasks), model=model, method=method,
                         settings=settings, artifacts=artifacts, batch_size=batch_size,
                         limit=None if limit is None else (int(limit) if limit >= 1 else limit),
                         max_lengths=_number_list(max_lengths, "--max-lengths"), output_path=output_path, seed=seed,
@@ -393,8 +398,9 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @_spread
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def plan_cmd(activations, budgets, model, candidates, key_candidates, value_candidates, items, anchor, windows, seq_len, granularity, iters, sink_tokens,
-             residual_mode, kmeans, trust_remote_code, device, device_map, max_memory, out) -> None:
+def plan_cmd(activations, budgets, model, candidates, key_candidates, value_candidates, items, anchor, windows, seq_len,
+             granularity, iters, sink_tokens, residual_mode, kmeans, trust_remote_code, device, device_map, max_memory,
+             out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
     from .models import parse_max_memory
@@ -407,11 +413,6 @@ def plan_cmd(activations, budgets, model, candidates, key_candidates, value_cand
                           device=device, device_map=device_map, max_memory=parse_max_memory(max_memory),
                           kmeans=kmeans):
         click.echo(f"plan written to {path}")
-
-
-def _names(text: str | None) -> list[str] | None:
-    """A comma-separated option's names (None where the option was not given)."""
-    return None if text is None else [c.strip() for c in text.split(",") if c.strip()]
 
 
 @cli.command("report")
