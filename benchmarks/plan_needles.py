@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=4, help="plan --windows (ordinary text)")
     parser.add_argument("--seq-len", type=int, default=512, help="plan --seq-len (ordinary text)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--key-candidates", default=None,
+                        help="plan --key-candidates (the plans of 2026-11-28's RULER table: every candidate, "
+                             "from kvcalib.defaults.PLAN_CANDIDATES, as keys could take then)")
     parser.add_argument("--reweight", nargs=2, metavar=("TEXT_PLAN", "PROMPTS_PLAN"), default=None)
     args = parser.parse_args()
 
@@ -109,8 +112,9 @@ def main() -> None:
 
     plan_fit.measure_sensitivity = reweighted if args.reweight else with_prompts
     t0 = time.perf_counter()
+    keys = args.key_candidates.split(",") if args.key_candidates else None
     [path] = plan_fit.make_plan(args.activations, args.budget, args.out, model=args.model, windows=args.windows,
-                                seq_len=args.seq_len, device=args.device)
+                                seq_len=args.seq_len, device=args.device, key_candidates=keys)
     manifest = json.loads((path / "manifest.json").read_text())  # what --reweight needs to read it back
     manifest["extra"]["retrieval_prompts"] = {"weight": args.weight, "prompts": args.prompts,
                                               "prompt_len": args.prompt_len, "reweighted_from": args.reweight}
