@@ -155,8 +155,8 @@ def test_two_gloo_processes_collect_the_directory_one_process_collects(tmp_path,
 def test_layers_fitted_on_two_ranks_make_the_artifact_one_process_makes(job, tmp_path, tiny_model_dir, text_file):
     """KVLinC's adapters, VecInfer's codebooks and diagnose's figures are computed layer by layer: two ranks
     take a share of the layers each and rank 0 writes one artifact (one report), whose manifest and tensors
-    (report.json, report.md and the plots, drawn a share a rank) equal the one-process output byte for byte (run.json holds wall-clock
-    seconds: apart, as in tests/test_reproducible_artifacts.py)."""
+    (report.json, report.md and the plots, drawn a share a rank) equal the one-process output byte for byte
+    (run.json holds wall-clock seconds: apart, as in tests/test_reproducible_artifacts.py)."""
     if job == "fit-codebook":
         pytest.importorskip("faiss", reason="fit-codebook needs faiss (pip install kvcalib[cpu])")
     from kvcalib.artifacts import MANIFEST, TENSORS

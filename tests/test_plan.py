@@ -563,8 +563,8 @@ def test_counting_a_windows_first_positions_gives_what_the_window_cut_there_give
 def test_keys_and_values_take_only_the_schemes_their_own_lists_allow(acts, tmp_path, tiny_lm):
     """--key-candidates and --value-candidates bar schemes from one part: with KIVI-4 barred from the keys and
     KIVI-2 from the values, no key takes KIVI-4 and no value KIVI-2, where the same budget makes an unrestricted
-    plan take both (checked first). The sensitivities are measured as without
-    the lists (every candidate on both parts)."""
+    plan take both (checked first). The sensitivities are measured as without the lists (every candidate on
+    both parts)."""
     common = dict(model=tiny_lm, candidates=("kivi-2-g8", "kivi-4-g8"), anchor="kivi-2-g8", windows=1, seq_len=32,
                   residual=16)
     # G = 8, on keys and values alike: KIVI-2 costs 2 + 32 / 8 = 6 bits per element, KIVI-4 8, plus a sink token's
