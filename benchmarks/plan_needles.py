@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvcalib.atomic import write_json  # noqa: E402
 from kvcalib.collect import Activations  # noqa: E402
-from kvcalib.data import token_windows  # noqa: E402
 from kvcalib.methods import plan_fit  # noqa: E402
 from kvcalib.models import DEFAULT_MODEL  # noqa: E402
 
@@ -43,10 +42,8 @@ KEYS = ("harbor", "lantern", "meadow", "copper", "violet", "granite", "falcon", 
 def retrieval_prompts(lm, acts: Activations, prompts: int, length: int, skip_after: int, seed: int = 0):
     """(ids, positions): `prompts` x `length` token prompts of held-out calibration text with a code hidden in
     each, and the positions that predict the code's tokens in the answer."""
-    cal = acts.manifest["settings"]
-    skip = cal["num_samples"] * cal["seq_len"] + skip_after  # after the collection's and the windows' tokens
-    filler = token_windows(lm.tokenizer, cal["dataset"], "calibration", 1, skip + prompts * length,
-                           cal["text_field"])[0, skip:]
+    # after the collection's tokens (plan's held-out windows) and the `skip_after` tokens of plan's own windows
+    filler = plan_fit.heldout_windows(lm, acts, 1, skip_after + prompts * length)[0, skip_after:]
     gen = torch.Generator().manual_seed(seed)
     enc = lambda s: lm.tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     ids = torch.empty(prompts, length, dtype=torch.long)
