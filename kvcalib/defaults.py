@@ -19,8 +19,8 @@ PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4
 PLAN_ANCHOR = "turboquant-2"
 # Keys take only the scalar candidates (no vector codebook) unless --key-candidates says otherwise: at 2.25 bits the
 # plan whose keys could take vector codes miscopied RULER's needle at 4k (87 of 100 against fp16's 99); without
-# vector codes on keys its perplexity is no worse (16.488 against 16.512) and the needles come back
-# (benchmarks/RESULTS.md, "Offline RULER at 4k and 8k, fp16 and plans at 2.25 bits").
+# vector codes on keys its perplexity is no worse (16.488 against 16.512) and the needles come back, 98 of 100
+# (benchmarks/RESULTS.md, "Offline RULER at 4k and 8k, 100 samples a task"; the earlier plans in its history).
 PLAN_VECTOR_KEYS = False
 PLAN_ITEMS = ("layer", "head")  # what the plan chooses a scheme for: each layer's keys and values, or each KV head's
 # The plan's defaults are the best plan measured (benchmarks/RESULTS.md, "Plans with vector codebooks"): a scheme
