@@ -401,7 +401,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     if isinstance(held, int) and held < BEST_CALIBRATION_TOKENS:
         log.warning(f"plan: {activations} holds {held} tokens per layer; the best plans measured were fitted on "
                     f"{BEST_CALIBRATION_TOKENS} (kvcalib collect --num-samples 64 --seq-len 512: +3.2% over fp16 at "
-                    "2.24 bits on the held-out pydoc text, +4.4% from collect's default 16 x 512)")
+                    "2.24 bits on the held-out pydoc text, +4.2% from collect's default 16 x 512)")
     lm = load_model(model, **place, trust_remote_code=trust_remote_code)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
