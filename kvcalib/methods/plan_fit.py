@@ -73,10 +73,6 @@ from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebo
 from .vecinfer_fit import check_kmeans, fit_plan_codebooks, kmeans_library, library_version
 
 log = logging.getLogger(__name__)
-# Calibration tokens per layer of the best plans measured (benchmarks/RESULTS.md, "Plans with vector codebooks",
-# and "The plan from default flags"): a collection with fewer gets a one-line notice
-BEST_CALIBRATION_TOKENS = 64 * 512
-
 COST_UNITS = 256  # the knapsack's cost resolution: 1/256 bit per element
 SHARED_BITS_TOKENS = 4 * 1024  # eval's default run (--num-samples 4 --seq-len 1024): codebooks amortised over it
 SEQUENCE_TOKENS = 1024  # eval's default window: float16 sink tokens amortised over it
@@ -397,11 +393,6 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
-    held = acts.manifest.get("tokens_per_layer")
-    if isinstance(held, int) and held < BEST_CALIBRATION_TOKENS:
-        log.warning(f"plan: {activations} holds {held} tokens per layer; the best plans measured were fitted on "
-                    f"{BEST_CALIBRATION_TOKENS} (kvcalib collect --num-samples 64 --seq-len 512: +3.2% over fp16 at "
-                    "2.24 bits on the held-out pydoc text, +4.2% from collect's default 16 x 512)")
     lm = load_model(model, **place, trust_remote_code=trust_remote_code)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
