@@ -329,15 +329,15 @@ def test_choosing_per_kv_head_is_never_worse_than_per_layer_at_the_same_budget(a
 
 
 def test_a_plan_may_take_schemes_of_any_family(acts, tmp_path, tiny_lm, caplog):
-    """Without TurboQuant candidates nothing is fitted and the plan holds no tensors; eval loads it. A collection
-    smaller than the best plans' calibration (this one: 4 x 64 tokens) gets one line saying what they had."""
+    """Without TurboQuant candidates nothing is fitted and the plan holds no tensors; eval loads it. A small
+    collection (this one: 4 x 64 tokens) gets no warning asking for a larger one: with the default flags a 64 x 512
+    collection planned worse than collect's default 16 x 512 (benchmarks/RESULTS.md, "The plan from default flags")."""
     # d = 16: KIVI-2 G=8 costs 2 + 32/8 = 6 bits per key element, 4 per value element
     with caplog.at_level("WARNING", logger="kvcalib.methods.plan_fit"):
         [path] = make_plan(acts, 6.5, tmp_path / "plan", model=tiny_lm,
                            candidates=("kivi-2-g8", "kivi-4-g8", "oscar-2-g8"), anchor="kivi-2-g8", windows=1,
                            seq_len=32, residual=16)
-    notices = [r.getMessage() for r in caplog.records if r.name == "kvcalib.methods.plan_fit"]
-    assert len(notices) == 1 and "holds 256 tokens per layer" in notices[0] and "--num-samples 64" in notices[0]
+    assert [r.getMessage() for r in caplog.records if r.name == "kvcalib.methods.plan_fit"] == []
     s = json.loads((path / "manifest.json").read_text())["settings"]
     assert {n for p in ("k", "v") for heads in s[p] for n in heads} <= {"kivi-2-g8", "kivi-4-g8", "oscar-2-g8"}
     assert s["flush_step"] == 8
