@@ -1,9 +1,10 @@
 """Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, the fused INT2
-kernels over the packed cache, and the fused VecInfer kernel over codebook codes (`--vecinfer`), 32
-query / 8 KV heads, d=128.
+kernels over the packed cache, the fused VecInfer kernel over codebook codes (`--vecinfer`), and the fused
+codebook kernel over TurboQuant's codes (`--turboquant`: its oblivious codebook of each width, and 3 bits with
+calibrated codebooks per KV head), 32 query / 8 KV heads, d=128.
 
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--vecinfer d4b8,d8b12]
-                                [--results FILE]
+                                [--turboquant 2,3,4] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -153,12 +154,46 @@ def vq_bytes(layer, q) -> int:
     return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
 
 
+def tq_layer(b: int, length: int, bits: int, kres: torch.Tensor, vres: torch.Tensor, per_head: bool = False):
+    """A TurboQuant layer in the codebook layout (`kvcalib.formats.codebook.layout`) of `length` flushed tokens:
+    random codes and norms (the bytes a step reads do not depend on their values; the error column compares the
+    kernel with the float64 reference over these same codes), the oblivious codebook of `bits` or, `per_head`,
+    random sorted per-coordinate codebooks of each KV head."""
+    from kvcalib.formats.codebook.layout import append_block
+    from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig
+    from kvcalib.models import AttentionShape
+    from kvcalib.quant import pack_stream
+
+    shape = AttentionShape(num_layers=1, num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    books = None
+    if per_head:
+        books = [tuple((torch.randn(HKV, D, 1 << bits).sort(-1).values * D**-0.5).half() for _ in "kv")]
+    method = TurboQuant(TurboQuantConfig(bits=bits), shape, books, "head" if per_head else None)
+    spec = method.codebook_spec(0).to("cuda")
+    codes = [pack_stream(torch.randint(0, 1 << bits, (b, HKV, length, D), device="cuda"), bits) for _ in "kv"]
+    norms = [(1 + 3 * torch.rand(b, HKV, length, device="cuda")).half() for _ in "kv"]
+    none = kres[:, :, :0]
+    return append_block(None, spec, codes[0], norms[0], codes[1], norms[1], none, none, kres.contiguous(),
+                        vres.contiguous())
+
+
+def tq_bytes(layer, q) -> int:
+    """What a codebook step reads and writes: code rows, norms, the residual, the query, the output (the books and
+    bases, read from L2 by every block, count once)."""
+    n, r = layer.length, layer.residual
+    used = [layer.kcodes[:, :, :n], layer.vcodes[:, :, :n], layer.knorm[:, :, :n], layer.vnorm[:, :, :n],
+            layer.kres[:, :, :r], layer.vres[:, :, :r], layer.spec.key.book, layer.spec.value.book]
+    return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,32768,131072")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--vecinfer", default="d4b8,d8b12",
                         help="VecInfer configurations for the fused VecInfer kernel's rows (empty: none)")
+    parser.add_argument("--turboquant", default="2,3,4",
+                        help="TurboQuant widths for the fused codebook kernel's rows (empty: none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     bw = copy_bandwidth()
@@ -217,6 +252,20 @@ def main() -> None:
                 err = worst_row(vq_decode(qf[0], vls[0], D**-0.5, checked=True), vq_reference(qf[0], vls[0], D**-0.5))
                 rows.append([b, length, f"fused VecInfer {config}", us, vq_bytes(vls[0], q[0]), err])
                 del vls
+                torch.cuda.empty_cache()
+            from kvcalib.formats.codebook.launch import codebook_decode
+            from kvcalib.formats.codebook.layout import reference_decode as tq_reference
+
+            tq = [(int(bits), False) for bits in filter(None, args.turboquant.split(","))]
+            for bits, per_head in tq + ([(3, True)] if tq else []):
+                tls = [tq_layer(b, length, bits, k[:, :, length:], v[:, :, length:], per_head) for k, v in kv]
+                qf = [x[:, :, 0] for x in q]
+                us = timed(lambda i: codebook_decode(qf[i], tls[i], D**-0.5), copies)
+                err = worst_row(codebook_decode(qf[0], tls[0], D**-0.5, checked=True),
+                                tq_reference(qf[0], tls[0], D**-0.5))
+                name = f"fused TurboQuant-{bits}" + (" (books per KV head)" if per_head else "")
+                rows.append([b, length, name, us, tq_bytes(tls[0], q[0]), err])
+                del tls
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"

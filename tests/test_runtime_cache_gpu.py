@@ -29,7 +29,7 @@ def _model(head_dim: int):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar", "vecinfer+sinks"])
+@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar", "vecinfer+sinks", "turboquant+sinks"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, name, batch, monkeypatch):
     """Every single-token step of a fused cache (the INT2 kernel, or the VecInfer kernel for vecinfer),
@@ -45,6 +45,8 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         method = _vecinfer_with_sinks(shape, 3, 32)
         for books in method.layers:
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
+    elif name.startswith("turboquant"):
+        method = build_method("turboquant", shape, MethodSettings(bits=3, residual=32, sink_tokens=3))
     else:
         method = build_method(name, shape, settings)
     errors = []
@@ -52,7 +54,7 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
 
     def checked(layer, q, opts):
         out = fused_decode_step(layer, q, opts)
-        if layer.fused is not None or layer.vq is not None:
+        if layer.fused is not None or layer.vq is not None or layer.codebook is not None:
             ref = layer.method.decode(layer.layer, q, *layer.held(torch.float32), opts, layer.state)
             errors.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
         return out
@@ -68,7 +70,9 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         for t in range(40, ids.shape[1]):
             logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             assert torch.isfinite(logits).all()
-    assert (cache.layers[0].vq if name.startswith("vecinfer") else cache.layers[0].fused).length == 128
+    kernel_layer = {"vecinfer": cache.layers[0].vq, "turboquant": cache.layers[0].codebook}.get(name.split("+")[0],
+                                                                                                cache.layers[0].fused)
+    assert kernel_layer.length == 128
     assert len(errors) == 2 * 110  # every decode step of both layers ran fused
     assert len(launches) == (2 * 110 if name.startswith("vecinfer") else 0)
 
@@ -105,7 +109,7 @@ def test_the_vecinfer_kernels_layout_holds_what_the_reference_path_holds(batch):
         assert ((a - b).abs() <= bound).all(), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc+adapters", "vecinfer"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc+adapters", "vecinfer", "turboquant+sinks"])
 def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alone(name, monkeypatch):
     """One launch over a padded batch's rows side by side (`_fused_rows`) against each row's own launch over the
     same cache: the kernel splits a row's tokens by the launch's batch, so each split's softmax weights, rounded
@@ -126,6 +130,8 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
         method = _vecinfer_with_sinks(shape, 0, 32)
         for books in method.layers:
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
+    elif name == "turboquant+sinks":
+        method = build_method("turboquant", shape, MethodSettings(bits=3, residual=32, sink_tokens=1))
     else:
         method = build_method(name, shape, settings)
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")
@@ -137,7 +143,7 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
     for b, n in enumerate(lengths):
         mask[b, width - n:] = 1
     launches = []
-    for name_ in ("fused_decode", "vq_decode"):
+    for name_ in ("fused_decode", "vq_decode", "codebook_decode"):
         real = getattr(cache_module, name_)
         monkeypatch.setattr(cache_module, name_, lambda *a, _real=real, **k: launches.append(a[0].shape[0]) or _real(*a, **k))
     with torch.no_grad():

@@ -32,10 +32,11 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
 
 
 @pytest.mark.parametrize("name,settings,reason", [
-    ("turboquant", MethodSettings(), "no fused INT2 or VecInfer layout"),
-    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2 or VecInfer layout"),
+    ("turboquant", MethodSettings(residual_mode="sliding"), "flushes blockwise"),
+    ("turboquant", MethodSettings(residual=64, sink_tokens=65), "must lie in the first block of 64"),
+    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2, VecInfer or codebook layout"),
     ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
-    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2 or VecInfer layout"),
+    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2, VecInfer or codebook layout"),
 ])
 def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settings, reason):
     method = build_method(name, SHAPE, settings)
@@ -45,13 +46,24 @@ def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settin
 
 def test_a_static_cache_takes_vecinfer_without_sinks_and_books_that_fit_the_kernel():
     check_static(_method("vecinfer"), SHAPE.head_dim, CUDA, 2)  # no error
-    with pytest.raises(SettingsError, match="without float16 sink tokens"):
+    with pytest.raises(SettingsError, match="sink tokens are held by the codebook layout only"):
         check_static(_vecinfer_with_sinks(SHAPE, 3, 32), SHAPE.head_dim, CUDA, 2)
     big = _method("vecinfer")
     big.layers[0].k = torch.zeros(1, 2**16, 8, dtype=torch.float16)  # d8b16 keys: a 1 MiB book
     big.config = dataclasses.replace(big.config, k_config="d8b16")
-    with pytest.raises(SettingsError, match="no fused INT2 or VecInfer layout"):
+    with pytest.raises(SettingsError, match="no fused INT2, VecInfer or codebook layout"):
         check_static(big, SHAPE.head_dim, CUDA, 2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("sinks", [0, 1, 64])
+def test_a_static_cache_takes_turboquant_of_every_width_with_sinks_in_the_first_block(bits, sinks):
+    """TurboQuant's codes are read by the codebook kernel (`formats.codebook.launch.supports`); its float16 sinks
+    are held beside them."""
+    method = build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=64, sink_tokens=sinks))
+    check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
+    with pytest.raises(SettingsError, match="no fused INT2, VecInfer or codebook layout"):
+        check_static(method, SHAPE.head_dim, CUDA, 9)  # more query heads per KV head than the kernel holds
 
 
 @pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc"])

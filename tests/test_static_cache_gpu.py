@@ -248,8 +248,9 @@ def _model(layers: int = 2, head_dim: int = 64):
 
 
 SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
-METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer"]  # every method the static cache holds
-# (`check_static`); kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`); vecinfer: random codebooks
+METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer", "turboquant"]  # every method the static cache
+# holds (`check_static`); kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`); vecinfer: random codebooks;
+# turboquant: 3 bits with one float16 sink token (the codebook layout)
 
 
 def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTINGS, rank: int = 16):
@@ -257,6 +258,8 @@ def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTING
     output: the states and terms are exercised, not zeros)."""
     if name == "vecinfer":
         return _vecinfer_on_device(shape, settings.residual)
+    if name == "turboquant":
+        return build_method(name, shape, MethodSettings(bits=3, residual=settings.residual, sink_tokens=1))
     if name == "kvlinc-oscar":
         name, settings = "kvlinc", dataclasses.replace(settings, keys="oscar")
     method = build_method(name, shape, settings)

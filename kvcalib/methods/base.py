@@ -32,6 +32,7 @@ import torch
 from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
+from ..formats.codebook.layout import CodebookSpec
 from ..formats.int2.layout import Int2Spec
 from ..formats.vq.layout import VQBooks
 from ..quant import Quantized
@@ -72,6 +73,8 @@ class KernelLayout:
       choice, each flush, each decode step) and `runtime/static_cache.py` (its buffers, each flush).
     - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq.layout`, which
       `kernels_cupy/vq_decode.cu` reads); VecInfer. Read where the INT2 pair is.
+    - `codebook_spec`, `codebook_parts`: its blocks in the codebook layout (`kvcalib.formats.codebook.layout`,
+      which `kernels_cupy/codebook_decode.cu` reads); TurboQuant. Read where the INT2 pair is.
     - `rotated_keys`, `rotated_values`: INT2 blocks stored in the Hadamard basis (OScaR; KVLinC's values, and
       its keys with `keys="oscar"`): both caches write them into `PackedLayer`, whose kernel rotates the
       query for them and their partial outputs back.
@@ -101,6 +104,16 @@ class KernelLayout:
     def vq_parts(self, packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(key codes, value codes) of a flushed block, `kvcalib.vq`'s packed rows (B, Hkv, T, R) uint8."""
         raise NotImplementedError(f"{self.name} has no VecInfer layout")
+
+    def codebook_spec(self, layer: int) -> CodebookSpec | None:
+        """The flushed blocks as the codebook kernel would read them (`kvcalib.formats.codebook.layout`): each
+        part's codes, books, norms and basis, with `codebook_parts` giving a block's code rows; or None."""
+        return None
+
+    def codebook_parts(self, packed: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(key codes, key norms, value codes, value norms) of a flushed block: code rows (B, Hkv, T, W) int32,
+        norms (B, Hkv, T) float16 or None."""
+        raise NotImplementedError(f"{self.name} has no codebook layout")
 
     # ---- decoding: a state kept beside the compressed blocks, None at first ----
     def empty_state(self, layer: int, batch: int, kv_heads: int, head_dim: int, device=None) -> Any:

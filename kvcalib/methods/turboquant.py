@@ -74,6 +74,7 @@ import torch
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.layout import CodebookSpec, CodedPart
 from ..models import AttentionShape, LoadedModel
 from .. import vq
 from ..quant import pack_stream, unpack_stream
@@ -288,6 +289,19 @@ class TurboQuant(Method):
     def part_bits(self, packed: TurboQuantPacked) -> tuple[int, int]:
         return packed.k.stored_bits(), packed.v.stored_bits()
 
+    def codebook_spec(self, layer: int) -> CodebookSpec:
+        """x = ‖x‖ ŷ Π: the codes' centroids, the norm, the rotation (`kvcalib.formats.codebook.layout`)."""
+        basis = rotation(self.head_dim, torch.float32)[None]
+        return CodebookSpec(*(self._coded_part(c, basis) for c in self._layer_books(layer)))
+
+    def _coded_part(self, centroids: torch.Tensor | None, basis: torch.Tensor) -> CodedPart:
+        """The oblivious codebook shared by every coordinate, or per-coordinate centroids (G, d, 2^b)."""
+        book = self._centroids32.view(1, 1, -1, 1) if centroids is None else centroids.float().unsqueeze(-1)
+        return CodedPart(self.config.bits, 1, book, True, basis)
+
+    def codebook_parts(self, packed: TurboQuantPacked):
+        return packed.k.codes, packed.k.norm[..., 0], packed.v.codes, packed.v.norm[..., 0]
+
     def constant_bits(self) -> int:
         return 0 if self.books is None else 16 * sum(k.numel() + v.numel() for k, v in self.books)
 
@@ -322,6 +336,10 @@ class TurboQuantVQ(TurboQuant):
         codes = unpack_stream(coded.codes, coded.bits, d // self.vector.dim)
         y = vq.decode(codes, centroids.to(codes.device))
         return rotate_rows(y, rotation(d, torch.float32, codes.device)) * coded.norm.float()
+
+    def _coded_part(self, centroids: torch.Tensor | None, basis: torch.Tensor) -> CodedPart:
+        """One codebook (G, 2^B, D) that every sub-vector shares."""
+        return CodedPart(self.vector.bits, self.vector.dim, centroids.float()[:, None], True, basis)
 
     def settings(self) -> dict:
         return {"vector": str(self.vector), "residual": self.block, "rotation_seed": ROTATION_SEED,

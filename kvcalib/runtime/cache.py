@@ -40,6 +40,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
+from ..formats.codebook.launch import codebook_decode
+from ..formats.codebook.launch import supports as codebook_supports
+from ..formats.codebook.layout import CodebookLayer, CodebookSpec
+from ..formats.codebook.layout import append_block as codebook_append
+from ..formats.codebook.layout import flushed_kv as codebook_flushed_kv
 from ..formats.int2.launch import fused_decode, supports
 from ..formats.int2.layout import PackedLayer, append_block
 from ..formats.vq.launch import supports as vq_supports
@@ -81,6 +86,8 @@ class CompressedLayer(CacheLayerMixin):
         self.length = 0
         self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
         self.vq: VQLayer | None = None  # VecInfer's code rows in the VecInfer kernel's layout, CUDA only
+        self.codebook: CodebookLayer | None = None  # code rows and norms in the codebook kernel's layout, CUDA only
+        self._codebook_spec: CodebookSpec | None = None  # the method's `codebook_spec` of this layer, on its device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -144,12 +151,24 @@ class CompressedLayer(CacheLayerMixin):
                                     books.vbook.to(k16.device), books.k_bits, books.v_bits, k16[..., :sinks, :],
                                     v16[..., :sinks, :], self.k_res, self.v_res,
                                     None if books.smooth is None else books.smooth.to(k16.device), books.hadamard)
+            elif self.use_fused and codebook_supports(spec := self.codebook_spec(k16.device), k16.shape[-1], k16.device):
+                start = self.length - flush - self.k_res.shape[-2]
+                sinks = min(max(self.method.sink - start, 0), flush)
+                self.codebook = codebook_append(self.codebook, spec, *self.method.codebook_parts(packed),
+                                                k16[..., :sinks, :], v16[..., :sinks, :], self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
-        for kernel_layer in (self.fused, self.vq):  # the kernels read the residual as it came in (model's basis)
+        for kernel_layer in (self.fused, self.vq, self.codebook):  # the kernels read the residual as it came in (model's basis)
             if kernel_layer is not None:
                 kernel_layer.kres, kernel_layer.vres, kernel_layer.residual = self.k_res, self.v_res, self.k_res.shape[2]
+
+    def codebook_spec(self, device: torch.device) -> CodebookSpec | None:
+        """The method's `codebook_spec` of this layer on `device`, made once."""
+        if self._codebook_spec is None:
+            spec = self.method.codebook_spec(self.layer)
+            self._codebook_spec = None if spec is None else spec.to(device)
+        return self._codebook_spec
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
@@ -158,6 +177,9 @@ class CompressedLayer(CacheLayerMixin):
             self.k_blocks, self.v_blocks = [k], [v]
         if self.vq is not None:
             k, v = vq_flushed_kv(self.vq)
+            self.k_blocks, self.v_blocks = [k], [v]
+        if self.codebook is not None:
+            k, v = codebook_flushed_kv(self.codebook)
             self.k_blocks, self.v_blocks = [k], [v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
@@ -219,8 +241,9 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
     kernel = ["INT2" if fused and supports(method.int2_spec(), shape.head_dim, device, gqa)
-              else "VecInfer" if fused and vq_supports(method.vq_books(i), shape.head_dim, device, gqa) else "torch"
-              for i in range(shape.num_layers)]
+              else "VecInfer" if fused and vq_supports(method.vq_books(i), shape.head_dim, device, gqa)
+              else "codebook" if fused and codebook_supports(method.codebook_spec(i), shape.head_dim, device, gqa)
+              else "torch" for i in range(shape.num_layers)]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
                       for k in dict.fromkeys(kernel))
     line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
@@ -270,18 +293,23 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) 
     """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s docstring)."""
     spec = method.int2_spec()
     int2 = spec is not None and supports(spec, head_dim, device, gqa)
-    # VecInfer's layers share one configuration: layer 0's books stand for all
+    # VecInfer's and the codebook layout's layers share one configuration: layer 0's stands for all
     vecinfer = spec is None and vq_supports(method.vq_books(0), head_dim, device, gqa)
+    codebook = not (int2 or vecinfer) and codebook_supports(method.codebook_spec(0), head_dim, device, gqa)
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
-    elif not (int2 or vecinfer):
-        why = (f"--method {method.name} has no fused INT2 or VecInfer layout at these settings "
-               "(`formats.int2.launch.supports`, `formats.vq.launch.supports`)")
-    elif method.window or method.sink:
-        why = "it flushes blockwise, without float16 sink tokens"
+    elif not (int2 or vecinfer or codebook):
+        why = (f"--method {method.name} has no fused INT2, VecInfer or codebook layout at these settings "
+               "(`formats.int2.launch.supports`, `formats.vq.launch.supports`, `formats.codebook.launch.supports`)")
+    elif method.window:
+        why = "it flushes blockwise"
+    elif method.sink and not codebook:
+        why = "float16 sink tokens are held by the codebook layout only"
     elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
         why = f"--method {method.name} keeps a decoding state, which the VecInfer kernel's layout does not hold"
+    elif codebook and method.sink > method.block:
+        why = f"its {method.sink} float16 sink tokens must lie in the first block of {method.block}"
     elif int2 and (method.block % 16 or method.block % spec.group_size):
         why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
     if why:
@@ -327,7 +355,8 @@ def _decodes_together(layer: CompressedLayer, query: torch.Tensor, opts: Attenti
     new real token in each row over a cache it already holds, every row on the reference path (no fused
     layout) and without a decoding state (KVLinC's S and P are a row's own), no sliding window."""
     return (_decode_step(layer) and not opts.sliding_window
-            and all(row.fused is None and row.vq is None and row.state is None for row in layer.rows))
+            and all(row.fused is None and row.vq is None and row.codebook is None and row.state is None
+                    for row in layer.rows))
 
 
 def _decode_step(layer: CompressedLayer) -> bool:
@@ -351,7 +380,8 @@ def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpt
 
 # The flushed buffers of each kernel layout, (B, Hkv, capacity, ...): what `_RowsSideBySide` stacks.
 _FLUSHED_BUFFERS = {PackedLayer: ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
-                    VQLayer: ("kcodes", "vcodes")}
+                    VQLayer: ("kcodes", "vcodes"),
+                    CodebookLayer: ("kcodes", "knorm", "vcodes", "vnorm", "ksink", "vsink")}
 
 
 class _RowsSideBySide:
@@ -454,6 +484,11 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
             and vq_supports(method.vq_books(layer.layer), d, query.device, gqa, opts):
         packed, counts = layer.side_by_side.layout_for([row.vq for row in rows], residuals, layer.padding.counts)
         return vq_attend(query, packed, opts.scaling, counts=counts)
+    # every row that flushed holds the same sinks (a block holds them all: `check_static`'s limit)
+    if all(row.codebook is not None and row.codebook.sinks == min(method.sink, method.block) for row in rows) \
+            and codebook_supports(rows[0].codebook.spec, d, query.device, gqa, opts):
+        packed, counts = layer.side_by_side.layout_for([row.codebook for row in rows], residuals, layer.padding.counts)
+        return codebook_attend(query, packed, opts.scaling, counts=counts)
     return None
 
 
@@ -517,6 +552,9 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     if layer.vq is not None and q.shape[-2] == 1 and vq_supports(method.vq_books(layer.layer), q.shape[-1], q.device,
                                                                   gqa, opts):
         return vq_attend(q, layer.vq, opts.scaling)
+    if layer.codebook is not None and q.shape[-2] == 1 and codebook_supports(layer.codebook.spec, q.shape[-1], q.device,
+                                                                             gqa, opts):
+        return codebook_attend(q, layer.codebook, opts.scaling)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 
@@ -545,6 +583,15 @@ def vq_attend(q: torch.Tensor, layer: VQLayer, scaling: float,
     q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
     lengths, residuals = counts if counts is not None else (None, None)
     return vq_decode(q1, layer, scaling, lengths=lengths, residuals=residuals).to(compute_dtype(q)).unsqueeze(2)
+
+
+def codebook_attend(q: torch.Tensor, layer: CodebookLayer, scaling: float,
+                    counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One new query per head, q (B, Hq, 1, D), through the codebook kernel over `layer` (the kernel takes the query
+    into the keys' basis and the output back); (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's
+    per-sequence counts on the device."""
+    q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
+    return codebook_decode(q1.contiguous(), layer, scaling, counts=counts).to(compute_dtype(q)).unsqueeze(2)
 
 
 def register_attention() -> None:

@@ -76,12 +76,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
+from ..formats.codebook.layout import CodebookLayer
 from ..formats.int2.layout import PackedLayer, kernel_parts
 from ..formats.vq.layout import VQLayer
 from ..hadamard import hadamard
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
-from .cache import (IMPLEMENTATION, check_static, for_this_rank, fused_attend, hand_to_attention,
+from .cache import (IMPLEMENTATION, check_static, codebook_attend, for_this_rank, fused_attend, hand_to_attention,
                     register_attention, tensor_parallel_size, vq_attend)
 from .captured import CapturedDecoder, Decoder, compile_mode
 
@@ -142,7 +143,8 @@ class StaticLayer(CacheLayerMixin):
         self.method, self.layer, self.capacity = method, layer, capacity
         blank = zeros(1, kv_heads, r, head_dim, dtype=torch.float32)
         self.packed: PackedLayer | None = None  # INT2 blocks (`Method.int2_spec`) ...
-        self.vq: VQLayer | None = None  # ... or VecInfer code rows (`Method.vq_books`)
+        self.vq: VQLayer | None = None  # ... or VecInfer code rows (`Method.vq_books`) ...
+        self.codebook: CodebookLayer | None = None  # ... or code rows and norms (`Method.codebook_spec`)
         if spec is not None:
             g, gv = spec.group_size, spec.value_group_size
             probe = method.int2_parts(method.compress(layer, blank, blank))
@@ -155,6 +157,17 @@ class StaticLayer(CacheLayerMixin):
                 length=capacity, residual=r, group_size=g, value_group_size=gv,
                 knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
                 rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
+        elif books is None:
+            kc, kn, vc, vn = method.codebook_parts(method.compress(layer, blank, blank))
+            s = method.sink  # sink rows, and as many of slack for the masked write of the first flush (`append`)
+            self.codebook = CodebookLayer(
+                zeros(batch, kv_heads, room, kc.shape[-1], dtype=torch.int32),
+                zeros(batch, kv_heads, room) if kn is not None else None,
+                zeros(batch, kv_heads, room, vc.shape[-1], dtype=torch.int32),
+                zeros(batch, kv_heads, room) if vn is not None else None,
+                zeros(batch, kv_heads, 2 * s, head_dim), zeros(batch, kv_heads, 2 * s, head_dim),
+                zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, s,
+                method.codebook_spec(layer).to(device))
         else:
             kc, vc = method.vq_parts(method.compress(layer, blank, blank))
             none = zeros(batch, kv_heads, 0, head_dim)
@@ -164,7 +177,8 @@ class StaticLayer(CacheLayerMixin):
                               zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, 0,
                               books.k_bits, books.v_bits,
                               None if books.smooth is None else books.smooth.to(device), books.hadamard)
-        self.kernel_layer = self.packed if self.packed is not None else self.vq  # the layout the kernel reads
+        # the layout the kernel reads
+        self.kernel_layer = next(x for x in (self.packed, self.vq, self.codebook) if x is not None)
         self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -190,6 +204,8 @@ class StaticLayer(CacheLayerMixin):
         packed = m.compress(self.layer, k16.float(), v16.float())
         if self.vq is not None:  # code rows as they are (VecInfer keeps no decoding state: `check_static`)
             return list(m.vq_parts(packed)), None
+        if self.codebook is not None:  # code rows and the norms the format stores
+            return [t for t in m.codebook_parts(packed) if t is not None], None
         kq, vq, norms = m.int2_parts(packed)
         kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
         parts = [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero] + ([norms] if norms is not None else [])
@@ -203,6 +219,9 @@ class StaticLayer(CacheLayerMixin):
         """The packed buffers with the tokens each row along dim 2 stands for, in `_flush`'s order."""
         if self.vq is not None:
             return [(self.vq.kcodes, 1), (self.vq.vcodes, 1)]
+        if self.codebook is not None:
+            c = self.codebook
+            return [(t, 1) for t in (c.kcodes, c.knorm, c.vcodes, c.vnorm) if t is not None]
         p, g = self.packed, self.packed.group_size
         norms = [(p.knorm, 1)] if p.knorm is not None else []
         return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
@@ -225,6 +244,9 @@ class StaticLayer(CacheLayerMixin):
             if state is not None:
                 for mine, new in self._state_fields(state):
                     mine[slot] = new[0]
+            if self.codebook is not None and self.codebook.sinks:  # the first tokens in float16 as well
+                s = self.codebook.sinks
+                self.codebook.ksink[slot, :, :s], self.codebook.vsink[slot, :, :s] = k16[0, :, :s], v16[0, :, :s]
         self.kernel_layer.kres[slot, :, : t - n], self.kernel_layer.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
@@ -242,6 +264,10 @@ class StaticLayer(CacheLayerMixin):
         if state is not None:
             for mine, new in self._state_fields(state):
                 mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))
+        if self.codebook is not None and self.codebook.sinks:  # a sequence's first flush holds its sink tokens
+            c, first = self.codebook, full & (self.flushed == 0)
+            for buf, res in ((c.ksink, c.kres), (c.vsink, c.vres)):
+                _masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(self.flushed), first)
         # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
         # running past the buffers. A live sequence never gets there: the cache refuses it first.
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
@@ -267,6 +293,8 @@ class StaticLayer(CacheLayerMixin):
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
         if self.vq is not None:
             return vq_attend(query, self.vq, opts.scaling, counts=(self.flushed, self.residual))
+        if self.codebook is not None:
+            return codebook_attend(query, self.codebook, opts.scaling, counts=(self.flushed, self.residual))
         return fused_attend(self.method, self.layer, query, self.packed, opts.scaling, self.state,
                             counts=(self.flushed, self.residual))
 

@@ -1,0 +1,153 @@
+"""The fused codebook decode kernel (kernels_cupy/codebook_decode.cu): what it can read, and its launch.
+
+`supports` is the one statement of the kernel's input limits; the layout it reads and the float64 reference it is
+tested against are `kvcalib.formats.codebook.layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..int2.launch import _sm_count, splits
+from .layout import CodebookLayer, CodebookSpec, CodedPart
+
+HEAD_DIMS = (64, 128, 256)
+MAX_GQA = 8  # query heads per KV head: a lane holds GQ x CH query numbers and as many accumulators
+CH = 8  # channels a lane takes of each token (the kernel's CH): D / 8 lanes a token
+WARPS = 4  # warps of a `partial` block
+ROWS = 64  # float16 rows (sinks, residual) a rows part takes
+BLOCKS_PER_SM = 4  # resident `partial` blocks per SM the splits are sized for: one wave
+SPLIT_UNIT = 64  # packed tokens a split is a whole number of
+SHARED_LIMIT = 200 * 1024
+
+
+def _reads(part: CodedPart, head_dim: int) -> bool:
+    """A lane's CH channels are whole codes of at most 32 bits together; the books tile the head."""
+    return (CH % part.dim == 0 and (CH // part.dim) * part.bits <= 32 and head_dim % part.dim == 0
+            and part.book.shape[1] in (1, head_dim // part.dim) and part.book.shape[-1] == part.dim
+            and part.book.shape[2] == 1 << part.bits)
+
+
+def _book_floats(part: CodedPart) -> int:
+    p, e, dim = part.book.shape[1:]
+    return p * (e * dim + (1 if p > 1 else 0))
+
+
+def shared_bytes(spec: CodebookSpec, gqa: int, head_dim: int) -> int:
+    """Dynamic shared memory of a `partial` block: both books, later the warps' states."""
+    return 4 * max(_book_floats(spec.key) + _book_floats(spec.value), WARPS * gqa * (head_dim + 2))
+
+
+def supports(spec: CodebookSpec | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
+    """Whether the kernel reads blocks of this spec: on CUDA, head_dim 64, 128 or 256, at most 8 query heads per KV
+    head, a lane's share of a token's codes within 32 bits (scalar codes of up to 4 bits, vector codes of 4 or 8
+    coordinates up to 16 or 32 bits), books that fit shared memory; and, given the call's
+    `kvcalib.attention.AttentionOptions`, plain softmax attention (no softcap, no sliding window)."""
+    if spec is None or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
+        return False
+    if opts is not None and (opts.softcap or opts.sliding_window):
+        return False
+    return (_reads(spec.key, head_dim) and _reads(spec.value, head_dim)
+            and shared_bytes(spec, gqa, head_dim) <= SHARED_LIMIT)
+
+
+def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
+                    counts: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
+                    checked: bool = False) -> torch.Tensor:
+    """q (B, Hq, D) fp16/bf16 on CUDA, in the model's basis -> (B, Hq, D) in q's dtype: attention over `layer`.
+
+    `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own (a static cache: the launch is the
+    same at every step and can be captured); `layer.length` and `layer.residual` are then capacities.
+    `out`: where a plan's group of KV heads (`layer.head_map`) writes its query heads' outputs; the others are
+    left as they are."""
+    if out is None:
+        out = torch.empty_like(q)
+    flushed, residual = counts if counts is not None else (None, None)
+    spec = layer.spec
+    torch.ops.kvcalib.codebook_decode(
+        q, out, layer.kcodes, layer.knorm, layer.vcodes, layer.vnorm, spec.key.book, spec.value.book,
+        spec.key.basis, spec.value.basis, layer.ksink, layer.vsink, layer.kres, layer.vres, layer.head_map, flushed,
+        residual, layer.length, layer.residual, layer.sinks, spec.key.bits, spec.key.dim, spec.key.norm,
+        spec.value.bits, spec.value.dim, spec.value.norm, layer.kv_heads, scaling, checked)
+    return out
+
+
+@torch.library.custom_op("kvcalib::codebook_decode", mutates_args=("out",))
+def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knorm: torch.Tensor | None,
+                     vcodes: torch.Tensor, vnorm: torch.Tensor | None, kbook: torch.Tensor, vbook: torch.Tensor,
+                     kbasis: torch.Tensor | None, vbasis: torch.Tensor | None, ksink: torch.Tensor,
+                     vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor, head_map: torch.Tensor | None,
+                     flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
+                     sinks: int, kbits: int, kdim: int, knormed: bool, vbits: int, vdim: int, vnormed: bool,
+                     kv_heads: int, scaling: float, checked: bool) -> None:
+    """`codebook_decode` with the layout spelled out as the op's arguments (a custom op takes tensors and scalars
+    only); it checks the inputs and launches on torch's current stream."""
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch, torch_stream
+
+    b, hq, d = q.shape
+    h = kres.shape[1]
+    if (head_map is not None and head_map.shape != (h,)) or hq % (kv_heads or h):
+        raise ValueError(f"the query's {hq} heads are not a whole number per KV head ({kv_heads or h}), or the "
+                         f"head map does not name each of the layer's {h} heads")
+    gqa = hq // (kv_heads or h)
+    spec = CodebookSpec(CodedPart(kbits, kdim, kbook, knormed, kbasis), CodedPart(vbits, vdim, vbook, vnormed, vbasis))
+    if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not supports(spec, d, q.device, gqa):
+        raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
+                         "heads per KV head, and codes the kernel reads (`supports`)")
+    tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
+        t for t in (knorm, vnorm, kbasis, vbasis, head_map) if t is not None]
+    if not all(t.is_contiguous() and t.device == q.device for t in tensors):
+        raise ValueError("codebook decode reads dense buffers on the query's device")
+    if kbook.dtype != torch.float32 or vbook.dtype != torch.float32 or any(
+            t is not None and t.dtype != torch.float32 for t in (kbasis, vbasis)):
+        raise ValueError("the books and bases are float32")
+    device = flushed is not None
+    if (flushed is None) != (residual is None) or (device and any(
+            c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device
+            for c in (flushed, residual))):
+        raise ValueError(f"counts must be two contiguous int32 tensors of shape ({b},) on {q.device}")
+    capt = kcodes.shape[2]
+    length = capt if device else length
+    rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
+    row_parts = -(-rows // ROWS)
+    sms = _sm_count(q.device.index or 0)
+    num_splits, split_len = splits(length, b * h, SPLIT_UNIT, BLOCKS_PER_SM * sms,
+                                   min(row_parts * b * h, BLOCKS_PER_SM * sms // 8))
+    parts = max(1, num_splits + row_parts)
+    defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
+               "WARPS": WARPS, "ROWS": ROWS, "KB": kbits, "KDIM": kdim, "KPOS": int(kbook.shape[1] > 1),
+               "KNORM": int(knormed), "KW": kcodes.shape[-1], "VB": vbits, "VDIM": vdim,
+               "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed), "VW": vcodes.shape[-1]}
+    qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
+    part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
+    part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
+    smem = shared_bytes(spec, gqa, d)
+    scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
+    i32 = cupy.int32
+    ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
+    heads = lambda t: i32(0 if t is None else t.shape[0])  # noqa: E731
+    with torch_stream(q.device):
+        # Block (query head of the layer's heads, batch row): q~ = scale log2(e) q B_K^T.
+        launch(kernel("codebook_decode.cu", defines, "rotate"), (h * gqa, b), (d,),
+               (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
+        # Block (part, KV head, batch row): split_len packed tokens (parts < num_splits) or ROWS float16 rows.
+        partial = kernel("codebook_decode.cu", defines, "partial")
+        if smem > 48 * 1024:
+            partial.max_dynamic_shared_size_bytes = smem
+        launch(partial, (parts, h, b), (32 * WARPS,),
+               (ptr(qrot), ptr(q), i32(hq), ptr(head_map), ptr(kcodes), ptr(knorm), ptr(vcodes), ptr(vnorm),
+                i32(capt), ptr(kbook), heads(kbook), ptr(vbook), heads(vbook), ptr(ksink), ptr(vsink), i32(sinks),
+                i32(ksink.shape[2]), ptr(kres), ptr(vres), i32(residual_len), i32(kres.shape[2]), i32(length),
+                i32(split_len), i32(num_splits), scale_log2, ptr(flushed), ptr(residual), ptr(part_acc),
+                ptr(part_ml)), checked, smem)
+        # Block (query head, batch row): the parts merged, the coded values taken back by B_V, written to out.
+        launch(kernel("codebook_decode.cu", defines, "merge"), (h * gqa, b), (d,),
+               (ptr(part_acc), ptr(part_ml), i32(parts), i32(num_splits), ptr(vbasis), heads(vbasis),
+                ptr(head_map), i32(hq), ptr(out)), checked)
+
+
+@_codebook_decode.register_fake
+def _(q: torch.Tensor, out: torch.Tensor, *args) -> None:
+    return None

@@ -1,0 +1,171 @@
+"""The fused codebook decode kernel (kernels_cupy/codebook_decode.cu) against the float64 reference of the same codes
+(`kvcalib.formats.codebook.layout.reference_decode`), row by row, under the runtime's accuracy rule: each row's error
+at most twice that of SDPA in the query's dtype over the dequantized cache, plus 1e-4 (tests/test_int2_kernel_gpu.py).
+TurboQuant oblivious, calibrated per layer and per KV head, 1 to 4 bits, vector codes; head_dim 64, 128 and 256; one to
+eight query heads per KV head; sinks on and off; residual windows empty to full; flushed lengths up to 128k; diffuse
+and peaked attention; float16 and bfloat16 queries; counts read on the device; a plan's group of heads writing its own
+heads of a shared output. What lies past the counts is poisoned and must not move the output."""
+
+import pytest
+import torch
+
+from kvcalib.formats.codebook.layout import flushed_kv, reference_decode
+
+pytest.importorskip("cupy", reason="the CuPy kernels need cupy (pip install kvcalib[cuda13] or [cuda12])")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
+
+from kvcalib.formats.codebook.launch import codebook_decode  # noqa: E402  (after the skip: it needs cupy)
+from test_codebook_layout import layout_of, turboquant  # noqa: E402
+from test_int2_kernel_gpu import FLOOR, _row_errors  # noqa: E402
+
+DEV = "cuda"
+
+
+def _on_device(method):
+    if method.books is not None:
+        method.books = [(k.to(DEV), v.to(DEV)) for k, v in method.books]
+    return method
+
+
+def _sdpa(q: torch.Tensor, layer, scaling: float) -> torch.Tensor:
+    """The peer: SDPA in q's dtype over the same cache dequantized (float32, rounded to q's dtype)."""
+    k, v = flushed_kv(layer)
+    k = torch.cat([k, layer.kres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    v = torch.cat([v, layer.vres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scaling, enable_gqa=True)[:, :, 0]
+
+
+def _inputs(b, kv_heads, t, d, seed, peaked=False):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    k16 = (torch.randn(b, kv_heads, t, d, device=DEV, generator=g)
+           * (1 + 3 * torch.rand(1, 1, 1, d, device=DEV, generator=g))).half()
+    v16 = torch.randn(b, kv_heads, t, d, device=DEV, generator=g).half()
+    if peaked:  # one token per sequence the queries find: its key repeated in the query, far above the rest
+        k16[:, :, t // 3] *= 4
+    return k16, v16, g
+
+
+def _check(method, k16, v16, q, dtype=torch.float16):
+    """Run the kernel on q (model's basis, `dtype`); hold every row to the rule; returns the layer and output."""
+    layer = layout_of(method, k16, v16)
+    d = layer.head_dim
+    qm = q.to(dtype)
+    ref = reference_decode(qm, layer, d**-0.5)
+    out = codebook_decode(qm, layer, d**-0.5, checked=True)
+    assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or NaN output"
+    err = _row_errors(out, ref)
+    bound = 2 * _row_errors(_sdpa(qm, layer, d**-0.5), ref) + FLOOR
+    worst = int((err / bound).argmax())
+    assert (err <= bound).all(), f"row {worst}: {err[worst]:.2e} > {bound[worst]:.2e}"
+    return layer, qm, out
+
+
+def _poison(layer, extra: int = 64):
+    """Codes and norms past the length (and `extra` rows more), residual rows past the count."""
+    n = layer.length
+    for name in ("kcodes", "vcodes", "knorm", "vnorm"):
+        buf = getattr(layer, name)
+        if buf is None:
+            continue
+        bad = -1 if buf.dtype == torch.int32 else float("nan")
+        buf = torch.cat([buf[:, :, :n], torch.full_like(buf[:, :, :1], bad).expand(*buf.shape[:2], extra, *buf.shape[3:])], 2)
+        setattr(layer, name, buf.contiguous())
+    for name in ("kres", "vres"):
+        buf = getattr(layer, name)
+        setattr(layer, name, torch.cat([buf, torch.full_like(buf[:, :, :1], float("nan")).expand(-1, -1, 8, -1)], 2).contiguous())
+
+
+@pytest.mark.parametrize("kind", ["oblivious", "layer", "head", "vector-layer", "vector-head"])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("sinks", [0, 1])
+@pytest.mark.parametrize("t", [5, 130, 1037, 20000])
+def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, sinks, t):
+    if kind.startswith("vector") and bits != 2:
+        pytest.skip("vector codes have one configuration here (d4b6); bits name the scalar widths")
+    method = _on_device(turboquant(kind, bits, d=128, sinks=sinks, residual=128))
+    k16, v16, g = _inputs(2, 2, t, 128, t)
+    layer, q, out = _check(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
+    _poison(layer)
+    assert torch.equal(codebook_decode(q, layer, 128**-0.5, checked=True), out)
+
+
+@pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
+@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 2)])
+@pytest.mark.parametrize("peaked", [False, True])
+def test_long_contexts_and_large_batches_are_as_exact_as_sdpa_in_every_row(b, t, kind, bits, peaked):
+    method = _on_device(turboquant(kind, bits, d=128, kv_heads=2, sinks=1, residual=128))
+    k16, v16, g = _inputs(b, 2, t + 77, 128, b, peaked)
+    q = torch.randn(b, 8, 128, device=DEV, generator=g)
+    if peaked:  # each query head points at the peaked key: attention concentrates on it
+        q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(4, 1)
+    _check(method, k16, v16, q)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (9, 3), (16, 2)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_head_dims_query_groups_and_bfloat16(d, heads, kv_heads, dtype):
+    method = _on_device(turboquant("head", 3, d=d, kv_heads=kv_heads, sinks=1, residual=64))
+    k16, v16, g = _inputs(2, kv_heads, 700, d, d + heads)
+    _check(method, k16, v16, torch.randn(2, heads, d, device=DEV, generator=g), dtype)
+
+
+@pytest.mark.parametrize("r", [0, 1, 63, 64, 127])
+def test_every_residual_length_kind(r):
+    method = _on_device(turboquant("layer", 2, d=128, sinks=1, residual=128))
+    k16, v16, g = _inputs(1, 2, 256 + r, 128, r)
+    _check(method, k16, v16, torch.randn(1, 8, 128, device=DEV, generator=g))
+
+
+def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
+    """Rows of one layout holding different lengths (a static cache's slots): each row's output equals its lone
+    launch's up to the splits' float32 order (both are held to the reference: the rule above, row by row)."""
+    method = _on_device(turboquant("head", 2, d=128, sinks=1, residual=128))
+    lengths = [3 * 128, 0, 9 * 128 + 5, 128 + 127]
+    k16, v16, g = _inputs(4, 2, max(lengths), 128, 11)
+    q = torch.randn(4, 8, 128, device=DEV, generator=g).half()
+    full = layout_of(method, k16, v16)  # capacity for the longest
+    flushed = torch.tensor([n // 128 * 128 for n in lengths], dtype=torch.int32, device=DEV)
+    residual = torch.tensor([n % 128 for n in lengths], dtype=torch.int32, device=DEV)
+    cap_r = 128
+    full.kres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
+    full.vres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
+    for i, n in enumerate(lengths):
+        f = n // 128 * 128
+        full.kres[i, :, : n - f], full.vres[i, :, : n - f] = k16[i, :, f:n], v16[i, :, f:n]
+        full.kcodes[i, :, f:] = -1  # past the row's own length: poison
+        if full.knorm is not None:
+            full.knorm[i, :, f:] = float("nan")
+    full.length, full.residual = full.kcodes.shape[2], cap_r
+    full.ksink = torch.cat([full.ksink, torch.full_like(full.ksink[:, :, :1], float("nan"))], 2)
+    full.vsink = torch.cat([full.vsink, torch.full_like(full.vsink[:, :, :1], float("nan"))], 2)
+    for i, n in enumerate(lengths):
+        full.ksink[i, :, :1] = k16[i, :, :1] if n else float("nan")
+        full.vsink[i, :, :1] = v16[i, :, :1] if n else float("nan")
+    out = codebook_decode(q, full, 128**-0.5, counts=(flushed, residual), checked=True)
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        alone = layout_of(method, k16[i : i + 1, :, :n], v16[i : i + 1, :, :n])
+        ref = reference_decode(q[i : i + 1], alone, 128**-0.5)
+        err = _row_errors(out[i : i + 1], ref)
+        bound = 2 * _row_errors(_sdpa(q[i : i + 1], alone, 128**-0.5), ref) + FLOOR
+        assert (err <= bound).all(), (i, err.max().item(), bound.min().item())
+
+
+def test_a_group_of_heads_writes_only_its_own_query_heads():
+    """A plan's group (`head_map`): KV heads 2 and 0 of a model with 3; query heads of KV head 1 keep what was there."""
+    method = _on_device(turboquant("head", 3, d=64, kv_heads=2, sinks=0, residual=64))
+    k16, v16, g = _inputs(2, 2, 300, 64, 5)
+    layer = layout_of(method, k16, v16)
+    layer.head_map = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    layer.kv_heads = 3
+    q = torch.randn(2, 12, 64, device=DEV, generator=g).half()  # 4 query heads per KV head
+    out = torch.full_like(q, 7.0)
+    codebook_decode(q, layer, 64**-0.5, out=out, checked=True)
+    assert (out[:, 4:8] == 7.0).all(), "a head outside the group was written"
+    mine = torch.cat([q[:, 8:12], q[:, 0:4]], 1)  # the group's own heads in its order
+    layer.head_map, layer.kv_heads = None, 0
+    alone = codebook_decode(mine, layer, 64**-0.5, checked=True)
+    assert torch.equal(torch.cat([out[:, 8:12], out[:, 0:4]], 1), alone)

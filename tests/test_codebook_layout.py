@@ -1,0 +1,103 @@
+"""The codebook kernel layout's float64 reference (`kvcalib.formats.codebook.layout`): what TurboQuant declares of
+its blocks (`codebook_spec`, `codebook_parts`) read back through the layout gives the method's own dequantized
+cache, and `reference_decode` is attention over it, for oblivious, per-layer and per-head codebooks, scalar and
+vector codes, sinks on and off; it never reads past its counts."""
+
+import pytest
+import torch
+
+from kvcalib.attention import AttentionOptions, mixed_attention
+from kvcalib.formats.codebook.layout import append_block, flushed_kv, reference_decode
+from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, TurboQuantVQ
+from kvcalib.models import AttentionShape
+from kvcalib import vq
+
+# float64 sums of at most a few hundred terms of magnitude ~10: ~1e-13 apart; 1e-9 is far above that and far
+# below one wrong code (a centroid apart: ~1e-2 of a vector's norm).
+F64 = 1e-9
+# The method decodes in float32 (its rotation's product taken in float64, rounded once, times a float16 norm in
+# float32): two roundings of u32 = 2^-24 relative to each coordinate, ~1.2e-7; 1e-6 of the vector's norm bounds it.
+F32 = 1e-6
+
+
+def turboquant(kind: str, bits: int = 2, d: int = 32, kv_heads: int = 2, sinks: int = 0, residual: int = 16):
+    """A TurboQuant of one layer: oblivious, calibrated per layer or per KV head, or vector codes (d4b6)."""
+    shape = AttentionShape(num_layers=1, num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=d)
+    g = torch.Generator().manual_seed(bits)
+    groups = kv_heads if kind.endswith("head") else 1
+    if kind == "oblivious":
+        method = TurboQuant(TurboQuantConfig(bits=bits, residual=residual), shape)
+    elif kind.startswith("vector"):
+        books = [tuple(torch.randn(groups, 64, 4, generator=g).div(d**0.5).half() for _ in range(2))]
+        method = TurboQuantVQ(vq.VQConfig(4, 6), residual, shape, books, "head" if groups > 1 else "layer")
+    else:
+        books = [tuple(torch.randn(groups, d, 1 << bits, generator=g).div(d**0.5).sort(-1).values.half()
+                       for _ in range(2))]
+        method = TurboQuant(TurboQuantConfig(bits=bits, residual=residual), shape, books,
+                            "head" if groups > 1 else "layer")
+    method.sink = sinks
+    return method
+
+
+def layout_of(method, k16: torch.Tensor, v16: torch.Tensor):
+    """The layout of a cache fed k16, v16 (B, H, T, d): its whole blocks coded (TurboQuant codes each vector on its
+    own, so in one call as block by block), the first `sink` tokens also kept, the rest in the residual."""
+    t, r, s = k16.shape[2], method.block, method.sink
+    n = t // r * r
+    packed = method.compress(0, k16[:, :, :n].float(), v16[:, :, :n].float())
+    sink = slice(0, min(s, n))
+    return append_block(None, method.codebook_spec(0), *method.codebook_parts(packed), k16[:, :, sink],
+                        v16[:, :, sink], k16[:, :, n:], v16[:, :, n:])
+
+
+KINDS = ["oblivious", "layer", "head", "vector-layer", "vector-head"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bits", [1, 3, 4])
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_the_layout_reads_back_the_methods_own_cache(kind, bits, sinks):
+    method = turboquant(kind, bits, sinks=sinks)
+    g = torch.Generator().manual_seed(7)
+    k16 = (torch.randn(2, 2, 52, 32, generator=g) * 3).half()
+    v16 = torch.randn(2, 2, 52, 32, generator=g).half()
+    layer = layout_of(method, k16, v16)
+    assert layer.length == 48 and layer.residual == 4 and layer.sinks == sinks
+    k, v = flushed_kv(layer)
+    kd, vd = method.decompress(0, method.compress(0, k16[:, :, :48].float(), v16[:, :, :48].float()))
+    kd[:, :, :sinks], vd[:, :, :sinks] = k16[:, :, :sinks].float(), v16[:, :, :sinks].float()
+    for got, want in ((k, kd), (v, vd)):
+        err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+        assert err.max() <= F32, f"worst token {err.max():.2e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("t", [0, 5, 16, 37])
+def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t):
+    method = turboquant(kind, 2, sinks=2)
+    g = torch.Generator().manual_seed(t)
+    k16 = (torch.randn(2, 2, t + 1, 32, generator=g) * 2).half()
+    v16 = torch.randn(2, 2, t + 1, 32, generator=g).half()
+    layer = layout_of(method, k16, v16)
+    q = torch.randn(2, 8, 32, generator=g, dtype=torch.float64)
+    k, v = flushed_kv(layer, torch.float64)
+    k = torch.cat([k, layer.kres.double()], 2)
+    v = torch.cat([v, layer.vres.double()], 2)
+    want = mixed_attention(q[:, :, None], k, v, AttentionOptions(scaling=32**-0.5))[:, :, 0]
+    got = reference_decode(q, layer, 32**-0.5)
+    assert torch.allclose(got, want, rtol=0, atol=F64 * want.abs().max().item())
+
+
+def test_reference_decode_reads_nothing_past_its_counts():
+    """Codes and norms past the length, residual rows past the count: poison moves nothing."""
+    method = turboquant("head", 3, sinks=1)
+    g = torch.Generator().manual_seed(3)
+    k16, v16 = torch.randn(1, 2, 40, 32, generator=g).half(), torch.randn(1, 2, 40, 32, generator=g).half()
+    layer = layout_of(method, k16, v16)
+    q = torch.randn(1, 8, 32, generator=g)
+    want = reference_decode(q, layer, 0.2)
+    layer.kcodes = torch.cat([layer.kcodes[:, :, : layer.length], torch.full_like(layer.kcodes[:, :, :9], -1)], 2)
+    layer.knorm = torch.cat([layer.knorm[:, :, : layer.length], torch.full_like(layer.knorm[:, :, :9], float("nan"))], 2)
+    layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres[:, :, :3], float("nan"))], 2)
+    layer.vres = torch.cat([layer.vres, torch.full_like(layer.vres[:, :, :3], float("nan"))], 2)
+    assert torch.equal(reference_decode(q, layer, 0.2), want)
