@@ -23,6 +23,9 @@ an earlier run on the machine left them, said beside the table):
   fix: torch's `multinomial` checks its probabilities with two host reads (`.item()`) each call, which could
   leave the GPU idle while generate's bookkeeping runs after them; this row tells whether those reads cost
   anything;
+- `turboquant2-static`, `turboquant3-static`: the static cache as `kivi128-static` holds it, of
+  `StaticKvcalibCache(model, "turboquant", MethodSettings(bits=2 or 3, residual=128))`: TurboQuant's oblivious
+  codes read by the fused codebook kernel (`kvcalib.formats.codebook`);
 - `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k, and
   the B=8 row: its padded rows decode in one launch a layer).
 A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches
@@ -52,10 +55,20 @@ from pathlib import Path
 import torch
 
 PATHS = ["fp16-static", "kivi128-static", "kivi128-static-cublas", "kivi128-static-uncompiled", "kivi128-static-compiled",
-         "kivi128-static-syncfree", "kivi128-dynamic"]
+         "kivi128-static-syncfree", "turboquant2-static", "turboquant3-static", "kivi128-dynamic"]
 PATHS += [f"{p}-warm" for p in PATHS]
 COMPILE = {"kivi128-static": "regions", "kivi128-static-cublas": "regions", "kivi128-static-uncompiled": "none",
-           "kivi128-static-compiled": "step", "kivi128-static-syncfree": "regions"}
+           "kivi128-static-compiled": "step", "kivi128-static-syncfree": "regions", "turboquant2-static": "regions",
+           "turboquant3-static": "regions"}
+
+
+def static_method(base: str):
+    """(method, settings) of a static path: KIVI-2 G=128 R=128, or TurboQuant of its bits at R=128."""
+    from kvcalib.methods import MethodSettings
+
+    if base.startswith("turboquant"):
+        return "turboquant", MethodSettings(bits=int(base[len("turboquant")]), residual=128)
+    return "kivi", MethodSettings(2, 128, 128)
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,9 +123,8 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
         if base == "fp16-static":
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=room)
-        elif base.startswith("kivi128-static"):
-            cache = StaticKvcalibCache(model, "kivi", MethodSettings(2, 128, 128), max_batch=b, max_length=room,
-                                       compile=COMPILE[base])
+        elif base in COMPILE:
+            cache = StaticKvcalibCache(model, *static_method(base), max_batch=b, max_length=room, compile=COMPILE[base])
         else:
             cache = None
 
@@ -136,7 +148,7 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
                for sample in (False, True)}
         rows.append({"path": path, "batch": b, "context": max(lengths), "first": first, "ttft": ttft,
                      "greedy": per[False], "sample": per[True],
-                     "step": captured_step(cache) if base.startswith("kivi128-static") else None,
+                     "step": captured_step(cache) if base in COMPILE else None,
                      "graphs": dynamo_graphs()})
         print(f"[{path}] B={b} {max(lengths)}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
         del cache

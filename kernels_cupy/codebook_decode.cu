@@ -5,99 +5,220 @@
 // Reads the layout of kvcalib/formats/codebook/layout.py (its module docstring has the table), per part (keys K,
 // values V) of the launch's H KV heads:
 //   kcodes, vcodes (B, H, CAPT, KW | VW) int32   each token's codes as one bit stream, code j at bits
-//                                                [j BITS, (j + 1) BITS), least significant bit first
+//                                                [j XB, (j + 1) XB), least significant bit first
 //   knorm, vnorm (B, H, CAPT) fp16 or null        the token's norm: x = norm * y B
-//   kbook, vbook (G, P, 2^BITS, DIM) fp32         codebooks: P = D / DIM (one per position) or 1 (shared by
-//                                                every position), G = 1 (shared by the heads) or H
+//   kbook, vbook (G, P, 2^XB, XDIM) fp16          codebooks as this kernel reads them (launch.py `kernel_book`):
+//                                                P = D / XDIM (one per position) or 1 (shared by every
+//                                                position), G = 1 (shared by the heads) or H
 //   ksink, vsink (B, H, CAPS, D) fp16             the first min(sinks, T) tokens, read instead of their codes
 //   kres, vres (B, H, CAPR, D) fp16               the residual window
 //   lengths, residuals (B,) int32 or null         per-sequence T and r read on the device (a captured step)
 //   head_map (H,) int32 or null                   the model's KV head of each launch head (a plan's group)
-// A token's vector is x = norm * y B, y the centroids of its codes and B the part's basis (kvcalib's layout
-// names it; the identity where the format has none). The launch's `rotate` writes q~ = scale log2(e) q B_K^T
-// (float32) once per query head, the packed tokens are scored against q~ and their values summed in V's coded
-// basis; `merge` takes that sum back by B_V. The float16 rows meet q itself and are summed in the model's basis.
+// A token's vector is x = norm * y B, y the centroids of its codes and B the part's basis (the identity where the
+// format has none). `rotate` writes q~ = scale log2(e) q B_K^T (float32) once per query head; the packed tokens
+// are scored against q~ and their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16
+// rows meet q itself and are summed in the model's basis.
 //
 // Bytes that must move per (batch, KV head): T (KW + VW) 4 of codes and T 2 of each norm, 4 D (sinks + r) of
-// float16 rows, read once; the books (G, P, 2^BITS, DIM) float32 per block, from L2 after the first block; the
-// partials, 4 (D + 2) GQ per part, written and read once.
+// float16 rows, read once; the books per block, from L2 after the first block; the partials, 4 (D + 2) GQ per part,
+// written and read once.
 //
 // Kernels, each launched by kvcalib/formats/codebook/launch.py, which decides the grid:
-//   rotate   block (query head, batch), D threads: q~ = scale log2(e) q B_K^T (a copy times the scale without one)
-//   partial  block (part, launch head, batch), WARPS warps: parts 0 .. num_splits - 1 take split_len packed
-//            tokens each, the others ROWS float16 rows each (sinks, then the residual). A warp takes TPW tokens
-//            at a time, LPT = D / CH lanes a token, each lane CH channels: the lane's codes (one 32-bit field,
-//            at most two words of the row), its centroids from shared memory, its partial dot with q~ for each
-//            of the GQ heads, summed over the token's lanes by shuffles; the online softmax in log2 units;
-//            the values' centroids times p norm into CH x GQ float32 accumulators. The warp's token slots and
-//            then the block's warps are merged into one partial (sum of exp2(s - m) v, m, sum of exp2(s - m)).
-//   merge    block (query head, batch), D threads: the parts weighed by exp2(m_p - M); the packed parts' sum
-//            taken back by B_V, the rows' added, divided by the total weight; written as QT.
-// Every product and sum is float32; the books hold fp16 centroids exactly.
+//   rotate   block (query head, batch), D threads: q~ = scale log2(e) q B_K^T (q times the scale without a basis)
+//   partial  block (part, launch head, batch), WARPS warps. Parts 0 .. num_splits - 1 take split_len packed
+//            tokens each, as 16-token tiles, warp w taking tiles w, w + WARPS, ..., on the tensor cores:
+//              scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  mma.m16n8k16, f32 accumulate
+//              output  O^T (D x 8 heads)            += (norm V)^T (D x 16 tokens) . P^T
+//            Q~'s row h is head h's fp16 hi and row 8 + h its remainder lo (kernels_cupy/mma_tiles.cuh); the
+//            centroids are gathered from the books in shared memory straight into the fragments, channels
+//            permuted so that a lane's share of a token is contiguous: of a key, lane t holds codec channels
+//            t D/4 .. (t + 1) D/4 - 1 of tokens g and g + 8; of a value, lane group g holds g D/8 .. (g + 1) D/8 - 1
+//            of tokens 2t, 2t+1, 2t+8, 2t+9 (vq_decode.cu documents the same permutation). A key's score is its
+//            fragment sum times its norm; a value's centroids are multiplied by its norm in fp16 (as a
+//            dequantized fp16 cache holds it), P rounded to fp16. The next tile's code words and norms are loaded
+//            while a tile is computed. The other parts take ROWS float16 rows each (sinks, then the residual) on
+//            the CUDA cores: LPT = D / CH lanes a row, each lane CH channels, float32 throughout. The block's
+//            warps are merged into one partial (sum of exp2(s - m) v, m, sum of exp2(s - m)).
+//   merge    block (query head, batch), D threads: the parts weighed by exp2(m_p - M); the packed parts' sum taken
+//            back by B_V, the rows' added, divided by the total weight; written as QT.
 //
-// Defines: D, GQ (<= 8), QT, CH (channels a lane), WARPS, ROWS (float16 rows a rows part), and per part X in
-// {K, V}: XB (bits a code), XDIM (coordinates a code), XPOS (1: a book per position), XNORM (1: norms), XW (words
-// a row).
+// Defines: D, GQ (<= 8), QT, CH (channels a lane of a float16 row), WARPS, ROWS (float16 rows a rows part), and per
+// part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
+// XNORM (1: norms), XW (words a row).
 #include "decode_common.cuh"
 
-#define LPT (D / CH)  // lanes a token
-#define TPW (32 / LPT)  // tokens a warp takes at once
 #define NT (32 * WARPS)
-#define KCODES (CH / KDIM)  // codes of a lane's channels
-#define VCODES (CH / VDIM)
+#define KS (D / 16)  // 16-channel k-slices of a key, 16-row blocks of the output
+#define NEG_INF __int_as_float(0xff800000)
+#define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
+#define MERGE_ROUND 16  // parts `merge` loads at once
+#include "mma_tiles.cuh"
+
+// A lane's share of a token's codes, per part: KCH channels of a key, VCH of a value.
+#define KCH (D / 4)
+#define VCH (D / 8)
+#define KSHARE (KCH / KDIM * KB)  // bits of a lane's share of a key row
+#define VSHARE (VCH / VDIM * VB)
+#define KNW ((KSHARE + 31) / 32)  // words it spans, once aligned
+#define VNW ((VSHARE + 31) / 32)
 #define KENTRIES (1 << KB)
 #define VENTRIES (1 << VB)
 #define KP (KPOS ? D / KDIM : 1)  // positions with a book of their own
 #define VP (VPOS ? D / VDIM : 1)
-// Floats from one position's book to the next: one more than the book where positions have books of their own, so
-// that the lanes of a token (neighbouring positions) read different banks.
-#define KSTRIDE (KENTRIES * KDIM + KPOS)
-#define VSTRIDE (VENTRIES * VDIM + VPOS)
-#define KBOOK_FLOATS (KP * KSTRIDE)
-#define VBOOK_FLOATS (VP * VSTRIDE)
-#define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves
-#define NEG_INF __int_as_float(0xff800000)
+// Halves from one position's book to the next: one word (or one centroid, for wider ones) more than the book where
+// positions have books of their own, so that neighbouring positions start in other banks.
+#define KSTRIDE (KENTRIES * KDIM + (KPOS ? (KDIM > 2 ? KDIM : 2) : 0))
+#define VSTRIDE (VENTRIES * VDIM + (VPOS ? (VDIM > 2 ? VDIM : 2) : 0))
+#define KBOOK_HALVES (KP * KSTRIDE)
+#define VBOOK_HALVES (VP * VSTRIDE)
 
-static_assert(D % CH == 0 && 32 % LPT == 0, "a token's channels fill whole lanes of a warp");
-static_assert(CH % KDIM == 0 && CH % VDIM == 0, "a lane's channels are whole codes");
-static_assert(KCODES * KB <= 32 && VCODES * VB <= 32, "a lane's codes of a token fit one 32-bit field");
+// Float16 rows (CUDA cores).
+#define LPT (D / CH)  // lanes a row
+#define TPW (32 / LPT)  // rows a warp takes at once
 
-// The 32-bit field of this lane's codes in a row of W words: NBITS bits from bit `start`, which may run into the
-// next word (never past the row: the field ends inside it).
-template <int W, int NBITS>
-__device__ __forceinline__ unsigned code_field(const unsigned* __restrict__ row, int start) {
-  const int w = start >> 5, off = start & 31;
-  const unsigned lo = __ldcs(row + w);
-  if ((NBITS % 32 == 0 && (start & 31) == 0) || off + NBITS <= 32) return lo >> off;
-  return __funnelshift_r(lo, __ldcs(row + w + 1), off);
+static_assert(KCH % KDIM == 0 && VCH % VDIM == 0, "a lane's share of a token is whole codes");
+static_assert(D % CH == 0 && 32 % LPT == 0, "a row's channels fill whole lanes of a warp");
+
+// This lane's share of a row: NBITS bits from bit `start`, as NW words from bit 0 (the last one zero-padded past the
+// share). `here` false: zeros, nothing read (a token past the split's end may lie past the buffers).
+template <int NBITS>
+__device__ __forceinline__ void share_words(const unsigned* __restrict__ row, int start, bool here, unsigned* f) {
+  constexpr int NW = (NBITS + 31) / 32;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) f[i] = 0u;
+  if (!here) return;
+  const unsigned* w = row + (start >> 5);
+  const int off = start & 31;
+  unsigned raw[NW + 1];
+#pragma unroll
+  for (int i = 0; i < NW; ++i) raw[i] = __ldcs(w + i);
+  raw[NW] = off + NBITS > 32 * NW ? __ldcs(w + NW) : 0u;  // the share runs into one more word only where it must
+#pragma unroll
+  for (int i = 0; i < NW; ++i) f[i] = off ? __funnelshift_r(raw[i], raw[i + 1], off) : raw[i];
 }
 
-// This lane's CH coordinates of one token from its codes' field: centroid entries of the books in shared memory.
-template <int BITS, int DIM, int POS, int STRIDE>
-__device__ __forceinline__ void centroids(const float* book, unsigned field, int first_code, float* y) {
+// Code j of BITS bits of a share (`share_words`).
+template <int BITS>
+__device__ __forceinline__ unsigned code_at(const unsigned* f, int j) {
+  const int at = j * BITS, wi = at / 32, off = at % 32;
+  const unsigned v = off + BITS <= 32 ? f[wi] >> off : __funnelshift_r(f[wi], f[wi + 1], off);
+  return v & ((1u << BITS) - 1);
+}
+
+// The centroids of a share of CHANNELS channels (its first code the row's code `first`), as CHANNELS / 2 half2
+// words: channels 2i, 2i + 1 in word i. A book of DIM 1 takes two half loads a word, 2 one, 4 and 8 one load of
+// two or four words.
+template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE>
+__device__ __forceinline__ void gather(const __half* book, const unsigned* f, int first, unsigned* out) {
 #pragma unroll
-  for (int k = 0; k < CH / DIM; ++k) {
-    const unsigned c = (field >> (k * BITS)) & ((1u << BITS) - 1);
-    const float* e = book + (POS ? (first_code + k) * STRIDE : 0) + c * DIM;
-#pragma unroll
-    for (int i = 0; i < DIM; ++i) y[k * DIM + i] = e[i];
+  for (int j = 0; j < CHANNELS / DIM; ++j) {
+    const __half* e = book + (POS ? (first + j) * STRIDE : 0) + code_at<BITS>(f, j) * DIM;
+    if constexpr (DIM == 1) {
+      const unsigned short x = *reinterpret_cast<const unsigned short*>(e);
+      if (j % 2 == 0) out[j / 2] = x;
+      else out[j / 2] |= (unsigned)x << 16;
+    } else if constexpr (DIM == 2) {
+      out[j] = *reinterpret_cast<const unsigned*>(e);
+    } else if constexpr (DIM == 4) {
+      const uint2 x = *reinterpret_cast<const uint2*>(e);
+      out[2 * j] = x.x, out[2 * j + 1] = x.y;
+    } else {
+      const uint4 x = *reinterpret_cast<const uint4*>(e);
+      out[4 * j] = x.x, out[4 * j + 1] = x.y, out[4 * j + 2] = x.z, out[4 * j + 3] = x.w;
+    }
   }
 }
 
-// Sums a per-head value over the LPT lanes of a token (lanes lane ^ 1 .. lane ^ LPT/2 hold the same token).
-__device__ __forceinline__ float token_sum(float x) {
+// A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart (words copied: E DIM
+// is even for every book the launch makes).
+template <int P, int ROWLEN, int STRIDE>
+__device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict__ src) {
+  static_assert(ROWLEN % 2 == 0 && STRIDE % 2 == 0, "books are copied in words");
+  const unsigned* s = reinterpret_cast<const unsigned*>(src);
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) d[i / (ROWLEN / 2) * (STRIDE / 2) + i % (ROWLEN / 2)] = s[i];
+}
+
+// What a lane loads of one 16-token tile: its key shares (tokens g, g + 8), its value shares and the norms of its
+// four slots (2t, 2t+1, 2t+8, 2t+9).
+struct Tile {
+  unsigned k[2][KNW];
+  unsigned v[4][VNW];
+  float kn[4], vn[4];
+};
+
+__device__ __forceinline__ int slot_token(int i, int t) { return 8 * (i / 2) + 2 * t + i % 2; }
+
+__device__ __forceinline__ void load_tile(Tile& x, int base, int t0, int t1, const unsigned* __restrict__ krow,
+                                          const unsigned* __restrict__ vrow, const __half* __restrict__ knorm,
+                                          const __half* __restrict__ vnorm) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int tok = base + g + 8 * r;
+    share_words<KSHARE>(krow + (long)tok * KW, t * KSHARE, tok >= t0 && tok < t1, x.k[r]);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = base + slot_token(i, t);
+    const bool here = tok >= t0 && tok < t1;
+    share_words<VSHARE>(vrow + (long)tok * VW, g * VSHARE, here, x.v[i]);
+    x.kn[i] = !here ? 0.f : KNORM ? __half2float(__ldcs(knorm + tok)) : 1.f;
+    x.vn[i] = !here ? 0.f : VNORM ? __half2float(__ldcs(vnorm + tok)) : 1.f;
+  }
+}
+
+// One tile on the tensor cores into the warp's running max m (head g), sum share l and accumulators acc.
+__device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t1, const uint4* qa, const __half* kb,
+                                          const __half* vb, float& m, float& l, float (*acc)[4]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
+    gather<KCH, KB, KDIM, KPOS, KSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
+  }
+  float sc[1][4], p[1][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int tok = base + slot_token(i, t);
+    sc[0][i] = tok >= t0 && tok < t1 ? (c[i / 2][i % 2] + c[i / 2][2 + i % 2]) * x.kn[i] : NEG_INF;
+  }
+  softmax_tiles<1>(sc, m, l, p, acc);
+  unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    gather<VCH, VB, VDIM, VPOS, VSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
+    const __half2 n = __float2half2_rn(x.vn[i]);
+#pragma unroll
+    for (int u = 0; u < VCH / 2; ++u) {
+      const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&vh[i][u]), n);
+      vh[i][u] = *reinterpret_cast<const unsigned*>(&y);
+    }
+  }
+  const unsigned pb0 = pack_half2(p[0][0], p[0][1]), pb1 = pack_half2(p[0][2], p[0][3]);
+#pragma unroll
+  for (int u = 0; u < KS; ++u) {  // block u: rows g, g + 8 = channels g D/8 + 2u, + 1
+    const uint4 a = make_uint4(__byte_perm(vh[0][u], vh[1][u], 0x5410), __byte_perm(vh[0][u], vh[1][u], 0x7632),
+                               __byte_perm(vh[2][u], vh[3][u], 0x5410), __byte_perm(vh[2][u], vh[3][u], 0x7632));
+    mma16816(acc[u], a, pb0, pb1);
+  }
+}
+
+// Sums a per-head value over the LPT lanes of a row (lanes lane ^ 1 .. lane ^ LPT/2 hold the same row).
+__device__ __forceinline__ float row_sum(float x) {
 #pragma unroll
   for (int o = 1; o < LPT; o *= 2) x += __shfl_xor_sync(0xffffffff, x, o);
   return x;
 }
 
-// The online softmax of one token slot: s (log2 units, -inf for none) per head into the running max m, sum l and
-// accumulators acc; returns the weights p of the token (0 for none).
-__device__ __forceinline__ void softmax_step(const float* s, float* m, float* l, float (*acc)[CH], float* p) {
+// The online softmax of one row slot: s (log2 units, -inf for none) per head into the running max m, sum l and
+// accumulators acc; returns the weights p of the row (0 for none).
+__device__ __forceinline__ void row_softmax(const float* s, float* m, float* l, float (*acc)[CH], float* p) {
 #pragma unroll
   for (int h = 0; h < GQ; ++h) {
-    // The max moves only when a score passes it by more than RESCALE_SLACK: the accumulators are rescaled rarely,
-    // and every weight stays below 2^RESCALE_SLACK.
     if (s[h] > m[h] + RESCALE_SLACK) {
       const float alpha = m[h] == NEG_INF ? 0.f : exp2f(m[h] - s[h]);
       m[h] = s[h];
@@ -110,39 +231,10 @@ __device__ __forceinline__ void softmax_step(const float* s, float* m, float* l,
   }
 }
 
-// Merges the running states (m, l, acc) of the warp's TPW token slots (lanes lane ^ LPT .. hold the same
-// channels of other slots), then of the block's warps, into the partial of this part: part_acc (GQ x D) and
-// part_ml (GQ x 2) at `part_at` / `ml_at`. `work`: WARPS (GQ (D + 2)) floats of shared memory.
-__device__ __forceinline__ void write_partial(float* m, float* l, float (*acc)[CH], float* work, float* part_acc,
-                                              float* part_ml, long acc_at, long ml_at, int part_stride) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, chunk = lane % LPT;
-#pragma unroll
-  for (int o = LPT; o < 32; o *= 2)
-#pragma unroll
-    for (int h = 0; h < GQ; ++h) {
-      const float mo = __shfl_xor_sync(0xffffffff, m[h], o), lo = __shfl_xor_sync(0xffffffff, l[h], o);
-      const float mx = fmaxf(m[h], mo);
-      const float a = m[h] == NEG_INF ? 0.f : exp2f(m[h] - mx), b = mo == NEG_INF ? 0.f : exp2f(mo - mx);
-#pragma unroll
-      for (int c = 0; c < CH; ++c) acc[h][c] = acc[h][c] * a + __shfl_xor_sync(0xffffffff, acc[h][c], o) * b;
-      l[h] = l[h] * a + lo * b;
-      m[h] = mx;
-    }
-  float* mine = work + warp * GQ * (D + 2);  // this warp's state: acc (GQ x D), then m (GQ), then l (GQ)
-  if (lane < LPT) {
-#pragma unroll
-    for (int h = 0; h < GQ; ++h)
-#pragma unroll
-      for (int c = 0; c < CH; ++c) mine[h * D + chunk * CH + c] = acc[h][c];
-  }
-  if (lane < GQ) {
-    float mm = 0.f, ll = 0.f;
-#pragma unroll
-    for (int h = 0; h < GQ; ++h)
-      if (h == lane) mm = m[h], ll = l[h];
-    mine[GQ * D + lane] = mm;
-    mine[GQ * D + GQ + lane] = ll;
-  }
+// The block's warps' states (work: WARPS x (GQ D accumulators in codec channel order, GQ maxima, GQ sums), written
+// by each warp) merged into this part's partial: part_acc (GQ x D) and part_ml (GQ x 2) at acc_at / ml_at.
+__device__ __forceinline__ void write_partial(const float* work, float* part_acc, float* part_ml, long acc_at,
+                                              long ml_at, int part_stride) {
   __syncthreads();
   for (int i = threadIdx.x; i < GQ * D; i += NT) {
     const int h = i / D;
@@ -164,9 +256,9 @@ __device__ __forceinline__ void write_partial(float* m, float* l, float (*acc)[C
   }
 }
 
-// q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)); `qbasis`
-// (G, D, D) is B_K^T, G = 1 or the launch's heads; null: q times the scale.
-extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restrict__ qbasis, int basis_heads,
+// q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)): thread c
+// takes row c of B_K (`kbasis` (G, D, D), G = 1 or the launch's heads; null: q times the scale).
+extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restrict__ kbasis, int basis_heads,
                                   const int* __restrict__ head_map, int hq_model, float scale_log2,
                                   float* __restrict__ qrot) {
   __shared__ float x[D];
@@ -176,92 +268,86 @@ extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restr
   x[c] = to_float(src[c]);
   __syncthreads();
   float y = x[c];
-  if (qbasis) {
-    const float* m = qbasis + (basis_heads > 1 ? (long)hl * D * D : 0);
+  if (kbasis) {
+    const float4* m = reinterpret_cast<const float4*>(kbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + c * D);
     y = 0.f;
 #pragma unroll 8
-    for (int i = 0; i < D; ++i) y += x[i] * m[i * D + c];
+    for (int i = 0; i < D / 4; ++i) {
+      const float4 r = m[i];
+      y += x[4 * i] * r.x + x[4 * i + 1] * r.y + x[4 * i + 2] * r.z + x[4 * i + 3] * r.w;
+    }
   }
   qrot[((long)b * gridDim.x + blockIdx.x) * D + c] = y * scale_log2;
 }
 
-extern "C" __global__ void __launch_bounds__(NT) partial(
+extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const float* __restrict__ qrot, const QT* __restrict__ q, int hq_model, const int* __restrict__ head_map,
     const unsigned* __restrict__ kcodes, const __half* __restrict__ knorm, const unsigned* __restrict__ vcodes,
-    const __half* __restrict__ vnorm, int capt, const float* __restrict__ kbook, int kbook_heads,
-    const float* __restrict__ vbook, int vbook_heads, const __half* __restrict__ ksink,
+    const __half* __restrict__ vnorm, int capt, const __half* __restrict__ kbook, int kbook_heads,
+    const __half* __restrict__ vbook, int vbook_heads, const __half* __restrict__ ksink,
     const __half* __restrict__ vsink, int sinks, int caps, const __half* __restrict__ kres,
     const __half* __restrict__ vres, int residual, int capr, int length, int split_len, int num_splits,
     float scale_log2, const int* __restrict__ lengths, const int* __restrict__ residuals,
     float* __restrict__ part_acc, float* __restrict__ part_ml) {
   extern __shared__ float smem[];
   const int part = blockIdx.x, hl = blockIdx.y, b = blockIdx.z, H = gridDim.y;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, slot = lane / LPT, chunk = lane % LPT;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long bh = (long)b * H + hl;
   const int T = lengths ? min(lengths[b], capt) : length;  // flushed tokens
   const int S = min(sinks, T);  // of them read from the float16 sinks
   const int nrows = S + (residuals ? min(residuals[b], capr) : residual);
   const int parts = gridDim.x;
   const long acc_at = (bh * GQ * parts + part) * D, ml_at = (bh * GQ * parts + part) * 2;
-  float m[GQ], l[GQ], acc[GQ][CH], qr[GQ][CH];
-#pragma unroll
-  for (int h = 0; h < GQ; ++h) {
-    m[h] = NEG_INF, l[h] = 0.f;
-#pragma unroll
-    for (int c = 0; c < CH; ++c) acc[h][c] = 0.f;
-  }
-  const int step = WARPS * TPW;  // tokens the block takes at once
-  if (part < num_splits) {  // packed tokens [t0, t1), scored against q~ and summed in V's basis
-    float* kb = smem;
-    float* vb = smem + KBOOK_FLOATS;
-    const float* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
-    const float* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
-    for (int i = threadIdx.x; i < KP * KENTRIES * KDIM; i += NT) kb[i / (KENTRIES * KDIM) * KSTRIDE + i % (KENTRIES * KDIM)] = ksrc[i];
-    for (int i = threadIdx.x; i < VP * VENTRIES * VDIM; i += NT) vb[i / (VENTRIES * VDIM) * VSTRIDE + i % (VENTRIES * VDIM)] = vsrc[i];
-    const float* qsrc = qrot + (bh * GQ) * D + chunk * CH;
-#pragma unroll
-    for (int h = 0; h < GQ; ++h)
-#pragma unroll
-      for (int c = 0; c < CH; ++c) qr[h][c] = qsrc[h * D + c];
+  float* mine = smem + warp * GQ * (D + 2);  // this warp's state for `write_partial`: acc, then m, then l
+  if (part < num_splits) {  // packed tokens [t0, t1) on the tensor cores, summed in V's basis
+    const int g = lane / 4, t = lane % 4;
+    __half* kb = reinterpret_cast<__half*>(smem);
+    __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
+    copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0));
+    copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0));
+    uint4 qa[KS];
+    q_fragments(reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D), qa);
     __syncthreads();
     const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
     const unsigned* krow = kcodes + bh * capt * KW;
     const unsigned* vrow = vcodes + bh * capt * VW;
-    const int kfirst = chunk * KCODES, vfirst = chunk * VCODES;
-    for (int base = t0 + warp * TPW; base < t1; base += step) {
-      const int t = base + slot;
-      const bool here = t < t1;
-      float s[GQ], p[GQ], y[CH];
-      const unsigned kf = here ? code_field<KW, KCODES * KB>(krow + (long)t * KW, kfirst * KB) : 0u;
-      const unsigned vf = here ? code_field<VW, VCODES * VB>(vrow + (long)t * VW, vfirst * VB) : 0u;
-      const float kn = KNORM && here ? __half2float(__ldcs(knorm + bh * capt + t)) : 1.f;
-      const float vn = VNORM && here ? __half2float(__ldcs(vnorm + bh * capt + t)) : 1.f;
-      centroids<KB, KDIM, KPOS, KSTRIDE>(kb, kf, kfirst, y);
+    const __half* kn = KNORM ? knorm + bh * capt : nullptr;
+    const __half* vn = VNORM ? vnorm + bh * capt : nullptr;
+    float m = NEG_INF, l = 0.f, acc[KS][4];
 #pragma unroll
-      for (int h = 0; h < GQ; ++h) {
-        float x = 0.f;
+    for (int u = 0; u < KS; ++u)
 #pragma unroll
-        for (int c = 0; c < CH; ++c) x += qr[h][c] * y[c];
-        const float sum = token_sum(x);  // every lane takes part in the shuffles
-        s[h] = here ? sum * kn : NEG_INF;
-      }
-      softmax_step(s, m, l, acc, p);
-      centroids<VB, VDIM, VPOS, VSTRIDE>(vb, vf, vfirst, y);
-#pragma unroll
-      for (int h = 0; h < GQ; ++h) {
-        const float w = p[h] * vn;
-#pragma unroll
-        for (int c = 0; c < CH; ++c) acc[h][c] += w * y[c];
-      }
+      for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
+    const int first = part * split_len + 16 * warp;  // tiles of 16 from the split's start (a multiple of 16)
+    Tile cur, nxt;
+    load_tile(cur, first, t0, t1, krow, vrow, kn, vn);
+    for (int base = first; base < t1; base += 16 * WARPS) {
+      if (base + 16 * WARPS < t1) load_tile(nxt, base + 16 * WARPS, t0, t1, krow, vrow, kn, vn);
+      tile_step(cur, base, t0, t1, qa, kb, vb, m, l, acc);
+      cur = nxt;
     }
+    for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
+    __syncthreads();  // the books' memory becomes the warps' states
+#pragma unroll
+    for (int u = 0; u < KS; ++u)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = 2 * t + (i & 1), ch = g * (D / 8) + 2 * u + (i >> 1);
+        if (h < GQ) mine[h * D + ch] = acc[u][i];
+      }
+    if (t == 0 && g < GQ) mine[GQ * D + g] = m, mine[GQ * D + GQ + g] = l;
   } else {  // float16 rows [r0, r1): the sinks, then the residual window, against q in the model's basis
+    const int slot = lane / LPT, chunk = lane % LPT;
+    float m[GQ], l[GQ], acc[GQ][CH], qr[GQ][CH];
     const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D + chunk * CH;
 #pragma unroll
-    for (int h = 0; h < GQ; ++h)
+    for (int h = 0; h < GQ; ++h) {
+      m[h] = NEG_INF, l[h] = 0.f;
 #pragma unroll
-      for (int c = 0; c < CH; ++c) qr[h][c] = to_float(qsrc[h * D + c]) * scale_log2;
+      for (int c = 0; c < CH; ++c) acc[h][c] = 0.f, qr[h][c] = to_float(qsrc[h * D + c]) * scale_log2;
+    }
     const int r0 = (part - num_splits) * ROWS, r1 = min(nrows, r0 + ROWS);
-    for (int base = r0 + warp * TPW; base < r1; base += step) {
+    for (int base = r0 + warp * TPW; base < r1; base += WARPS * TPW) {
       const int r = base + slot;
       const bool here = r < r1;
       float s[GQ], p[GQ], y[CH];
@@ -275,10 +361,10 @@ extern "C" __global__ void __launch_bounds__(NT) partial(
         float x = 0.f;
 #pragma unroll
         for (int c = 0; c < CH; ++c) x += qr[h][c] * y[c];
-        const float sum = token_sum(x);
+        const float sum = row_sum(x);  // every lane takes part in the shuffles
         s[h] = here ? sum : NEG_INF;
       }
-      softmax_step(s, m, l, acc, p);
+      row_softmax(s, m, l, acc, p);
 #pragma unroll
       for (int c = 0; c < CH; ++c) y[c] = here ? __half2float(vx[c]) : 0.f;
 #pragma unroll
@@ -286,9 +372,35 @@ extern "C" __global__ void __launch_bounds__(NT) partial(
 #pragma unroll
         for (int c = 0; c < CH; ++c) acc[h][c] += p[h] * y[c];
     }
+    // The warp's row slots merged (lanes lane ^ LPT .. hold the same channels of other rows).
+#pragma unroll
+    for (int o = LPT; o < 32; o *= 2)
+#pragma unroll
+      for (int h = 0; h < GQ; ++h) {
+        const float mo = __shfl_xor_sync(0xffffffff, m[h], o), lo = __shfl_xor_sync(0xffffffff, l[h], o);
+        const float mx = fmaxf(m[h], mo);
+        const float a = m[h] == NEG_INF ? 0.f : exp2f(m[h] - mx), bb = mo == NEG_INF ? 0.f : exp2f(mo - mx);
+#pragma unroll
+        for (int c = 0; c < CH; ++c) acc[h][c] = acc[h][c] * a + __shfl_xor_sync(0xffffffff, acc[h][c], o) * bb;
+        l[h] = l[h] * a + lo * bb;
+        m[h] = mx;
+      }
+    if (lane < LPT) {
+#pragma unroll
+      for (int h = 0; h < GQ; ++h)
+#pragma unroll
+        for (int c = 0; c < CH; ++c) mine[h * D + chunk * CH + c] = acc[h][c];
+    }
+    if (lane < GQ) {
+      float mm = 0.f, ll = 0.f;
+#pragma unroll
+      for (int h = 0; h < GQ; ++h)
+        if (h == lane) mm = m[h], ll = l[h];
+      mine[GQ * D + lane] = mm;
+      mine[GQ * D + GQ + lane] = ll;
+    }
   }
-  __syncthreads();  // the books' memory becomes the warps' states
-  write_partial(m, l, acc, smem, part_acc, part_ml, acc_at, ml_at, parts);
+  write_partial(smem, part_acc, part_ml, acc_at, ml_at, parts);
 }
 
 // out[b, head, :] for query head blockIdx.x of the launch (model head head_map[hl] GQ + blockIdx.x % GQ), batch
@@ -302,16 +414,30 @@ extern "C" __global__ void merge(const float* __restrict__ part_acc, const float
   const long row = (long)b * gridDim.x + blockIdx.x;
   const float* ml = part_ml + row * parts * 2;
   const float* acc = part_acc + row * parts * D + c;
+  // Parts in rounds of MERGE_ROUND, every load of a round in flight at once (one trip to L2 a round, not a part).
   float mx = NEG_INF;
-  for (int p = 0; p < parts; ++p) mx = fmaxf(mx, __ldcg(ml + 2 * p));
+  for (int p0 = 0; p0 < parts; p0 += MERGE_ROUND) {
+#pragma unroll
+    for (int i = 0; i < MERGE_ROUND; ++i)
+      if (p0 + i < parts) mx = fmaxf(mx, __ldcg(ml + 2 * (p0 + i)));
+  }
   float sum_coded = 0.f, sum_rows = 0.f, den = 0.f;
-  for (int p = 0; p < parts; ++p) {
-    const float mp = __ldcg(ml + 2 * p);
-    const float w = mp == NEG_INF ? 0.f : exp2f(mp - mx);
-    den += w * __ldcg(ml + 2 * p + 1);
-    const float x = w == 0.f ? 0.f : w * __ldcg(acc + (long)p * D);
-    if (p < num_splits) sum_coded += x;
-    else sum_rows += x;
+  for (int p0 = 0; p0 < parts; p0 += MERGE_ROUND) {
+    float2 w[MERGE_ROUND];
+    float x[MERGE_ROUND];
+#pragma unroll
+    for (int i = 0; i < MERGE_ROUND; ++i) {
+      const bool here = p0 + i < parts;
+      w[i] = here ? __ldcg(reinterpret_cast<const float2*>(ml) + p0 + i) : make_float2(NEG_INF, 0.f);
+      x[i] = here ? __ldcg(acc + (long)(p0 + i) * D) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < MERGE_ROUND; ++i) {
+      const float wp = w[i].x == NEG_INF ? 0.f : exp2f(w[i].x - mx);
+      den += wp * w[i].y;
+      if (p0 + i < num_splits) sum_coded += wp * x[i];
+      else sum_rows += wp * x[i];
+    }
   }
   float y = sum_coded;
   if (vbasis) {

@@ -66,7 +66,7 @@ def _poison(layer, extra: int = 64):
     n = layer.length
     for name in ("kcodes", "vcodes", "knorm", "vnorm"):
         buf = getattr(layer, name)
-        if buf is None:
+        if buf is None or not buf.shape[2]:
             continue
         bad = -1 if buf.dtype == torch.int32 else float("nan")
         buf = torch.cat([buf[:, :, :n], torch.full_like(buf[:, :, :1], bad).expand(*buf.shape[:2], extra, *buf.shape[3:])], 2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcalib.attention import AttentionOptions, mixed_attention
-from kvcalib.formats.codebook.layout import append_block, flushed_kv, reference_decode
+from kvcalib.formats.codebook.layout import CodedPart, append_block, decode_part, flushed_kv, reference_decode
 from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, TurboQuantVQ
 from kvcalib.models import AttentionShape
 from kvcalib import vq
@@ -46,7 +46,7 @@ def layout_of(method, k16: torch.Tensor, v16: torch.Tensor):
     n = t // r * r
     packed = method.compress(0, k16[:, :, :n].float(), v16[:, :, :n].float())
     sink = slice(0, min(s, n))
-    return append_block(None, method.codebook_spec(0), *method.codebook_parts(packed), k16[:, :, sink],
+    return append_block(None, method.codebook_spec(0).to(k16.device), *method.codebook_parts(packed), k16[:, :, sink],
                         v16[:, :, sink], k16[:, :, n:], v16[:, :, n:])
 
 
@@ -101,3 +101,25 @@ def test_reference_decode_reads_nothing_past_its_counts():
     layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres[:, :, :3], float("nan"))], 2)
     layer.vres = torch.cat([layer.vres, torch.full_like(layer.vres[:, :, :3], float("nan"))], 2)
     assert torch.equal(reference_decode(q, layer, 0.2), want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits):
+    """`kernel_book`: scalar codes read in pairs (one code of twice the bits, its centroid the pair of theirs) or
+    one by one; every coordinate's centroid from the same code row is the layout's, rounded to fp16 once."""
+    from kvcalib.formats.codebook.launch import kernel_book
+    from kvcalib.quant import unpack_stream
+
+    method = turboquant(kind, bits, d=32, kv_heads=2)
+    for part in (method.codebook_spec(0).key, method.codebook_spec(0).value):
+        kb = kernel_book(part)
+        g = torch.Generator().manual_seed(bits)
+        words = torch.randint(-2**31, 2**31 - 1, (2, 2, 5, part.words(32)), generator=g, dtype=torch.int64).to(torch.int32)
+        want = decode_part(words, None, CodedPart(part.bits, part.dim, part.book, False), 32, torch.float32)
+        codes = unpack_stream(words, kb.bits, 32 // kb.dim)  # (B, H, T, count) in the kernel's reading
+        book = kb.book.float().expand(2, *kb.book.shape[1:]) if kb.book.shape[0] == 1 else kb.book.float()
+        pos = torch.arange(codes.shape[-1]) if book.shape[1] > 1 else torch.zeros(codes.shape[-1], dtype=torch.long)
+        got = book[torch.arange(2).view(1, 2, 1, 1), pos.view(1, 1, 1, -1), codes].reshape(2, 2, 5, 32)
+        assert kb.dim == (2 if part.dim == 1 and (bits <= 3 or part.book.shape[1] == 1) else part.dim)
+        assert torch.equal(got, want.half().float())

@@ -9,7 +9,7 @@ import torch
 from kvcalib.errors import ArtifactError, SettingsError
 from kvcalib.evaluate import evaluate
 from kvcalib.methods import MethodSettings, build_method, hold, turboquant
-from kvcalib.methods.turboquant import LLOYD_STOP, TurboQuantConfig, codebook, expected_distortion, rotation
+from kvcalib.methods.turboquant import LLOYD_STOP, TurboQuantConfig, codebook, expected_distortion, midpoints, rotation
 from kvcalib.models import AttentionShape
 from kvcalib.quant import pack_bits, unpack_bits
 
@@ -114,8 +114,10 @@ def test_codebook_is_the_lloyd_max_fixed_point_of_the_rotated_coordinate_density
     c = codebook(d, bits)
     assert c.shape == (1 << bits,) and bool((c.diff() > 0).all()) and torch.equal(c, -c.flip(0))
     assert _fixed_point_excess(c, d) <= 1
-    method = _method(d, bits)  # the quantizer's thresholds are the midpoints, as the cells above
-    assert torch.equal(method._thresholds32, ((c[1:] + c[:-1]) / 2).float())
+    method = _method(d, bits)  # it reads back float16 centroids; its thresholds are their midpoints
+    held = c.half().float()
+    assert torch.equal(method._centroids32, held) and torch.equal(method._thresholds32, (held[1:] + held[:-1]) / 2)
+    assert ((held.double() - c).abs() <= 2.0**-11 * c.abs()).all()  # rounded once: u16 of each centroid
 
 
 @pytest.mark.parametrize("d", [16, 64, 128])
@@ -223,8 +225,8 @@ def _one_code_off(method, monkeypatch):
 
 def _codebook_of_one_bit_less(method, monkeypatch):
     c = codebook(method.head_dim, method.config.bits - 1)
-    monkeypatch.setattr(method, "_centroids32", c.float())
-    monkeypatch.setattr(method, "_thresholds32", ((c[1:] + c[:-1]) / 2).float())
+    monkeypatch.setattr(method, "_centroids32", c.half().float())
+    monkeypatch.setattr(method, "_thresholds32", midpoints(c.half().float()))
 
 
 def _read_back_with_pi_not_its_transpose(method, monkeypatch):

@@ -78,7 +78,7 @@ def _books(c: torch.Tensor, groups: int = 1):
 def test_the_oblivious_codebook_per_coordinate_codes_and_decodes_exactly_as_turboquant():
     config = TurboQuantConfig(bits=2, residual=16)
     plain = TurboQuant(config, SHAPE)
-    books = codebook(16, 2).float().expand(1, 16, 4)
+    books = codebook(16, 2).half().float().expand(1, 16, 4)  # the oblivious centroids as TurboQuant holds them
     calibrated = TurboQuant(config, SHAPE, _books(books, 2), "head")
     k, v = torch.randn(2, 2, 48, 16), torch.randn(2, 2, 48, 16)
     a, b = plain.compress(1, k, v), calibrated.compress(1, k, v)

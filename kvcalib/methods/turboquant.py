@@ -78,7 +78,7 @@ from ..formats.codebook.layout import CodebookSpec, CodedPart
 from ..models import AttentionShape, LoadedModel
 from .. import vq
 from ..quant import pack_stream, unpack_stream
-from .base import Method, MethodSettings
+from .base import DeviceCopies, Method, MethodSettings
 
 ROTATION_SEED = 0
 BITS = (1, 2, 3, 4)
@@ -165,14 +165,19 @@ def _rotation64(d: int, seed: int) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))  # R with a positive diagonal: Q is Haar (Mezzadri 2007)
 
 
+# Π per (d, dtype, device), made once. A plain dict rather than an lru_cache: torch.compile traces a lookup that
+# hits (a compiled flush reads Π made before it, at the cache's creation) where it traces into an lru_cache's
+# function, and a seeded Generator does not trace.
+_ROTATIONS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def rotation(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """Π, d x d orthogonal, the same for every layer, head, keys and values (seed `ROTATION_SEED`)."""
-    return _on_device(d, dtype, torch.device(device) if device is not None else torch.device("cpu"))
-
-
-@functools.lru_cache(maxsize=32)
-def _on_device(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _rotation64(d, ROTATION_SEED).to(dtype=dtype, device=device)
+    key = (d, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+    held = _ROTATIONS.get(key)
+    if held is None:
+        held = _ROTATIONS[key] = _rotation64(d, ROTATION_SEED).to(dtype=dtype, device=key[2])
+    return held
 
 
 # ---- the method ----
@@ -216,11 +221,13 @@ def rotate_rows(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 
 
 def unit_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Π x / ‖x‖, ‖x‖) in float32, rows of the last axis; a zero vector stays zero."""
-    x = x.float()
-    norm = x.norm(dim=-1, keepdim=True)
-    unit = x / torch.where(norm > 0, norm, 1.0)
-    return rotate_rows(unit, rotation(x.shape[-1], torch.float32, x.device).T), norm  # y = Π u, row-vector form
+    """(Π x / ‖x‖, ‖x‖) in float32, rows of the last axis; a zero vector stays zero. The norm, the division and the
+    rotation are taken in float64 and rounded once: a compiled flush (its own reduction order, and a division
+    that Triton takes to 2 ulps in float32) then codes the same bits as an eager one."""
+    x64 = x.double()
+    norm = x64.norm(dim=-1, keepdim=True)
+    unit = x64 / torch.where(norm > 0, norm, 1.0)
+    return (unit @ rotation(x.shape[-1], torch.float64, x.device).T).float(), norm.float()  # y = Π u, row form
 
 
 def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -240,10 +247,15 @@ class TurboQuant(Method):
         self.block = config.residual
         self.head_dim = shape.head_dim
         self.centroids = codebook(shape.head_dim, config.bits)  # float64; computed now, not mid-evaluation
-        self._centroids32 = self.centroids.float()
-        self._thresholds32 = cell_edges(self.centroids)[1:-1].float()
+        # Read back as float16 numbers, as every codebook is held (a calibrated one is stored so): a fused kernel
+        # gathers them into fp16 fragments and reads the very centroids this method decodes with. Rounding moves a
+        # centroid by at most 2^-12 of itself; the cells' thresholds are the midpoints of the rounded centroids.
+        self._centroids32 = self.centroids.half().float()
+        self._thresholds32 = midpoints(self._centroids32)
         self.books = None if books is None else [(k.float(), v.float()) for k, v in books]
         self.granularity = granularity
+        self._on_devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._copies = DeviceCopies()
 
     @property
     def per_kv_head(self) -> bool:
@@ -260,7 +272,7 @@ class TurboQuant(Method):
         bits = self.config.bits
         y, norm = unit_rotated(x)
         if centroids is None:  # the oblivious codebook: cells split at the midpoints of its centroids
-            codes = torch.bucketize(y, self._thresholds32.to(x.device))
+            codes = torch.bucketize(y, self._tables(x.device)[0])
         else:
             codes = nearest_per_coordinate(y, centroids)
         return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=bits)
@@ -269,21 +281,35 @@ class TurboQuant(Method):
         d = self.head_dim
         codes = unpack_stream(coded.codes, coded.bits, d)
         if centroids is None:
-            y = self._centroids32.to(codes.device)[codes]
+            y = self._tables(codes.device)[1][codes]
         else:  # (G, d, L) -> the centroid of coordinate i in code codes[..., i]
-            table = centroids.to(codes.device)[:, None].expand(*codes.shape, centroids.shape[-1])
+            table = centroids[:, None].expand(*codes.shape, centroids.shape[-1])
             y = table.gather(-1, codes.unsqueeze(-1)).squeeze(-1)
         return rotate_rows(y, rotation(d, torch.float32, codes.device)) * coded.norm.float()  # ‖x‖ Πᵀ ŷ
 
-    def _layer_books(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return (None, None) if self.books is None else self.books[layer]
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(thresholds, centroids) of the oblivious codebook on `device`, copied once (a captured step may not copy
+        from the host)."""
+        held = self._on_devices.get(device)
+        if held is None:
+            held = self._on_devices[device] = (self._thresholds32.to(device), self._centroids32.to(device))
+        return held
+
+    def _layer_books(self, layer: int, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's calibrated (keys, values) codebooks, on `device` where one is given (copied once)."""
+        if self.books is None:
+            return None, None
+        k, v = self.books[layer]
+        if device is None:
+            return k, v
+        return self._copies.on(2 * layer, k, device), self._copies.on(2 * layer + 1, v, device)
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> TurboQuantPacked:
-        kc, vc = self._layer_books(layer)
+        kc, vc = self._layer_books(layer, k.device)
         return TurboQuantPacked(k=self.encode_vectors(k, kc), v=self.encode_vectors(v, vc))
 
     def decompress(self, layer: int, packed: TurboQuantPacked) -> tuple[torch.Tensor, torch.Tensor]:
-        kc, vc = self._layer_books(layer)
+        kc, vc = self._layer_books(layer, packed.k.codes.device)
         return self.decode_vectors(packed.k, kc), self.decode_vectors(packed.v, vc)
 
     def part_bits(self, packed: TurboQuantPacked) -> tuple[int, int]:
@@ -291,7 +317,7 @@ class TurboQuant(Method):
 
     def codebook_spec(self, layer: int) -> CodebookSpec:
         """x = ‖x‖ ŷ Π: the codes' centroids, the norm, the rotation (`kvcalib.formats.codebook.layout`)."""
-        basis = rotation(self.head_dim, torch.float32)[None]
+        basis = rotation(self.head_dim, torch.float32)[None].contiguous()  # QR's Q is column-major
         return CodebookSpec(*(self._coded_part(c, basis) for c in self._layer_books(layer)))
 
     def _coded_part(self, centroids: torch.Tensor | None, basis: torch.Tensor) -> CodedPart:
@@ -324,17 +350,18 @@ class TurboQuantVQ(TurboQuant):
         self.config = TurboQuantConfig(bits=1, residual=residual)  # `settings` and the flush rule read it
         self.books = [(k.float(), v.float()) for k, v in books]
         self.granularity = granularity
+        self._on_devices, self._copies = {}, DeviceCopies()
 
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (B, H, T, d) against `centroids` (G, 2^B, D): head h reads codebook h // (H / G)."""
         y, norm = unit_rotated(x)
-        codes = vq.encode(y, centroids.to(y.device))
+        codes = vq.encode(y, centroids)
         return Coded(codes=pack_stream(codes, self.vector.bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=self.vector.bits)
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim
         codes = unpack_stream(coded.codes, coded.bits, d // self.vector.dim)
-        y = vq.decode(codes, centroids.to(codes.device))
+        y = vq.decode(codes, centroids)
         return rotate_rows(y, rotation(d, torch.float32, codes.device)) * coded.norm.float()
 
     def _coded_part(self, centroids: torch.Tensor | None, basis: torch.Tensor) -> CodedPart:

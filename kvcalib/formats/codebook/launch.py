@@ -6,49 +6,88 @@ tested against are `kvcalib.formats.codebook.layout`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..int2.launch import _sm_count, splits
 from .layout import CodebookLayer, CodebookSpec, CodedPart
 
 HEAD_DIMS = (64, 128, 256)
-MAX_GQA = 8  # query heads per KV head: a lane holds GQ x CH query numbers and as many accumulators
-CH = 8  # channels a lane takes of each token (the kernel's CH): D / 8 lanes a token
+MAX_GQA = 8  # query heads per KV head: the 8 columns of an mma tile
+CH = 8  # channels a lane takes of each float16 row (the kernel's CH): D / 8 lanes a row
 WARPS = 4  # warps of a `partial` block
 ROWS = 64  # float16 rows (sinks, residual) a rows part takes
-BLOCKS_PER_SM = 4  # resident `partial` blocks per SM the splits are sized for: one wave
-SPLIT_UNIT = 64  # packed tokens a split is a whole number of
+SPLIT_UNIT = 16 * WARPS  # packed tokens a split is a whole number of: a tile for each warp
 SHARED_LIMIT = 200 * 1024
+PAIR_BITS = 6  # scalar codes of up to 3 bits are read in pairs: a book of 2^(2 bits) half2 centroids a position
 
 
-def _reads(part: CodedPart, head_dim: int) -> bool:
-    """A lane's CH channels are whole codes of at most 32 bits together; the books tile the head."""
-    return (CH % part.dim == 0 and (CH // part.dim) * part.bits <= 32 and head_dim % part.dim == 0
-            and part.book.shape[1] in (1, head_dim // part.dim) and part.book.shape[-1] == part.dim
-            and part.book.shape[2] == 1 << part.bits)
+@dataclass(frozen=True)
+class KernelBook:
+    """A part's codebook as the kernel reads it: fp16 (G, P, 2^bits, dim), codes of `bits` (a pair of scalar codes
+    read as one code of twice the bits, its centroid the pair of theirs: one shared-memory load a half2)."""
+
+    book: torch.Tensor
+    bits: int
+    dim: int
 
 
-def _book_floats(part: CodedPart) -> int:
+def kernel_book(part: CodedPart) -> KernelBook:
+    """The part's `KernelBook`, made once per part (kept on it)."""
+    held = part.__dict__.get("_kernel_book")
+    if held is None:
+        book, bits, dim = part.book, part.bits, part.dim
+        if dim == 1 and 2 * bits <= PAIR_BITS and book.shape[1] % 2 == 0 or dim == 1 and book.shape[1] == 1 and bits <= 4:
+            # pairs: code c0 + 2^bits c1 of positions 2i, 2i + 1 -> (book[2i][c0], book[2i + 1][c1])
+            n = 1 << bits
+            first, second = book[:, 0::2, :, 0], book[:, 1::2, :, 0] if book.shape[1] > 1 else book[:, :, :, 0]
+            e = torch.arange(n * n, device=book.device)
+            book = torch.stack([first[:, :, e % n], second[:, :, e // n]], -1)
+            bits, dim = 2 * bits, 2
+        held = KernelBook(book.half().contiguous(), bits, dim)
+        object.__setattr__(part, "_kernel_book", held)
+    return held
+
+
+def blocks_per_sm(gqa: int, head_dim: int) -> int:
+    """Resident `partial` blocks per SM (the kernel's PARTIAL_BLOCKS, its register budget) and so the size of one
+    wave, which the splits fill once: 4 up to 4 query heads of head_dim 128 (at most 128 registers a thread, none
+    spilled), 2 beyond (a lane holds more of the query and the float16 rows' accumulators; at 4 they spilled)."""
+    return 4 if gqa * head_dim <= 512 else 2
+
+
+def _reads(part: KernelBook, head_dim: int) -> bool:
+    """A lane's share of a key (head_dim / 4 channels) and of a value (head_dim / 8) is whole codes; books tile the
+    head."""
     p, e, dim = part.book.shape[1:]
-    return p * (e * dim + (1 if p > 1 else 0))
+    return (head_dim // 8 % part.dim == 0 and e == 1 << part.bits and dim == part.dim and p in (1, head_dim // dim)
+            and part.bits <= 16)
 
 
-def shared_bytes(spec: CodebookSpec, gqa: int, head_dim: int) -> int:
+def _book_bytes(part: KernelBook) -> int:
+    p, e, dim = part.book.shape[1:]
+    pad = max(2, dim) if p > 1 else 0
+    return 2 * (-(-p * (e * dim + pad) // 8) * 8)
+
+
+def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int) -> int:
     """Dynamic shared memory of a `partial` block: both books, later the warps' states."""
-    return 4 * max(_book_floats(spec.key) + _book_floats(spec.value), WARPS * gqa * (head_dim + 2))
+    return max(_book_bytes(key) + _book_bytes(value), 4 * WARPS * gqa * (head_dim + 2))
 
 
 def supports(spec: CodebookSpec | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
     """Whether the kernel reads blocks of this spec: on CUDA, head_dim 64, 128 or 256, at most 8 query heads per KV
-    head, a lane's share of a token's codes within 32 bits (scalar codes of up to 4 bits, vector codes of 4 or 8
-    coordinates up to 16 or 32 bits), books that fit shared memory; and, given the call's
-    `kvcalib.attention.AttentionOptions`, plain softmax attention (no softcap, no sliding window)."""
+    head, codes whose lane shares are whole (scalar codes, vector codes of up to head_dim / 8 coordinates), books
+    that fit shared memory; and, given the call's `kvcalib.attention.AttentionOptions`, plain softmax attention
+    (no softcap, no sliding window)."""
     if spec is None or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
         return False
     if opts is not None and (opts.softcap or opts.sliding_window):
         return False
-    return (_reads(spec.key, head_dim) and _reads(spec.value, head_dim)
-            and shared_bytes(spec, gqa, head_dim) <= SHARED_LIMIT)
+    key, value = kernel_book(spec.key), kernel_book(spec.value)
+    return (_reads(key, head_dim) and _reads(value, head_dim)
+            and shared_bytes(key, value, gqa, head_dim) <= SHARED_LIMIT)
 
 
 def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
@@ -64,11 +103,12 @@ def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
         out = torch.empty_like(q)
     flushed, residual = counts if counts is not None else (None, None)
     spec = layer.spec
+    key, value = kernel_book(spec.key), kernel_book(spec.value)
     torch.ops.kvcalib.codebook_decode(
-        q, out, layer.kcodes, layer.knorm, layer.vcodes, layer.vnorm, spec.key.book, spec.value.book,
+        q, out, layer.kcodes, layer.knorm, layer.vcodes, layer.vnorm, key.book, value.book,
         spec.key.basis, spec.value.basis, layer.ksink, layer.vsink, layer.kres, layer.vres, layer.head_map, flushed,
-        residual, layer.length, layer.residual, layer.sinks, spec.key.bits, spec.key.dim, spec.key.norm,
-        spec.value.bits, spec.value.dim, spec.value.norm, layer.kv_heads, scaling, checked)
+        residual, layer.length, layer.residual, layer.sinks, key.bits, key.dim, spec.key.norm,
+        value.bits, value.dim, spec.value.norm, layer.kv_heads, scaling, checked)
     return out
 
 
@@ -92,17 +132,19 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
         raise ValueError(f"the query's {hq} heads are not a whole number per KV head ({kv_heads or h}), or the "
                          f"head map does not name each of the layer's {h} heads")
     gqa = hq // (kv_heads or h)
-    spec = CodebookSpec(CodedPart(kbits, kdim, kbook, knormed, kbasis), CodedPart(vbits, vdim, vbook, vnormed, vbasis))
-    if q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not supports(spec, d, q.device, gqa):
+    key, value = KernelBook(kbook, kbits, kdim), KernelBook(vbook, vbits, vdim)
+    if (q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not q.is_cuda or d not in HEAD_DIMS
+            or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
+            or shared_bytes(key, value, gqa, d) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
         t for t in (knorm, vnorm, kbasis, vbasis, head_map) if t is not None]
     if not all(t.is_contiguous() and t.device == q.device for t in tensors):
         raise ValueError("codebook decode reads dense buffers on the query's device")
-    if kbook.dtype != torch.float32 or vbook.dtype != torch.float32 or any(
+    if kbook.dtype != torch.float16 or vbook.dtype != torch.float16 or any(
             t is not None and t.dtype != torch.float32 for t in (kbasis, vbasis)):
-        raise ValueError("the books and bases are float32")
+        raise ValueError("the kernel's books are float16 (`kernel_book`), the bases float32")
     device = flushed is not None
     if (flushed is None) != (residual is None) or (device and any(
             c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device
@@ -112,18 +154,17 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
     length = capt if device else length
     rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
     row_parts = -(-rows // ROWS)
-    sms = _sm_count(q.device.index or 0)
-    num_splits, split_len = splits(length, b * h, SPLIT_UNIT, BLOCKS_PER_SM * sms,
-                                   min(row_parts * b * h, BLOCKS_PER_SM * sms // 8))
+    wave = blocks_per_sm(gqa, d) * _sm_count(q.device.index or 0)
+    num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
-               "WARPS": WARPS, "ROWS": ROWS, "KB": kbits, "KDIM": kdim, "KPOS": int(kbook.shape[1] > 1),
+               "WARPS": WARPS, "ROWS": ROWS, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim, "KPOS": int(kbook.shape[1] > 1),
                "KNORM": int(knormed), "KW": kcodes.shape[-1], "VB": vbits, "VDIM": vdim,
                "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed), "VW": vcodes.shape[-1]}
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
-    smem = shared_bytes(spec, gqa, d)
+    smem = shared_bytes(key, value, gqa, d)
     scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
     i32 = cupy.int32
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731

@@ -153,7 +153,8 @@ def append_block(layer: CodebookLayer | None, spec: CodebookSpec, kcodes: torch.
         layer.vsink = torch.cat([layer.vsink[:, :, : layer.sinks], sink_v.half()], 2)
         layer.sinks += sink_k.shape[2]
     layer.length += kcodes.shape[2]
-    layer.kres, layer.vres, layer.residual = residual_k.half(), residual_v.half(), residual_k.shape[2]
+    layer.kres, layer.vres = residual_k.half().contiguous(), residual_v.half().contiguous()
+    layer.residual = residual_k.shape[2]
     return layer
 
 
