@@ -76,13 +76,16 @@ def _poison(layer, extra: int = 64):
         setattr(layer, name, torch.cat([buf, torch.full_like(buf[:, :, :1], float("nan")).expand(-1, -1, 8, -1)], 2).contiguous())
 
 
-@pytest.mark.parametrize("kind", ["oblivious", "layer", "head", "vector-layer", "vector-head"])
-@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+# Scalar codes of every width with each kind of codebook; vector codes (d4b6, `turboquant`) with a book per layer or
+# per KV head.
+CODES = [(kind, bits) for kind in ("oblivious", "layer", "head") for bits in (1, 2, 3, 4)] + [
+    ("vector-layer", 6), ("vector-head", 6)]
+
+
+@pytest.mark.parametrize("kind,bits", CODES)
 @pytest.mark.parametrize("sinks", [0, 1])
 @pytest.mark.parametrize("t", [5, 130, 1037, 20000])
 def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, sinks, t):
-    if kind.startswith("vector") and bits != 2:
-        pytest.skip("vector codes have one configuration here (d4b6); bits name the scalar widths")
     method = _on_device(turboquant(kind, bits, d=128, sinks=sinks, residual=128))
     k16, v16, g = _inputs(2, 2, t, 128, t)
     layer, q, out = _check(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
@@ -91,7 +94,7 @@ def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, si
 
 
 @pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
-@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 2)])
+@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 6)])
 @pytest.mark.parametrize("peaked", [False, True])
 def test_long_contexts_and_large_batches_are_as_exact_as_sdpa_in_every_row(b, t, kind, bits, peaked):
     method = _on_device(turboquant(kind, bits, d=128, kv_heads=2, sinks=1, residual=128))

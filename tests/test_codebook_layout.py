@@ -21,15 +21,16 @@ F32 = 1e-6
 
 
 def turboquant(kind: str, bits: int = 2, d: int = 32, kv_heads: int = 2, sinks: int = 0, residual: int = 16):
-    """A TurboQuant of one layer: oblivious, calibrated per layer or per KV head, or vector codes (d4b6)."""
+    """A TurboQuant of one layer: oblivious, calibrated per layer or per KV head, or vector codes of 4 coordinates
+    and `bits` bits (`vector-layer`, `vector-head`)."""
     shape = AttentionShape(num_layers=1, num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=d)
     g = torch.Generator().manual_seed(bits)
     groups = kv_heads if kind.endswith("head") else 1
     if kind == "oblivious":
         method = TurboQuant(TurboQuantConfig(bits=bits, residual=residual), shape)
     elif kind.startswith("vector"):
-        books = [tuple(torch.randn(groups, 64, 4, generator=g).div(d**0.5).half() for _ in range(2))]
-        method = TurboQuantVQ(vq.VQConfig(4, 6), residual, shape, books, "head" if groups > 1 else "layer")
+        books = [tuple(torch.randn(groups, 1 << bits, 4, generator=g).div(d**0.5).half() for _ in range(2))]
+        method = TurboQuantVQ(vq.VQConfig(4, bits), residual, shape, books, "head" if groups > 1 else "layer")
     else:
         books = [tuple(torch.randn(groups, d, 1 << bits, generator=g).div(d**0.5).sort(-1).values.half()
                        for _ in range(2))]

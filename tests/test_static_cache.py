@@ -357,3 +357,43 @@ def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_
         held.decoder = captured()
         graphs = list(held.decoder.graphs.values())
     assert cache.decoder is None and [g.resets for g in graphs] == [1, 1]
+
+
+@pytest.mark.parametrize("prompt", [1, 8, 31, 32, 45, 70])
+@pytest.mark.parametrize("bits,sinks", [(2, 0), (3, 1), (4, 3)])
+def test_a_static_slot_stores_the_dynamic_caches_turboquant_bits_and_sinks(prompt, bits, sinks, monkeypatch):
+    """TurboQuant in the codebook layout: a slot prefilled with a prompt of any residual phase, then fed one token a
+    step (its masked flushes writing codes, norms and, at a sequence's first flush, its float16 sinks), holds exactly
+    what `KvcalibCache`'s layer holds for the same tokens (here on the CPU: the layouts' host side, which the GPU's
+    kernel reads as they are). A planted error in the sinks' masked write (the slot's flushed count ignored) fails it."""
+    import kvcalib.runtime.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "codebook_supports", lambda *a, **k: True)  # the layout, without a GPU
+    method = build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=32, sink_tokens=sinks))
+    g = torch.Generator().manual_seed(prompt)
+    total = prompt + 75  # two flushes or more past the prompt
+    k, v = (torch.randn(1, 2, total, 64, generator=g).half() for _ in "kv")
+    dynamic = cache_module.CompressedLayer(method, 0, True)
+    dynamic.append(k[:, :, :prompt], v[:, :, :prompt])
+    static = StaticLayer(method, 0, 3, capacity=256, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    static.prefill(1, k[:, :, :prompt], v[:, :, :prompt])
+    for slot, n in ((0, 5), (2, 17)):  # sequences beside it, flushing on other steps
+        static.prefill(slot, *(torch.randn(1, 2, n, 64, generator=g).half() for _ in "kv"))
+    counts = [5, prompt % 32, 17]  # every slot's residual count, as `StaticKvcalibCache.advance` mirrors them
+    for t in range(prompt, total):
+        dynamic.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        step = torch.randn(3, 2, 1, 64, generator=g).half()  # the other slots' tokens
+        kk, vv = step.clone(), step.clone()
+        kk[1], vv[1] = k[0, :, t : t + 1], v[0, :, t : t + 1]
+        counts = [c + 1 for c in counts]
+        static.append(kk, vv, flush=32 in counts)
+        counts = [c % 32 for c in counts]
+    mine, theirs = static.codebook, dynamic.codebook
+    n, r = theirs.length, theirs.residual
+    assert (int(static.flushed[1]), int(static.residual[1])) == (n, r) and theirs.sinks == min(sinks, n)
+    for a, b in ((mine.kcodes, theirs.kcodes), (mine.vcodes, theirs.vcodes), (mine.knorm, theirs.knorm),
+                 (mine.vnorm, theirs.vnorm)):
+        assert torch.equal(a[1, :, :n], b[0, :, :n])
+    assert torch.equal(mine.ksink[1, :, : theirs.sinks], theirs.ksink[0]) and torch.equal(
+        mine.vsink[1, :, : theirs.sinks], theirs.vsink[0])
+    assert torch.equal(mine.kres[1, :, :r], theirs.kres[0]) and torch.equal(mine.vres[1, :, :r], theirs.vres[0])
