@@ -133,7 +133,7 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
                 seed, max_tokens, out) -> None:
     """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
     from .collect import collect
-    from .models import parse_max_memory
+    from .devices import parse_max_memory
 
     path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
                    trust_remote_code=trust_remote_code, device=device, device_map=device_map,
@@ -151,7 +151,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
              bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
-    from .models import parse_max_memory
+    from .devices import parse_max_memory
     from .report import result_table
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
@@ -291,7 +291,7 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, d
 @click.option("--out", required=True, type=click.Path(), help="Model directory to write.")
 def make_model_cmd(shape, dtype, seed, tokenizer, weights, device, out) -> None:
     """Write a random-initialised model of a real model's shape (benchmarks and tests, never accuracy)."""
-    from .models import resolve_device
+    from .devices import resolve_device
     from .random_model import make_model
 
     made = make_model(shape, out, dtype, seed, tokenizer=tokenizer, weights=weights, device=resolve_device(device))
@@ -403,7 +403,7 @@ def plan_cmd(activations, budgets, model, candidates, key_candidates, value_cand
              out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
-    from .models import parse_max_memory
+    from .devices import parse_max_memory
 
     for path in make_plan(activations, _number_list(budgets, "--budget", float), out, model=model,
                           candidates=_names(candidates), key_candidates=_names(key_candidates),

@@ -33,7 +33,7 @@ from .collect import Activations, tokens_per_second
 from .errors import SettingsError
 from .methods import DEFAULTS
 from .methods.oscar import decode_keys, encode_keys
-from .models import resolve_device
+from .devices import resolve_device
 from .parallel import merged, on_rank0, share, world
 from .quant import round_trip
 from .token_norms import TENSORS, TRANSFORMS, OutlierRule, find_outliers, norm_stats

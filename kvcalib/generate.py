@@ -26,7 +26,8 @@ from transformers import TextStreamer
 
 from .errors import SettingsError
 from .methods import Method, MethodSettings, build_method
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context, resolve_device
+from .devices import resolve_device
+from .models import DEFAULT_MODEL, LoadedModel, attention_shape, load_model, max_context
 from .parallel import local_device
 
 

@@ -26,7 +26,7 @@ from typing import TypeVar
 import torch
 
 from .errors import SettingsError
-from .models import check_spread, resolve_device
+from .devices import check_spread, resolve_device
 
 T = TypeVar("T")
 

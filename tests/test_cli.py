@@ -23,7 +23,7 @@ def test_device_auto_is_the_default_device_cpu_the_cpu_and_a_missing_gpu_is_refu
     import torch
 
     from kvcalib.errors import SettingsError
-    from kvcalib.models import default_device, resolve_device
+    from kvcalib.devices import default_device, resolve_device
 
     assert resolve_device(None) == resolve_device("auto") == default_device()
     assert resolve_device("cpu") == "cpu"

@@ -12,7 +12,8 @@ from kvcalib.models import AttentionShape
 from kvcalib.formats.int2.layout import kernel_parts
 from kvcalib.methods.kvlinc import Adapter, features
 from kvcalib.runtime.cache import check_static
-from kvcalib.runtime.static_cache import StaticLayer, _masked_write
+from kvcalib.runtime.slots import masked_write
+from kvcalib.runtime.static_cache import StaticLayer
 from test_runtime_cache import _vecinfer_with_sinks
 
 SHAPE = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
@@ -23,7 +24,7 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
     buf = torch.arange(3 * 2 * 13 * 4).reshape(3, 2, 13, 4)  # 10 positions and a slack of 3
     before = buf.clone()
     new = -torch.arange(3 * 2 * 3 * 4).reshape(3, 2, 3, 4) - 1
-    _masked_write(buf, new, start=torch.tensor([0, 5, 7], dtype=torch.int32), take=torch.tensor([True, False, True]))
+    masked_write(buf, new, start=torch.tensor([0, 5, 7], dtype=torch.int32), take=torch.tensor([True, False, True]))
     want = before.clone()
     want[0, :, 0:3] = new[0]
     want[1, :, 10:13] = new[1]
@@ -192,14 +193,14 @@ def test_compile_modes_are_named_and_a_wrong_one_is_refused_in_one_line():
 def test_the_compiled_regions_are_the_decoder_layers_without_attention_and_only_inside_the_step():
     """What `compile="regions"` compiles (kvcalib.runtime.captured): every decoder layer, its attention module
     left to run eagerly inside it (its forward under `torch._dynamo.disable`), the final norm, the rotary
-    application of the attention's module and the cache's append (`static_cache.write_token`), switched in while
+    application of the attention's module and the cache's append (`slots.write_token`), switched in while
     the step runs and put back after it, also when the step raises; an attention module's own forward (as
     accelerate's hooks set one) is put back as it was. Nothing is compiled here: torch.compile wraps lazily,
     and these tests check which code runs where (the GPU tests time and compare it)."""
     import transformers.models.llama.modeling_llama as llama
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcalib.runtime import static_cache
+    from kvcalib.runtime import slots
     from kvcalib.runtime.captured import _Regions
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -207,20 +208,20 @@ def test_the_compiled_regions_are_the_decoder_layers_without_attention_and_only_
     model = LlamaForCausalLM(config)
     hooked = model.model.layers[1].self_attn
     hook = hooked.forward = functools.partial(type(hooked).forward, hooked)  # an instance's own forward
-    eager_rope, eager_write = llama.apply_rotary_pos_emb, static_cache.write_token
+    eager_rope, eager_write = llama.apply_rotary_pos_emb, slots.write_token
     regions = _Regions(model)
     assert sorted(map(id, regions.modules)) == sorted(map(id, [*model.model.layers, model.model.norm]))
     attention = [layer.self_attn for layer in model.model.layers]
 
     def eager_everywhere():
-        return (llama.apply_rotary_pos_emb is eager_rope and static_cache.write_token is eager_write
+        return (llama.apply_rotary_pos_emb is eager_rope and slots.write_token is eager_write
                 and all(m._compiled_call_impl is None for m in regions.modules)
                 and all("forward" not in a.__dict__ for a in attention if a is not hooked) and hooked.forward is hook)
 
     assert eager_everywhere()
     with regions:
         assert all(m._compiled_call_impl is not None for m in regions.modules)
-        assert llama.apply_rotary_pos_emb is not eager_rope and static_cache.write_token is not eager_write
+        assert llama.apply_rotary_pos_emb is not eager_rope and slots.write_token is not eager_write
         assert all("forward" in a.__dict__ and a.forward is not hook for a in attention)
         assert all(getattr(a.forward, "_torchdynamo_disable", False) for a in attention)
         assert hooked.forward._torchdynamo_orig_callable is hook  # the hook still runs, eagerly
@@ -239,19 +240,19 @@ def test_regions_are_put_back_as_they_were_when_entered_twice_when_switching_in_
     import transformers.models.llama.modeling_llama as llama
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvcalib.runtime import captured, static_cache
+    from kvcalib.runtime import captured, slots
     from kvcalib.runtime.captured import _Regions
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)
     model, other = LlamaForCausalLM(config), LlamaForCausalLM(config)
     users = model.model.layers[0]._compiled_call_impl = lambda *a, **k: None  # a user's layer.compile()
-    eager_rope, eager_write = llama.apply_rotary_pos_emb, static_cache.write_token
+    eager_rope, eager_write = llama.apply_rotary_pos_emb, slots.write_token
     regions, again, elsewhere = _Regions(model), _Regions(model), _Regions(other)
     attention = [layer.self_attn for m in (model, other) for layer in m.model.layers]
 
     def as_before():
-        return (llama.apply_rotary_pos_emb is eager_rope and static_cache.write_token is eager_write
+        return (llama.apply_rotary_pos_emb is eager_rope and slots.write_token is eager_write
                 and all("forward" not in a.__dict__ for a in attention)
                 and model.model.layers[0]._compiled_call_impl is users
                 and model.model.layers[1]._compiled_call_impl is None and captured._DEPTH[0] == 0)
@@ -261,7 +262,7 @@ def test_regions_are_put_back_as_they_were_when_entered_twice_when_switching_in_
             assert all(getattr(a.forward, "_torchdynamo_orig_callable", None) is not None
                        and "forward" not in getattr(a.forward, "_torchdynamo_orig_callable").__dict__
                        for a in attention[:2])
-        assert static_cache.write_token is not eager_write  # still open: the inner exits put nothing back
+        assert slots.write_token is not eager_write  # still open: the inner exits put nothing back
     assert as_before()
     # built while another's regions are open, a set still takes the eager functions for the eager ones
     with regions:
@@ -304,18 +305,18 @@ def test_the_regions_find_the_innermost_attention_where_the_decoder_layer_names_
 
 
 def test_a_static_layer_appends_through_the_module_level_write_token():
-    """`StaticLayer.append` looks `write_token` up on its module at every call, so the regions' compiled form is
+    """`StaticLayer.append` looks `write_token` up on `kvcalib.runtime.slots` at every call, so the regions' compiled form is
     the one that runs (a name bound at import would keep the eager one)."""
-    from kvcalib.runtime import static_cache
+    from kvcalib.runtime import slots
 
     layer = StaticLayer(_method("kivi"), 0, 2, capacity=64, kv_heads=2, head_dim=64, device=torch.device("cpu"))
-    calls, eager = [], static_cache.write_token
-    static_cache.write_token = lambda *args: (calls.append(len(args)), eager(*args))
+    calls, eager = [], slots.write_token
+    slots.write_token = lambda *args: (calls.append(len(args)), eager(*args))
     try:
         k = torch.randn(2, 2, 1, 64).half()
         layer.append(k, k, flush=False)
     finally:
-        static_cache.write_token = eager
+        slots.write_token = eager
     assert calls == [5] and layer.residual.tolist() == [1, 1]
     assert torch.equal(layer.kernel_layer.kres[:, :, 0], k[:, :, 0])
 

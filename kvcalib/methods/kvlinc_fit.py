@@ -42,7 +42,8 @@ from ..attention import AttentionOptions, flushed_counts, flushed_length, mixed_
 from ..collect import Activations
 from ..defaults import DEFAULTS
 from ..errors import SettingsError
-from ..models import AttentionShape, resolve_device
+from ..devices import resolve_device
+from ..models import AttentionShape
 from ..parallel import local_device, merged, on_rank0, share, world
 from .base import hold
 from .kivi import KiviConfig

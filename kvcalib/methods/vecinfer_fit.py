@@ -20,7 +20,8 @@ from ..atomic import ensure_writable_dir
 from ..collect import Activations, tokens_per_second
 from ..defaults import KMEANS
 from ..errors import SettingsError
-from ..models import AttentionShape, resolve_device
+from ..devices import resolve_device
+from ..models import AttentionShape
 from ..parallel import merged, on_rank0, share, world
 from .vecinfer import VecInfer, VecInferConfig, keys_to_codec, smoothing_factors
 

@@ -43,7 +43,6 @@ import contextlib
 import gc
 import sys
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,8 +50,6 @@ from ..errors import SettingsError
 from ..models import attention_modules
 from .cache import tensor_parallel_size
 
-if TYPE_CHECKING:  # the static cache makes its decoder (`StaticKvcalibCache.serve`): it imports this module
-    from .static_cache import StaticKvcalibCache
 
 
 def compile_options() -> dict[str, bool]:
@@ -94,7 +91,7 @@ class _Regions:
       layer compiles as two graphs, before and after its attention: the input norm; the residual add, the
       post-attention norm, the MLP and the last residual add;
     - inside the eager attention, the rotary application (its module's `apply_rotary_pos_emb`, where it
-      defines one) and the cache's append (`static_cache.write_token`), each swapped for its compiled form.
+      defines one) and the cache's append (`slots.write_token`), each swapped for its compiled form.
     - on a GPU, in every compile mode (`compiled=False`: this alone): `nn.Linear.forward`, switched to
       `gemv_kernel`'s, whose kernel computes a one-row step's weight products (most of a B = 1 step's time)
       faster than cuBLAS; torch.compile traces it where it traces a layer.
@@ -107,7 +104,7 @@ class _Regions:
 
     def __init__(self, model, compiled: bool = True):
         """`compiled`: the regions above; without, only the weight products are switched (`gemv_kernel`)."""
-        from . import gemv_kernel, static_cache  # static_cache imports this module
+        from . import gemv_kernel, slots
 
         options = dict(dynamic=False, options=compile_options())
         self.modules, self.attention, self.compiled, self.swaps = [], [], [], []
@@ -119,7 +116,7 @@ class _Regions:
                 self.modules.append(norm)
             self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
             home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
-            swaps = [(home, "apply_rotary_pos_emb"), (static_cache, "write_token")]
+            swaps = [(home, "apply_rotary_pos_emb"), (slots, "write_token")]
             eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
             self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
         if _linears_for_the_kernel(model):

@@ -84,38 +84,10 @@ from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
 from .cache import (IMPLEMENTATION, check_static, codebook_attend, for_this_rank, fused_attend, hand_to_attention,
                     register_attention, tensor_parallel_size, vq_attend)
+from . import slots
 from .captured import CapturedDecoder, Decoder, compile_mode
 
 log = logging.getLogger(__name__)
-
-
-def _masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
-    """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync); a row not
-    taken writes into the last n positions of buf instead, the slack that nothing reads.
-    buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool.
-
-    Through `index_put_`, which Inductor lowers to a write into `buf` itself: its `scatter_` (and a
-    gather of the old rows) makes a copy of the whole buffer, every packed buffer at every step."""
-    b, h, n = new.shape[:3]
-    at = torch.where(take, start.long(), buf.shape[2] - n)
-    rows = at.view(b, 1, 1) + torch.arange(n, device=buf.device)
-    buf.index_put_((torch.arange(b, device=buf.device).view(b, 1, 1),
-                    torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
-
-
-def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> None:
-    """Each sequence's new token, k and v (B, H, 1, D), into its residual window (kres, vres (B, H, R, D)) at its
-    own count `residual` (B,), and the counts one up: what every decode step appends. A module-level function of
-    tensors, so that one compiled region serves every layer (`kvcalib.runtime.captured`). At R = 128, 127 steps
-    in 128 append with this write alone; compiled by default, it took 7 kernels a layer off the step (8B shape,
-    benchmarks/RESULTS.md)."""
-    b, h = k.shape[:2]
-    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
-            residual.long().view(b, 1))
-    for buf, x in ((kres, k), (vres, v)):
-        buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`_masked_write`)
-    residual += 1
 
 
 def _tensors(state) -> list[torch.Tensor]:
@@ -254,20 +226,20 @@ class StaticLayer(CacheLayerMixin):
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
         `flush=False` where the caller knows no residual fills at this step (it appends only)."""
         r = self.kernel_layer.residual
-        write_token(self.kernel_layer.kres, self.kernel_layer.vres, self.residual, k, v)
+        slots.write_token(self.kernel_layer.kres, self.kernel_layer.vres, self.residual, k, v)
         if not flush:
             return
         full = self.residual == r
         parts, state = self._flush(self.kernel_layer.kres, self.kernel_layer.vres, self.state)
         for (buf, unit), part in zip(self._buffers(), parts):
-            _masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
+            slots.masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
         if state is not None:
             for mine, new in self._state_fields(state):
                 mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))
         if self.codebook is not None and self.codebook.sinks:  # a sequence's first flush holds its sink tokens
             c, first = self.codebook, full & (self.flushed == 0)
             for buf, res in ((c.ksink, c.kres), (c.vsink, c.vres)):
-                _masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(self.flushed), first)
+                slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(self.flushed), first)
         # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
         # running past the buffers. A live sequence never gets there: the cache refuses it first.
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)

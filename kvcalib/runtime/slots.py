@@ -1,0 +1,37 @@
+"""The static cache's writes into its slots, on the device and in place: a decode step's new token into each
+sequence's residual window (`write_token`, which the captured step swaps for its compiled form:
+`kvcalib.runtime.captured`), and a flush's rows into each sequence's packed buffers where its window filled
+(`masked_write`). Functions of tensors alone, so that one compiled region serves every layer."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
+    """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync); a row not
+    taken writes into the last n positions of buf instead, the slack that nothing reads.
+    buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool.
+
+    Through `index_put_`, which Inductor lowers to a write into `buf` itself: its `scatter_` (and a
+    gather of the old rows) makes a copy of the whole buffer, every packed buffer at every step."""
+    b, h, n = new.shape[:3]
+    at = torch.where(take, start.long(), buf.shape[2] - n)
+    rows = at.view(b, 1, 1) + torch.arange(n, device=buf.device)
+    buf.index_put_((torch.arange(b, device=buf.device).view(b, 1, 1),
+                    torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
+
+
+def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """Each sequence's new token, k and v (B, H, 1, D), into its residual window (kres, vres (B, H, R, D)) at its
+    own count `residual` (B,), and the counts one up: what every decode step appends. A module-level function of
+    tensors, so that one compiled region serves every layer (`kvcalib.runtime.captured`). At R = 128, 127 steps
+    in 128 append with this write alone; compiled by default, it took 7 kernels a layer off the step (8B shape,
+    benchmarks/RESULTS.md)."""
+    b, h = k.shape[:2]
+    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
+            residual.long().view(b, 1))
+    for buf, x in ((kres, k), (vres, v)):
+        buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`masked_write`)
+    residual += 1
