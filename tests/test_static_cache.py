@@ -360,17 +360,41 @@ def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_
     assert cache.decoder is None and [g.resets for g in graphs] == [1, 1]
 
 
+# The flushed buffers of each kernel layout by name, in `StaticLayer._buffers`' order.
+LAYOUT_BUFFERS = {"packed": ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
+                  "vq": ("kcodes", "vcodes"), "codebook": ("kcodes", "knorm", "vcodes", "vnorm")}
+# (method, the dynamic layer's attribute holding its kernel layout)
+LAYOUTS = {"kivi": ("kivi", "fused"), "oscar": ("oscar", "fused"), "kvlinc": ("kvlinc", "fused"),
+           "vecinfer": ("vecinfer", "vq"), "turboquant-2": ("turboquant", "codebook"),
+           "turboquant-3+1 sink": ("turboquant", "codebook"), "turboquant-4+3 sinks": ("turboquant", "codebook")}
+
+
+def _layout_method(case: str):
+    if case.startswith("turboquant"):
+        bits, sinks = int(case[11]), int(case.split("+")[1][0]) if "+" in case else 0
+        return build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=32, sink_tokens=sinks))
+    return _method(case)
+
+
+def _on_any_device(supports):
+    """A kernel's `supports` asked as on a GPU: the layouts' host side runs on the CPU (their kernels do not)."""
+    return lambda spec, d, device, *a, **k: supports(spec, d, torch.device("cuda"), *a, **k)
+
+
 @pytest.mark.parametrize("prompt", [1, 8, 31, 32, 45, 70])
-@pytest.mark.parametrize("bits,sinks", [(2, 0), (3, 1), (4, 3)])
-def test_a_static_slot_stores_the_dynamic_caches_turboquant_bits_and_sinks(prompt, bits, sinks, monkeypatch):
-    """TurboQuant in the codebook layout: a slot prefilled with a prompt of any residual phase, then fed one token a
-    step (its masked flushes writing codes, norms and, at a sequence's first flush, its float16 sinks), holds exactly
-    what `KvcalibCache`'s layer holds for the same tokens (here on the CPU: the layouts' host side, which the GPU's
-    kernel reads as they are). A planted error in the sinks' masked write (the slot's flushed count ignored) fails it."""
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_layout(prompt, case, monkeypatch):
+    """Every layout a kernel reads (INT2: KIVI, OScaR, KVLinC; VecInfer; the codebook layout: TurboQuant, with float16
+    sinks): a slot prefilled with a prompt of any residual phase, then fed one token a step beside two other
+    sequences that flush on other steps (its masked flushes writing codes, scales, norms and, at a sequence's first
+    flush, its float16 sinks), holds exactly what `KvcalibCache`'s layer holds for the same tokens: counts, flushed
+    buffers, sinks, residual. On the CPU: the layouts' host side, which the GPU's kernels read as they are. A planted
+    error in the sinks' masked write (the slot's flushed count ignored) fails the sink cases."""
     import kvcalib.runtime.cache as cache_module
 
-    monkeypatch.setattr(cache_module, "codebook_supports", lambda *a, **k: True)  # the layout, without a GPU
-    method = build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=32, sink_tokens=sinks))
+    for name in ("supports", "vq_supports", "codebook_supports"):
+        monkeypatch.setattr(cache_module, name, _on_any_device(getattr(cache_module, name)))
+    method, attribute = _layout_method(case), LAYOUTS[case][1]
     g = torch.Generator().manual_seed(prompt)
     total = prompt + 75  # two flushes or more past the prompt
     k, v = (torch.randn(1, 2, total, 64, generator=g).half() for _ in "kv")
@@ -389,12 +413,16 @@ def test_a_static_slot_stores_the_dynamic_caches_turboquant_bits_and_sinks(promp
         counts = [c + 1 for c in counts]
         static.append(kk, vv, flush=32 in counts)
         counts = [c % 32 for c in counts]
-    mine, theirs = static.codebook, dynamic.codebook
+    theirs = getattr(dynamic, attribute)
     n, r = theirs.length, theirs.residual
-    assert (int(static.flushed[1]), int(static.residual[1])) == (n, r) and theirs.sinks == min(sinks, n)
-    for a, b in ((mine.kcodes, theirs.kcodes), (mine.vcodes, theirs.vcodes), (mine.knorm, theirs.knorm),
-                 (mine.vnorm, theirs.vnorm)):
-        assert torch.equal(a[1, :, :n], b[0, :, :n])
-    assert torch.equal(mine.ksink[1, :, : theirs.sinks], theirs.ksink[0]) and torch.equal(
-        mine.vsink[1, :, : theirs.sinks], theirs.vsink[0])
-    assert torch.equal(mine.kres[1, :, :r], theirs.kres[0]) and torch.equal(mine.vres[1, :, :r], theirs.vres[0])
+    assert (int(static.flushed[1]), int(static.residual[1])) == (n, r) and n == total // 32 * 32
+    names = [x for x in LAYOUT_BUFFERS["packed" if attribute == "fused" else attribute] if getattr(theirs, x) is not None]
+    for (buf, unit), name in zip(static._buffers(), names):
+        rows = n // unit
+        assert torch.equal(buf[1, :, :rows], getattr(theirs, name)[0, :, :rows]), name
+    sinks = getattr(theirs, "sinks", 0)
+    if sinks:
+        mine = static.kernel_layer
+        assert torch.equal(mine.ksink[1, :, :sinks], theirs.ksink[0]) and torch.equal(mine.vsink[1, :, :sinks], theirs.vsink[0])
+    assert torch.equal(static.kernel_layer.kres[1, :, :r], theirs.kres[0])
+    assert torch.equal(static.kernel_layer.vres[1, :, :r], theirs.vres[0])
