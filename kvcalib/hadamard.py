@@ -40,13 +40,19 @@ def _matrix(n: int) -> torch.Tensor:
 _COPIES: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
+def held_matrix(store: dict, n: int, dtype: torch.dtype, device, make) -> torch.Tensor:
+    """`make(n)` (an n x n matrix made on the host) as `dtype` on `device`, made once per (n, dtype, device) and
+    kept in `store` (the comment above says why a dict)."""
+    key = (n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
+    held = store.get(key)
+    if held is None:
+        held = store[key] = make(n).to(dtype=dtype, device=key[2])
+    return held
+
+
 def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The n x n (block-)Hadamard matrix, normalized and symmetric."""
-    key = (n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
-    h = _COPIES.get(key)
-    if h is None:
-        h = _COPIES[key] = _matrix(n).to(dtype=key[1], device=key[2])
-    return h
+    return held_matrix(_COPIES, n, dtype, device, _matrix)
 
 
 # Up to this many vectors, a CUDA rotation runs as a batched product, one vector per batch entry: cuBLAS

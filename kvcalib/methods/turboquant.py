@@ -75,6 +75,7 @@ from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..formats.codebook.layout import CodebookSpec, CodedPart
+from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
 from .. import vq
 from ..quant import pack_stream, unpack_stream
@@ -165,19 +166,13 @@ def _rotation64(d: int, seed: int) -> torch.Tensor:
     return q * torch.sign(torch.diagonal(r))  # R with a positive diagonal: Q is Haar (Mezzadri 2007)
 
 
-# Π per (d, dtype, device), made once. A plain dict rather than an lru_cache: torch.compile traces a lookup that
-# hits (a compiled flush reads Π made before it, at the cache's creation) where it traces into an lru_cache's
-# function, and a seeded Generator does not trace.
-_ROTATIONS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+_ROTATIONS: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}  # Π per (d, dtype, device), made once
 
 
 def rotation(d: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """Π, d x d orthogonal, the same for every layer, head, keys and values (seed `ROTATION_SEED`)."""
-    key = (d, dtype, torch.device(device) if device is not None else torch.device("cpu"))
-    held = _ROTATIONS.get(key)
-    if held is None:
-        held = _ROTATIONS[key] = _rotation64(d, ROTATION_SEED).to(dtype=dtype, device=key[2])
-    return held
+    """Π, d x d orthogonal, the same for every layer, head, keys and values (seed `ROTATION_SEED`); a compiled flush
+    reads the copy its cache made at creation (`kvcalib.hadamard.held_matrix`: a seeded Generator does not trace)."""
+    return held_matrix(_ROTATIONS, d, dtype, device, lambda n: _rotation64(n, ROTATION_SEED))
 
 
 # ---- the method ----

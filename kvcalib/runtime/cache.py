@@ -390,7 +390,7 @@ class _RowsSideBySide:
     device, as a static cache's slots are (`fused_decode(counts=)`, `vq_decode(lengths=, residuals=)`).
 
     The flushed buffers are stacked once, padded to the largest capacity, and each row's own buffers become
-    views of its row of the stack: a row's later flushes write into the stack in place (`formats.int2.layout.grow`
+    views of its row of the stack: a row's later flushes write into the stack in place (`formats.rows.grow`
     writes within capacity), so the stack is made again only when a row outgrows it (its buffers then are new
     tensors: a doubling, a few times over a sequence). The float16 residuals, which each append replaces, are
     copied side by side at every step (at most a block of tokens a row); the decoding states (KVLinC's S and

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ...quant import unpack_stream
-from ..int2.layout import grow
+from ..rows import grow, take_rows
 
 
 @dataclass(frozen=True)
@@ -148,13 +148,7 @@ def append_block(layer: CodebookLayer | None, spec: CodebookSpec, kcodes: torch.
         layer.knorm = grow(layer.knorm, knorm, layer.length)
     if vnorm is not None:
         layer.vnorm = grow(layer.vnorm, vnorm, layer.length)
-    if sink_k.shape[2]:
-        layer.ksink = torch.cat([layer.ksink[:, :, : layer.sinks], sink_k.half()], 2)
-        layer.vsink = torch.cat([layer.vsink[:, :, : layer.sinks], sink_v.half()], 2)
-        layer.sinks += sink_k.shape[2]
-    layer.length += kcodes.shape[2]
-    layer.kres, layer.vres = residual_k.half().contiguous(), residual_v.half().contiguous()
-    layer.residual = residual_k.shape[2]
+    take_rows(layer, kcodes.shape[2], sink_k, sink_v, residual_k, residual_v)
     return layer
 
 

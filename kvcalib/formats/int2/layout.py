@@ -40,6 +40,7 @@ import torch
 
 from ...hadamard import rotate
 from ...quant import Quantized, dequantize_codes, quantize, unpack_bits
+from ..rows import grow
 
 TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `pack` allocates
 
@@ -181,17 +182,6 @@ class PackedLayer:
         if self.knorm is not None:
             k = k * self.knorm[:, :, :t, None].float()
         return k, v
-
-
-def grow(buf: torch.Tensor, add: torch.Tensor, used: int) -> torch.Tensor:
-    """`buf` (B, H, N, ...) with `add` written along dim 2 after its first `used` rows; a full buffer is
-    replaced by one of twice the rows (or as many as needed), its used rows copied over."""
-    if used + add.shape[2] > buf.shape[2]:
-        bigger = buf.new_zeros(*buf.shape[:2], max(2 * buf.shape[2], used + add.shape[2]), *buf.shape[3:])
-        bigger[:, :, :used] = buf[:, :, :used]
-        buf = bigger
-    buf[:, :, used : used + add.shape[2]] = add
-    return buf
 
 
 def append_block(layer: PackedLayer | None, kq: Quantized, vq: Quantized, knorm: torch.Tensor | None,

@@ -49,7 +49,7 @@ import torch
 
 from ... import vq
 from ...hadamard import rotate
-from ..int2.layout import grow
+from ..rows import grow, take_rows
 
 
 # The codec's bases (module docstring): VecInfer's method codes keys with these, the layout holds them so.
@@ -135,12 +135,7 @@ def append_block(layer: VQLayer | None, kcodes: torch.Tensor, vcodes: torch.Tens
                         residual_k, residual_v, 0, 0, 0, k_bits, v_bits, smooth, hadamard)
     layer.kcodes = grow(layer.kcodes, kcodes, layer.length)
     layer.vcodes = grow(layer.vcodes, vcodes, layer.length)
-    if sink_k.shape[2]:
-        layer.ksink = torch.cat([layer.ksink[:, :, : layer.sinks], sink_k.half()], 2)
-        layer.vsink = torch.cat([layer.vsink[:, :, : layer.sinks], sink_v.half()], 2)
-        layer.sinks += sink_k.shape[2]
-    layer.length += kcodes.shape[2]
-    layer.kres, layer.vres, layer.residual = residual_k.half(), residual_v.half(), residual_k.shape[2]
+    take_rows(layer, kcodes.shape[2], sink_k, sink_v, residual_k, residual_v)
     return layer
 
 
