@@ -92,6 +92,63 @@ def _check_attention(model_class, model_type: str, spec: str) -> None:
         )
 
 
+def _skip_gguf_value(f, kind: int) -> int | None:
+    """Read past one GGUF value of type `kind` (its scalar returned where it is an integer, for general.alignment)."""
+    if kind == _GGUF_STRING:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(length, 1)
+        return None
+    if kind in _GGUF_SCALAR_BYTES:
+        raw = f.read(_GGUF_SCALAR_BYTES[kind])
+        return int.from_bytes(raw, "little") if kind in (4, 5, 10, 11) else None
+    item, count = struct.unpack("<IQ", f.read(12))  # an array: its items' type and count
+    if item in _GGUF_SCALAR_BYTES:
+        f.seek(_GGUF_SCALAR_BYTES[item] * count, 1)
+    else:
+        for _ in range(count):
+            _skip_gguf_value(f, item)
+    return None
+
+
+def _check_gguf_whole(path: Path) -> None:
+    """Refuse a GGUF file whose tensors' data run past its end (an interrupted download), from its header alone: the
+    key-value pairs and tensor descriptions, then each tensor's offset and size (gguf's reader maps every tensor,
+    seconds for the embedded model; transformers' loader would end in a `struct.error` traceback)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        with open(path, "rb") as f:
+            f.read(4)
+            _version, tensors, pairs = struct.unpack("<IQQ", f.read(20))
+            alignment = 32
+            for _ in range(pairs):
+                (length,) = struct.unpack("<Q", f.read(8))
+                key = f.read(length)
+                (kind,) = struct.unpack("<I", f.read(4))
+                value = _skip_gguf_value(f, kind)
+                if key == b"general.alignment" and value:
+                    alignment = value
+            end = 0
+            for _ in range(tensors):
+                (length,) = struct.unpack("<Q", f.read(8))
+                f.seek(length, 1)
+                (dims,) = struct.unpack("<I", f.read(4))
+                count = 1
+                for n in struct.unpack(f"<{dims}Q", f.read(8 * dims)):
+                    count *= n
+                kind, offset = struct.unpack("<IQ", f.read(12))
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                end = max(end, offset + count // block * size)
+            need = -(-f.tell() // alignment) * alignment + end
+            have = os.fstat(f.fileno()).st_size
+    except (struct.error, ValueError, KeyError, OSError) as err:
+        raise ModelLoadError(f"model file {path} is cut short or corrupt (its header does not read whole: "
+                             f"{type(err).__name__}); download it again") from None
+    if need > have:
+        raise ModelLoadError(f"model file {path} is cut short or corrupt: its tensors need {need} bytes, it holds "
+                             f"{have}; download it again")
+
+
 def _check_gguf(path: Path, spec: str) -> None:
     """Refuse a GGUF file of an architecture transformers cannot load, or kvcalib cannot intercept."""
     import transformers
@@ -102,6 +159,7 @@ def _check_gguf(path: Path, spec: str) -> None:
         arch = gguf_architecture(path)
     except (OSError, struct.error) as err:
         raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
+    _check_gguf_whole(path)
     if arch is None:
         return  # no architecture up front: transformers' loader says what it makes of the file
     model_type = arch.replace("-", "_").replace("moe", "_moe").replace("__", "_")

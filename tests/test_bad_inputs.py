@@ -167,6 +167,13 @@ def _gguf(ctx: Ctx, name: str, architecture: str) -> Path:
     return path
 
 
+def _cut_short(path: Path) -> Path:
+    """The GGUF file without its last 40 bytes (its one tensor's data ends there)."""
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])
+    return path
+
+
 def _odd_head_dim_model(ctx: Ctx) -> Path:
     """GPT-2 layout (no RoPE, so an odd head_dim runs): 4 heads of 15 channels."""
     from transformers import AutoModelForCausalLM, GPT2Config
@@ -232,6 +239,9 @@ CASES = {
         "eval", "--model", str(_gguf(c, "mamba.gguf", "mamba")), "--method", "fp16", *c.small],
     "a .gguf that is no GGUF": lambda c: ["eval", "--model", str(c.file("fake.gguf", "not a gguf file")),
                                           "--method", "fp16", *c.small],
+    "a GGUF cut short (an interrupted download)": lambda c: ["eval", "--model", str(_cut_short(_gguf(c, "cut.gguf",
+                                                                                                    "llama"))),
+                                                             "--method", "fp16", *c.small],
     "model directory with pickle weights only": lambda c: [
         "eval", "--model", str(_pickle_only_model(c)), "--method", "fp16", *c.small],
     "model that needs remote code, without --trust-remote-code": lambda c: [
@@ -353,6 +363,7 @@ EXPECT = {
     "GGUF of an architecture transformers cannot load": "'rwkv7' model, which transformers cannot load",
     "GGUF of an architecture without attention (mamba)": "'mamba' model, whose attention",
     "a .gguf that is no GGUF": "not a GGUF file",
+    "a GGUF cut short (an interrupted download)": "is cut short or corrupt",
     "model directory with pickle weights only": "never loads pickle-based",
     "model that needs remote code, without --trust-remote-code": "pass --trust-remote-code",
     "missing dataset": "does not exist",
@@ -548,3 +559,19 @@ def test_real_gpu_out_of_memory_names_the_setting_to_lower(tiny_model_dir, tmp_p
     assert err[0].startswith("kvcalib: error: out of GPU memory in eval; lower --seq-len"), err
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_the_embedded_gguf_reads_whole_and_a_copy_cut_short_is_refused_with_its_sizes(tmp_path):
+    """The header walk that refuses an interrupted download: the embedded model's file holds every byte its tensors
+    need (to the byte: no trailing data); the same file cut at 40 MB is refused naming both sizes."""
+    from kvcalib.errors import ModelLoadError
+    from kvcalib.models import _check_gguf_whole, _resolve
+
+    directory, options = _resolve("smollm2-135m")
+    whole = Path(directory) / options["gguf_file"]
+    _check_gguf_whole(whole)  # no error
+    cut = tmp_path / "cut.gguf"
+    with open(whole, "rb") as f:
+        cut.write_bytes(f.read(40_000_000))
+    with pytest.raises(ModelLoadError, match=f"need {whole.stat().st_size} bytes, it holds 40000000"):
+        _check_gguf_whole(cut)
