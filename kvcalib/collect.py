@@ -50,7 +50,7 @@ from .artifacts import check_format
 from .atomic import atomic_path, ensure_writable_dir, exclusive, write_json
 from .attention import AttentionOptions, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
-from .errors import ArtifactError, SettingsError
+from .errors import ActivationError, ArtifactError, SettingsError
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
 from .parallel import barrier, on_rank0, placement, share, world
 from .tensorfile import HEADER, check_finite, read_header, read_into, read_tensors, write_tensors
@@ -179,7 +179,9 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
     """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
 
     One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
-    before its first shard removes the directory it created, a later one leaves its shards to resume."""
+    before its first shard removes the directory it created, a later one leaves its shards to resume. Activations
+    float16 cannot hold (infinite, NaN, or beyond its range: a collection stores float16) are refused at the layer
+    that holds them (`ActivationError`), and the collection is removed whole: the same text would give them again."""
     config = CollectConfig(dataset, text_field, num_samples, seq_len, seed, max_tokens, chunk_size)
     if num_samples < 1 or (chunk_size is not None and chunk_size < 1) or (max_tokens is not None and max_tokens < 1):
         raise SettingsError("--num-samples, --max-tokens and the chunk size must be positive")
@@ -196,6 +198,13 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
         on_rank0(take, rank, size)
         try:
             return _record(out, config, model, trust_remote_code, device, rank, size, device_map, max_memory)
+        except ActivationError:  # the same text gives the same values again: nothing here is worth resuming
+            unstarted = rank == 0 and created
+            if rank == 0:
+                for name in ("layer*.safetensors", ".tmp-*", ".sums-*.json", "plan.json", "manifest.json"):
+                    for path in out.glob(name):
+                        path.unlink(missing_ok=True)
+            raise
         except BaseException:
             unstarted = rank == 0 and created and not any(out.glob("layer*.safetensors"))
             if unstarted:
@@ -206,6 +215,18 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
             if unstarted:
                 with contextlib.suppress(OSError):  # not empty: another process has started in it since
                     out.rmdir()
+
+
+def _overflow(layer: int, name: str, sample: int, x: torch.Tensor, config) -> str:
+    """Why a layer's activations cannot be stored: infinite or NaN in the model's own dtype, or beyond float16's range
+    (65504), which a collection stores."""
+    part = {"q": "queries", "k": "keys", "v": "values"}[name]
+    where = f"layer {layer}'s {part} (sample {sample})"
+    if not bool(torch.isfinite(x).all()):
+        return (f"{where} are infinite or NaN in the model's {str(x.dtype).removeprefix('torch.')}: the model overflows "
+                "its dtype; load it in one with more range (float32: --device cpu)")
+    return (f"{where} exceed float16's range (largest {float(x.abs().max()):.4g}, float16 holds 65504), and a "
+            f"collection stores float16: kvcalib cannot calibrate this {config.model_type} model's cache yet")
 
 
 def _intact(path: Path, sha256: str | None) -> bool:
@@ -280,30 +301,34 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
     bar = tqdm(total=sum(min(chunk_size, num_samples - c * chunk_size) for c in todo), unit="sample",
                desc="collect" if size == 1 else f"collect, rank {rank} of {size}", position=rank)
     sums: dict[str, tuple[str, dict[str, str]]] = {}  # shard -> its hashes, for the shards this process writes
-    with ShardWriter(sums) as writer:
-        for chunk in todo:
-            samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
-            positions = [_positions(config, s) for s in samples]
-            pos_tensor = torch.stack(positions).to(torch.int32)
-            store: dict[int, dict[str, torch.Tensor]] = {}  # a layer's buffers, from its first sample to its write
-            for j, (s, pos) in enumerate(zip(samples, positions)):
-                def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos, last=j == len(samples) - 1):
-                    if layer not in store:  # filled in place as each sample runs: the device-to-host copy is the only one
-                        store[layer] = {name: torch.empty(len(samples), x.shape[1], len(pos), x.shape[-1],
-                                                          dtype=torch.float16) for name, x in (("q", q), ("k", k), ("v", v))}
-                    for name, x in (("q", q), ("k", k), ("v", v)):
-                        store[layer][name][j].copy_(x[0, :, pos.to(x.device), :].half())
-                    if last:  # the layer's shard is complete: written while the forward goes on
-                        tensors, path = store.pop(layer), out / shard_name(layer, chunk)
-                        if not path.exists():
-                            writer.write(path, {**tensors, "positions": pos_tensor})
-                    return mixed_attention(q, k, v, opts)
+    try:
+        with ShardWriter(sums) as writer:
+            for chunk in todo:
+                samples = range(chunk * chunk_size, min((chunk + 1) * chunk_size, num_samples))
+                positions = [_positions(config, s) for s in samples]
+                pos_tensor = torch.stack(positions).to(torch.int32)
+                store: dict[int, dict[str, torch.Tensor]] = {}  # a layer's buffers, from its first sample to its write
+                for j, (s, pos) in enumerate(zip(samples, positions)):
+                    def record(layer: int, q, k, v, opts: AttentionOptions, j=j, pos=pos, last=j == len(samples) - 1):
+                        if layer not in store:  # filled in place as each sample runs: the device-to-host copy is the only one
+                            store[layer] = {name: torch.empty(len(samples), x.shape[1], len(pos), x.shape[-1],
+                                                              dtype=torch.float16) for name, x in (("q", q), ("k", k), ("v", v))}
+                        for name, x in (("q", q), ("k", k), ("v", v)):
+                            store[layer][name][j].copy_(x[0, :, pos.to(x.device), :].half())
+                            if not bool(torch.isfinite(store[layer][name][j]).all()):
+                                raise ActivationError(_overflow(layer, name, s, x, lm.config))
+                        if last:  # the layer's shard is complete: written while the forward goes on
+                            tensors, path = store.pop(layer), out / shard_name(layer, chunk)
+                            if not path.exists():
+                                writer.write(path, {**tensors, "positions": pos_tensor})
+                        return mixed_attention(q, k, v, opts)
 
-                with torch.no_grad(), intercept(lm.model, record):
-                    lm.model(windows[s : s + 1].to(on), use_cache=False)
-                tokens_per_second(bar, config.seq_len)
-                bar.update(1)
-    bar.close()
+                    with torch.no_grad(), intercept(lm.model, record):
+                        lm.model(windows[s : s + 1].to(on), use_cache=False)
+                    tokens_per_second(bar, config.seq_len)
+                    bar.update(1)
+    finally:  # the bar ends its line before any error is printed
+        bar.close()
     if rank:  # the hashes this rank took, for rank 0's manifest (else it reads these shards back)
         write_json(out / f".sums-{rank}.json", sums)
 

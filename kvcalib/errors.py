@@ -17,6 +17,10 @@ class ArtifactError(KvcalibError):
     """An artifact or activation directory is missing, corrupted or made for another model."""
 
 
+class ActivationError(KvcalibError):
+    """The model's activations cannot be recorded as a collection holds them (values float16 cannot hold)."""
+
+
 class SettingsError(KvcalibError):
     """Options that contradict each other or the model."""
 

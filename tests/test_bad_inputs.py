@@ -167,6 +167,17 @@ def _gguf(ctx: Ctx, name: str, architecture: str) -> Path:
     return path
 
 
+def _overflowing_model(ctx: Ctx) -> Path:
+    """The tiny model with layer 1's key projection scaled by 10^6: its keys (float32 on the CPU) pass float16's
+    range, which a collection stores."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_dir)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(1e6)
+    return _tiny_dir(ctx, "overflowing", model=model)
+
+
 def _cut_short(path: Path) -> Path:
     """The GGUF file without its last 40 bytes (its one tensor's data ends there)."""
     data = path.read_bytes()
@@ -264,6 +275,9 @@ CASES = {
                                              "--num-samples", "1", "--seq-len", "100000"],
     "collect of zero samples": lambda c: ["collect", *c.model, "--dataset", str(c.text), "--num-samples", "0",
                                           "--out", str(c.tmp / "acts")],
+    "collect of a model whose keys overflow float16": lambda c: [
+        "collect", "--model", str(_overflowing_model(c)), "--dataset", str(c.text), "--num-samples", "2",
+        "--seq-len", "32", "--out", str(c.tmp / "acts")],
     "a GPU this machine does not have": lambda c: ["eval", *c.model, "--method", "fp16", "--device", "cuda:99",
                                                    *c.small],
     "a device that is no device": lambda c: ["collect", *c.model, "--dataset", str(c.text), "--device", "gpu",
@@ -374,6 +388,7 @@ EXPECT = {
     "collect with an empty dataset": "holds no text",
     "seq-len beyond the context": "exceeds the model's context",
     "collect of zero samples": "must be positive",
+    "collect of a model whose keys overflow float16": "layer 1's keys (sample 0) exceed float16's range",
     "a GPU this machine does not have": "--device cuda:99",
     "a device that is no device": "--device must be auto, cpu, cuda or cuda:N",
     "train-adapters on a GPU this machine does not have": "--device cuda:99",
