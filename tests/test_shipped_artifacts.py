@@ -25,8 +25,14 @@ def _manifest(name: str) -> dict:
 
 
 def _calibration_mismatches(calibration: dict) -> list[str]:
-    """The collection's settings that differ from `kvcalib collect`'s defaults."""
-    want = _defaults(cli.collect_cmd)
+    """The collection's settings that differ from `kvcalib collect`'s defaults (the library function's where the
+    command leaves an option unset)."""
+    import inspect
+
+    from kvcalib.collect import collect
+
+    library = {k: p.default for k, p in inspect.signature(collect).parameters.items()}
+    want = {k: v if v is not None else library.get(k) for k, v in _defaults(cli.collect_cmd).items()}
     return [f"calibration {k}: {calibration.get(k)!r}, default {want[k]!r}"
             for k in ("dataset", "num_samples", "seq_len", "seed", "max_tokens", "text_field")
             if calibration.get(k) != want[k]]
