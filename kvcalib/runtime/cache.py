@@ -20,10 +20,10 @@ model's attention runs through the registered attention function `kvcalib_runtim
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
-  `vq_books`, `vq_parts`): on CUDA, where `kvcalib.formats.int2.launch.supports` the method's blocks
-  (kivi, kvlinc, oscar today) or `kvcalib.formats.vq.launch.supports` them (vecinfer), a fused kernel
-  of `kernels_cupy/` reads them; elsewhere the torch reference (`Method.decode` over the dequantized
-  blocks and the float16 residual) runs.
+  `vq_books`, `vq_parts`, `codebook_spec`, `codebook_parts`): on CUDA, where `kvcalib.formats.int2.launch.supports`
+  the method's blocks (kivi, kvlinc, oscar today), `kvcalib.formats.vq.launch.supports` them (vecinfer) or
+  `kvcalib.formats.codebook.launch.supports` them (turboquant), a fused kernel of `kernels_cupy/` reads them;
+  elsewhere the torch reference (`Method.decode` over the dequantized blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
 

@@ -53,7 +53,8 @@ while the others keep their state. A prompt is prefilled into its slot on its ow
 never the whole batch's.
 
 Methods: those whose flushed blocks a fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
-at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer); others are
+at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer; `Method.codebook_spec`:
+TurboQuant, with float16 sink tokens, written beside its codes at a sequence's first flush); others are
 refused with the reason. What a
 method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
 - a rotated basis (OScaR's keys and values, KVLinC's values): the flushed blocks are stored rotated

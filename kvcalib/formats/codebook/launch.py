@@ -20,7 +20,9 @@ WARPS = 4  # warps of a `partial` block
 ROWS = 64  # float16 rows (sinks, residual) a rows part takes
 SPLIT_UNIT = 16 * WARPS  # packed tokens a split is a whole number of: a tile for each warp
 SHARED_LIMIT = 200 * 1024
-PAIR_BITS = 6  # scalar codes of up to 3 bits are read in pairs: a book of 2^(2 bits) half2 centroids a position
+# Scalar codes are read in pairs (one shared-memory load a half2) where the pairs' book stays small: books per position
+# up to 3 bits (2^6 half2 a position), a shared book up to 4 bits (2^8 half2).
+PAIR_BITS = {"per position": 3, "shared": 4}
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,11 @@ def kernel_book(part: CodedPart) -> KernelBook:
     held = part.__dict__.get("_kernel_book")
     if held is None:
         book, bits, dim = part.book, part.bits, part.dim
-        if dim == 1 and 2 * bits <= PAIR_BITS and book.shape[1] % 2 == 0 or dim == 1 and book.shape[1] == 1 and bits <= 4:
+        shared = book.shape[1] == 1
+        if dim == 1 and bits <= PAIR_BITS["shared" if shared else "per position"]:
             # pairs: code c0 + 2^bits c1 of positions 2i, 2i + 1 -> (book[2i][c0], book[2i + 1][c1])
             n = 1 << bits
-            first, second = book[:, 0::2, :, 0], book[:, 1::2, :, 0] if book.shape[1] > 1 else book[:, :, :, 0]
+            first, second = (book[:, :, :, 0],) * 2 if shared else (book[:, 0::2, :, 0], book[:, 1::2, :, 0])
             e = torch.arange(n * n, device=book.device)
             book = torch.stack([first[:, :, e % n], second[:, :, e // n]], -1)
             bits, dim = 2 * bits, 2
