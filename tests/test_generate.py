@@ -149,6 +149,9 @@ def test_where_layers_run_names_the_kernel_and_the_faster_cache():
     assert f"{shape.num_layers} layers on the fused INT2 path" in line and "StaticKvcalibCache" in line
     turbo = build_method("turboquant", shape, MethodSettings(bits=2, residual=32))
     line = where_layers_run(turbo, shape, cuda)
+    assert f"{shape.num_layers} layers on the fused codebook path" in line and "StaticKvcalibCache" in line
+    kivi3 = build_method("kivi", shape, MethodSettings(bits=3, group_size=16, residual=32))  # no 3-bit kernel yet
+    line = where_layers_run(kivi3, shape, cuda)
     assert f"{shape.num_layers} layers on the torch path" in line and "cannot hold this" in line
 
 
