@@ -61,29 +61,6 @@ _GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11:
 _GGUF_STRING = 8
 
 
-def gguf_architecture(path: Path) -> str | None:
-    """`general.architecture` of a GGUF file, read from its first key-value pairs (gguf's own reader
-    parses every tensor first, seconds for a large file); None if it is not among them."""
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelLoadError(f"model file {path} is not a GGUF file (no GGUF magic number)")
-        _version, _tensors, pairs = struct.unpack("<IQQ", f.read(20))
-        for _ in range(min(pairs, 64)):
-            (length,) = struct.unpack("<Q", f.read(8))
-            key = f.read(min(length, 1024)).decode("utf-8", "replace")
-            (kind,) = struct.unpack("<I", f.read(4))
-            if kind == _GGUF_STRING:
-                (length,) = struct.unpack("<Q", f.read(8))
-                value = f.read(min(length, 1024))
-                if key == "general.architecture":
-                    return value.decode("utf-8", "replace")
-            elif kind in _GGUF_SCALAR_BYTES:
-                f.read(_GGUF_SCALAR_BYTES[kind])
-            else:  # an array: the architecture comes before any in files written by llama.cpp and gguf
-                return None
-    return None
-
-
 def _check_attention(model_class, model_type: str, spec: str) -> None:
     if not getattr(model_class, "_supports_attention_backend", False):
         raise ModelLoadError(
@@ -110,24 +87,34 @@ def _skip_gguf_value(f, kind: int) -> int | None:
     return None
 
 
-def _check_gguf_whole(path: Path) -> None:
-    """Refuse a GGUF file whose tensors' data run past its end (an interrupted download), from its header alone: the
-    key-value pairs and tensor descriptions, then each tensor's offset and size (gguf's reader maps every tensor,
-    seconds for the embedded model; transformers' loader would end in a `struct.error` traceback)."""
+def gguf_header(path: Path) -> tuple[str | None, int, int]:
+    """One walk over a GGUF file's header (gguf's own reader maps every tensor: seconds for the embedded model):
+    (`general.architecture` where it comes among the first 64 key-value pairs and before any array, as llama.cpp and
+    gguf write it, else None; the bytes its tensors' data need, their offsets and sizes past the aligned header; the
+    bytes the file holds). A header that does not read whole is refused in one line: as unreadable while the
+    architecture is still sought, as cut short after."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    try:
-        with open(path, "rb") as f:
-            f.read(4)
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ModelLoadError(f"model file {path} is not a GGUF file (no GGUF magic number)")
+        arch, seeking = None, True
+        try:
             _version, tensors, pairs = struct.unpack("<IQQ", f.read(20))
             alignment = 32
-            for _ in range(pairs):
+            for i in range(pairs):
                 (length,) = struct.unpack("<Q", f.read(8))
                 key = f.read(length)
                 (kind,) = struct.unpack("<I", f.read(4))
+                seeking = seeking and i < 64 and (kind == _GGUF_STRING or kind in _GGUF_SCALAR_BYTES)
+                if seeking and kind == _GGUF_STRING and key == b"general.architecture":
+                    (length,) = struct.unpack("<Q", f.read(8))
+                    arch, seeking = f.read(length).decode("utf-8", "replace"), False
+                    continue
                 value = _skip_gguf_value(f, kind)
                 if key == b"general.alignment" and value:
                     alignment = value
+            seeking = False
             end = 0
             for _ in range(tensors):
                 (length,) = struct.unpack("<Q", f.read(8))
@@ -139,14 +126,12 @@ def _check_gguf_whole(path: Path) -> None:
                 kind, offset = struct.unpack("<IQ", f.read(12))
                 block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
                 end = max(end, offset + count // block * size)
-            need = -(-f.tell() // alignment) * alignment + end
-            have = os.fstat(f.fileno()).st_size
-    except (struct.error, ValueError, KeyError, OSError) as err:
-        raise ModelLoadError(f"model file {path} is cut short or corrupt (its header does not read whole: "
-                             f"{type(err).__name__}); download it again") from None
-    if need > have:
-        raise ModelLoadError(f"model file {path} is cut short or corrupt: its tensors need {need} bytes, it holds "
-                             f"{have}; download it again")
+        except (struct.error, ValueError, KeyError) as err:
+            if seeking:
+                raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
+            raise ModelLoadError(f"model file {path} is cut short or corrupt (its header does not read whole: "
+                                 f"{type(err).__name__}); download it again") from None
+        return arch, -(-f.tell() // alignment) * alignment + end, os.fstat(f.fileno()).st_size
 
 
 def _check_gguf(path: Path, spec: str) -> None:
@@ -156,10 +141,12 @@ def _check_gguf(path: Path, spec: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        arch = gguf_architecture(path)
-    except (OSError, struct.error) as err:
+        arch, need, have = gguf_header(path)
+    except OSError as err:
         raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
-    _check_gguf_whole(path)
+    if need > have:  # an interrupted download: transformers' loader would end in a `struct.error` traceback
+        raise ModelLoadError(f"model file {path} is cut short or corrupt: its tensors need {need} bytes, it holds "
+                             f"{have}; download it again")
     if arch is None:
         return  # no architecture up front: transformers' loader says what it makes of the file
     model_type = arch.replace("-", "_").replace("moe", "_moe").replace("__", "_")

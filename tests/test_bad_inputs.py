@@ -580,13 +580,13 @@ def test_the_embedded_gguf_reads_whole_and_a_copy_cut_short_is_refused_with_its_
     """The header walk that refuses an interrupted download: the embedded model's file holds every byte its tensors
     need (to the byte: no trailing data); the same file cut at 40 MB is refused naming both sizes."""
     from kvcalib.errors import ModelLoadError
-    from kvcalib.models import _check_gguf_whole, _resolve
+    from kvcalib.models import _check_gguf, _resolve, gguf_header
 
     directory, options = _resolve("smollm2-135m")
     whole = Path(directory) / options["gguf_file"]
-    _check_gguf_whole(whole)  # no error
+    assert gguf_header(whole) == ("llama", whole.stat().st_size, whole.stat().st_size)
     cut = tmp_path / "cut.gguf"
     with open(whole, "rb") as f:
         cut.write_bytes(f.read(40_000_000))
     with pytest.raises(ModelLoadError, match=f"need {whole.stat().st_size} bytes, it holds 40000000"):
-        _check_gguf_whole(cut)
+        _check_gguf(cut, str(cut))

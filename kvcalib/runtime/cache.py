@@ -134,7 +134,9 @@ class CompressedLayer(CacheLayerMixin):
             k16, v16 = self.k_res[..., :flush, :], self.v_res[..., :flush, :]
             packed = self.method.compress(self.layer, k16.float(), v16.float())
             kd, vd = self.method.decompress(self.layer, packed)
-            kd, vd, sink_bits = keep_sinks(self.method, self.length - self.k_res.shape[-2], k16, v16, kd, vd)
+            start = self.length - self.k_res.shape[-2]  # the block's first position
+            sinks = min(max(self.method.sink - start, 0), flush)  # its tokens kept in float16 (`keep_sinks`)
+            kd, vd, sink_bits = keep_sinks(self.method, start, k16, v16, kd, vd)
             self.state = self.method.flush_state(self.layer, self.state, k16, kd, vd)
             self.packed_bits += self.method.stored_bits(packed) + sink_bits
             # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
@@ -145,15 +147,11 @@ class CompressedLayer(CacheLayerMixin):
                 self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res,
                                           self.method.rotated_keys, self.method.rotated_values)
             elif vq_supports(books, k16.shape[-1], k16.device):
-                start = self.length - flush - self.k_res.shape[-2]  # the block's first position
-                sinks = min(max(self.method.sink - start, 0), flush)  # its tokens kept in float16 (keep_sinks)
                 self.vq = vq_append(self.vq, *self.method.vq_parts(packed), books.kbook.to(k16.device),
                                     books.vbook.to(k16.device), books.k_bits, books.v_bits, k16[..., :sinks, :],
                                     v16[..., :sinks, :], self.k_res, self.v_res,
                                     None if books.smooth is None else books.smooth.to(k16.device), books.hadamard)
             elif self.use_fused and codebook_supports(spec := self.codebook_spec(k16.device), k16.shape[-1], k16.device):
-                start = self.length - flush - self.k_res.shape[-2]
-                sinks = min(max(self.method.sink - start, 0), flush)
                 self.codebook = codebook_append(self.codebook, spec, *self.method.codebook_parts(packed),
                                                 k16[..., :sinks, :], v16[..., :sinks, :], self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them

@@ -71,11 +71,6 @@ class CodedPart:
         basis = None if self.basis is None else self.basis.to(device)
         return CodedPart(self.bits, self.dim, self.book.to(device), self.norm, basis)
 
-    def heads(self, index: list[int]) -> "CodedPart":
-        """The part of these KV heads alone (books and bases held per head are taken; shared ones kept)."""
-        take = lambda t: t if t is None or t.shape[0] == 1 else t[index]  # noqa: E731
-        return CodedPart(self.bits, self.dim, take(self.book), self.norm, take(self.basis))
-
 
 @dataclass(frozen=True)
 class CodebookSpec:
@@ -86,9 +81,6 @@ class CodebookSpec:
 
     def to(self, device) -> "CodebookSpec":
         return CodebookSpec(self.key.to(device), self.value.to(device))
-
-    def heads(self, index: list[int]) -> "CodebookSpec":
-        return CodebookSpec(self.key.heads(index), self.value.heads(index))
 
 
 @dataclass
