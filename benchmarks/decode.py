@@ -159,7 +159,7 @@ def tq_layer(b: int, length: int, bits: int, kres: torch.Tensor, vres: torch.Ten
     random codes and norms (the bytes a step reads do not depend on their values; the error column compares the
     kernel with the float64 reference over these same codes), the oblivious codebook of `bits` or, `per_head`,
     random sorted per-coordinate codebooks of each KV head."""
-    from kvcalib.formats.codebook.layout import append_block
+    from kvcalib.formats.codebook.layout import CodedBlock, HeadGroup, append_block
     from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig
     from kvcalib.models import AttentionShape
     from kvcalib.quant import pack_stream
@@ -173,16 +173,19 @@ def tq_layer(b: int, length: int, bits: int, kres: torch.Tensor, vres: torch.Ten
     codes = [pack_stream(torch.randint(0, 1 << bits, (b, HKV, length, D), device="cuda"), bits) for _ in "kv"]
     norms = [(1 + 3 * torch.rand(b, HKV, length, device="cuda")).half() for _ in "kv"]
     none = kres[:, :, :0]
-    return append_block(None, spec, codes[0], norms[0], codes[1], norms[1], none, none, kres.contiguous(),
-                        vres.contiguous())
+    return append_block(None, [HeadGroup(None, spec)], [CodedBlock(codes[0], norms[0], codes[1], norms[1])], none, none,
+                        kres.contiguous(), vres.contiguous())
 
 
 def tq_bytes(layer, q) -> int:
     """What a codebook step reads and writes: code rows, norms, the residual, the query, the output (the books and
     bases, read from L2 by every block, count once)."""
     n, r = layer.length, layer.residual
-    used = [layer.kcodes[:, :, :n], layer.vcodes[:, :, :n], layer.knorm[:, :, :n], layer.vnorm[:, :, :n],
-            layer.kres[:, :, :r], layer.vres[:, :, :r], layer.spec.key.book, layer.spec.value.book]
+    used = [layer.kres[:, :, :r], layer.vres[:, :, :r]]
+    for g in layer.groups:
+        units = {"kscale": g.unit("kscale"), "kzero": g.unit("kzero")}
+        used += [getattr(g, x)[:, :, : -(-n // units.get(x, 1))] for x in g.present()]
+        used += [g.spec.key.book, g.spec.value.book]
     return sum(x.numel() * x.element_size() for x in used) + 2 * q.numel() * q.element_size()
 
 

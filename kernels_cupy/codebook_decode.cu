@@ -1,23 +1,30 @@
 // Fused decode attention over codebook codes: TurboQuant's scalar and vector codes (a codebook per coordinate or
-// one shared by every sub-vector, a norm per token, a rotation) and any format of the same shape. One new query
-// per head, q (B, Hq, D) QT (fp16 or bf16), in the model's basis.
+// one shared by every sub-vector, a norm per token, a rotation), VecInfer's vector codes, KIVI's and OScaR's affine
+// codes (zero + scale * level), and any format of the same shape. One new query per head, q (B, Hq, D) QT (fp16 or
+// bf16), in the model's basis. One launch reads one group of a layer's KV heads (a plan mixes formats per head).
 //
 // Reads the layout of kvcalib/formats/codebook/layout.py (its module docstring has the table), per part (keys K,
 // values V) of the launch's H KV heads:
 //   kcodes, vcodes (B, H, CAPT, KW | VW) int32   each token's codes as one bit stream, code j at bits
 //                                                [j XB, (j + 1) XB), least significant bit first
 //   knorm, vnorm (B, H, CAPT) fp16 or null        the token's norm: x = norm * y B
+//   kscale, kzero (B, H, CAPT / KTG, D) fp16       affine keys (KTG > 0): y = zero + scale * level per channel and
+//                                                group of KTG tokens
+//   vscale, vzero (B, H, CAPT, D / VCG) fp16       affine values (VCG > 0): per token and group of VCG channels
 //   kbook, vbook (G, P, 2^XB, XDIM) fp16          codebooks as this kernel reads them (launch.py `kernel_book`):
 //                                                P = D / XDIM (one per position) or 1 (shared by every
 //                                                position), G = 1 (shared by the heads) or H
-//   ksink, vsink (B, H, CAPS, D) fp16             the first min(sinks, T) tokens, read instead of their codes
-//   kres, vres (B, H, CAPR, D) fp16               the residual window
+//   ksink, vsink (B, HR, CAPS, D) fp16            the first min(sinks, T) tokens, read instead of their codes
+//   kres, vres (B, HR, CAPR, D) fp16              the residual window (HR: the layer's KV heads, of which the launch
+//                                                reads head_map's)
 //   lengths, residuals (B,) int32 or null         per-sequence T and r read on the device (a captured step)
 //   head_map (H,) int32 or null                   the model's KV head of each launch head (a plan's group)
 // A token's vector is x = norm * y B, y the centroids of its codes and B the part's basis (the identity where the
 // format has none). `rotate` writes q~ = scale log2(e) q B_K^T (float32) once per query head; the packed tokens
 // are scored against q~ and their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16
-// rows meet q itself and are summed in the model's basis.
+// rows meet q itself and are summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
+// (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
+// the levels gathered as any codes are; affine values are level * scale + zero in fp16 (one fma a half2).
 //
 // Bytes that must move per (batch, KV head): T (KW + VW) 4 of codes and T 2 of each norm, 4 D (sinks + r) of
 // float16 rows, read once; the books per block, from L2 after the first block; the partials, 4 (D + 2) GQ per part,
@@ -44,7 +51,8 @@
 //
 // Defines: D, GQ (<= 8), QT, CH (channels a lane of a float16 row), WARPS, ROWS (float16 rows a rows part), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
-// XNORM (1: norms), XW (words a row).
+// XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
+// group, 0: none).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -77,6 +85,9 @@
 #define TPW (32 / LPT)  // rows a warp takes at once
 
 static_assert(KCH % KDIM == 0 && VCH % VDIM == 0, "a lane's share of a token is whole codes");
+#define VGROUP (VCG > 0 ? VCG : D)  // channels of an affine value group (a divisor that never is zero)
+static_assert(KTG % 16 == 0 && (VCG == 0 || (VGROUP % VCH == 0 && D % VGROUP == 0)) && !(VCG && VNORM),
+              "affine key groups of whole tiles, affine value groups of whole lane shares (and no norm beside them)");
 static_assert(D % CH == 0 && 32 % LPT == 0, "a row's channels fill whole lanes of a warp");
 
 // This lane's share of a row: NBITS bits from bit `start`, as NW words from bit 0 (the last one zero-padded past the
@@ -144,14 +155,15 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict_
 struct Tile {
   unsigned k[2][KNW];
   unsigned v[4][VNW];
-  float kn[4], vn[4];
+  float kn[4], vn[4], vz[4];  // vn: a value's norm, or its affine scale (vz its zero)
 };
 
 __device__ __forceinline__ int slot_token(int i, int t) { return 8 * (i / 2) + 2 * t + i % 2; }
 
 __device__ __forceinline__ void load_tile(Tile& x, int base, int t0, int t1, const unsigned* __restrict__ krow,
                                           const unsigned* __restrict__ vrow, const __half* __restrict__ knorm,
-                                          const __half* __restrict__ vnorm) {
+                                          const __half* __restrict__ vnorm, const __half* __restrict__ vscale,
+                                          const __half* __restrict__ vzero) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -164,13 +176,20 @@ __device__ __forceinline__ void load_tile(Tile& x, int base, int t0, int t1, con
     const bool here = tok >= t0 && tok < t1;
     share_words<VSHARE>(vrow + (long)tok * VW, g * VSHARE, here, x.v[i]);
     x.kn[i] = !here ? 0.f : KNORM ? __half2float(__ldcs(knorm + tok)) : 1.f;
-    x.vn[i] = !here ? 0.f : VNORM ? __half2float(__ldcs(vnorm + tok)) : 1.f;
+    if constexpr (VCG > 0) {  // lane group g's channels lie in value group g VCH / VCG
+      const long at = (long)tok * (D / VGROUP) + g * VCH / VGROUP;
+      x.vn[i] = here ? __half2float(__ldcs(vscale + at)) : 0.f;
+      x.vz[i] = here ? __half2float(__ldcs(vzero + at)) : 0.f;
+    } else {
+      x.vn[i] = !here ? 0.f : VNORM ? __half2float(__ldcs(vnorm + tok)) : 1.f;
+      x.vz[i] = 0.f;
+    }
   }
 }
 
 // One tile on the tensor cores into the warp's running max m (head g), sum share l and accumulators acc.
-__device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t1, const uint4* qa, const __half* kb,
-                                          const __half* vb, float& m, float& l, float (*acc)[4]) {
+__device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t1, const uint4* qa, float kbias,
+                                          const __half* kb, const __half* vb, float& m, float& l, float (*acc)[4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -184,7 +203,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tok = base + slot_token(i, t);
-    sc[0][i] = tok >= t0 && tok < t1 ? (c[i / 2][i % 2] + c[i / 2][2 + i % 2]) * x.kn[i] : NEG_INF;
+    sc[0][i] = tok >= t0 && tok < t1 ? (c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias) * x.kn[i] : NEG_INF;
   }
   softmax_tiles<1>(sc, m, l, p, acc);
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
@@ -192,9 +211,11 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   for (int i = 0; i < 4; ++i) {
     gather<VCH, VB, VDIM, VPOS, VSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
     const __half2 n = __float2half2_rn(x.vn[i]);
+    const __half2 z = __float2half2_rn(x.vz[i]);
 #pragma unroll
     for (int u = 0; u < VCH / 2; ++u) {
-      const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&vh[i][u]), n);
+      const __half2 c2 = *reinterpret_cast<const __half2*>(&vh[i][u]);
+      const __half2 y = VCG > 0 ? __hfma2(c2, n, z) : __hmul2(c2, n);
       vh[i][u] = *reinterpret_cast<const unsigned*>(&y);
     }
   }
@@ -256,6 +277,39 @@ __device__ __forceinline__ void write_partial(const float* work, float* part_acc
   }
 }
 
+// An affine key group's A fragments: q~ scale (channel by channel, as `q_fragments` splits q~) from float32 rows
+// src[h][D] and the group's scale and zero rows (D fp16 each); and the bias q~ . zero of head g (lane (g, t)).
+__device__ __forceinline__ void affine_fragments(const float (*src)[D], const __half* __restrict__ scale,
+                                                 const __half* __restrict__ zero, uint4* qa, float& bias) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float b = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    const int c0 = t * (D / 4) + 4 * ks;
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GQ) f = *reinterpret_cast<const float4*>(&src[g][c0]);
+    const uint2 sw = __ldg(reinterpret_cast<const uint2*>(scale + c0));
+    const uint2 zw = __ldg(reinterpret_cast<const uint2*>(zero + c0));
+    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sw.x));
+    const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sw.y));
+    const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zw.x));
+    const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zw.y));
+    const float x[4] = {f.x * s01.x, f.y * s01.y, f.z * s23.x, f.w * s23.y};
+    b += f.x * z01.x + f.y * z01.y + f.z * z23.x + f.w * z23.y;
+    float hi[4], lo[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      hi[i] = __half2float(__float2half_rn(x[i]));
+      lo[i] = x[i] - hi[i];
+    }
+    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
+                        pack_half2(lo[2], lo[3]));
+  }
+  b += __shfl_xor_sync(0xffffffff, b, 1);
+  b += __shfl_xor_sync(0xffffffff, b, 2);
+  bias = b;
+}
+
 // q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)): thread c
 // takes row c of B_K (`kbasis` (G, D, D), G = 1 or the launch's heads; null: q times the scale).
 extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restrict__ kbasis, int basis_heads,
@@ -282,8 +336,9 @@ extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restr
 
 extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const float* __restrict__ qrot, const QT* __restrict__ q, int hq_model, const int* __restrict__ head_map,
-    const unsigned* __restrict__ kcodes, const __half* __restrict__ knorm, const unsigned* __restrict__ vcodes,
-    const __half* __restrict__ vnorm, int capt, const __half* __restrict__ kbook, int kbook_heads,
+    int row_heads, const unsigned* __restrict__ kcodes, const __half* __restrict__ knorm,
+    const __half* __restrict__ kscale, const __half* __restrict__ kzero, int capg, const unsigned* __restrict__ vcodes,
+    const __half* __restrict__ vnorm, const __half* __restrict__ vscale, const __half* __restrict__ vzero, int capt, const __half* __restrict__ kbook, int kbook_heads,
     const __half* __restrict__ vbook, int vbook_heads, const __half* __restrict__ ksink,
     const __half* __restrict__ vsink, int sinks, int caps, const __half* __restrict__ kres,
     const __half* __restrict__ vres, int residual, int capr, int length, int split_len, int num_splits,
@@ -292,7 +347,8 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
   extern __shared__ float smem[];
   const int part = blockIdx.x, hl = blockIdx.y, b = blockIdx.z, H = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const long bh = (long)b * H + hl;
+  const long bh = (long)b * H + hl;  // the group's buffers
+  const long bhr = (long)b * row_heads + (head_map ? head_map[hl] : hl);  // the layer's float16 rows
   const int T = lengths ? min(lengths[b], capt) : length;  // flushed tokens
   const int S = min(sinks, T);  // of them read from the float16 sinks
   const int nrows = S + (residuals ? min(residuals[b], capr) : residual);
@@ -306,13 +362,18 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0));
     copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0));
     uint4 qa[KS];
-    q_fragments(reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D), qa);
+    const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D);
+    if (!KTG) q_fragments(qrows, qa);
+    float kbias = 0.f;
+    int group = -1;  // the affine key group whose fragments qa holds
     __syncthreads();
     const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
     const unsigned* krow = kcodes + bh * capt * KW;
     const unsigned* vrow = vcodes + bh * capt * VW;
     const __half* kn = KNORM ? knorm + bh * capt : nullptr;
     const __half* vn = VNORM ? vnorm + bh * capt : nullptr;
+    const __half* vs = VCG ? vscale + bh * capt * (D / VGROUP) : nullptr;
+    const __half* vz = VCG ? vzero + bh * capt * (D / VGROUP) : nullptr;
     float m = NEG_INF, l = 0.f, acc[KS][4];
 #pragma unroll
     for (int u = 0; u < KS; ++u)
@@ -320,10 +381,15 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
     const int first = part * split_len + 16 * warp;  // tiles of 16 from the split's start (a multiple of 16)
     Tile cur, nxt;
-    load_tile(cur, first, t0, t1, krow, vrow, kn, vn);
+    load_tile(cur, first, t0, t1, krow, vrow, kn, vn, vs, vz);
     for (int base = first; base < t1; base += 16 * WARPS) {
-      if (base + 16 * WARPS < t1) load_tile(nxt, base + 16 * WARPS, t0, t1, krow, vrow, kn, vn);
-      tile_step(cur, base, t0, t1, qa, kb, vb, m, l, acc);
+      if (base + 16 * WARPS < t1) load_tile(nxt, base + 16 * WARPS, t0, t1, krow, vrow, kn, vn, vs, vz);
+      if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)
+        group = base / (KTG ? KTG : 1);
+        const long at = (bh * capg + group) * D;
+        affine_fragments(qrows, kscale + at, kzero + at, qa, kbias);
+      }
+      tile_step(cur, base, t0, t1, qa, kbias, kb, vb, m, l, acc);
       cur = nxt;
     }
     for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);
@@ -351,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       const int r = base + slot;
       const bool here = r < r1;
       float s[GQ], p[GQ], y[CH];
-      const long at = r < S ? (bh * caps + r) * D : (bh * capr + r - S) * D;
+      const long at = r < S ? (bhr * caps + r) * D : (bhr * capr + r - S) * D;
       const __half* kx = (r < S ? ksink : kres) + at + chunk * CH;
       const __half* vx = (r < S ? vsink : vres) + at + chunk * CH;
 #pragma unroll

@@ -1,10 +1,11 @@
 """The fused codebook decode kernel (kernels_cupy/codebook_decode.cu) against the float64 reference of the same codes
 (`kvcalib.formats.codebook.layout.reference_decode`), row by row, under the runtime's accuracy rule: each row's error
 at most twice that of SDPA in the query's dtype over the dequantized cache, plus 1e-4 (tests/test_int2_kernel_gpu.py).
-TurboQuant oblivious, calibrated per layer and per KV head, 1 to 4 bits, vector codes; head_dim 64, 128 and 256; one to
-eight query heads per KV head; sinks on and off; residual windows empty to full; flushed lengths up to 128k; diffuse
-and peaked attention; float16 and bfloat16 queries; counts read on the device; a plan's group of heads writing its own
-heads of a shared output. What lies past the counts is poisoned and must not move the output."""
+TurboQuant oblivious, calibrated per layer and per KV head, 1 to 4 bits, vector codes; KIVI and OScaR (affine codes,
+key groups of 32 and 128 tokens) at 2 to 4 bits; VecInfer; plans mixing them per KV head (one launch a group of heads);
+head_dim 64, 128 and 256; one to eight query heads per KV head; sinks on and off; residual windows empty to full; flushed
+lengths up to 128k; diffuse and peaked attention; float16 and bfloat16 queries; counts read on the device. What lies
+past the counts is poisoned and must not move the output."""
 
 import pytest
 import torch
@@ -16,16 +17,17 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the CuPy kernels run only on a GPU", allow_module_level=True)
 
 from kvcalib.formats.codebook.launch import codebook_decode  # noqa: E402  (after the skip: it needs cupy)
-from test_codebook_layout import layout_of, turboquant  # noqa: E402
+from test_codebook_layout import any_method, layout_of, turboquant  # noqa: E402
 from test_int2_kernel_gpu import FLOOR, _row_errors  # noqa: E402
 
 DEV = "cuda"
 
 
 def _on_device(method):
-    if method.books is not None:
+    if getattr(method, "books", None) is not None and isinstance(method.books, list):
         method.books = [(k.to(DEV), v.to(DEV)) for k, v in method.books]
     return method
+
 
 
 def _sdpa(q: torch.Tensor, layer, scaling: float) -> torch.Tensor:
@@ -62,44 +64,50 @@ def _check(method, k16, v16, q, dtype=torch.float16):
 
 
 def _poison(layer, extra: int = 64):
-    """Codes and norms past the length (and `extra` rows more), residual rows past the count."""
+    """Codes, norms, scales and zeros past the length (and `extra` rows more), residual rows past the count."""
     n = layer.length
-    for name in ("kcodes", "vcodes", "knorm", "vnorm"):
-        buf = getattr(layer, name)
-        if buf is None or not buf.shape[2]:
-            continue
-        bad = -1 if buf.dtype == torch.int32 else float("nan")
-        buf = torch.cat([buf[:, :, :n], torch.full_like(buf[:, :, :1], bad).expand(*buf.shape[:2], extra, *buf.shape[3:])], 2)
-        setattr(layer, name, buf.contiguous())
+    for rows in layer.groups:
+        for name in rows.present():
+            buf, unit = getattr(rows, name), rows.unit(name)
+            if not buf.shape[2]:
+                continue
+            bad = -1 if buf.dtype == torch.int32 else float("nan")
+            buf = torch.cat([buf[:, :, : -(-n // unit)],
+                             torch.full_like(buf[:, :, :1], bad).expand(*buf.shape[:2], extra, *buf.shape[3:])], 2)
+            setattr(rows, name, buf.contiguous())
     for name in ("kres", "vres"):
         buf = getattr(layer, name)
         setattr(layer, name, torch.cat([buf, torch.full_like(buf[:, :, :1], float("nan")).expand(-1, -1, 8, -1)], 2).contiguous())
 
 
 # Scalar codes of every width with each kind of codebook; vector codes (d4b6, `turboquant`) with a book per layer or
-# per KV head.
+# per KV head; KIVI and OScaR (affine) with key groups of 32 and 128; VecInfer; the plans of tests/test_codebook_layout.py.
 CODES = [(kind, bits) for kind in ("oblivious", "layer", "head") for bits in (1, 2, 3, 4)] + [
-    ("vector-layer", 6), ("vector-head", 6)]
+    ("vector-layer", 6), ("vector-head", 6), ("kivi-g128", 2), ("kivi-g32", 3), ("kivi-g128", 4), ("oscar-g32", 2),
+    ("oscar-g128", 3), ("oscar-g128", 4), ("vecinfer-layer", 6), ("vecinfer-head", 8), ("plan-mixed", 0),
+    ("plan-vector keys", 0)]
 
 
 @pytest.mark.parametrize("kind,bits", CODES)
 @pytest.mark.parametrize("sinks", [0, 1])
 @pytest.mark.parametrize("t", [5, 130, 1037, 20000])
 def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, sinks, t):
-    method = _on_device(turboquant(kind, bits, d=128, sinks=sinks, residual=128))
-    k16, v16, g = _inputs(2, 2, t, 128, t)
-    layer, q, out = _check(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
+    method = _on_device(any_method(kind, bits, d=128, sinks=sinks, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(2, h, t, 128, t)
+    layer, q, out = _check(method, k16, v16, torch.randn(2, 4 * h, 128, device=DEV, generator=g))
     _poison(layer)
     assert torch.equal(codebook_decode(q, layer, 128**-0.5, checked=True), out)
 
 
 @pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
-@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 6)])
+@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 6), ("plan-mixed", 0)])
 @pytest.mark.parametrize("peaked", [False, True])
 def test_long_contexts_and_large_batches_are_as_exact_as_sdpa_in_every_row(b, t, kind, bits, peaked):
-    method = _on_device(turboquant(kind, bits, d=128, kv_heads=2, sinks=1, residual=128))
-    k16, v16, g = _inputs(b, 2, t + 77, 128, b, peaked)
-    q = torch.randn(b, 8, 128, device=DEV, generator=g)
+    method = _on_device(any_method(kind, bits, d=128, sinks=1, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(b, h, t + 77, 128, b, peaked)
+    q = torch.randn(b, 4 * h, 128, device=DEV, generator=g)
     if peaked:  # each query head points at the peaked key: attention concentrates on it
         q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(4, 1)
     _check(method, k16, v16, q)
@@ -112,6 +120,15 @@ def test_head_dims_query_groups_and_bfloat16(d, heads, kv_heads, dtype):
     method = _on_device(turboquant("head", 3, d=d, kv_heads=kv_heads, sinks=1, residual=64))
     k16, v16, g = _inputs(2, kv_heads, 700, d, d + heads)
     _check(method, k16, v16, torch.randn(2, heads, d, device=DEV, generator=g), dtype)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("kind", ["plan-mixed", "plan-vector keys"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_plans_at_every_head_dim_and_dtype(d, kind, dtype):
+    method = _on_device(any_method(kind, 0, d=d, sinks=1, residual=128))
+    k16, v16, g = _inputs(2, 4, 900, d, d)
+    _check(method, k16, v16, torch.randn(2, 8, d, device=DEV, generator=g), dtype)
 
 
 @pytest.mark.parametrize("r", [0, 1, 63, 64, 127])
@@ -134,13 +151,13 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
     cap_r = 128
     full.kres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
     full.vres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
+    [rows] = full.groups
     for i, n in enumerate(lengths):
         f = n // 128 * 128
         full.kres[i, :, : n - f], full.vres[i, :, : n - f] = k16[i, :, f:n], v16[i, :, f:n]
-        full.kcodes[i, :, f:] = -1  # past the row's own length: poison
-        if full.knorm is not None:
-            full.knorm[i, :, f:] = float("nan")
-    full.length, full.residual = full.kcodes.shape[2], cap_r
+        rows.kcodes[i, :, f:] = -1  # past the row's own length: poison
+        rows.knorm[i, :, f:] = float("nan")
+    full.length, full.residual = rows.kcodes.shape[2], cap_r
     full.ksink = torch.cat([full.ksink, torch.full_like(full.ksink[:, :, :1], float("nan"))], 2)
     full.vsink = torch.cat([full.vsink, torch.full_like(full.vsink[:, :, :1], float("nan"))], 2)
     for i, n in enumerate(lengths):
@@ -157,18 +174,18 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
         assert (err <= bound).all(), (i, err.max().item(), bound.min().item())
 
 
-def test_a_group_of_heads_writes_only_its_own_query_heads():
-    """A plan's group (`head_map`): KV heads 2 and 0 of a model with 3; query heads of KV head 1 keep what was there."""
-    method = _on_device(turboquant("head", 3, d=64, kv_heads=2, sinks=0, residual=64))
-    k16, v16, g = _inputs(2, 2, 300, 64, 5)
+def test_each_group_of_a_plan_writes_only_its_own_query_heads():
+    """A plan's layer is one launch a group of heads: each group's launch alone gives its own query heads exactly what
+    the whole layer's launches give them."""
+    method = _on_device(any_method("plan-mixed", 0, d=64, sinks=1, residual=128))
+    k16, v16, g = _inputs(2, 4, 300, 64, 5)
     layer = layout_of(method, k16, v16)
-    layer.head_map = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
-    layer.kv_heads = 3
-    q = torch.randn(2, 12, 64, device=DEV, generator=g).half()  # 4 query heads per KV head
-    out = torch.full_like(q, 7.0)
-    codebook_decode(q, layer, 64**-0.5, out=out, checked=True)
-    assert (out[:, 4:8] == 7.0).all(), "a head outside the group was written"
-    mine = torch.cat([q[:, 8:12], q[:, 0:4]], 1)  # the group's own heads in its order
-    layer.head_map, layer.kv_heads = None, 0
-    alone = codebook_decode(mine, layer, 64**-0.5, checked=True)
-    assert torch.equal(torch.cat([out[:, 8:12], out[:, 0:4]], 1), alone)
+    assert [tuple(r.head_map.tolist()) for r in layer.groups] == [(0, 2), (1,), (3,)]
+    q = torch.randn(2, 16, 64, device=DEV, generator=g).half()
+    full = codebook_decode(q, layer, 64**-0.5, checked=True)
+    groups = layer.groups
+    for rows in groups:
+        layer.groups = [rows]
+        alone = codebook_decode(q, layer, 64**-0.5, checked=True)
+        mine = torch.cat([torch.arange(4 * h, 4 * h + 4) for h in rows.head_map.tolist()]).to(DEV)
+        assert torch.equal(alone[:, mine], full[:, mine])

@@ -1,13 +1,15 @@
-"""The codebook kernel layout's float64 reference (`kvcalib.formats.codebook.layout`): what TurboQuant declares of
-its blocks (`codebook_spec`, `codebook_parts`) read back through the layout gives the method's own dequantized
-cache, and `reference_decode` is attention over it, for oblivious, per-layer and per-head codebooks, scalar and
-vector codes, sinks on and off; it never reads past its counts."""
+"""The codebook kernel layout's float64 reference (`kvcalib.formats.codebook.layout`): what a method declares of
+its blocks (`codebook_groups`, `codebook_blocks`) read back through the layout gives the method's own dequantized
+cache, and `reference_decode` is attention over it: TurboQuant with oblivious, per-layer and per-head codebooks,
+scalar and vector codes; KIVI and OScaR (affine codes) at 2 to 4 bits; VecInfer (smoothed, rotated keys); plans
+mixing all of them per KV head; sinks on and off. It never reads past its counts."""
 
 import pytest
 import torch
 
 from kvcalib.attention import AttentionOptions, mixed_attention
 from kvcalib.formats.codebook.layout import CodedPart, append_block, decode_part, flushed_kv, reference_decode
+from kvcalib.methods import MethodSettings, build_method
 from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig, TurboQuantVQ
 from kvcalib.models import AttentionShape
 from kvcalib import vq
@@ -40,47 +42,116 @@ def turboquant(kind: str, bits: int = 2, d: int = 32, kv_heads: int = 2, sinks: 
     return method
 
 
+def affine(name: str, bits: int, group: int = 32, d: int = 32, kv_heads: int = 2, sinks: int = 0,
+           residual: int = 32):
+    """KIVI or OScaR (its default l2 key scaling and rotation) of one layer: `bits`, key groups of `group` tokens."""
+    shape = AttentionShape(num_layers=1, num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=d)
+    method = build_method(name, shape, MethodSettings(bits=bits, group_size=group, residual=residual))
+    method.sink = sinks
+    return method
+
+
+def vecinfer(bits: int = 6, d: int = 32, kv_heads: int = 2, sinks: int = 0, residual: int = 32, granularity="layer"):
+    """VecInfer d4b`bits` of one layer, random books and smoothing λ (keys smoothed and rotated)."""
+    from kvcalib.methods.vecinfer import LayerCodebooks, VecInfer, VecInferConfig
+
+    shape = AttentionShape(num_layers=1, num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_dim=d)
+    g = torch.Generator().manual_seed(bits)
+    groups = kv_heads if granularity == "head" else 1
+    books = [LayerCodebooks(k=torch.randn(groups, 1 << bits, 4, generator=g).half(),
+                            v=torch.randn(groups, 1 << bits, 4, generator=g).half(),
+                            smooth=(torch.rand(kv_heads, d, generator=g) + 0.5).half())]
+    return VecInfer(VecInferConfig(f"d4b{bits}", f"d4b{bits}", granularity=granularity, sink_tokens=sinks), books,
+                    shape, residual)
+
+
+# Plans mixing every family per KV head (4 of them): keys and values of different schemes, heads sharing a pair.
+PLANS = {"mixed": (["kivi-2-g32", "turboquant-3", "kivi-2-g32", "oscar-4-g32"],
+                   ["vecinfer-d4b6", "turboquant-d4b6", "vecinfer-d4b6", "kivi-3-g32"]),
+         "vector keys": (["vecinfer-d4b8", "turboquant-2", "vecinfer-d4b8", "oscar-2-g32"],
+                         ["oscar-3-g128", "turboquant-4", "vecinfer-d4b7", "turboquant-1"])}
+
+
+def plan(kind: str = "mixed", d: int = 32, sinks: int = 0, residual: int = 128, granularity: str = "head"):
+    """A plan of one layer and 4 KV heads (`PLANS`), random calibrated books (per KV head with granularity head)."""
+    from kvcalib.methods.plan import Plan, codebook_name, parse_scheme, smooth_name
+
+    shape = AttentionShape(num_layers=1, num_heads=16, num_kv_heads=4, head_dim=d)
+    keys, values = ([parse_scheme(x) for x in names] for names in PLANS[kind])
+    groups = 4 if granularity == "head" else 1
+    g = torch.Generator().manual_seed(d)
+    books = {}
+    for part, schemes in (("k", keys), ("v", values)):
+        for s in schemes:
+            if s.book:
+                x = torch.randn(*s.book_shape(groups, d), generator=g) * (d**-0.5 if s.family == "turboquant" else 1)
+                books[codebook_name(0, part, s.book)] = (x if s.dim else x.sort(-1).values).half().float()
+    if any(s.family == "vecinfer" for s in keys):
+        books[smooth_name(0)] = (torch.rand(4, d, generator=g) + 0.5).half()
+    method = Plan(shape, {"k": [keys], "v": [values]}, residual, residual, books, granularity)
+    method.sink = sinks
+    return method
+
+
 def layout_of(method, k16: torch.Tensor, v16: torch.Tensor):
-    """The layout of a cache fed k16, v16 (B, H, T, d): its whole blocks coded (TurboQuant codes each vector on its
-    own, so in one call as block by block), the first `sink` tokens also kept, the rest in the residual."""
+    """The layout of a cache fed k16, v16 (B, H, T, d): its whole blocks coded in one call (each format codes a
+    vector, or a key group of whole blocks, on its own: the same as block by block), the first `sink` tokens also
+    kept, the rest in the residual."""
     t, r, s = k16.shape[2], method.block, method.sink
     n = t // r * r
     packed = method.compress(0, k16[:, :, :n].float(), v16[:, :, :n].float())
     sink = slice(0, min(s, n))
-    return append_block(None, method.codebook_spec(0).to(k16.device), *method.codebook_parts(packed), k16[:, :, sink],
-                        v16[:, :, sink], k16[:, :, n:], v16[:, :, n:])
+    groups = [group.to(k16.device) for group in method.codebook_groups(0)]
+    return append_block(None, groups, method.codebook_blocks(packed), k16[:, :, sink], v16[:, :, sink],
+                        k16[:, :, n:], v16[:, :, n:])
+
+
+def any_method(kind: str, bits: int, d: int = 32, sinks: int = 0, residual: int | None = None):
+    """TurboQuant (`turboquant` kinds), KIVI or OScaR (`kivi-g32`: key groups of 32), VecInfer, a plan (`plan`)."""
+    if kind.startswith(("kivi", "oscar")):
+        name, group = kind.split("-g")
+        return affine(name, bits, int(group), d, sinks=sinks, residual=residual or 128)
+    if kind.startswith("vecinfer"):
+        return vecinfer(bits, d, sinks=sinks, residual=residual or 32, granularity=kind.split("-")[1])
+    if kind.startswith("plan"):
+        return plan(kind.split("-", 1)[1], d, sinks, residual or 128)
+    return turboquant(kind, bits, d, sinks=sinks, residual=residual or 16)
 
 
 KINDS = ["oblivious", "layer", "head", "vector-layer", "vector-head"]
+OTHERS = [("kivi-g32", 2), ("kivi-g128", 3), ("kivi-g32", 4), ("oscar-g32", 2), ("oscar-g128", 3), ("oscar-g128", 4),
+          ("vecinfer-layer", 6), ("vecinfer-head", 8), ("plan-mixed", 0), ("plan-vector keys", 0)]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("bits", [1, 3, 4])
+@pytest.mark.parametrize("kind,bits", [(k, b) for k in KINDS for b in (1, 3, 4)] + OTHERS)
 @pytest.mark.parametrize("sinks", [0, 3])
 def test_the_layout_reads_back_the_methods_own_cache(kind, bits, sinks):
-    method = turboquant(kind, bits, sinks=sinks)
+    method = any_method(kind, bits, sinks=sinks)
     g = torch.Generator().manual_seed(7)
-    k16 = (torch.randn(2, 2, 52, 32, generator=g) * 3).half()
-    v16 = torch.randn(2, 2, 52, 32, generator=g).half()
+    h = 4 if kind.startswith("plan") else 2
+    n = 3 * method.block
+    k16 = (torch.randn(2, h, n + 4, 32, generator=g) * 3).half()
+    v16 = torch.randn(2, h, n + 4, 32, generator=g).half()
     layer = layout_of(method, k16, v16)
-    assert layer.length == 48 and layer.residual == 4 and layer.sinks == sinks
+    assert layer.length == n and layer.residual == 4 and layer.sinks == sinks
     k, v = flushed_kv(layer)
-    kd, vd = method.decompress(0, method.compress(0, k16[:, :, :48].float(), v16[:, :, :48].float()))
+    kd, vd = method.decompress(0, method.compress(0, k16[:, :, :n].float(), v16[:, :, :n].float()))
     kd[:, :, :sinks], vd[:, :, :sinks] = k16[:, :, :sinks].float(), v16[:, :, :sinks].float()
     for got, want in ((k, kd), (v, vd)):
         err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
         assert err.max() <= F32, f"worst token {err.max():.2e}"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("t", [0, 5, 16, 37])
+@pytest.mark.parametrize("kind", KINDS + ["kivi-g32", "oscar-g32", "vecinfer-head", "plan-mixed"])
+@pytest.mark.parametrize("t", [0, 5, 16, 37, 300])
 def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t):
-    method = turboquant(kind, 2, sinks=2)
+    method = any_method(kind, 2, sinks=2, residual=32)
     g = torch.Generator().manual_seed(t)
-    k16 = (torch.randn(2, 2, t + 1, 32, generator=g) * 2).half()
-    v16 = torch.randn(2, 2, t + 1, 32, generator=g).half()
+    h = 4 if kind.startswith("plan") else 2
+    k16 = (torch.randn(2, h, t + 1, 32, generator=g) * 2).half()
+    v16 = torch.randn(2, h, t + 1, 32, generator=g).half()
     layer = layout_of(method, k16, v16)
-    q = torch.randn(2, 8, 32, generator=g, dtype=torch.float64)
+    q = torch.randn(2, 4 * h, 32, generator=g, dtype=torch.float64)
     k, v = flushed_kv(layer, torch.float64)
     k = torch.cat([k, layer.kres.double()], 2)
     v = torch.cat([v, layer.vres.double()], 2)
@@ -89,16 +160,22 @@ def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t):
     assert torch.allclose(got, want, rtol=0, atol=F64 * want.abs().max().item())
 
 
-def test_reference_decode_reads_nothing_past_its_counts():
-    """Codes and norms past the length, residual rows past the count: poison moves nothing."""
-    method = turboquant("head", 3, sinks=1)
+@pytest.mark.parametrize("kind", ["head", "plan-mixed"])
+def test_reference_decode_reads_nothing_past_its_counts(kind):
+    """Codes, norms, scales and zeros past the length, residual rows past the count: poison moves nothing."""
+    method = any_method(kind, 3, sinks=1, residual=32)
+    h = 4 if kind.startswith("plan") else 2
     g = torch.Generator().manual_seed(3)
-    k16, v16 = torch.randn(1, 2, 40, 32, generator=g).half(), torch.randn(1, 2, 40, 32, generator=g).half()
+    k16, v16 = torch.randn(1, h, 80, 32, generator=g).half(), torch.randn(1, h, 80, 32, generator=g).half()
     layer = layout_of(method, k16, v16)
-    q = torch.randn(1, 8, 32, generator=g)
+    q = torch.randn(1, 4 * h, 32, generator=g)
     want = reference_decode(q, layer, 0.2)
-    layer.kcodes = torch.cat([layer.kcodes[:, :, : layer.length], torch.full_like(layer.kcodes[:, :, :9], -1)], 2)
-    layer.knorm = torch.cat([layer.knorm[:, :, : layer.length], torch.full_like(layer.knorm[:, :, :9], float("nan"))], 2)
+    for rows in layer.groups:
+        for name in rows.present():
+            buf, unit = getattr(rows, name), rows.unit(name)
+            used = buf[:, :, : layer.length // unit]
+            bad = -1 if buf.dtype == torch.int32 else float("nan")
+            setattr(rows, name, torch.cat([used, torch.full_like(buf[:, :, :1], bad).expand(*buf.shape[:2], 9, *buf.shape[3:])], 2))
     layer.kres = torch.cat([layer.kres, torch.full_like(layer.kres[:, :, :3], float("nan"))], 2)
     layer.vres = torch.cat([layer.vres, torch.full_like(layer.vres[:, :, :3], float("nan"))], 2)
     assert torch.equal(reference_decode(q, layer, 0.2), want)
@@ -113,7 +190,7 @@ def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits
     from kvcalib.quant import unpack_stream
 
     method = turboquant(kind, bits, d=32, kv_heads=2)
-    for part in (method.codebook_spec(0).key, method.codebook_spec(0).value):
+    for part in (method.codebook_spec(0).key, method.codebook_spec(0).value):  # noqa: B007
         kb = kernel_book(part)
         g = torch.Generator().manual_seed(bits)
         words = torch.randint(-2**31, 2**31 - 1, (2, 2, 5, part.words(32)), generator=g, dtype=torch.int64).to(torch.int32)

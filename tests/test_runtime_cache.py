@@ -99,14 +99,14 @@ def _vecinfer_with_sinks(shape, sink: int = 3, residual: int = 16):
 def _plan(shape, residual: int = 16, granularity: str = "layer"):
     """A plan whose layers' KV heads take schemes of every family: TurboQuant at its own widths with
     per-coordinate codebooks (the oblivious one, stretched per coordinate so that no two coordinates
-    share centroids) and with a vector codebook, VecInfer, KIVI and OScaR with key groups of 8; some
+    share centroids) and with a vector codebook, VecInfer, KIVI and OScaR with key groups of 16 (whole tiles of the codebook kernel); some
     layers one scheme for all heads. Granularity head: each KV head its own codebooks (the layer's, scaled
     by 1 + head / 10)."""
     from kvcalib.methods.plan import Plan, codebook_name, parse_scheme
     from kvcalib.methods.turboquant import codebook
 
-    pool = ["turboquant-1", "oscar-2-g8", "turboquant-3", "vecinfer-d4b5", "kivi-2-g8", "turboquant-4", "turboquant-d4b5",
-            "kivi-3-g8"]
+    pool = ["turboquant-1", "oscar-2-g16", "turboquant-3", "vecinfer-d4b5", "kivi-2-g16", "turboquant-4", "turboquant-d4b5",
+            "kivi-3-g16"]
     h = shape.num_kv_heads
 
     def layer(i, shift):
@@ -126,7 +126,7 @@ def _plan(shape, residual: int = 16, granularity: str = "layer"):
     if granularity == "head":
         scale = lambda t: torch.stack([t[0] * (1 + j / 10) for j in range(h)])  # noqa: E731
         books = {n: t if n.endswith("_smooth") else scale(t) for n, t in books.items()}
-    return Plan(shape, schemes, residual, 8, books, granularity)
+    return Plan(shape, schemes, residual, 16, books, granularity)
 
 
 def _turboquant_per_head(shape, residual: int = 16):
@@ -155,7 +155,7 @@ CASES = {
     "turboquant+sliding": MethodSettings(bits=3, residual=16, residual_mode="sliding"),
     "kvlinc+adapters+sliding": None,
     "vecinfer+sinks+sliding": None,
-    "plan+sliding": None,  # flushes of the plan's step, 8 tokens (its KIVI and OScaR key groups)
+    "plan+sliding": None,  # flushes of the plan's step, 16 tokens (its KIVI and OScaR key groups)
 }
 
 

@@ -7,7 +7,7 @@ from kvcalib.methods import MethodSettings, apply_residual_mode, build_method
 from kvcalib.models import LoadedModel, attention_shape
 import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
-from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method, _vecinfer_with_sinks
+from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method, _plan, _vecinfer_with_sinks
 
 pytest.importorskip("cupy", reason="the fused path needs cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
@@ -29,7 +29,8 @@ def _model(head_dim: int):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar", "vecinfer+sinks", "turboquant+sinks"])
+@pytest.mark.parametrize("name", ["kivi", "kvlinc", "kvlinc+adapters", "oscar", "vecinfer+sinks", "turboquant+sinks",
+                                  "kivi3+sinks", "plan+sinks"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, name, batch, monkeypatch):
     """Every single-token step of a fused cache (the INT2 kernel, or the VecInfer kernel for vecinfer),
@@ -47,6 +48,11 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
     elif name.startswith("turboquant"):
         method = build_method("turboquant", shape, MethodSettings(bits=3, residual=32, sink_tokens=3))
+    elif name.startswith("kivi3"):
+        method = build_method("kivi", shape, MethodSettings(bits=3, group_size=16, residual=32, sink_tokens=3))
+    elif name.startswith("plan"):
+        method = _plan(shape, 32, "head")
+        method.sink = 3
     else:
         method = build_method(name, shape, settings)
     errors = []
@@ -70,8 +76,8 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         for t in range(40, ids.shape[1]):
             logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             assert torch.isfinite(logits).all()
-    kernel_layer = {"vecinfer": cache.layers[0].vq, "turboquant": cache.layers[0].codebook}.get(name.split("+")[0],
-                                                                                                cache.layers[0].fused)
+    kernel_layer = {"vecinfer": cache.layers[0].vq, "turboquant": cache.layers[0].codebook, "kivi3": cache.layers[0].codebook,
+                    "plan": cache.layers[0].codebook}.get(name.split("+")[0], cache.layers[0].fused)
     assert kernel_layer.length == 128
     assert len(errors) == 2 * 110  # every decode step of both layers ran fused
     assert len(launches) == (2 * 110 if name.startswith("vecinfer") else 0)
@@ -109,7 +115,7 @@ def test_the_vecinfer_kernels_layout_holds_what_the_reference_path_holds(batch):
         assert ((a - b).abs() <= bound).all(), (a - b).abs().max()
 
 
-@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc+adapters", "vecinfer", "turboquant+sinks"])
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc+adapters", "vecinfer", "turboquant+sinks", "plan+sinks"])
 def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alone(name, monkeypatch):
     """One launch over a padded batch's rows side by side (`_fused_rows`) against each row's own launch over the
     same cache: the kernel splits a row's tokens by the launch's batch, so each split's softmax weights, rounded
@@ -132,6 +138,9 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
             books.k, books.v, books.smooth = books.k.cuda(), books.v.cuda(), books.smooth.cuda()
     elif name == "turboquant+sinks":
         method = build_method("turboquant", shape, MethodSettings(bits=3, residual=32, sink_tokens=1))
+    elif name == "plan+sinks":
+        method = _plan(shape, 32, "head")
+        method.sink = 1
     else:
         method = build_method(name, shape, settings)
     lm = LoadedModel(model=model, tokenizer=None, spec="tiny")

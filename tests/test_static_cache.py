@@ -35,14 +35,31 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
 @pytest.mark.parametrize("name,settings,reason", [
     ("turboquant", MethodSettings(residual_mode="sliding"), "flushes blockwise"),
     ("turboquant", MethodSettings(residual=64, sink_tokens=65), "must lie in the first block of 64"),
-    ("kivi", MethodSettings(bits=3, group_size=32), "no fused INT2, VecInfer or codebook layout"),
+    ("kivi", MethodSettings(bits=3, group_size=8), "no fused INT2, VecInfer or codebook layout"),  # tiles of 16
     ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
-    ("kivi", MethodSettings(group_size=32, sink_tokens=4), "no fused INT2, VecInfer or codebook layout"),
+    ("kivi", MethodSettings(group_size=32, sink_tokens=129), "must lie in the first block of 128"),
 ])
 def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settings, reason):
     method = build_method(name, SHAPE, settings)
     with pytest.raises(SettingsError, match=reason):
         check_static(method, SHAPE.head_dim, CUDA, 2)
+
+
+@pytest.mark.parametrize("name,settings,family", [
+    ("kivi", MethodSettings(bits=2, group_size=32), "int2"),
+    ("kivi", MethodSettings(bits=3, group_size=32), "codebook"),
+    ("kivi", MethodSettings(bits=4, group_size=128), "codebook"),
+    ("kivi", MethodSettings(bits=2, group_size=32, sink_tokens=4), "codebook"),  # INT2 holds no sinks
+    ("oscar", MethodSettings(bits=3, group_size=128), "codebook"),
+    ("kvlinc", MethodSettings(bits=3, group_size=32), None),  # its correction terms are INT2's alone
+])
+def test_kivi_and_oscar_beyond_two_bits_or_with_sinks_take_the_codebook_kernel(name, settings, family):
+    from kvcalib.runtime.cache import kernel_family
+
+    method = build_method(name, SHAPE, settings)
+    assert kernel_family(method, 0, SHAPE.head_dim, CUDA, 2) == family
+    if family:
+        check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
 
 
 def test_a_static_cache_takes_vecinfer_without_sinks_and_books_that_fit_the_kernel():
@@ -361,18 +378,24 @@ def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_
 
 
 # The flushed buffers of each kernel layout by name, in `StaticLayer._buffers`' order.
-LAYOUT_BUFFERS = {"packed": ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
-                  "vq": ("kcodes", "vcodes"), "codebook": ("kcodes", "knorm", "vcodes", "vnorm")}
+LAYOUT_BUFFERS = {"packed": ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"), "vq": ("kcodes", "vcodes")}
 # (method, the dynamic layer's attribute holding its kernel layout)
 LAYOUTS = {"kivi": ("kivi", "fused"), "oscar": ("oscar", "fused"), "kvlinc": ("kvlinc", "fused"),
            "vecinfer": ("vecinfer", "vq"), "turboquant-2": ("turboquant", "codebook"),
-           "turboquant-3+1 sink": ("turboquant", "codebook"), "turboquant-4+3 sinks": ("turboquant", "codebook")}
+           "turboquant-3+1 sink": ("turboquant", "codebook"), "turboquant-4+3 sinks": ("turboquant", "codebook"),
+           "kivi-3": ("kivi", "codebook"), "oscar-4+1 sink": ("oscar", "codebook"), "plan+1 sink": ("plan", "codebook")}
 
 
 def _layout_method(case: str):
-    if case.startswith("turboquant"):
-        bits, sinks = int(case[11]), int(case.split("+")[1][0]) if "+" in case else 0
-        return build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=32, sink_tokens=sinks))
+    sinks = int(case.split("+")[1][0]) if "+" in case else 0
+    if case.startswith(("turboquant", "kivi-", "oscar-")):
+        name, bits = case.split("+")[0].split("-")
+        group = {} if name == "turboquant" else {"group_size": 32}
+        return build_method(name, SHAPE, MethodSettings(bits=int(bits), residual=32, sink_tokens=sinks, **group))
+    if case.startswith("plan"):  # every family per KV head, key groups of 32 (tests/test_codebook_layout.py)
+        from test_codebook_layout import plan
+
+        return plan("mixed", d=64, sinks=sinks, residual=32)
     return _method(case)
 
 
@@ -395,19 +418,20 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
     for name in ("supports", "vq_supports", "codebook_supports"):
         monkeypatch.setattr(cache_module, name, _on_any_device(getattr(cache_module, name)))
     method, attribute = _layout_method(case), LAYOUTS[case][1]
+    h = 4 if case.startswith("plan") else 2
     g = torch.Generator().manual_seed(prompt)
     total = prompt + 75  # two flushes or more past the prompt
-    k, v = (torch.randn(1, 2, total, 64, generator=g).half() for _ in "kv")
+    k, v = (torch.randn(1, h, total, 64, generator=g).half() for _ in "kv")
     dynamic = cache_module.CompressedLayer(method, 0, True)
     dynamic.append(k[:, :, :prompt], v[:, :, :prompt])
-    static = StaticLayer(method, 0, 3, capacity=256, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    static = StaticLayer(method, 0, 3, capacity=256, kv_heads=h, head_dim=64, device=torch.device("cpu"))
     static.prefill(1, k[:, :, :prompt], v[:, :, :prompt])
     for slot, n in ((0, 5), (2, 17)):  # sequences beside it, flushing on other steps
-        static.prefill(slot, *(torch.randn(1, 2, n, 64, generator=g).half() for _ in "kv"))
+        static.prefill(slot, *(torch.randn(1, h, n, 64, generator=g).half() for _ in "kv"))
     counts = [5, prompt % 32, 17]  # every slot's residual count, as `StaticKvcalibCache.advance` mirrors them
     for t in range(prompt, total):
         dynamic.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        step = torch.randn(3, 2, 1, 64, generator=g).half()  # the other slots' tokens
+        step = torch.randn(3, h, 1, 64, generator=g).half()  # the other slots' tokens
         kk, vv = step.clone(), step.clone()
         kk[1], vv[1] = k[0, :, t : t + 1], v[0, :, t : t + 1]
         counts = [c + 1 for c in counts]
@@ -416,10 +440,15 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
     theirs = getattr(dynamic, attribute)
     n, r = theirs.length, theirs.residual
     assert (int(static.flushed[1]), int(static.residual[1])) == (n, r) and n == total // 32 * 32
-    names = [x for x in LAYOUT_BUFFERS["packed" if attribute == "fused" else attribute] if getattr(theirs, x) is not None]
-    for (buf, unit), name in zip(static._buffers(), names):
+    if attribute == "codebook":  # each group's buffers, as `StaticLayer._buffers` lists them
+        wants = [(f"{x} of heads {grp.head_map}", getattr(grp, x)) for grp in theirs.groups for x in grp.present()]
+    else:
+        wants = [(x, getattr(theirs, x)) for x in LAYOUT_BUFFERS["packed" if attribute == "fused" else attribute]
+                 if getattr(theirs, x) is not None]
+    assert len(static._buffers()) == len(wants)
+    for (buf, unit), (name, want) in zip(static._buffers(), wants):
         rows = n // unit
-        assert torch.equal(buf[1, :, :rows], getattr(theirs, name)[0, :, :rows]), name
+        assert torch.equal(buf[1, :, :rows], want[0, :, :rows]), name
     sinks = getattr(theirs, "sinks", 0)
     if sinks:
         mine = static.kernel_layer

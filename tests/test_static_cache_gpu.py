@@ -248,9 +248,10 @@ def _model(layers: int = 2, head_dim: int = 64):
 
 
 SETTINGS = MethodSettings(bits=2, group_size=16, residual=32)
-METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer", "turboquant"]  # every method the static cache
-# holds (`check_static`); kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`); vecinfer: random codebooks;
-# turboquant: 3 bits with one float16 sink token (the codebook layout)
+METHODS = ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer", "turboquant", "kivi3", "plan"]  # every method the
+# static cache holds (`check_static`); kvlinc-oscar: KVLinC over OScaR-coded keys (`--keys oscar`); vecinfer: random
+# codebooks; turboquant: 3 bits with one float16 sink token (the codebook layout); kivi3: KIVI at 3 bits with one sink
+# (the codebook layout's affine codes); plan: every family mixed per KV head (tests/test_runtime_cache.py), one sink
 
 
 def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTINGS, rank: int = 16):
@@ -260,6 +261,14 @@ def _method(name: str, shape: AttentionShape, settings: MethodSettings = SETTING
         return _vecinfer_on_device(shape, settings.residual)
     if name == "turboquant":
         return build_method(name, shape, MethodSettings(bits=3, residual=settings.residual, sink_tokens=1))
+    if name == "kivi3":
+        return build_method("kivi", shape, dataclasses.replace(settings, bits=3, sink_tokens=1))
+    if name == "plan":
+        from test_runtime_cache import _plan
+
+        method = _plan(shape, settings.residual, "head")
+        method.sink = 1
+        return method
     if name == "kvlinc-oscar":
         name, settings = "kvlinc", dataclasses.replace(settings, keys="oscar")
     method = build_method(name, shape, settings)

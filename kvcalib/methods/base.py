@@ -32,7 +32,7 @@ import torch
 from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
 from ..errors import SettingsError
-from ..formats.codebook.layout import CodebookSpec
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..formats.int2.layout import Int2Spec
 from ..formats.vq.layout import VQBooks
 from ..quant import Quantized
@@ -74,7 +74,9 @@ class KernelLayout:
     - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq.layout`, which
       `kernels_cupy/vq_decode.cu` reads); VecInfer. Read where the INT2 pair is.
     - `codebook_spec`, `codebook_parts`: its blocks in the codebook layout (`kvcalib.formats.codebook.layout`,
-      which `kernels_cupy/codebook_decode.cu` reads); TurboQuant. Read where the INT2 pair is.
+      which `kernels_cupy/codebook_decode.cu` reads); TurboQuant, VecInfer, KIVI and OScaR. The runtime reads them
+      through `codebook_groups` and `codebook_blocks`, which a method mixing formats per KV head (a plan) overrides
+      instead. Read where the INT2 pair is, after it and the VecInfer pair.
     - `rotated_keys`, `rotated_values`: INT2 blocks stored in the Hadamard basis (OScaR; KVLinC's values, and
       its keys with `keys="oscar"`): both caches write them into `PackedLayer`, whose kernel rotates the
       query for them and their partial outputs back.
@@ -110,10 +112,19 @@ class KernelLayout:
         part's codes, books, norms and basis, with `codebook_parts` giving a block's code rows; or None."""
         return None
 
-    def codebook_parts(self, packed: Any) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """(key codes, key norms, value codes, value norms) of a flushed block: code rows (B, Hkv, T, W) int32,
-        norms (B, Hkv, T) float16 or None."""
+    def codebook_parts(self, packed: Any) -> CodedBlock:
+        """A flushed block's code rows, norms, and an affine part's scales and zeros (`CodedBlock`)."""
         raise NotImplementedError(f"{self.name} has no codebook layout")
+
+    def codebook_groups(self, layer: int) -> list[HeadGroup] | None:
+        """The layer's groups of KV heads, each read by one launch of the codebook kernel, and their specs; None where
+        the method has no codebook layout. One group of every head unless a method mixes formats per head."""
+        spec = self.codebook_spec(layer)
+        return None if spec is None else [HeadGroup(None, spec)]
+
+    def codebook_blocks(self, packed: Any) -> list[CodedBlock]:
+        """A flushed block per group of `codebook_groups` (its heads in the group's order)."""
+        return [self.codebook_parts(packed)]
 
     # ---- decoding: a state kept beside the compressed blocks, None at first ----
     def empty_state(self, layer: int, batch: int, kv_heads: int, head_dim: int, device=None) -> Any:

@@ -14,9 +14,10 @@ import torch
 
 from ..defaults import DEFAULTS
 from ..errors import SettingsError
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, affine_part
 from ..formats.int2.layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
-from ..quant import Quantized, dequantize, quantize
+from ..quant import Quantized, dequantize, pack_stream, quantize, unpack_bits
 from .base import Method, MethodSettings
 
 
@@ -64,6 +65,16 @@ class Kivi(Method):
     def int2_parts(self, packed: KiviPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
         return packed.k, packed.v, None
 
+    def codebook_spec(self, layer: int) -> CodebookSpec | None:
+        """Affine keys per channel over groups of G tokens, affine values per token over groups of channels, in the
+        model's basis (`kvcalib.formats.codebook.layout`); OScaR adds its key scale as the norm and its rotation."""
+        c = self.config
+        return CodebookSpec(affine_part(c.bits, token_group=c.group_size),
+                            affine_part(c.bits, channel_group=self.value_group))
+
+    def codebook_parts(self, packed: KiviPacked) -> CodedBlock:
+        return affine_block(packed.k, packed.v)
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> KiviPacked:
         c = self.config
         return KiviPacked(
@@ -80,6 +91,15 @@ class Kivi(Method):
     def settings(self) -> dict:
         return {"bits": self.config.bits, "group_size": self.config.group_size,
                 "value_group_size": self.value_group, "residual": self.config.residual}
+
+
+def affine_block(k: Quantized, v: Quantized, knorm: torch.Tensor | None = None) -> CodedBlock:
+    """Blocks in `kvcalib.quant`'s layout as the codebook layout holds them: each token's codes one bit stream
+    (keys are packed along tokens there: unpacked and packed again along channels), scales and zeros as they are."""
+    kc = pack_stream(unpack_bits(k.codes, k.bits, -2, k.length), k.bits)
+    vc = pack_stream(unpack_bits(v.codes, v.bits, -1, v.length), v.bits)
+    return CodedBlock(kc, knorm, vc, None, kscale=k.scale.half(), kzero=k.zero.half(), vscale=v.scale.half(),
+                      vzero=v.zero.half())
 
 
 SETTINGS = ("bits", "group_size", "residual")

@@ -214,6 +214,9 @@ class Kvlinc(Kivi):
         k = dequantize(packed.k)
         return (decode_keys(k, packed.k_scale, True) if self.keys == "oscar" else k), rotate(dequantize(packed.v))
 
+    def codebook_spec(self, layer: int) -> None:
+        return None  # its correction terms are the INT2 kernel's alone
+
     def int2_parts(self, packed: KvlincPacked):
         return packed.k, packed.v, None if packed.k_scale is None else packed.k_scale[..., 0]
 

@@ -36,7 +36,8 @@ from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel, attention_shape
 from ..quant import Quantized
 from .base import MethodSettings
-from .kivi import Kivi, KiviConfig, KiviPacked
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, affine_part
+from .kivi import Kivi, KiviConfig, KiviPacked, affine_block
 
 SCALINGS = ("l2", "rsqrt", "max", "mean-abs", "none")
 _FP16_TINY = 2.0**-14  # smallest normal float16: a zero token keeps a finite, storable coefficient
@@ -95,6 +96,7 @@ class Oscar(Kivi):
 
     def __init__(self, config: OscarConfig, shape: AttentionShape):
         super().__init__(config, shape)
+        self.head_dim = shape.head_dim
         if config.rotation:
             hadamard(shape.head_dim)  # refuses an odd head_dim now, not mid-evaluation
 
@@ -109,6 +111,16 @@ class Oscar(Kivi):
     def int2_parts(self, packed: OscarPacked) -> tuple[Quantized, Quantized, torch.Tensor | None]:
         norms = None if packed.k_scale is None else packed.k_scale[..., 0]
         return packed.kivi.k, packed.kivi.v, norms
+
+    def codebook_spec(self, layer: int) -> CodebookSpec:
+        """KIVI's affine parts, the key scale as the keys' norm, H as both parts' basis."""
+        c = self.config
+        basis = hadamard(self.head_dim, torch.float32)[None] if c.rotation else None
+        return CodebookSpec(affine_part(c.bits, token_group=c.group_size, norm=c.scaling != "none", basis=basis),
+                            affine_part(c.bits, channel_group=self.value_group, basis=basis))
+
+    def codebook_parts(self, packed: OscarPacked) -> CodedBlock:
+        return affine_block(packed.kivi.k, packed.kivi.v, None if packed.k_scale is None else packed.k_scale[..., 0])
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> OscarPacked:
         c = self.config

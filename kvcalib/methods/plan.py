@@ -16,8 +16,10 @@ head of a layer takes the same scheme). Format: a flushed block of a layer is, f
 values, one block per group of KV heads that share a scheme, packed by that scheme in its own layout
 (`kivi.py`, `oscar.py`, `turboquant.py`; KV heads are independent in all three); its stored bits are the
 keys' parts of the key groups and the values' parts of the value groups (`Method.part_bits`). The reference reads each back with
-its scheme, in the original basis (OScaR's `decompress` rotates back), so the plan declares no rotated
-basis and no INT2 layout: the runtime runs the torch reference over it.
+its scheme, in the original basis (OScaR's `decompress` rotates back). Every scheme declares the codebook layout
+(`kvcalib.formats.codebook.layout`), so the plan declares it per group of KV heads that share a key scheme and a
+value scheme (`codebook_groups`, `codebook_blocks`): the runtime launches the codebook kernel once per such group,
+each over its own heads' codes, reading the layer's float16 sinks and residual.
 
 All schemes of a plan flush under one rule (`kvcalib.methods.base`): blockwise, blocks of R; sliding, steps
 of `flush_step`, the least common multiple of every candidate's step when the plan was measured, so
@@ -43,6 +45,7 @@ import torch
 
 from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..models import AttentionShape, LoadedModel
 from .. import vq
 from .base import Method, MethodSettings, kv_head_part
@@ -146,6 +149,21 @@ def codebook_name(layer: int, part: str, book: int | str) -> str:
     return f"layers.{layer}.{part}_codebook_" + (f"b{book}" if isinstance(book, int) else book)
 
 
+_INDEX: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}  # `heads_of`'s index tensors, per device
+
+
+def heads_of(x: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """x[:, index]: a slice where the heads are a run, else an index tensor made once per device (a captured step may
+    not copy one from the host: the static cache's first flush, uncaptured, makes it)."""
+    if index == list(range(index[0], index[0] + len(index))):
+        return x[:, index[0] : index[0] + len(index)]
+    key = (tuple(index), x.device)
+    held = _INDEX.get(key)
+    if held is None:
+        held = _INDEX[key] = torch.tensor(index, device=x.device)
+    return x.index_select(1, held)
+
+
 @dataclass
 class PlanPacked:
     layer: int
@@ -198,6 +216,39 @@ class Plan(Method):
     def flush_step(self) -> int:
         return self._flush_step
 
+    def _pairs(self, layer: int) -> list[tuple[tuple[int, ...], int, list[int], int, list[int]]]:
+        """The layer's KV heads grouped by (key group, value group) of `groups`: per pair, its heads in ascending
+        order, the key group's index and their positions in it, the value group's and theirs."""
+        where = {part: {h: (i, pos) for i, (heads, _) in enumerate(self.groups[part][layer]) for pos, h in enumerate(heads)}
+                 for part in PARTS}
+        pairs: dict[tuple[int, int], list[int]] = {}
+        for h in range(self.shape.num_kv_heads):
+            pairs.setdefault((where["k"][h][0], where["v"][h][0]), []).append(h)
+        return [(tuple(heads), ki, [where["k"][h][1] for h in heads], vi, [where["v"][h][1] for h in heads])
+                for (ki, vi), heads in pairs.items()]
+
+    def codebook_groups(self, layer: int) -> list[HeadGroup] | None:
+        """One group per pair of key and value schemes among the layer's KV heads: the key scheme's key part and the
+        value scheme's value part, each for those heads (books and bases kept per head sliced)."""
+        out = []
+        for heads, ki, kpos, vi, vpos in self._pairs(layer):
+            kspec = self.groups["k"][layer][ki][1].codebook_spec(layer)
+            vspec = self.groups["v"][layer][vi][1].codebook_spec(layer)
+            if kspec is None or vspec is None:
+                return None
+            out.append(HeadGroup(heads, CodebookSpec(kspec.key.heads(kpos), vspec.value.heads(vpos))))
+        return out
+
+    def codebook_blocks(self, packed: PlanPacked) -> list[CodedBlock]:
+        layer, out = packed.layer, []
+        for _, ki, kpos, vi, vpos in self._pairs(layer):
+            kb = self.groups["k"][layer][ki][1].codebook_parts(packed.k[ki])
+            vb = self.groups["v"][layer][vi][1].codebook_parts(packed.v[vi])
+            pick = lambda x, pos: None if x is None else heads_of(x, pos)  # noqa: E731
+            out.append(CodedBlock(pick(kb.kcodes, kpos), pick(kb.knorm, kpos), pick(vb.vcodes, vpos), pick(vb.vnorm, vpos),
+                                  pick(kb.kscale, kpos), pick(kb.kzero, kpos), pick(vb.vscale, vpos), pick(vb.vzero, vpos)))
+        return out
+
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PlanPacked:
         done: dict[tuple, Any] = {}  # a group whose keys and values share heads and coder is packed once
         packed = {}
@@ -206,7 +257,7 @@ class Plan(Method):
             for heads, coder in self.groups[part][layer]:
                 key = (id(coder), tuple(heads))
                 if key not in done:
-                    done[key] = coder.compress(layer, k[:, heads], v[:, heads])
+                    done[key] = coder.compress(layer, heads_of(k, heads), heads_of(v, heads))
                 packed[part].append(done[key])
         return PlanPacked(layer=layer, k=packed["k"], v=packed["v"])
 

@@ -74,7 +74,7 @@ import torch
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
-from ..formats.codebook.layout import CodebookSpec, CodedPart
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
 from .. import vq
@@ -320,8 +320,8 @@ class TurboQuant(Method):
         book = self._centroids32.view(1, 1, -1, 1) if centroids is None else centroids.float().unsqueeze(-1)
         return CodedPart(self.config.bits, 1, book, True, basis)
 
-    def codebook_parts(self, packed: TurboQuantPacked):
-        return packed.k.codes, packed.k.norm[..., 0], packed.v.codes, packed.v.norm[..., 0]
+    def codebook_parts(self, packed: TurboQuantPacked) -> CodedBlock:
+        return CodedBlock(packed.k.codes, packed.k.norm[..., 0], packed.v.codes, packed.v.norm[..., 0])
 
     def constant_bits(self) -> int:
         return 0 if self.books is None else 16 * sum(k.numel() + v.numel() for k, v in self.books)

@@ -41,8 +41,9 @@ from .. import vq
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
-from ..hadamard import rotate
+from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
 from .base import DeviceCopies, Method, MethodSettings
 
@@ -178,6 +179,23 @@ class VecInfer(Method):
     def vq_parts(self, packed: VecInferPacked) -> tuple[torch.Tensor, torch.Tensor]:
         return packed.k, packed.v
 
+    def codebook_spec(self, layer: int) -> CodebookSpec:
+        """Vector codes without norms: values as coded, keys k = (y H) λ, so B = H diag(λ) per KV head
+        (`kvcalib.formats.codebook.layout`)."""
+        c, books = self.config, self.layers[layer]
+        d = self.shape.head_dim
+        basis = hadamard(d, torch.float32) if c.hadamard else None
+        if books.smooth is not None:
+            lam = books.smooth.float()  # (Hkv, d)
+            basis = (basis[None] if basis is not None else torch.eye(d)[None]) * lam[:, None, :]
+        elif basis is not None:
+            basis = basis[None]
+        return CodebookSpec(CodedPart(c.k.bits, c.k.dim, books.k.float()[:, None], False, basis),
+                            CodedPart(c.v.bits, c.v.dim, books.v.float()[:, None], False, None))
+
+    def codebook_parts(self, packed: VecInferPacked) -> CodedBlock:
+        return CodedBlock(byte_rows_as_words(packed.k), None, byte_rows_as_words(packed.v), None)
+
     def part_bits(self, packed: VecInferPacked) -> tuple[int, int]:
         return 8 * packed.k.numel(), 8 * packed.v.numel()
 
@@ -189,6 +207,15 @@ class VecInfer(Method):
         c = self.config
         return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
                 "hadamard": c.hadamard, "sink_tokens": self.sink, "residual": self.residual}
+
+
+def byte_rows_as_words(rows: torch.Tensor) -> torch.Tensor:
+    """`kvcalib.vq`'s code rows (..., bytes) uint8 as int32 words (`quant.pack_stream`'s layout: the same bit stream,
+    least significant bit first, read four bytes a word on a little-endian device), zero-padded to whole words."""
+    rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4))
+    b = rows.to(torch.int64)
+    words = b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:

@@ -20,10 +20,11 @@ model's attention runs through the registered attention function `kvcalib_runtim
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
   class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
-  `vq_books`, `vq_parts`, `codebook_spec`, `codebook_parts`): on CUDA, where `kvcalib.formats.int2.launch.supports`
-  the method's blocks (kivi, kvlinc, oscar today), `kvcalib.formats.vq.launch.supports` them (vecinfer) or
-  `kvcalib.formats.codebook.launch.supports` them (turboquant), a fused kernel of `kernels_cupy/` reads them;
-  elsewhere the torch reference (`Method.decode` over the dequantized blocks and the float16 residual) runs.
+  `vq_books`, `vq_parts`, `codebook_groups`, `codebook_blocks`): on CUDA, where `kvcalib.formats.int2.launch.supports`
+  the method's blocks (kivi, kvlinc, oscar at 2 bits), `kvcalib.formats.vq.launch.supports` them (vecinfer) or
+  `kvcalib.formats.codebook.launch.supports` them (turboquant, kivi and oscar at other widths, a plan), a fused kernel
+  of `kernels_cupy/` reads them (`kernel_family` says which, in that order); elsewhere the torch reference
+  (`Method.decode` over the dequantized blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
 
@@ -42,7 +43,8 @@ from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_a
 from ..errors import SettingsError
 from ..formats.codebook.launch import codebook_decode
 from ..formats.codebook.launch import supports as codebook_supports
-from ..formats.codebook.layout import CodebookLayer, CodebookSpec
+from ..formats.codebook.layout import BUFFERS as CODEBOOK_BUFFERS
+from ..formats.codebook.layout import CodebookLayer, HeadGroup
 from ..formats.codebook.layout import append_block as codebook_append
 from ..formats.codebook.layout import flushed_kv as codebook_flushed_kv
 from ..formats.int2.launch import fused_decode, supports
@@ -87,7 +89,7 @@ class CompressedLayer(CacheLayerMixin):
         self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
         self.vq: VQLayer | None = None  # VecInfer's code rows in the VecInfer kernel's layout, CUDA only
         self.codebook: CodebookLayer | None = None  # code rows and norms in the codebook kernel's layout, CUDA only
-        self._codebook_spec: CodebookSpec | None = None  # the method's `codebook_spec` of this layer, on its device
+        self._codebook_groups: list[HeadGroup] | None = None  # the method's `codebook_groups` of this layer, on its device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -151,8 +153,9 @@ class CompressedLayer(CacheLayerMixin):
                                     books.vbook.to(k16.device), books.k_bits, books.v_bits, k16[..., :sinks, :],
                                     v16[..., :sinks, :], self.k_res, self.v_res,
                                     None if books.smooth is None else books.smooth.to(k16.device), books.hadamard)
-            elif self.use_fused and codebook_supports(spec := self.codebook_spec(k16.device), k16.shape[-1], k16.device):
-                self.codebook = codebook_append(self.codebook, spec, *self.method.codebook_parts(packed),
+            elif self.use_fused and codebook_supports(specs(groups := self.codebook_groups(k16.device)), k16.shape[-1],
+                                                      k16.device):
+                self.codebook = codebook_append(self.codebook, groups, self.method.codebook_blocks(packed),
                                                 k16[..., :sinks, :], v16[..., :sinks, :], self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
@@ -161,12 +164,12 @@ class CompressedLayer(CacheLayerMixin):
             if kernel_layer is not None:
                 kernel_layer.kres, kernel_layer.vres, kernel_layer.residual = self.k_res, self.v_res, self.k_res.shape[2]
 
-    def codebook_spec(self, device: torch.device) -> CodebookSpec | None:
-        """The method's `codebook_spec` of this layer on `device`, made once."""
-        if self._codebook_spec is None:
-            spec = self.method.codebook_spec(self.layer)
-            self._codebook_spec = None if spec is None else spec.to(device)
-        return self._codebook_spec
+    def codebook_groups(self, device: torch.device) -> list[HeadGroup] | None:
+        """The method's `codebook_groups` of this layer on `device`, made once."""
+        if self._codebook_groups is None:
+            groups = self.method.codebook_groups(self.layer)
+            self._codebook_groups = None if groups is None else [g.to(device) for g in groups]
+        return self._codebook_groups
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
@@ -238,15 +241,14 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
     """One line: which of the method's layers a decode step reads through a fused kernel, which through the
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
-    kernel = ["INT2" if fused and supports(method.int2_spec(), shape.head_dim, device, gqa)
-              else "VecInfer" if fused and vq_supports(method.vq_books(i), shape.head_dim, device, gqa)
-              else "codebook" if fused and codebook_supports(method.codebook_spec(i), shape.head_dim, device, gqa)
-              else "torch" for i in range(shape.num_layers)]
+    names = {"int2": "INT2", "vq": "VecInfer", "codebook": "codebook", None: "torch"}
+    kernel = [names[kernel_family(method, i, shape.head_dim, device, gqa) if fused else None]
+              for i in range(shape.num_layers)]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
                       for k in dict.fromkeys(kernel))
     line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
     try:
-        check_static(method, shape.head_dim, device, gqa)
+        check_static(method, shape.head_dim, device, gqa, shape.num_layers)
     except SettingsError as why:
         return f"{line} ({why})"
     return (f"{line}; StaticKvcalibCache(model, method, max_batch=B, max_length=N) in model.generate replays each "
@@ -287,13 +289,30 @@ def for_this_rank(model, method: Method, shape) -> Method:
     return method.for_kv_heads(rank * per, (rank + 1) * per)
 
 
-def check_static(method: Method, head_dim: int, device: torch.device, gqa: int) -> None:
-    """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s docstring)."""
+def specs(groups: list[HeadGroup] | None):
+    """The specs of a layer's groups of heads (`Method.codebook_groups`), None for none."""
+    return None if groups is None else [g.spec for g in groups]
+
+
+def kernel_family(method: Method, layer: int, head_dim: int, device: torch.device, gqa: int) -> str | None:
+    """Which fused kernel reads the layer's flushed blocks: "int2", "vq" or "codebook", the first whose `supports`
+    holds the method's declaration, in that order; None: none does (the torch reference runs)."""
+    if supports(method.int2_spec(), head_dim, device, gqa):
+        return "int2"
+    if method.int2_spec() is None and vq_supports(method.vq_books(layer), head_dim, device, gqa):
+        return "vq"
+    if codebook_supports(specs(method.codebook_groups(layer)), head_dim, device, gqa):
+        return "codebook"
+    return None
+
+
+def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, layers: int = 1) -> None:
+    """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s
+    docstring): every one of its `layers` must have one fused kernel, the same for all."""
+    families = {kernel_family(method, i, head_dim, device, gqa) for i in range(layers)}
+    family = families.pop() if len(families) == 1 else None
+    int2, vecinfer, codebook = family == "int2", family == "vq", family == "codebook"
     spec = method.int2_spec()
-    int2 = spec is not None and supports(spec, head_dim, device, gqa)
-    # VecInfer's and the codebook layout's layers share one configuration: layer 0's stands for all
-    vecinfer = spec is None and vq_supports(method.vq_books(0), head_dim, device, gqa)
-    codebook = not (int2 or vecinfer) and codebook_supports(method.codebook_spec(0), head_dim, device, gqa)
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
@@ -378,8 +397,23 @@ def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpt
 
 # The flushed buffers of each kernel layout, (B, Hkv, capacity, ...): what `_RowsSideBySide` stacks.
 _FLUSHED_BUFFERS = {PackedLayer: ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
-                    VQLayer: ("kcodes", "vcodes"),
-                    CodebookLayer: ("kcodes", "knorm", "vcodes", "vnorm", "ksink", "vsink")}
+                    VQLayer: ("kcodes", "vcodes")}
+
+
+def _flushed_slots(layout) -> list[tuple[Any, str]]:
+    """Where a layout keeps its flushed buffers, as (holder, attribute): a codebook layer's in each group of heads,
+    and its float16 sinks in itself."""
+    if isinstance(layout, CodebookLayer):
+        return [(g, n) for g in layout.groups for n in CODEBOOK_BUFFERS] + [(layout, "ksink"), (layout, "vsink")]
+    return [(layout, n) for n in _FLUSHED_BUFFERS[type(layout)]]
+
+
+def _layout_copy(layout):
+    """A copy of the layout whose buffers may be replaced without touching the original's (its groups' too)."""
+    out = dataclasses.replace(layout)
+    if isinstance(layout, CodebookLayer):
+        out.groups = [dataclasses.replace(g) for g in layout.groups]
+    return out
 
 
 class _RowsSideBySide:
@@ -403,23 +437,21 @@ class _RowsSideBySide:
                    counts: "_Counts") -> tuple[PackedLayer | VQLayer, tuple[torch.Tensor, torch.Tensor]]:
         """The stacked layout, its `length` and `residual` the launch's sizes (the longest row's flushed tokens,
         the residual buffer's rows), and the counts (flushed, residual) int32 (B,) on the device."""
-        names = _FLUSHED_BUFFERS[type(parts[0])]
-        now = [tuple(getattr(p, n) for n in names) for p in parts]
+        slots = [_flushed_slots(p) for p in parts]
+        now = [tuple(getattr(o, n) for o, n in s) for s in slots]
         if self.layout is None or any(x is not y for a, b in zip(now, self.held) for x, y in zip(a, b)):
-            stacked = {}
-            for n in names:
-                like = getattr(parts[0], n)
+            self.layout = _layout_copy(parts[0])
+            for i, (holder, n) in enumerate(_flushed_slots(self.layout)):
+                like = now[0][i]
                 if like is None:  # e.g. no key norms (KIVI)
-                    stacked[n] = None
                     continue
-                cap = max(getattr(p, n).shape[2] for p in parts)
+                cap = max(row[i].shape[2] for row in now)
                 out = like.new_zeros(len(parts), like.shape[1], cap, *like.shape[3:])
-                for b, p in enumerate(parts):
-                    out[b : b + 1, :, : getattr(p, n).shape[2]] = getattr(p, n)
-                    setattr(p, n, out[b : b + 1])  # the row now writes into the stack
-                stacked[n] = out
-            self.layout = dataclasses.replace(parts[0], **stacked)
-            self.held = [tuple(getattr(p, n) for n in names) for p in parts]
+                for b, (row, s) in enumerate(zip(now, slots)):
+                    out[b : b + 1, :, : row[i].shape[2]] = row[i]
+                    setattr(*s[i], out[b : b + 1])  # the row now writes into the stack
+                setattr(holder, n, out)
+            self.held = [tuple(getattr(o, n) for o, n in s) for s in slots]
         k0 = residuals[0][0]
         width = max(16, -(-max(k.shape[2] for k, _ in residuals) // 16) * 16)
         kres = k0.new_zeros(len(parts), k0.shape[1], width, k0.shape[3], dtype=torch.float16)
@@ -484,7 +516,7 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
         return vq_attend(query, packed, opts.scaling, counts=counts)
     # every row that flushed holds the same sinks (a block holds them all: `check_static`'s limit)
     if all(row.codebook is not None and row.codebook.sinks == min(method.sink, method.block) for row in rows) \
-            and codebook_supports(rows[0].codebook.spec, d, query.device, gqa, opts):
+            and codebook_supports(rows[0].codebook.specs, d, query.device, gqa, opts):
         packed, counts = layer.side_by_side.layout_for([row.codebook for row in rows], residuals, layer.padding.counts)
         return codebook_attend(query, packed, opts.scaling, counts=counts)
     return None
@@ -550,7 +582,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     if layer.vq is not None and q.shape[-2] == 1 and vq_supports(method.vq_books(layer.layer), q.shape[-1], q.device,
                                                                   gqa, opts):
         return vq_attend(q, layer.vq, opts.scaling)
-    if layer.codebook is not None and q.shape[-2] == 1 and codebook_supports(layer.codebook.spec, q.shape[-1], q.device,
+    if layer.codebook is not None and q.shape[-2] == 1 and codebook_supports(layer.codebook.specs, q.shape[-1], q.device,
                                                                              gqa, opts):
         return codebook_attend(q, layer.codebook, opts.scaling)
     k_held, v_held = layer.held(compute_dtype(q))

@@ -53,9 +53,9 @@ while the others keep their state. A prompt is prefilled into its slot on its ow
 never the whole batch's.
 
 Methods: those whose flushed blocks a fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
-at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer; `Method.codebook_spec`:
-TurboQuant, with float16 sink tokens, written beside its codes at a sequence's first flush); others are
-refused with the reason. What a
+at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer; `Method.codebook_groups`:
+TurboQuant, KIVI and OScaR at other widths, and a plan, one group of KV heads per pair of schemes, with float16
+sink tokens, written beside the codes at a sequence's first flush); others are refused with the reason. What a
 method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
 - a rotated basis (OScaR's keys and values, KVLinC's values): the flushed blocks are stored rotated
   (`PackedLayer.rotated_keys`/`rotated_values`) and the kernel rotates the query for them and their
@@ -77,14 +77,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
-from ..formats.codebook.layout import CodebookLayer
+from ..formats.codebook.layout import BUFFERS as CODEBOOK_BUFFERS
+from ..formats.codebook.layout import CodebookLayer, CodedRows, head_map
 from ..formats.int2.layout import PackedLayer, kernel_parts
 from ..formats.vq.layout import VQLayer
 from ..hadamard import hadamard
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
 from .cache import (IMPLEMENTATION, check_static, codebook_attend, for_this_rank, fused_attend, hand_to_attention,
-                    register_attention, tensor_parallel_size, vq_attend)
+                    kernel_family, register_attention, tensor_parallel_size, vq_attend)
 from . import slots
 from .captured import CapturedDecoder, Decoder, compile_mode
 
@@ -104,9 +105,13 @@ class StaticLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
-                 device: torch.device):
+                 device: torch.device, gqa: int = 1):
         super().__init__()
         spec, books = method.int2_spec(), method.vq_books(layer)
+        # the layout as the GPU's kernel reads it (`check_static` has held every layer to one kernel); where none reads
+        # these shapes (the host side alone, on the CPU), the first the method declares
+        family = kernel_family(method, layer, head_dim, torch.device("cuda"), gqa) or (
+            "int2" if spec is not None else "vq" if books is not None else "codebook")
         r = method.block
         room = capacity + r
 
@@ -117,8 +122,8 @@ class StaticLayer(CacheLayerMixin):
         blank = zeros(1, kv_heads, r, head_dim, dtype=torch.float32)
         self.packed: PackedLayer | None = None  # INT2 blocks (`Method.int2_spec`) ...
         self.vq: VQLayer | None = None  # ... or VecInfer code rows (`Method.vq_books`) ...
-        self.codebook: CodebookLayer | None = None  # ... or code rows and norms (`Method.codebook_spec`)
-        if spec is not None:
+        self.codebook: CodebookLayer | None = None  # ... or code rows and norms (`Method.codebook_groups`)
+        if family == "int2":
             g, gv = spec.group_size, spec.value_group_size
             probe = method.int2_parts(method.compress(layer, blank, blank))
             self.packed = PackedLayer(
@@ -130,17 +135,20 @@ class StaticLayer(CacheLayerMixin):
                 length=capacity, residual=r, group_size=g, value_group_size=gv,
                 knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
                 rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
-        elif books is None:
-            kc, kn, vc, vn = method.codebook_parts(method.compress(layer, blank, blank))
+        elif family == "codebook":
+            groups = method.codebook_groups(layer)
+            blocks = method.codebook_blocks(method.compress(layer, blank, blank))
+            rows = []
+            for group, block in zip(groups, blocks):
+                mine = CodedRows(group.spec.to(device), head_map(group.heads, device), None, None, None, None)
+                for n in CODEBOOK_BUFFERS:  # as the block has them, `room` tokens
+                    if (x := getattr(block, n)) is not None:
+                        setattr(mine, n, zeros(batch, x.shape[1], room // mine.unit(n), *x.shape[3:], dtype=x.dtype))
+                rows.append(mine)
             s = method.sink  # sink rows, and as many of slack for the masked write of the first flush (`append`)
             self.codebook = CodebookLayer(
-                zeros(batch, kv_heads, room, kc.shape[-1], dtype=torch.int32),
-                zeros(batch, kv_heads, room) if kn is not None else None,
-                zeros(batch, kv_heads, room, vc.shape[-1], dtype=torch.int32),
-                zeros(batch, kv_heads, room) if vn is not None else None,
-                zeros(batch, kv_heads, 2 * s, head_dim), zeros(batch, kv_heads, 2 * s, head_dim),
-                zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, s,
-                method.codebook_spec(layer).to(device))
+                rows, zeros(batch, kv_heads, 2 * s, head_dim), zeros(batch, kv_heads, 2 * s, head_dim),
+                zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, s)
         else:
             kc, vc = method.vq_parts(method.compress(layer, blank, blank))
             none = zeros(batch, kv_heads, 0, head_dim)
@@ -177,8 +185,8 @@ class StaticLayer(CacheLayerMixin):
         packed = m.compress(self.layer, k16.float(), v16.float())
         if self.vq is not None:  # code rows as they are (VecInfer keeps no decoding state: `check_static`)
             return list(m.vq_parts(packed)), None
-        if self.codebook is not None:  # code rows and the norms the format stores
-            return [t for t in m.codebook_parts(packed) if t is not None], None
+        if self.codebook is not None:  # each group's code rows, norms, scales and zeros, as the format stores them
+            return [getattr(b, n) for b in m.codebook_blocks(packed) for n in b.present()], None
         kq, vq, norms = m.int2_parts(packed)
         kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
         parts = [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero] + ([norms] if norms is not None else [])
@@ -193,8 +201,7 @@ class StaticLayer(CacheLayerMixin):
         if self.vq is not None:
             return [(self.vq.kcodes, 1), (self.vq.vcodes, 1)]
         if self.codebook is not None:
-            c = self.codebook
-            return [(t, 1) for t in (c.kcodes, c.knorm, c.vcodes, c.vnorm) if t is not None]
+            return [(getattr(g, n), g.unit(n)) for g in self.codebook.groups for n in g.present()]
         p, g = self.packed, self.packed.group_size
         norms = [(p.knorm, 1)] if p.knorm is not None else []
         return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
@@ -308,14 +315,15 @@ class StaticKvcalibCache(Cache):
         method = for_this_rank(lm.model, method, shape)
         devices = layer_devices(lm.model, shape.num_layers)  # each layer's buffers on its layer's GPU
         for device in dict.fromkeys(devices):
-            check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads)
+            check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads, shape.num_layers)
         if max_batch < 1 or max_length < 1:
             raise SettingsError(f"max_batch and max_length must be positive, got {max_batch} and {max_length}")
         r = method.block
         self.method, self.max_batch, self.max_length = method, max_batch, max_length
         capacity = -(-max_length // r) * r
         super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads // ranks,
-                                             shape.head_dim, devices[i]) for i in range(shape.num_layers)])
+                                             shape.head_dim, devices[i], shape.num_heads // shape.num_kv_heads)
+                                 for i in range(shape.num_layers)])
         self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush

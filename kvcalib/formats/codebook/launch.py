@@ -1,7 +1,8 @@
 """The fused codebook decode kernel (kernels_cupy/codebook_decode.cu): what it can read, and its launch.
 
 `supports` is the one statement of the kernel's input limits; the layout it reads and the float64 reference it is
-tested against are `kvcalib.formats.codebook.layout`.
+tested against are `kvcalib.formats.codebook.layout`. A layer of several groups of heads (a plan's) is one launch a
+group, each writing its own query heads of the output.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def _reads(part: KernelBook, head_dim: int) -> bool:
             and part.bits <= 16)
 
 
+def _affine_reads(key: CodedPart, value: CodedPart, head_dim: int) -> bool:
+    """Affine keys per channel over groups of tokens that whole 16-token tiles fill; affine values per token over
+    groups of channels that hold whole lane shares (head_dim / 8 channels) and tile the head; nothing else."""
+    return (not key.channel_group and not value.token_group
+            and (not key.token_group or key.token_group % 16 == 0)
+            and (not value.channel_group or (value.channel_group % (head_dim // 8) == 0
+                                             and head_dim % value.channel_group == 0)))
+
+
 def _book_bytes(part: KernelBook) -> int:
     p, e, dim = part.book.shape[1:]
     pad = max(2, dim) if p > 1 else 0
@@ -79,72 +89,80 @@ def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int) ->
     return max(_book_bytes(key) + _book_bytes(value), 4 * WARPS * gqa * (head_dim + 2))
 
 
-def supports(spec: CodebookSpec | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
-    """Whether the kernel reads blocks of this spec: on CUDA, head_dim 64, 128 or 256, at most 8 query heads per KV
-    head, codes whose lane shares are whole (scalar codes, vector codes of up to head_dim / 8 coordinates), books
-    that fit shared memory; and, given the call's `kvcalib.attention.AttentionOptions`, plain softmax attention
-    (no softcap, no sliding window)."""
-    if spec is None or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
+def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
+    """Whether the kernel reads blocks of these specs (a layer's groups of heads): on CUDA, head_dim 64, 128 or 256,
+    at most 8 query heads per KV head, codes whose lane shares are whole (scalar codes, vector codes of up to
+    head_dim / 8 coordinates), affine groups as `_affine_reads` says, books that fit shared memory; and, given the
+    call's `kvcalib.attention.AttentionOptions`, plain softmax attention (no softcap, no sliding window)."""
+    if not specs or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
         return False
     if opts is not None and (opts.softcap or opts.sliding_window):
         return False
-    key, value = kernel_book(spec.key), kernel_book(spec.value)
-    return (_reads(key, head_dim) and _reads(value, head_dim)
-            and shared_bytes(key, value, gqa, head_dim) <= SHARED_LIMIT)
+    for spec in specs:
+        key, value = kernel_book(spec.key), kernel_book(spec.value)
+        if not (_reads(key, head_dim) and _reads(value, head_dim) and _affine_reads(spec.key, spec.value, head_dim)
+                and shared_bytes(key, value, gqa, head_dim) <= SHARED_LIMIT):
+            return False
+    return True
 
 
 def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
-                    counts: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
-                    checked: bool = False) -> torch.Tensor:
-    """q (B, Hq, D) fp16/bf16 on CUDA, in the model's basis -> (B, Hq, D) in q's dtype: attention over `layer`.
+                    counts: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
+    """q (B, Hq, D) fp16/bf16 on CUDA, in the model's basis -> (B, Hq, D) in q's dtype: attention over `layer`, one
+    launch a group of heads (each writes its own query heads).
 
     `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own (a static cache: the launch is the
-    same at every step and can be captured); `layer.length` and `layer.residual` are then capacities.
-    `out`: where a plan's group of KV heads (`layer.head_map`) writes its query heads' outputs; the others are
-    left as they are."""
-    if out is None:
-        out = torch.empty_like(q)
+    same at every step and can be captured); `layer.length` and `layer.residual` are then capacities."""
+    out = torch.empty_like(q)
     flushed, residual = counts if counts is not None else (None, None)
-    spec = layer.spec
-    key, value = kernel_book(spec.key), kernel_book(spec.value)
-    torch.ops.kvcalib.codebook_decode(
-        q, out, layer.kcodes, layer.knorm, layer.vcodes, layer.vnorm, key.book, value.book,
-        spec.key.basis, spec.value.basis, layer.ksink, layer.vsink, layer.kres, layer.vres, layer.head_map, flushed,
-        residual, layer.length, layer.residual, layer.sinks, key.bits, key.dim, spec.key.norm,
-        value.bits, value.dim, spec.value.norm, layer.kv_heads, scaling, checked)
+    for rows in layer.groups:
+        spec = rows.spec
+        key, value = kernel_book(spec.key), kernel_book(spec.value)
+        torch.ops.kvcalib.codebook_decode(
+            q, out, rows.kcodes, rows.knorm, rows.kscale, rows.kzero, rows.vcodes, rows.vnorm, rows.vscale,
+            rows.vzero, key.book, value.book, spec.key.basis, spec.value.basis, layer.ksink, layer.vsink, layer.kres,
+            layer.vres, rows.head_map, flushed, residual, layer.length, layer.residual, layer.sinks, key.bits, key.dim,
+            spec.key.norm, spec.key.token_group, value.bits, value.dim, spec.value.norm, spec.value.channel_group,
+            scaling, checked)
     return out
 
 
 @torch.library.custom_op("kvcalib::codebook_decode", mutates_args=("out",))
 def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knorm: torch.Tensor | None,
-                     vcodes: torch.Tensor, vnorm: torch.Tensor | None, kbook: torch.Tensor, vbook: torch.Tensor,
-                     kbasis: torch.Tensor | None, vbasis: torch.Tensor | None, ksink: torch.Tensor,
-                     vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor, head_map: torch.Tensor | None,
-                     flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
-                     sinks: int, kbits: int, kdim: int, knormed: bool, vbits: int, vdim: int, vnormed: bool,
-                     kv_heads: int, scaling: float, checked: bool) -> None:
-    """`codebook_decode` with the layout spelled out as the op's arguments (a custom op takes tensors and scalars
-    only); it checks the inputs and launches on torch's current stream."""
+                     kscale: torch.Tensor | None, kzero: torch.Tensor | None, vcodes: torch.Tensor,
+                     vnorm: torch.Tensor | None, vscale: torch.Tensor | None, vzero: torch.Tensor | None,
+                     kbook: torch.Tensor, vbook: torch.Tensor, kbasis: torch.Tensor | None, vbasis: torch.Tensor | None,
+                     ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
+                     head_map: torch.Tensor | None, flushed: torch.Tensor | None, residual: torch.Tensor | None,
+                     length: int, residual_len: int, sinks: int, kbits: int, kdim: int, knormed: bool,
+                     ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, scaling: float,
+                     checked: bool) -> None:
+    """`codebook_decode` for one group of heads with the layout spelled out as the op's arguments (a custom op takes
+    tensors and scalars only); it checks the inputs and launches on torch's current stream."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
     b, hq, d = q.shape
-    h = kres.shape[1]
-    if (head_map is not None and head_map.shape != (h,)) or hq % (kv_heads or h):
-        raise ValueError(f"the query's {hq} heads are not a whole number per KV head ({kv_heads or h}), or the "
-                         f"head map does not name each of the layer's {h} heads")
-    gqa = hq // (kv_heads or h)
+    hr, h = kres.shape[1], kcodes.shape[1]  # the layer's KV heads (rows), the group's (codes)
+    if (head_map is None and h != hr) or (head_map is not None and head_map.shape != (h,)) or hq % hr:
+        raise ValueError(f"the query's {hq} heads are not a whole number per KV head ({hr}), or the group's {h} "
+                         "heads are not named by its head map")
+    gqa = hq // hr
     key, value = KernelBook(kbook, kbits, kdim), KernelBook(vbook, vbits, vdim)
     if (q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not q.is_cuda or d not in HEAD_DIMS
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
+            or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
+            or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
             or shared_bytes(key, value, gqa, d) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
-        t for t in (knorm, vnorm, kbasis, vbasis, head_map) if t is not None]
+        t for t in (knorm, vnorm, kbasis, vbasis, head_map, kscale, kzero, vscale, vzero) if t is not None]
     if not all(t.is_contiguous() and t.device == q.device for t in tensors):
         raise ValueError("codebook decode reads dense buffers on the query's device")
+    if ktokens and kscale.shape[2] * ktokens < kcodes.shape[2] or vchannels and vscale.shape[2] < vcodes.shape[2]:
+        raise ValueError("an affine part's scales must cover its codes")
     if kbook.dtype != torch.float16 or vbook.dtype != torch.float16 or any(
             t is not None and t.dtype != torch.float32 for t in (kbasis, vbasis)):
         raise ValueError("the kernel's books are float16 (`kernel_book`), the bases float32")
@@ -161,9 +179,10 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
-               "WARPS": WARPS, "ROWS": ROWS, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim, "KPOS": int(kbook.shape[1] > 1),
-               "KNORM": int(knormed), "KW": kcodes.shape[-1], "VB": vbits, "VDIM": vdim,
-               "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed), "VW": vcodes.shape[-1]}
+               "WARPS": WARPS, "ROWS": ROWS, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim,
+               "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
+               "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
+               "VW": vcodes.shape[-1], "VCG": vchannels}
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
@@ -181,8 +200,9 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
         if smem > 48 * 1024:
             partial.max_dynamic_shared_size_bytes = smem
         launch(partial, (parts, h, b), (32 * WARPS,),
-               (ptr(qrot), ptr(q), i32(hq), ptr(head_map), ptr(kcodes), ptr(knorm), ptr(vcodes), ptr(vnorm),
-                i32(capt), ptr(kbook), heads(kbook), ptr(vbook), heads(vbook), ptr(ksink), ptr(vsink), i32(sinks),
+               (ptr(qrot), ptr(q), i32(hq), ptr(head_map), i32(hr), ptr(kcodes), ptr(knorm), ptr(kscale),
+                ptr(kzero), i32(0 if kscale is None else kscale.shape[2]), ptr(vcodes), ptr(vnorm), ptr(vscale),
+                ptr(vzero), i32(capt), ptr(kbook), heads(kbook), ptr(vbook), heads(vbook), ptr(ksink), ptr(vsink), i32(sinks),
                 i32(ksink.shape[2]), ptr(kres), ptr(vres), i32(residual_len), i32(kres.shape[2]), i32(length),
                 i32(split_len), i32(num_splits), scale_log2, ptr(flushed), ptr(residual), ptr(part_acc),
                 ptr(part_ml)), checked, smem)
