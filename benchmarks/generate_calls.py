@@ -26,6 +26,12 @@ an earlier run on the machine left them, said beside the table):
 - `turboquant2-static`, `turboquant3-static`: the static cache as `kivi128-static` holds it, of
   `StaticKvcalibCache(model, "turboquant", MethodSettings(bits=2 or 3, residual=128))`: TurboQuant's oblivious
   codes read by the fused codebook kernel (`kvcalib.formats.codebook`);
+- `plan225-static`, `plan3-static`: the static cache holding a plan (`StaticKvcalibCache(model, plan)`, as
+  `--method plan` makes it): the embedded model's default plan (`artifacts/smollm2-135m/plan-2.25`, made by
+  `kvcalib collect` then `kvcalib plan --budget 2.25`) or its 3-bit plan (`--plan3`, `kvcalib plan --budget 3`)
+  mapped onto this model's layers and KV heads (`mapped_plan`: every family and width keeps its share, each head's
+  key and value schemes stay paired), random calibrated books; every scheme read by the codebook kernel, one launch
+  per group of a layer's KV heads that share a pair of schemes;
 - `kivi128-dynamic`: `model.generate(past_key_values=KvcalibCache(...))`, the eager cache (B=1 rows up to 32k, and
   the B=8 row: its padded rows decode in one launch a layer).
 A path named again with `-warm` runs after its first run, in a new process that finds the on-disk caches
@@ -55,17 +61,64 @@ from pathlib import Path
 import torch
 
 PATHS = ["fp16-static", "kivi128-static", "kivi128-static-cublas", "kivi128-static-uncompiled", "kivi128-static-compiled",
-         "kivi128-static-syncfree", "turboquant2-static", "turboquant3-static", "kivi128-dynamic"]
+         "kivi128-static-syncfree", "turboquant2-static", "turboquant3-static", "plan225-static", "plan3-static",
+         "kivi128-dynamic"]
 PATHS += [f"{p}-warm" for p in PATHS]
 COMPILE = {"kivi128-static": "regions", "kivi128-static-cublas": "regions", "kivi128-static-uncompiled": "none",
            "kivi128-static-compiled": "step", "kivi128-static-syncfree": "regions", "turboquant2-static": "regions",
-           "turboquant3-static": "regions"}
+           "turboquant3-static": "regions", "plan225-static": "regions", "plan3-static": "regions"}
+PLANS = {"plan225-static": "artifacts/smollm2-135m/plan-2.25", "plan3-static": None}  # None: --plan3
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def static_method(base: str):
-    """(method, settings) of a static path: KIVI-2 G=128 R=128, or TurboQuant of its bits at R=128."""
+def mapped_plan(config, path: str):
+    """The plan at `path` (the embedded model's: 30 layers x 3 KV heads) mapped onto `config`'s layers and KV heads:
+    item n of the L x H (layer, head) items, layer by layer, takes the (key, value) schemes of the plan's item
+    floor(n N / (L H)), so that every family and width keeps its share of items (to one item in N) and each head's
+    key and value schemes stay paired; its flush rule and sink; random calibrated books (TurboQuant's scalar books
+    sorted, every book of the shape the artifact's would have: the kernel's work does not depend on their values).
+    Also a line saying the mix and the groups of heads per layer."""
+    import json as json_
+
+    from kvcalib.methods.plan import Plan, codebook_name, parse_scheme, smooth_name
+    from kvcalib.models import attention_shape
+
+    shape = attention_shape(config)
+    settings = json_.loads((Path(path) / "manifest.json").read_text())["settings"]
+    items = [(k, v) for ks, vs in zip(settings["k"], settings["v"]) for k, v in zip(ks, vs)]
+    per = shape.num_kv_heads
+    total = shape.num_layers * per
+    picked = [items[n * len(items) // total] for n in range(total)]
+    schemes = {part: [[parse_scheme(picked[i * per + j][w]) for j in range(per)] for i in range(shape.num_layers)]
+               for w, part in enumerate("kv")}
+    g = torch.Generator().manual_seed(0)
+    d, books = shape.head_dim, {}
+    for part in "kv":
+        for i, heads in enumerate(schemes[part]):
+            for s in heads:
+                if s.book and codebook_name(i, part, s.book) not in books:
+                    x = torch.randn(*s.book_shape(1, d), generator=g) * (d**-0.5 if s.family == "turboquant" else 1)
+                    books[codebook_name(i, part, s.book)] = (x if s.dim else x.sort(-1).values).half().float()
+                if s.family == "vecinfer" and part == "k":
+                    books[smooth_name(i)] = (torch.rand(per, d, generator=g) + 0.5).half()
+    plan = Plan(shape, schemes, settings["residual"], settings["flush_step"], books, settings["granularity"])
+    plan.sink = settings.get("sink_tokens", 0)
+    plan.fitted_residual_mode = settings.get("residual_mode")
+    groups = [len(plan.codebook_groups(i)) for i in range(shape.num_layers)]
+    mix = {part: {str(s): sum(str(x) == str(s) for heads in schemes[part] for x in heads)
+                  for s in dict.fromkeys(x for heads in schemes[part] for x in heads)} for part in "kv"}
+    print(f"[plan {path}] keys {mix['k']}; values {mix['v']}; groups of heads per layer: mean "
+          f"{sum(groups) / len(groups):.2f}, max {max(groups)}", file=sys.stderr, flush=True)
+    return plan
+
+
+def static_method(base: str, config=None, plan3: str | None = None):
+    """(method, settings) of a static path: KIVI-2 G=128 R=128, TurboQuant of its bits at R=128, or a plan mapped onto
+    `config` (`mapped_plan`)."""
     from kvcalib.methods import MethodSettings
 
+    if base in PLANS:
+        return mapped_plan(config, str(ROOT / (PLANS[base] or plan3))), MethodSettings()
     if base.startswith("turboquant"):
         return "turboquant", MethodSettings(bits=int(base[len("turboquant")]), residual=128)
     return "kivi", MethodSettings(2, 128, 128)
@@ -89,7 +142,7 @@ def sync_free_multinomial(probs: torch.Tensor, num_samples: int, *args, **kwargs
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
-def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
+def one_path(path: str, shapes: list[list[int]], plan3: str | None = None) -> list[dict]:
     """Every row of `path` (a list of prompt lengths per row), in this process."""
     from transformers import AutoModelForCausalLM, StaticCache
 
@@ -124,7 +177,8 @@ def one_path(path: str, shapes: list[list[int]]) -> list[dict]:
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=room)
         elif base in COMPILE:
-            cache = StaticKvcalibCache(model, *static_method(base), max_batch=b, max_length=room, compile=COMPILE[base])
+            cache = StaticKvcalibCache(model, *static_method(base, model.config, plan3), max_batch=b, max_length=room,
+                                       compile=COMPILE[base])
         else:
             cache = None
 
@@ -185,6 +239,7 @@ def main() -> None:
                         help="keep each path's rows here as JSON, and read (not rerun) a path already there: a run "
                              "split over several calls of a machine that keeps the folder")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
+    parser.add_argument("--plan3", default=None, help="the 3-bit plan `plan3-static` maps (a `kvcalib plan` artifact)")
     parser.add_argument("--cache-root", default=None,
                         help="each path's on-disk compile caches in a folder of its own under this one (its -warm "
                              "run shares it): a cold first call is cold whatever ran before it")
@@ -193,7 +248,7 @@ def main() -> None:
     if args.batch8:
         shapes.append([args.batch8 * (8 - i) // 8 for i in range(8)])
     if args.one_path:
-        print(json.dumps(one_path(args.one_path, shapes)))
+        print(json.dumps(one_path(args.one_path, shapes, args.plan3)))
         return
     paths = PATHS if args.paths == "all" else args.paths.split(",")
     rows = []
@@ -206,7 +261,8 @@ def main() -> None:
         if args.cache_root:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args.cache_root) / path.removesuffix("-warm"))
         child = subprocess.run([sys.executable, __file__, "--one-path", path, "--contexts", args.contexts,
-                                "--batch8", str(args.batch8)], capture_output=True, text=True, env=env)
+                                "--batch8", str(args.batch8)] + (["--plan3", args.plan3] if args.plan3 else []),
+                               capture_output=True, text=True, env=env)
         sys.stderr.write(child.stderr[-3000:])
         if child.returncode:
             print(f"{path}: failed (exit {child.returncode})", file=sys.stderr)
