@@ -2,7 +2,10 @@
 
 `supports` is the one statement of the kernel's input limits; the layout it reads and the float64 reference it is
 tested against are `kvcalib.formats.codebook.layout`. A layer of several groups of heads (a plan's) is one launch a
-group, each writing its own query heads of the output.
+group, each writing its own query heads of the output; the groups' launches run side by side on streams of their own
+(captured into a CUDA graph as parallel branches), each splitting its tokens over its heads' share of one wave, so
+that together they fill the GPU as one launch over every head would. (One after another, each would fill the wave
+alone only with splits so short that copying the books into shared memory outweighs reading the codes.)
 """
 
 from __future__ import annotations
@@ -106,39 +109,93 @@ def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.devi
     return True
 
 
+GROUP_TENSORS = ("kcodes", "knorm", "kscale", "kzero", "vcodes", "vnorm", "vscale", "vzero", "kbook", "vbook", "kbasis",
+                 "vbasis", "head_map")  # a group's tensors, in the layer op's list
+GROUP_INTS = ("kbits", "kdim", "knormed", "ktokens", "vbits", "vdim", "vnormed", "vchannels")  # and its numbers
+
+
 def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
                     counts: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
     """q (B, Hq, D) fp16/bf16 on CUDA, in the model's basis -> (B, Hq, D) in q's dtype: attention over `layer`, one
-    launch a group of heads (each writes its own query heads).
+    launch a group of heads (each writes its own query heads), the groups side by side (module docstring).
 
     `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own (a static cache: the launch is the
     same at every step and can be captured); `layer.length` and `layer.residual` are then capacities."""
     out = torch.empty_like(q)
     flushed, residual = counts if counts is not None else (None, None)
+    tensors, ints = [], []
     for rows in layer.groups:
         spec = rows.spec
         key, value = kernel_book(spec.key), kernel_book(spec.value)
-        torch.ops.kvcalib.codebook_decode(
-            q, out, rows.kcodes, rows.knorm, rows.kscale, rows.kzero, rows.vcodes, rows.vnorm, rows.vscale,
-            rows.vzero, key.book, value.book, spec.key.basis, spec.value.basis, layer.ksink, layer.vsink, layer.kres,
-            layer.vres, rows.head_map, flushed, residual, layer.length, layer.residual, layer.sinks, key.bits, key.dim,
-            spec.key.norm, spec.key.token_group, value.bits, value.dim, spec.value.norm, spec.value.channel_group,
-            scaling, checked)
+        tensors += [rows.kcodes, rows.knorm, rows.kscale, rows.kzero, rows.vcodes, rows.vnorm, rows.vscale, rows.vzero,
+                    key.book, value.book, spec.key.basis, spec.value.basis, rows.head_map]
+        ints += [key.bits, key.dim, int(spec.key.norm), spec.key.token_group, value.bits, value.dim,
+                 int(spec.value.norm), spec.value.channel_group]
+    torch.ops.kvcalib.codebook_decode(q, out, tensors, ints, layer.ksink, layer.vsink, layer.kres, layer.vres, flushed,
+                                      residual, layer.length, layer.residual, layer.sinks, scaling, checked)
     return out
 
 
+_SIDE_STREAMS: dict[torch.device, list] = {}
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    """n streams of `device` for a layer's groups' launches, made once (a stream is not made during a capture)."""
+    held = _SIDE_STREAMS.setdefault(device, [])
+    while len(held) < n:
+        held.append(torch.cuda.Stream(device))
+    return held[:n]
+
+
 @torch.library.custom_op("kvcalib::codebook_decode", mutates_args=("out",))
-def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knorm: torch.Tensor | None,
+def _codebook_decode(q: torch.Tensor, out: torch.Tensor, tensors: list[torch.Tensor | None], ints: list[int],
+                     ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
+                     flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
+                     sinks: int, scaling: float, checked: bool) -> None:
+    """`codebook_decode` with the layout spelled out as the op's arguments (a custom op takes tensors, lists of them
+    and numbers only: per group `GROUP_TENSORS` and `GROUP_INTS`, in order): one group launched on torch's current
+    stream, several each on a side stream of its own, joined back."""
+    n, heads = len(GROUP_TENSORS), kres.shape[1]
+    groups = [(tensors[i * n : (i + 1) * n], ints[i * len(GROUP_INTS) : (i + 1) * len(GROUP_INTS)])
+              for i in range(len(tensors) // n)]
+    if len(ints) != len(GROUP_INTS) * len(groups) or not groups:
+        raise ValueError("codebook decode takes, per group of heads, its tensors and its numbers")
+
+    def one(group) -> None:
+        t, x = group
+        _launch_group(q, out, *t[:12], ksink, vsink, kres, vres, t[12], flushed, residual, length, residual_len, sinks,
+                      x[0], x[1], bool(x[2]), x[3], x[4], x[5], bool(x[6]), x[7], t[0].shape[1] / heads, scaling,
+                      checked)
+
+    if len(groups) == 1:
+        one(groups[0])
+        return
+    main = torch.cuda.current_stream(q.device)
+    sides = side_streams(q.device, len(groups))
+    for group, side in zip(groups, sides):
+        side.wait_stream(main)  # q and out are ready
+        with torch.cuda.stream(side):
+            one(group)
+    for side in sides:
+        main.wait_stream(side)  # out is whole; what the launches allocated is freed in their streams' order
+
+
+@_codebook_decode.register_fake
+def _(q: torch.Tensor, out: torch.Tensor, *args) -> None:
+    return None
+
+
+def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knorm: torch.Tensor | None,
                      kscale: torch.Tensor | None, kzero: torch.Tensor | None, vcodes: torch.Tensor,
                      vnorm: torch.Tensor | None, vscale: torch.Tensor | None, vzero: torch.Tensor | None,
                      kbook: torch.Tensor, vbook: torch.Tensor, kbasis: torch.Tensor | None, vbasis: torch.Tensor | None,
                      ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
                      head_map: torch.Tensor | None, flushed: torch.Tensor | None, residual: torch.Tensor | None,
                      length: int, residual_len: int, sinks: int, kbits: int, kdim: int, knormed: bool,
-                     ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, scaling: float,
+                     ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, share: float, scaling: float,
                      checked: bool) -> None:
-    """`codebook_decode` for one group of heads with the layout spelled out as the op's arguments (a custom op takes
-    tensors and scalars only); it checks the inputs and launches on torch's current stream."""
+    """One group of heads: it checks the inputs and launches on torch's current stream. `share`: the fraction of one
+    wave its splits fill (its heads' share of the layer's)."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
@@ -175,7 +232,7 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
     length = capt if device else length
     rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
     row_parts = -(-rows // ROWS)
-    wave = blocks_per_sm(gqa, d) * _sm_count(q.device.index or 0)
+    wave = max(1, round(share * blocks_per_sm(gqa, d) * _sm_count(q.device.index or 0)))
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
@@ -210,8 +267,3 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, k
         launch(kernel("codebook_decode.cu", defines, "merge"), (h * gqa, b), (d,),
                (ptr(part_acc), ptr(part_ml), i32(parts), i32(num_splits), ptr(vbasis), heads(vbasis),
                 ptr(head_map), i32(hq), ptr(out)), checked)
-
-
-@_codebook_decode.register_fake
-def _(q: torch.Tensor, out: torch.Tensor, *args) -> None:
-    return None
