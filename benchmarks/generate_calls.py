@@ -28,7 +28,8 @@ an earlier run on the machine left them, said beside the table):
   codes read by the fused codebook kernel (`kvcalib.formats.codebook`);
 - `plan225-static`, `plan3-static`: the static cache holding a plan (`StaticKvcalibCache(model, plan)`, as
   `--method plan` makes it): the embedded model's default plan (`artifacts/smollm2-135m/plan-2.25`, made by
-  `kvcalib collect` then `kvcalib plan --budget 2.25`) or its 3-bit plan (`--plan3`, `kvcalib plan --budget 3`)
+  `kvcalib collect` then `kvcalib plan --budget 2.25`) or its 3-bit plan (`artifacts/smollm2-135m/plan-3`,
+  `kvcalib plan --budget 3`)
   mapped onto this model's layers and KV heads (`mapped_plan`: every family and width keeps its share, each head's
   key and value schemes stay paired), random calibrated books; every scheme read by the codebook kernel, one launch
   per group of a layer's KV heads that share a pair of schemes;
@@ -67,7 +68,7 @@ PATHS += [f"{p}-warm" for p in PATHS]
 COMPILE = {"kivi128-static": "regions", "kivi128-static-cublas": "regions", "kivi128-static-uncompiled": "none",
            "kivi128-static-compiled": "step", "kivi128-static-syncfree": "regions", "turboquant2-static": "regions",
            "turboquant3-static": "regions", "plan225-static": "regions", "plan3-static": "regions"}
-PLANS = {"plan225-static": "artifacts/smollm2-135m/plan-2.25", "plan3-static": None}  # None: --plan3
+PLANS = {"plan225-static": "artifacts/smollm2-135m/plan-2.25", "plan3-static": "artifacts/smollm2-135m/plan-3"}
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -118,7 +119,7 @@ def static_method(base: str, config=None, plan3: str | None = None):
     from kvcalib.methods import MethodSettings
 
     if base in PLANS:
-        return mapped_plan(config, str(ROOT / (PLANS[base] or plan3))), MethodSettings()
+        return mapped_plan(config, str(ROOT / (plan3 if base == "plan3-static" and plan3 else PLANS[base]))), MethodSettings()
     if base.startswith("turboquant"):
         return "turboquant", MethodSettings(bits=int(base[len("turboquant")]), residual=128)
     return "kivi", MethodSettings(2, 128, 128)
@@ -239,7 +240,8 @@ def main() -> None:
                         help="keep each path's rows here as JSON, and read (not rerun) a path already there: a run "
                              "split over several calls of a machine that keeps the folder")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
-    parser.add_argument("--plan3", default=None, help="the 3-bit plan `plan3-static` maps (a `kvcalib plan` artifact)")
+    parser.add_argument("--plan3", default=None, help="another 3-bit plan for `plan3-static` to map (a `kvcalib plan` "
+                        "artifact; default: the shipped plan-3)")
     parser.add_argument("--cache-root", default=None,
                         help="each path's on-disk compile caches in a folder of its own under this one (its -warm "
                              "run shares it): a cold first call is cold whatever ran before it")

@@ -1,6 +1,6 @@
 """The artifacts shipped under artifacts/smollm2-135m (which `make demo` evaluates) are what today's defaults make:
-`kvcalib collect` with no flag, then `kvcalib plan --budget 2.25`, `kvcalib fit-codebook` and `kvcalib
-oscar-artifact` with no other flag. Each manifest's settings are held to the commands' own defaults, read from the
+`kvcalib collect` with no flag, then `kvcalib plan --budget 2.25` (and `--budget 3`), `kvcalib fit-codebook` and
+`kvcalib oscar-artifact` with no other flag. Each manifest's settings are held to the commands' own defaults, read from the
 CLI (a default changed without remaking the artifact fails here), and each artifact loads for the embedded model."""
 
 import json
@@ -38,10 +38,10 @@ def _calibration_mismatches(calibration: dict) -> list[str]:
             if calibration.get(k) != want[k]]
 
 
-def plan_mismatches(manifest: dict) -> list[str]:
-    """What a plan's manifest holds that `collect` + `plan --budget 2.25` with default flags would not write."""
+def plan_mismatches(manifest: dict, budget: float = 2.25) -> list[str]:
+    """What a plan's manifest holds that `collect` + `plan --budget B` with default flags would not write."""
     s, extra, want = manifest["settings"], manifest["extra"], _defaults(cli.plan_cmd)
-    expected = {"budget": 2.25, "items": PLAN_ITEM, "sink_tokens": PLAN_SINK_TOKENS, "residual": DEFAULTS["residual"],
+    expected = {"budget": budget, "items": PLAN_ITEM, "sink_tokens": PLAN_SINK_TOKENS, "residual": DEFAULTS["residual"],
                 "residual_mode": DEFAULTS["residual_mode"], "granularity": want["granularity"], "iters": want["iters"]}
     out = [f"{k}: {s.get(k)!r}, default {v!r}" for k, v in expected.items() if s.get(k) != v]
     scalar = [c for c in PLAN_CANDIDATES if not parse_scheme(c).dim]
@@ -69,7 +69,12 @@ def oscar_mismatches(manifest: dict) -> list[str]:
             if s.get(k) != want[k]]
 
 
-CHECKS = {"plan-2.25": plan_mismatches, "vecinfer-d4b8": vecinfer_mismatches, "oscar": oscar_mismatches}
+CHECKS = {"plan-2.25": plan_mismatches, "plan-3": lambda m: plan_mismatches(m, 3.0), "vecinfer-d4b8": vecinfer_mismatches,
+          "oscar": oscar_mismatches}
+
+
+def test_every_shipped_artifact_is_checked():
+    assert sorted(p.name for p in ART.iterdir() if p.is_dir()) == sorted(CHECKS)
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
