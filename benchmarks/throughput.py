@@ -210,10 +210,10 @@ def fill(cache, one, batch: int, ctx: int) -> None:
             layer.values.normal_()
         return
     for src, dst in zip(one.layers, cache.layers):
-        if src.packed is not None:
-            pairs = [(getattr(src.packed, f), getattr(dst.packed, f)) for f in PACKED + ("knorm",)]
-        else:  # VecInfer's code rows and residual (`StaticLayer.vq`)
-            pairs = [(getattr(src.vq, f), getattr(dst.vq, f)) for f in ("kcodes", "vcodes", "kres", "vres")]
+        if src.format.name == "INT2":
+            pairs = [(getattr(src.layout, f), getattr(dst.layout, f)) for f in PACKED + ("knorm",)]
+        else:  # VecInfer's code rows and residual (`StaticLayer.layout`)
+            pairs = [(getattr(src.layout, f), getattr(dst.layout, f)) for f in ("kcodes", "vcodes", "kres", "vres")]
         pairs += list(zip(src.mutable(), dst.mutable()))
         for a, b in pairs:  # (counts, KVLinC's state: `StaticLayer.mutable`)
             if a is not None:

@@ -105,7 +105,7 @@ def test_generate_with_the_shipped_oscar_artifact_matches_the_reference(smollm64
     tokens, logits, reference, ref_logits, cache = _generate_against_the_reference(smollm64, 12)
     assert tokens == reference
     _assert_logits_match(logits, ref_logits, smollm64.model)
-    assert cache.layers[0].fused is None and cache.layers[0].k_blocks  # CPU: the reference path, blocks flushed
+    assert cache.layers[0].layout is None and cache.layers[0].k_blocks  # CPU: the reference path, blocks flushed
 
 
 def test_a_flushed_block_held_in_float16_instead_of_compressed_breaks_the_logits_bound(smollm64, monkeypatch):

@@ -212,7 +212,7 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         captured_in_generate = isinstance(cache.decoder, CapturedDecoder)
         cache.close()  # before as_rank destroys the process group, which waits forever on a live graph's collectives
         reached(log, "closed")
-        return {"heads": cache.layers[0].packed.kres.shape[1], "served": served[True], "eager": served[False],
+        return {"heads": cache.layers[0].layout.kres.shape[1], "served": served[True], "eager": served[False],
                 "generate": out[0, 37:].tolist(), "captured_in_generate": captured_in_generate}
 
     as_rank(rank, size, port, log, work)

@@ -318,14 +318,18 @@ def _cpu_kernels(monkeypatch, launches: list[int]) -> None:
     kernel with counts on the device reads. `launches` gets each launch's batch size."""
     import dataclasses
 
+    import kvcalib.formats.int2.format as int2_format
+    import kvcalib.formats.vq.format as vq_format
     from kvcalib.formats.int2 import layout as int2_layout
+    from kvcalib.formats.int2.format import Int2Format
     from kvcalib.formats.vq import layout as vq_layout
+    from kvcalib.formats.vq.format import VQFormat
 
     def rows_of(layer, counts):
         if counts is None:
             return [layer]
         flushed, residual = (c.tolist() for c in counts)
-        names = runtime_cache._FLUSHED_BUFFERS[type(layer)]
+        names = [n for _, n in (Int2Format() if isinstance(layer, int2_layout.PackedLayer) else VQFormat()).slots(layer)]
         return [dataclasses.replace(layer, **{n: None if getattr(layer, n) is None else getattr(layer, n)[b : b + 1]
                                               for n in names},
                                     kres=layer.kres[b : b + 1], vres=layer.vres[b : b + 1], length=flushed[b],
@@ -344,10 +348,10 @@ def _cpu_kernels(monkeypatch, launches: list[int]) -> None:
                           for b, row in enumerate(rows_of(layer, counts))]).to(q.dtype)
 
     plain = lambda opts: opts is None or not (opts.softcap or opts.sliding_window)  # noqa: E731
-    monkeypatch.setattr(runtime_cache, "supports", lambda spec, d, device, gqa=1, opts=None: spec is not None and plain(opts))
-    monkeypatch.setattr(runtime_cache, "vq_supports", lambda books, d, device, gqa=1, opts=None: books is not None and plain(opts))
-    monkeypatch.setattr(runtime_cache, "fused_decode", int2)
-    monkeypatch.setattr(runtime_cache, "vq_decode", vq)
+    monkeypatch.setattr(int2_format, "supports", lambda spec, d, device, gqa=1, opts=None: spec is not None and plain(opts))
+    monkeypatch.setattr(vq_format, "supports", lambda books, d, device, gqa=1, opts=None: books is not None and plain(opts))
+    monkeypatch.setattr(int2_format, "fused_decode", int2)
+    monkeypatch.setattr(vq_format, "vq_decode", vq)
 
 
 def _padded_in_one_launch_as_alone(name: str, monkeypatch) -> None:
@@ -398,11 +402,10 @@ def test_the_one_launch_comparison_catches_a_planted_error(plant, monkeypatch):
     from a stack its buffers have outgrown (their new blocks missing)."""
     layout_for = runtime_cache._RowsSideBySide.layout_for
 
-    def planted(self, parts, residuals, counts):
+    def planted(self, fmt, parts, residuals, counts):
         if plant == "the stack never made again" and self.layout is not None:
-            names = runtime_cache._FLUSHED_BUFFERS[type(self.layout)]
-            self.held = [tuple(getattr(p, n) for n in names) for p in parts]
-        layout, (flushed, residual) = layout_for(self, parts, residuals, counts)
+            self.held = [tuple(getattr(o, n) for o, n in fmt.slots(p)) for p in parts]
+        layout, (flushed, residual) = layout_for(self, fmt, parts, residuals, counts)
         if plant == "residual count one short":
             residual = (residual - 1).clamp(min=0)
         return layout, (flushed, residual)

@@ -7,11 +7,18 @@ from kvcalib.methods import MethodSettings, apply_residual_mode, build_method
 from kvcalib.models import LoadedModel, attention_shape
 import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
+import kvcalib.formats.codebook.format as codebook_format
+import kvcalib.formats.int2.format as int2_format
+import kvcalib.formats.vq.format as vq_format
 from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method, _plan, _vecinfer_with_sinks
 
 pytest.importorskip("cupy", reason="the fused path needs cupy (pip install kvcalib[cuda13] or [cuda12])")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device: the fused path runs only on a GPU", allow_module_level=True)
+
+
+# each format's kernel launch, as its format module calls it
+KERNELS = [(int2_format, "fused_decode"), (vq_format, "vq_decode"), (codebook_format, "codebook_decode")]
 
 
 def _model(head_dim: int):
@@ -60,15 +67,15 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
 
     def checked(layer, q, opts):
         out = fused_decode_step(layer, q, opts)
-        if layer.fused is not None or layer.vq is not None or layer.codebook is not None:
+        if layer.layout is not None:
             ref = layer.method.decode(layer.layer, q, *layer.held(torch.float32), opts, layer.state)
             errors.append(((out.double() - ref.double()).norm() / ref.double().norm()).item())
         return out
 
     monkeypatch.setattr(cache_module, "decode", checked)
     launches = []  # the VecInfer kernel's calls: a step that fell back to the reference would compare it with itself
-    vq_decode = cache_module.vq_decode
-    monkeypatch.setattr(cache_module, "vq_decode", lambda *a, **k: launches.append(1) or vq_decode(*a, **k))
+    vq_decode = vq_format.vq_decode
+    monkeypatch.setattr(vq_format, "vq_decode", lambda *a, **k: launches.append(1) or vq_decode(*a, **k))
     cache = KvcalibCache(lm, method)
     ids = torch.randint(0, 1000, (batch, 150), device="cuda")
     with torch.no_grad():
@@ -76,9 +83,9 @@ def test_fused_decode_steps_match_the_reference_over_the_same_cache(head_dim, na
         for t in range(40, ids.shape[1]):
             logits = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits
             assert torch.isfinite(logits).all()
-    kernel_layer = {"vecinfer": cache.layers[0].vq, "turboquant": cache.layers[0].codebook, "kivi3": cache.layers[0].codebook,
-                    "plan": cache.layers[0].codebook}.get(name.split("+")[0], cache.layers[0].fused)
-    assert kernel_layer.length == 128
+    kernel = {"vecinfer": "VecInfer", "turboquant": "codebook", "kivi3": "codebook", "plan": "codebook"}
+    assert cache.layers[0].format.name == kernel.get(name.split("+")[0], "INT2")
+    assert cache.layers[0].layout.length == 128
     assert len(errors) == 2 * 110  # every decode step of both layers ran fused
     assert len(launches) == (2 * 110 if name.startswith("vecinfer") else 0)
 
@@ -109,7 +116,8 @@ def test_the_vecinfer_kernels_layout_holds_what_the_reference_path_holds(batch):
         layer.append(k[:, :, :40], v[:, :, :40])
         for t in range(40, 150):
             layer.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
-    assert fused.vq is not None and fused.vq.length == 128 and fused.vq.sinks == 3 and plain.vq is None
+    assert fused.format.name == "VecInfer" and fused.layout.length == 128 and fused.layout.sinks == 3
+    assert plain.layout is None
     for a, b in zip(fused.held(torch.float32), plain.held(torch.float32)):
         bound = d * 2.0**-24 * b.abs().amax(-1, keepdim=True)
         assert ((a - b).abs() <= bound).all(), (a - b).abs().max()
@@ -152,9 +160,9 @@ def test_a_padded_batch_decodes_in_one_launch_as_close_as_its_rows_launched_alon
     for b, n in enumerate(lengths):
         mask[b, width - n:] = 1
     launches = []
-    for name_ in ("fused_decode", "vq_decode", "codebook_decode"):
-        real = getattr(cache_module, name_)
-        monkeypatch.setattr(cache_module, name_, lambda *a, _real=real, **k: launches.append(a[0].shape[0]) or _real(*a, **k))
+    for module, name_ in KERNELS:
+        real = getattr(module, name_)
+        monkeypatch.setattr(module, name_, lambda *a, _real=real, **k: launches.append(a[0].shape[0]) or _real(*a, **k))
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         for t in range(40):
@@ -209,15 +217,16 @@ def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name, mon
     for b, p in enumerate(prompts):
         ids[b, width - len(p):], mask[b, width - len(p):] = p, 1
     batches = []  # each launch's rows
-    for name_ in ("fused_decode", "vq_decode"):
-        real = getattr(cache_module, name_)
-        monkeypatch.setattr(cache_module, name_, lambda *a, _real=real, **k: batches.append(a[0].shape[0]) or _real(*a, **k))
+    for module, name_ in KERNELS:
+        real = getattr(module, name_)
+        monkeypatch.setattr(module, name_, lambda *a, _real=real, **k: batches.append(a[0].shape[0]) or _real(*a, **k))
     tokens, logits, cache = _greedy(model, method, ids, mask, 40)
     together = max(batches, default=1) > 1
     if method.int2_spec() is not None:  # methods the INT2 kernel reads (not fp16, VecInfer, TurboQuant)
-        assert any(row.fused is not None for row in cache.layers[0].rows), "the fused kernel never ran"
+        assert any(row.format is not None for row in cache.layers[0].rows), "the fused kernel never ran"
     if base.startswith("vecinfer"):  # the VecInfer kernel's
-        assert any(row.vq is not None for row in cache.layers[0].rows), "the VecInfer kernel never ran"
+        assert any(row.format is not None and row.format.name == "VecInfer" for row in cache.layers[0].rows), \
+            "the VecInfer kernel never ran"
     for b, p in enumerate(prompts):
         alone_tokens, alone_logits, _ = _greedy(model, method, p[None], None, 40)
         assert tokens[b].tolist() == alone_tokens[0].tolist()

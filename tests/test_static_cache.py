@@ -35,7 +35,7 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
 @pytest.mark.parametrize("name,settings,reason", [
     ("turboquant", MethodSettings(residual_mode="sliding"), "flushes blockwise"),
     ("turboquant", MethodSettings(residual=64, sink_tokens=65), "must lie in the first block of 64"),
-    ("kivi", MethodSettings(bits=3, group_size=8), "no fused INT2, VecInfer or codebook layout"),  # tiles of 16
+    ("kivi", MethodSettings(bits=3, group_size=8), "no fused layout at these settings"),  # tiles of 16
     ("kivi", MethodSettings(group_size=32, residual_mode="sliding"), "flushes blockwise"),
     ("kivi", MethodSettings(group_size=32, sink_tokens=129), "must lie in the first block of 128"),
 ])
@@ -46,7 +46,7 @@ def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settin
 
 
 @pytest.mark.parametrize("name,settings,family", [
-    ("kivi", MethodSettings(bits=2, group_size=32), "int2"),
+    ("kivi", MethodSettings(bits=2, group_size=32), "INT2"),
     ("kivi", MethodSettings(bits=3, group_size=32), "codebook"),
     ("kivi", MethodSettings(bits=4, group_size=128), "codebook"),
     ("kivi", MethodSettings(bits=2, group_size=32, sink_tokens=4), "codebook"),  # INT2 holds no sinks
@@ -54,10 +54,11 @@ def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settin
     ("kvlinc", MethodSettings(bits=3, group_size=32), None),  # its correction terms are INT2's alone
 ])
 def test_kivi_and_oscar_beyond_two_bits_or_with_sinks_take_the_codebook_kernel(name, settings, family):
-    from kvcalib.runtime.cache import kernel_family
+    from kvcalib.runtime.cache import kernel_format
 
     method = build_method(name, SHAPE, settings)
-    assert kernel_family(method, 0, SHAPE.head_dim, CUDA, 2) == family
+    fmt = kernel_format(method, 0, SHAPE.head_dim, CUDA, 2)[0]
+    assert (fmt and fmt.name) == family
     if family:
         check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
 
@@ -69,7 +70,7 @@ def test_a_static_cache_takes_vecinfer_without_sinks_and_books_that_fit_the_kern
     big = _method("vecinfer")
     big.layers[0].k = torch.zeros(1, 2**16, 8, dtype=torch.float16)  # d8b16 keys: a 1 MiB book
     big.config = dataclasses.replace(big.config, k_config="d8b16")
-    with pytest.raises(SettingsError, match="no fused INT2, VecInfer or codebook layout"):
+    with pytest.raises(SettingsError, match="no fused layout at these settings"):
         check_static(big, SHAPE.head_dim, CUDA, 2)
 
 
@@ -80,7 +81,7 @@ def test_a_static_cache_takes_turboquant_of_every_width_with_sinks_in_the_first_
     are held beside them."""
     method = build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=64, sink_tokens=sinks))
     check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
-    with pytest.raises(SettingsError, match="no fused INT2, VecInfer or codebook layout"):
+    with pytest.raises(SettingsError, match="no fused layout at these settings"):
         check_static(method, SHAPE.head_dim, CUDA, 9)  # more query heads per KV head than the kernel holds
 
 
@@ -138,7 +139,7 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
     vals = [torch.randn(1, 2, t + steps, 64, generator=g).half() for t in prompts]
     for i, t in enumerate(prompts):
         layer.prefill(i, seqs[i][:, :, :t], vals[i][:, :, :t])
-    p = layer.kernel_layer
+    p = layer.layout
     for s in range(steps + 1):
         if s:
             layer.append(torch.cat([x[:, :, t + s - 1 : t + s] for x, t in zip(seqs, prompts)]),
@@ -149,7 +150,7 @@ def test_each_slot_holds_the_methods_blocks_of_its_own_tokens_and_the_residual_i
             assert (int(layer.flushed[i]), int(layer.residual[i])) == (n, r), (s, i)
             assert torch.equal(p.kres[i, :, :r], k[0, :, n:held]) and torch.equal(p.vres[i, :, :r], v[0, :, n:held])
             if name == "vecinfer":  # VecInfer's code rows, what `KvcalibCache` hands its kernel
-                assert layer.packed is None and p is layer.vq
+                assert layer.format.name == "VecInfer"
             else:
                 assert (p.rotated_keys, p.rotated_values) == (method.rotated_keys, method.rotated_values)
             if n and name == "vecinfer":
@@ -191,7 +192,7 @@ def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_
     for s in range(40):  # every slot flushes once
         layers[0].append(k[:, :, s : s + 1], v[:, :, s : s + 1])
         compiled(k[:, :, s : s + 1], v[:, :, s : s + 1])
-        for a, b in zip(layers[0].kernel_layer.__dict__.values(), layers[1].kernel_layer.__dict__.values()):
+        for a, b in zip(layers[0].layout.__dict__.values(), layers[1].layout.__dict__.values()):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, s
         for a, b in zip(layers[0].mutable(), layers[1].mutable()):
             assert torch.equal(a, b), s
@@ -335,7 +336,7 @@ def test_a_static_layer_appends_through_the_module_level_write_token():
     finally:
         slots.write_token = eager
     assert calls == [5] and layer.residual.tolist() == [1, 1]
-    assert torch.equal(layer.kernel_layer.kres[:, :, 0], k[:, :, 0])
+    assert torch.equal(layer.layout.kres[:, :, 0], k[:, :, 0])
 
 
 class _Graph:
@@ -378,10 +379,10 @@ def test_closing_the_cache_resets_each_captured_graph_once_and_a_closed_step_is_
 
 
 # The flushed buffers of each kernel layout by name, in `StaticLayer._buffers`' order.
-LAYOUT_BUFFERS = {"packed": ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"), "vq": ("kcodes", "vcodes")}
-# (method, the dynamic layer's attribute holding its kernel layout)
-LAYOUTS = {"kivi": ("kivi", "fused"), "oscar": ("oscar", "fused"), "kvlinc": ("kvlinc", "fused"),
-           "vecinfer": ("vecinfer", "vq"), "turboquant-2": ("turboquant", "codebook"),
+LAYOUT_BUFFERS = {"INT2": ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"), "VecInfer": ("kcodes", "vcodes")}
+# (method, the format holding its kernel layout)
+LAYOUTS = {"kivi": ("kivi", "INT2"), "oscar": ("oscar", "INT2"), "kvlinc": ("kvlinc", "INT2"),
+           "vecinfer": ("vecinfer", "VecInfer"), "turboquant-2": ("turboquant", "codebook"),
            "turboquant-3+1 sink": ("turboquant", "codebook"), "turboquant-4+3 sinks": ("turboquant", "codebook"),
            "kivi-3": ("kivi", "codebook"), "oscar-4+1 sink": ("oscar", "codebook"), "plan+1 sink": ("plan", "codebook")}
 
@@ -404,6 +405,16 @@ def _on_any_device(supports):
     return lambda spec, d, device, *a, **k: supports(spec, d, torch.device("cuda"), *a, **k)
 
 
+def kernels_on_any_device(monkeypatch) -> None:
+    """Every format's `supports` asked as on a GPU (`_on_any_device`)."""
+    import kvcalib.formats.codebook.format as codebook
+    import kvcalib.formats.int2.format as int2
+    import kvcalib.formats.vq.format as vq
+
+    for module in (int2, vq, codebook):
+        monkeypatch.setattr(module, "supports", _on_any_device(module.supports))
+
+
 @pytest.mark.parametrize("prompt", [1, 8, 31, 32, 45, 70])
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_layout(prompt, case, monkeypatch):
@@ -415,8 +426,7 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
     error in the sinks' masked write (the slot's flushed count ignored) fails the sink cases."""
     import kvcalib.runtime.cache as cache_module
 
-    for name in ("supports", "vq_supports", "codebook_supports"):
-        monkeypatch.setattr(cache_module, name, _on_any_device(getattr(cache_module, name)))
+    kernels_on_any_device(monkeypatch)
     method, attribute = _layout_method(case), LAYOUTS[case][1]
     h = 4 if case.startswith("plan") else 2
     g = torch.Generator().manual_seed(prompt)
@@ -437,21 +447,21 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
         counts = [c + 1 for c in counts]
         static.append(kk, vv, flush=32 in counts)
         counts = [c % 32 for c in counts]
-    theirs = getattr(dynamic, attribute)
+    assert dynamic.format.name == attribute and static.format is dynamic.format
+    theirs = dynamic.layout
     n, r = theirs.length, theirs.residual
     assert (int(static.flushed[1]), int(static.residual[1])) == (n, r) and n == total // 32 * 32
     if attribute == "codebook":  # each group's buffers, as `StaticLayer._buffers` lists them
         wants = [(f"{x} of heads {grp.head_map}", getattr(grp, x)) for grp in theirs.groups for x in grp.present()]
     else:
-        wants = [(x, getattr(theirs, x)) for x in LAYOUT_BUFFERS["packed" if attribute == "fused" else attribute]
-                 if getattr(theirs, x) is not None]
+        wants = [(x, getattr(theirs, x)) for x in LAYOUT_BUFFERS[attribute] if getattr(theirs, x) is not None]
     assert len(static._buffers()) == len(wants)
     for (buf, unit), (name, want) in zip(static._buffers(), wants):
         rows = n // unit
         assert torch.equal(buf[1, :, :rows], want[0, :, :rows]), name
     sinks = getattr(theirs, "sinks", 0)
     if sinks:
-        mine = static.kernel_layer
+        mine = static.layout
         assert torch.equal(mine.ksink[1, :, :sinks], theirs.ksink[0]) and torch.equal(mine.vsink[1, :, :sinks], theirs.vsink[0])
-    assert torch.equal(static.kernel_layer.kres[1, :, :r], theirs.kres[0])
-    assert torch.equal(static.kernel_layer.vres[1, :, :r], theirs.vres[0])
+    assert torch.equal(static.layout.kres[1, :, :r], theirs.kres[0])
+    assert torch.equal(static.layout.vres[1, :, :r], theirs.vres[0])

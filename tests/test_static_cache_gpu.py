@@ -43,7 +43,7 @@ DEV = "cuda"
 
 def _row_view(layer: StaticLayer, b: int) -> PackedLayer:
     """Row b of a static layer as a plain PackedLayer with host counts (what the reference reads)."""
-    p = layer.packed
+    p = layer.layout
     one = lambda t: t[b : b + 1].contiguous()  # noqa: E731
     return PackedLayer(one(p.kcodes), one(p.kscale), one(p.kzero), one(p.vcodes), one(p.vscale), one(p.vzero),
                        one(p.kres), one(p.vres), int(layer.flushed[b]), int(layer.residual[b]), p.group_size,
@@ -74,7 +74,7 @@ def test_each_slot_stores_what_the_dynamic_cache_stores_and_attends_within_the_k
     worst = 0.0
     for s in range(steps):
         static.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
-        out = fused_decode(q[:, s], static.packed, d**-0.5, counts=(static.flushed, static.residual), checked=True)
+        out = fused_decode(q[:, s], static.layout, d**-0.5, counts=(static.flushed, static.residual), checked=True)
         assert torch.isfinite(out).all()
         for i in range(b):
             dyn = dynamic[i]
@@ -84,7 +84,7 @@ def test_each_slot_stores_what_the_dynamic_cache_stores_and_attends_within_the_k
             row = _row_view(static, i)
             assert torch.equal(row.kres[:, :, :r], dyn.k_res) and torch.equal(row.vres[:, :, :r], dyn.v_res)
             if n:
-                f = dyn.fused
+                f = dyn.layout
                 for got, want, unit in ((row.kcodes, f.kcodes, 16), (row.kscale, f.kscale, group),
                                         (row.kzero, f.kzero, group), (row.vcodes, f.vcodes, 1),
                                         (row.vscale, f.vscale, 1), (row.vzero, f.vzero, 1)):
@@ -117,8 +117,8 @@ def test_a_refilled_slot_gives_the_new_sequence_exactly_what_a_fresh_cache_gives
     for s in range(140):
         for layer in (used, fresh):
             layer.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
-        a = fused_decode(q[:, s], used.packed, d**-0.5, counts=(used.flushed, used.residual))
-        b = fused_decode(q[:, s], fresh.packed, d**-0.5, counts=(fresh.flushed, fresh.residual))
+        a = fused_decode(q[:, s], used.layout, d**-0.5, counts=(used.flushed, used.residual))
+        b = fused_decode(q[:, s], fresh.layout, d**-0.5, counts=(fresh.flushed, fresh.residual))
         assert torch.equal(a[1], b[1]), s
 
 
@@ -162,7 +162,7 @@ def test_a_rotated_or_corrected_layer_attends_as_the_kernel_reads_its_basis_and_
             n = row.length
             assert (n, row.residual) == (dyn.length - dyn.k_res.shape[2], dyn.k_res.shape[2]), (s, i)
             if n:  # the packed blocks and norms are KvcalibCache's, bit for bit
-                f = dyn.fused
+                f = dyn.layout
                 norms = name.endswith("oscar")
                 wants = [f.kcodes, f.kscale, f.kzero, f.vcodes, f.vscale, f.vzero] + ([f.knorm] if norms else [])
                 assert (row.knorm is not None) == norms == (f.knorm is not None)
@@ -217,10 +217,10 @@ def test_a_vecinfer_layer_attends_each_slot_over_its_own_counts_within_the_kerne
     worst = 0.0
     for s in range(steps):
         static.append(k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
-        out = vq_decode(q[:, s], static.vq, d**-0.5, checked=True, lengths=static.flushed, residuals=static.residual)
+        out = vq_decode(q[:, s], static.layout, d**-0.5, checked=True, lengths=static.flushed, residuals=static.residual)
         for i in range(b):
             n, r = int(static.flushed[i]), int(static.residual[i])
-            p = static.vq
+            p = static.layout
             row = VQLayer(p.kcodes[i : i + 1, :, :n], p.vcodes[i : i + 1, :, :n], p.kbook, p.vbook, p.ksink[i : i + 1],
                           p.vsink[i : i + 1], p.kres[i : i + 1, :, :r], p.vres[i : i + 1, :, :r], n, r, 0, p.k_bits,
                           p.v_bits, p.smooth, p.hadamard)
@@ -379,8 +379,8 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         eager, comp = step(layers[0], *args), compiled(layers[1], *args)
         for (buf, _), (other, _) in zip(layers[0]._buffers(), layers[1]._buffers()):
             assert torch.equal(buf, other), s
-        for a, b in zip([layers[0].kernel_layer.kres, layers[0].kernel_layer.vres, layers[0].flushed, layers[0].residual],
-                        [layers[1].kernel_layer.kres, layers[1].kernel_layer.vres, layers[1].flushed, layers[1].residual]):
+        for a, b in zip([layers[0].layout.kres, layers[0].layout.vres, layers[0].flushed, layers[0].residual],
+                        [layers[1].layout.kres, layers[1].layout.vres, layers[1].flushed, layers[1].residual]):
             assert torch.equal(a, b), s
         if layers[0].state is None:
             assert torch.equal(eager, comp), s
@@ -414,7 +414,7 @@ def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buff
 
     def step(k, v, q):
         layer.append(k, v)
-        return fused_decode(q, layer.packed, d**-0.5, counts=(layer.flushed, layer.residual))
+        return fused_decode(q, layer.layout, d**-0.5, counts=(layer.flushed, layer.residual))
 
     compiled = torch.compile(step, fullgraph=True, dynamic=False, options=compile_options())
     k_new, v_new = _tokens(2, h, 4, d, seed=90)
@@ -428,7 +428,7 @@ def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buff
         run(k_new[:, :, 2 * s + 1 : 2 * s + 2], v_new[:, :, 2 * s + 1 : 2 * s + 2], q[:, 2 * s + 1])
         torch.cuda.synchronize()
         extra[name] = torch.cuda.max_memory_allocated() - before
-    p = layer.packed
+    p = layer.layout
     smallest = min(b.nbytes for b in (p.kcodes, p.kscale, p.kzero, p.vcodes, p.vscale, p.vzero))
     assert smallest > extra["eager"], extra
     assert extra["compiled"] - extra["eager"] < smallest, extra
@@ -530,7 +530,7 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
             for x, y in zip(a.mutable(), b.mutable()):  # counts, KVLinC's S and P
                 assert torch.equal(x, y), run
             for (buf, unit), (ref_buf, _) in zip(a._buffers(), b._buffers()):
-                stored = buf.shape[2] - a.kernel_layer.residual // unit  # the slack block aside
+                stored = buf.shape[2] - a.layout.residual // unit  # the slack block aside
                 assert torch.equal(buf[:, :, :stored], ref_buf[:, :, :stored]), run
-            assert torch.equal(a.kernel_layer.kres, b.kernel_layer.kres)
-            assert torch.equal(a.kernel_layer.vres, b.kernel_layer.vres)
+            assert torch.equal(a.layout.kres, b.layout.kres)
+            assert torch.equal(a.layout.vres, b.layout.vres)

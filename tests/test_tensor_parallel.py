@@ -66,8 +66,8 @@ def _decode(model_dir: str, tensor_parallel: bool) -> dict:
     static_cache.check_static = lambda *args: None  # the CUDA check: construction only, on the CPU
     kivi = StaticKvcalibCache(lm, "kivi", MethodSettings(bits=2, group_size=16, residual=16))
     vecinfer = StaticKvcalibCache(lm, per_head["vecinfer"](), MethodSettings(residual=16))
-    out["static"] = {"heads": sorted({layer.packed.kres.shape[1] for layer in kivi.layers}),
-                     "vecinfer_smooth": vecinfer.layers[0].vq.smooth.tolist()}
+    out["static"] = {"heads": sorted({layer.layout.kres.shape[1] for layer in kivi.layers}),
+                     "vecinfer_smooth": vecinfer.layers[0].layout.smooth.tolist()}
     return out
 
 

@@ -84,7 +84,7 @@ class KernelLayout:
       updates it at each flush, `runtime/static_cache.py` allocates it once and updates it in place; the
       torch path hands it to `Method.decode`.
     - `correction`: terms that state adds to attention's sums (KVLinC's), read on the INT2 path of both
-      caches (`runtime/cache.py`'s `fused_attend`); on the torch path the method's own `decode` adds them.
+      caches (``kvcalib.formats.int2.format`'s `attend`); on the torch path the method's own `decode` adds them.
     """
 
     rotated_keys = False  # flushed keys are stored in the Hadamard basis: the fused kernel rotates queries for them

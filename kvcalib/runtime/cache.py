@@ -19,12 +19,11 @@ model's attention runs through the registered attention function `kvcalib_runtim
   values' largest magnitude plus the two outputs' float16 roundings);
 - a prompt into an empty cache attends in full precision, then is compressed;
 - later tokens attend over the cache as held. The runtime asks the method what it is, never which
-  class it is (`Method.int2_spec`, `int2_parts`, `rotated_keys`/`rotated_values`, `correction`,
-  `vq_books`, `vq_parts`, `codebook_groups`, `codebook_blocks`): on CUDA, where `kvcalib.formats.int2.launch.supports`
-  the method's blocks (kivi, kvlinc, oscar at 2 bits), `kvcalib.formats.vq.launch.supports` them (vecinfer) or
-  `kvcalib.formats.codebook.launch.supports` them (turboquant, kivi and oscar at other widths, a plan), a fused kernel
-  of `kernels_cupy/` reads them (`kernel_family` says which, in that order); elsewhere the torch reference
-  (`Method.decode` over the dequantized blocks and the float16 residual) runs.
+  class it is, and names no kernel family: each format of `kvcalib.formats.registry` (`kvcalib.formats.base.Format`)
+  reads the method's declaration of its blocks, and on CUDA the first whose kernel reads them holds the layer's
+  flushed blocks and launches (`kernel_format`: INT2 for kivi, kvlinc, oscar at 2 bits, VecInfer, then the codebook
+  kernel for turboquant, kivi and oscar at other widths, a plan); elsewhere the torch reference (`Method.decode` over
+  the dequantized blocks and the float16 residual) runs.
 `from_artifacts` checks the artifact against the model (fingerprint, method) before anything runs.
 """
 
@@ -41,19 +40,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
-from ..formats.codebook.launch import codebook_decode
-from ..formats.codebook.launch import supports as codebook_supports
-from ..formats.codebook.layout import BUFFERS as CODEBOOK_BUFFERS
-from ..formats.codebook.layout import CodebookLayer, HeadGroup
-from ..formats.codebook.layout import append_block as codebook_append
-from ..formats.codebook.layout import flushed_kv as codebook_flushed_kv
-from ..formats.int2.launch import fused_decode, supports
-from ..formats.int2.layout import PackedLayer, append_block
-from ..formats.vq.launch import supports as vq_supports
-from ..formats.vq.launch import vq_decode
-from ..formats.vq.layout import VQLayer
-from ..formats.vq.layout import append_block as vq_append
-from ..formats.vq.layout import flushed_kv as vq_flushed_kv
+from ..formats.base import Format
+from ..formats.registry import FORMATS
 from ..methods import Method, MethodSettings, build_method, keep_sinks
 from ..models import LoadedModel, attention_shape
 
@@ -86,10 +74,9 @@ class CompressedLayer(CacheLayerMixin):
         self.v_res: torch.Tensor | None = None
         self.state: Any = None
         self.length = 0
-        self.fused: PackedLayer | None = None  # the packed blocks in kernel layout, CUDA only
-        self.vq: VQLayer | None = None  # VecInfer's code rows in the VecInfer kernel's layout, CUDA only
-        self.codebook: CodebookLayer | None = None  # code rows and norms in the codebook kernel's layout, CUDA only
-        self._codebook_groups: list[HeadGroup] | None = None  # the method's `codebook_groups` of this layer, on its device
+        self.format: Format | None = None  # the format whose kernel reads the flushed blocks (CUDA only) ...
+        self.layout: Any = None  # ... and its layout of them
+        self.declaration: Any = None  # the method's declaration in that format, on the layer's device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -144,43 +131,22 @@ class CompressedLayer(CacheLayerMixin):
             # clone, not a view: a view (even an empty one) would keep the whole pre-flush buffer alive
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
-            books = self.method.vq_books(self.layer) if self.use_fused else None
-            if self.use_fused and supports(self.method.int2_spec(), k16.shape[-1], k16.device):
-                self.fused = append_block(self.fused, *self.method.int2_parts(packed), self.k_res, self.v_res,
-                                          self.method.rotated_keys, self.method.rotated_values)
-            elif vq_supports(books, k16.shape[-1], k16.device):
-                self.vq = vq_append(self.vq, *self.method.vq_parts(packed), books.kbook.to(k16.device),
-                                    books.vbook.to(k16.device), books.k_bits, books.v_bits, k16[..., :sinks, :],
-                                    v16[..., :sinks, :], self.k_res, self.v_res,
-                                    None if books.smooth is None else books.smooth.to(k16.device), books.hadamard)
-            elif self.use_fused and codebook_supports(specs(groups := self.codebook_groups(k16.device)), k16.shape[-1],
-                                                      k16.device):
-                self.codebook = codebook_append(self.codebook, groups, self.method.codebook_blocks(packed),
-                                                k16[..., :sinks, :], v16[..., :sinks, :], self.k_res, self.v_res)
+            if self.format is None and self.use_fused:
+                self.format, declaration = kernel_format(self.method, self.layer, k16.shape[-1], k16.device)
+                self.declaration = None if self.format is None else self.format.on(declaration, k16.device)
+            if self.format is not None:
+                self.layout = self.format.append(self.layout, self.method, self.layer, self.declaration, packed,
+                                                 k16[..., :sinks, :], v16[..., :sinks, :], self.k_res, self.v_res)
             else:  # the reference path reads the blocks dequantized, in float32 as the method defines them
                 self.k_blocks.append(kd)
                 self.v_blocks.append(vd)
-        for kernel_layer in (self.fused, self.vq, self.codebook):  # the kernels read the residual as it came in (model's basis)
-            if kernel_layer is not None:
-                kernel_layer.kres, kernel_layer.vres, kernel_layer.residual = self.k_res, self.v_res, self.k_res.shape[2]
-
-    def codebook_groups(self, device: torch.device) -> list[HeadGroup] | None:
-        """The method's `codebook_groups` of this layer on `device`, made once."""
-        if self._codebook_groups is None:
-            groups = self.method.codebook_groups(self.layer)
-            self._codebook_groups = None if groups is None else [g.to(device) for g in groups]
-        return self._codebook_groups
+        if self.layout is not None:  # the kernels read the residual as it came in (model's basis)
+            self.layout.kres, self.layout.vres, self.layout.residual = self.k_res, self.v_res, self.k_res.shape[2]
 
     def held(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached token as held: flushed blocks dequantized, then the float16 residual."""
-        if self.fused is not None:  # rare on the fused path: several new positions onto a filled cache
-            k, v = self.fused.flushed_kv(model_basis=True)
-            self.k_blocks, self.v_blocks = [k], [v]
-        if self.vq is not None:
-            k, v = vq_flushed_kv(self.vq)
-            self.k_blocks, self.v_blocks = [k], [v]
-        if self.codebook is not None:
-            k, v = codebook_flushed_kv(self.codebook)
+        if self.layout is not None:  # rare on the fused path: several new positions onto a filled cache
+            k, v = self.format.flushed_kv(self.layout)
             self.k_blocks, self.v_blocks = [k], [v]
         return (torch.cat([*(b.to(dtype) for b in self.k_blocks), self.k_res.to(dtype)], dim=-2),
                 torch.cat([*(b.to(dtype) for b in self.v_blocks), self.v_res.to(dtype)], dim=-2))
@@ -241,9 +207,9 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
     """One line: which of the method's layers a decode step reads through a fused kernel, which through the
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
-    names = {"int2": "INT2", "vq": "VecInfer", "codebook": "codebook", None: "torch"}
-    kernel = [names[kernel_family(method, i, shape.head_dim, device, gqa) if fused else None]
+    kernel = [(kernel_format(method, i, shape.head_dim, device, gqa)[0] if fused else None)
               for i in range(shape.num_layers)]
+    kernel = ["torch" if f is None else f.name for f in kernel]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
                       for k in dict.fromkeys(kernel))
     line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
@@ -289,46 +255,37 @@ def for_this_rank(model, method: Method, shape) -> Method:
     return method.for_kv_heads(rank * per, (rank + 1) * per)
 
 
-def specs(groups: list[HeadGroup] | None):
-    """The specs of a layer's groups of heads (`Method.codebook_groups`), None for none."""
-    return None if groups is None else [g.spec for g in groups]
-
-
-def kernel_family(method: Method, layer: int, head_dim: int, device: torch.device, gqa: int) -> str | None:
-    """Which fused kernel reads the layer's flushed blocks: "int2", "vq" or "codebook", the first whose `supports`
-    holds the method's declaration, in that order; None: none does (the torch reference runs)."""
-    if supports(method.int2_spec(), head_dim, device, gqa):
-        return "int2"
-    if method.int2_spec() is None and vq_supports(method.vq_books(layer), head_dim, device, gqa):
-        return "vq"
-    if codebook_supports(specs(method.codebook_groups(layer)), head_dim, device, gqa):
-        return "codebook"
-    return None
+def kernel_format(method: Method, layer: int, head_dim: int, device: torch.device,
+                  gqa: int = 1) -> tuple[Format | None, Any]:
+    """The format whose kernel reads the layer's flushed blocks, the first of `FORMATS` whose `supports` holds the
+    method's declaration, and that declaration; (None, None): none does (the torch reference runs)."""
+    for fmt in FORMATS:
+        declaration = fmt.declaration(method, layer)
+        if fmt.supports(declaration, head_dim, device, gqa):
+            return fmt, declaration
+    return None, None
 
 
 def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, layers: int = 1) -> None:
     """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s
     docstring): every one of its `layers` must have one fused kernel, the same for all."""
-    families = {kernel_family(method, i, head_dim, device, gqa) for i in range(layers)}
-    family = families.pop() if len(families) == 1 else None
-    int2, vecinfer, codebook = family == "int2", family == "vq", family == "codebook"
-    spec = method.int2_spec()
+    found = {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers)}
+    fmt = found.pop() if len(found) == 1 else None
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
-    elif not (int2 or vecinfer or codebook):
-        why = (f"--method {method.name} has no fused INT2, VecInfer or codebook layout at these settings "
-               "(`formats.int2.launch.supports`, `formats.vq.launch.supports`, `formats.codebook.launch.supports`)")
+    elif fmt is None:
+        why = (f"--method {method.name} has no fused layout at these settings, or not the same in every layer "
+               f"({', '.join(f.name for f in FORMATS)}: `formats.*.launch.supports`)")
     elif method.window:
         why = "it flushes blockwise"
-    elif method.sink and not codebook:
-        why = "float16 sink tokens are held by the codebook layout only"
-    elif vecinfer and method.empty_state(0, 1, 1, head_dim) is not None:
-        why = f"--method {method.name} keeps a decoding state, which the VecInfer kernel's layout does not hold"
-    elif codebook and method.sink > method.block:
-        why = f"its {method.sink} float16 sink tokens must lie in the first block of {method.block}"
-    elif int2 and (method.block % 16 or method.block % spec.group_size):
-        why = f"--residual {method.block} must be a multiple of 16 and of the key group {spec.group_size}"
+    elif method.sink and not fmt.holds_sinks:
+        why = (f"float16 sink tokens are held by the {' and '.join(f.name for f in FORMATS if f.holds_sinks)} "
+               "layout only")
+    elif not fmt.holds_state and method.empty_state(0, 1, 1, head_dim) is not None:
+        why = f"--method {method.name} keeps a decoding state, which the {fmt.name} kernel's layout does not hold"
+    else:
+        why = fmt.static_refusal(method, fmt.declaration(method, 0))
     if why:
         raise SettingsError(f"a static cache cannot hold this: {why}")
 
@@ -372,8 +329,7 @@ def _decodes_together(layer: CompressedLayer, query: torch.Tensor, opts: Attenti
     new real token in each row over a cache it already holds, every row on the reference path (no fused
     layout) and without a decoding state (KVLinC's S and P are a row's own), no sliding window."""
     return (_decode_step(layer) and not opts.sliding_window
-            and all(row.fused is None and row.vq is None and row.codebook is None and row.state is None
-                    for row in layer.rows))
+            and all(row.layout is None and row.state is None for row in layer.rows))
 
 
 def _decode_step(layer: CompressedLayer) -> bool:
@@ -395,31 +351,10 @@ def _decode_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpt
     return layer.method.decode(layer.layer, query, keys, values, opts, None, key_start=key_start)
 
 
-# The flushed buffers of each kernel layout, (B, Hkv, capacity, ...): what `_RowsSideBySide` stacks.
-_FLUSHED_BUFFERS = {PackedLayer: ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm"),
-                    VQLayer: ("kcodes", "vcodes")}
-
-
-def _flushed_slots(layout) -> list[tuple[Any, str]]:
-    """Where a layout keeps its flushed buffers, as (holder, attribute): a codebook layer's in each group of heads,
-    and its float16 sinks in itself."""
-    if isinstance(layout, CodebookLayer):
-        return [(g, n) for g in layout.groups for n in CODEBOOK_BUFFERS] + [(layout, "ksink"), (layout, "vsink")]
-    return [(layout, n) for n in _FLUSHED_BUFFERS[type(layout)]]
-
-
-def _layout_copy(layout):
-    """A copy of the layout whose buffers may be replaced without touching the original's (its groups' too)."""
-    out = dataclasses.replace(layout)
-    if isinstance(layout, CodebookLayer):
-        out.groups = [dataclasses.replace(g) for g in layout.groups]
-    return out
-
-
 class _RowsSideBySide:
-    """A padded batch's rows' kernel layouts (INT2 `PackedLayer` or VecInfer `VQLayer`, B=1 each) as one layout
-    of B rows, so that a decode step is one launch with each row's flushed and residual counts read on the
-    device, as a static cache's slots are (`fused_decode(counts=)`, `vq_decode(lengths=, residuals=)`).
+    """A padded batch's rows' kernel layouts (one format's, B=1 each) as one layout of B rows, so that a decode step
+    is one launch with each row's flushed and residual counts read on the device, as a static cache's slots are
+    (`Format.attend(counts=)`).
 
     The flushed buffers are stacked once, padded to the largest capacity, and each row's own buffers become
     views of its row of the stack: a row's later flushes write into the stack in place (`formats.rows.grow`
@@ -429,19 +364,19 @@ class _RowsSideBySide:
     P), which change at flushes only, are stacked again when a row's state is a new object."""
 
     def __init__(self):
-        self.layout: PackedLayer | VQLayer | None = None
+        self.layout: Any = None
         self.held: list[tuple[torch.Tensor | None, ...]] = []  # each row's buffers as views of the stack
         self.states: tuple[list[Any], Any] = ([], None)  # the rows' states and their stack
 
-    def layout_for(self, parts: list[PackedLayer | VQLayer], residuals: list[tuple[torch.Tensor, torch.Tensor]],
-                   counts: "_Counts") -> tuple[PackedLayer | VQLayer, tuple[torch.Tensor, torch.Tensor]]:
+    def layout_for(self, fmt: Format, parts: list[Any], residuals: list[tuple[torch.Tensor, torch.Tensor]],
+                   counts: "_Counts") -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
         """The stacked layout, its `length` and `residual` the launch's sizes (the longest row's flushed tokens,
         the residual buffer's rows), and the counts (flushed, residual) int32 (B,) on the device."""
-        slots = [_flushed_slots(p) for p in parts]
+        slots = [fmt.slots(p) for p in parts]
         now = [tuple(getattr(o, n) for o, n in s) for s in slots]
         if self.layout is None or any(x is not y for a, b in zip(now, self.held) for x, y in zip(a, b)):
-            self.layout = _layout_copy(parts[0])
-            for i, (holder, n) in enumerate(_flushed_slots(self.layout)):
+            self.layout = fmt.copy(parts[0])
+            for i, (holder, n) in enumerate(fmt.slots(self.layout)):
                 like = now[0][i]
                 if like is None:  # e.g. no key norms (KIVI)
                     continue
@@ -495,9 +430,9 @@ class _Counts:
 
 def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> torch.Tensor | None:
     """A padded batch's decode step in one fused launch (`_RowsSideBySide`) where every row holds flushed
-    blocks in the INT2 or the VecInfer kernel's layout (VecInfer without float16 sinks). None where that does
-    not hold (a row yet without blocks, whose attention runs on the torch reference alone): the caller then
-    attends row by row."""
+    blocks in one format whose layouts stand side by side (`Format.side_by_side`: VecInfer's without float16 sinks,
+    the codebook layout's with the same sinks). None where that does not hold (a row yet without blocks, whose
+    attention runs on the torch reference alone): the caller then attends row by row."""
     rows, method = layer.rows, layer.method
     if not _decode_step(layer):
         return None
@@ -506,20 +441,14 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
     residuals = [(row.k_res, row.v_res) for row in rows]
     if layer.side_by_side is None:
         layer.side_by_side = _RowsSideBySide()
-    if all(row.fused is not None for row in rows) and supports(method.int2_spec(), d, query.device, gqa, opts):
-        packed, counts = layer.side_by_side.layout_for([row.fused for row in rows], residuals, layer.padding.counts)
-        return fused_attend(method, layer.layer, query, packed, opts.scaling, layer.side_by_side.states_for(rows),
-                            counts=counts)
-    if all(row.vq is not None and row.vq.sinks == 0 and row.state is None for row in rows) \
-            and vq_supports(method.vq_books(layer.layer), d, query.device, gqa, opts):
-        packed, counts = layer.side_by_side.layout_for([row.vq for row in rows], residuals, layer.padding.counts)
-        return vq_attend(query, packed, opts.scaling, counts=counts)
-    # every row that flushed holds the same sinks (a block holds them all: `check_static`'s limit)
-    if all(row.codebook is not None and row.codebook.sinks == min(method.sink, method.block) for row in rows) \
-            and codebook_supports(rows[0].codebook.specs, d, query.device, gqa, opts):
-        packed, counts = layer.side_by_side.layout_for([row.codebook for row in rows], residuals, layer.padding.counts)
-        return codebook_attend(query, packed, opts.scaling, counts=counts)
-    return None
+    fmt = rows[0].format
+    if (fmt is None or any(row.format is not fmt or row.layout is None for row in rows)
+            or not fmt.supports(rows[0].declaration, d, query.device, gqa, opts)
+            or not fmt.side_by_side([row.layout for row in rows], method)
+            or (not fmt.holds_state and any(row.state is not None for row in rows))):
+        return None
+    packed, counts = layer.side_by_side.layout_for(fmt, [row.layout for row in rows], residuals, layer.padding.counts)
+    return fmt.attend(method, layer.layer, query, packed, opts.scaling, layer.side_by_side.states_for(rows), counts)
 
 
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
@@ -572,56 +501,16 @@ def _watch_padding(model: torch.nn.Module) -> None:
 
 
 def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> torch.Tensor:
-    """Attention of the newest positions over the compressed cache: the fused kernel for one new
-    token where it reads the method's blocks (`fused_attend`), otherwise the method's torch reference
+    """Attention of the newest positions over the compressed cache: the layer's format's kernel for one new
+    token where it reads the method's blocks (`Format.attend`), otherwise the method's torch reference
     over the dequantized cache."""
-    method, fused = layer.method, layer.fused
+    method, fmt = layer.method, layer.format
     gqa = q.shape[1] // layer.k_res.shape[1]
-    if fused is not None and q.shape[-2] == 1 and supports(method.int2_spec(), q.shape[-1], q.device, gqa, opts):
-        return fused_attend(method, layer.layer, q, fused, opts.scaling, layer.state)
-    if layer.vq is not None and q.shape[-2] == 1 and vq_supports(method.vq_books(layer.layer), q.shape[-1], q.device,
-                                                                  gqa, opts):
-        return vq_attend(q, layer.vq, opts.scaling)
-    if layer.codebook is not None and q.shape[-2] == 1 and codebook_supports(layer.codebook.specs, q.shape[-1], q.device,
-                                                                             gqa, opts):
-        return codebook_attend(q, layer.codebook, opts.scaling)
+    if (layer.layout is not None and q.shape[-2] == 1
+            and fmt.supports(layer.declaration, q.shape[-1], q.device, gqa, opts)):
+        return fmt.attend(method, layer.layer, q, layer.layout, opts.scaling, layer.state)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
-
-
-def fused_attend(method: Method, layer: int, q: torch.Tensor, packed: PackedLayer, scaling: float, state: Any,
-                 counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One new query per head, q (B, Hq, 1, D), through the fused kernel over `packed`, with the method's
-    correction terms entering at the merge; (B, Hq, 1, D) in the compute dtype. Everything here is in the
-    model's basis: where the method stores blocks rotated, the kernel rotates the query for them and their
-    partial outputs back (`kvcalib.formats.int2.layout`). `counts`: a static cache's per-sequence counts on the
-    device."""
-    terms = method.correction(layer, q, state)
-    if terms is not None:
-        terms = (terms[0][:, :, 0], terms[1][:, :, 0])  # the single new position
-    q1 = q[:, :, 0]
-    # the kernel takes fp16 or bf16 queries; a float32 or float64 model's are rounded to fp16
-    q1 = q1 if q1.dtype in (torch.float16, torch.bfloat16) else q1.half()
-    return fused_decode(q1, packed, scaling, terms, counts=counts).to(compute_dtype(q)).unsqueeze(2)
-
-
-def vq_attend(q: torch.Tensor, layer: VQLayer, scaling: float,
-              counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One new query per head, q (B, Hq, 1, D), through the VecInfer kernel over `layer` (keys coded in the codec
-    basis, the query transformed by the kernel); (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's
-    per-sequence counts on the device."""
-    q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
-    lengths, residuals = counts if counts is not None else (None, None)
-    return vq_decode(q1, layer, scaling, lengths=lengths, residuals=residuals).to(compute_dtype(q)).unsqueeze(2)
-
-
-def codebook_attend(q: torch.Tensor, layer: CodebookLayer, scaling: float,
-                    counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """One new query per head, q (B, Hq, 1, D), through the codebook kernel over `layer` (the kernel takes the query
-    into the keys' basis and the output back); (B, Hq, 1, D) in the compute dtype. `counts`: a static cache's
-    per-sequence counts on the device."""
-    q1 = q[:, :, 0] if q.dtype in (torch.float16, torch.bfloat16) else q[:, :, 0].half()
-    return codebook_decode(q1.contiguous(), layer, scaling, counts=counts).to(compute_dtype(q)).unsqueeze(2)
 
 
 def register_attention() -> None:

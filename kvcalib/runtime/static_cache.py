@@ -77,15 +77,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..attention import AttentionOptions
 from ..errors import SettingsError
-from ..formats.codebook.layout import BUFFERS as CODEBOOK_BUFFERS
-from ..formats.codebook.layout import CodebookLayer, CodedRows, head_map
-from ..formats.int2.layout import PackedLayer, kernel_parts
-from ..formats.vq.layout import VQLayer
+from ..formats.base import Format
+from ..formats.registry import FORMATS
 from ..hadamard import hadamard
 from ..methods import Method, MethodSettings, build_method
 from ..models import LoadedModel, attention_shape, layer_devices
-from .cache import (IMPLEMENTATION, check_static, codebook_attend, for_this_rank, fused_attend, hand_to_attention,
-                    kernel_family, register_attention, tensor_parallel_size, vq_attend)
+from .cache import (IMPLEMENTATION, check_static, for_this_rank, hand_to_attention, kernel_format, register_attention,
+                    tensor_parallel_size)
 from . import slots
 from .captured import CapturedDecoder, Decoder, compile_mode
 
@@ -98,7 +96,7 @@ def _tensors(state) -> list[torch.Tensor]:
 
 
 class StaticLayer(CacheLayerMixin):
-    """One layer's buffers (`PackedLayer`, sized for the capacity plus one block of slack, where the
+    """One layer's buffers (its format's layout, sized for the capacity plus one block of slack, where the
     masked flush writes the rows it does not take), its per-sequence counts and decoding state."""
 
     is_sliding = False
@@ -107,59 +105,18 @@ class StaticLayer(CacheLayerMixin):
     def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
                  device: torch.device, gqa: int = 1):
         super().__init__()
-        spec, books = method.int2_spec(), method.vq_books(layer)
-        # the layout as the GPU's kernel reads it (`check_static` has held every layer to one kernel); where none reads
-        # these shapes (the host side alone, on the CPU), the first the method declares
-        family = kernel_family(method, layer, head_dim, torch.device("cuda"), gqa) or (
-            "int2" if spec is not None else "vq" if books is not None else "codebook")
+        # the format whose kernel reads the layer (`check_static` has held every layer to one); where none reads these
+        # shapes (the host side alone, on the CPU), the first the method declares
+        fmt = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa)[0] or next(
+            (f for f in FORMATS if f.declaration(method, layer) is not None), None)
+        if fmt is None:
+            raise SettingsError(f"a static cache cannot hold --method {method.name}: it declares no fused layout")
+        declaration = fmt.on(fmt.declaration(method, layer), device)
         r = method.block
-        room = capacity + r
-
-        def zeros(*shape, dtype=torch.float16):
-            return torch.zeros(*shape, dtype=dtype, device=device)
-
         self.method, self.layer, self.capacity = method, layer, capacity
-        blank = zeros(1, kv_heads, r, head_dim, dtype=torch.float32)
-        self.packed: PackedLayer | None = None  # INT2 blocks (`Method.int2_spec`) ...
-        self.vq: VQLayer | None = None  # ... or VecInfer code rows (`Method.vq_books`) ...
-        self.codebook: CodebookLayer | None = None  # ... or code rows and norms (`Method.codebook_groups`)
-        if family == "int2":
-            g, gv = spec.group_size, spec.value_group_size
-            probe = method.int2_parts(method.compress(layer, blank, blank))
-            self.packed = PackedLayer(
-                kcodes=zeros(batch, kv_heads, room // 16, head_dim, dtype=torch.int32),
-                kscale=zeros(batch, kv_heads, room // g, head_dim), kzero=zeros(batch, kv_heads, room // g, head_dim),
-                vcodes=zeros(batch, kv_heads, room, head_dim // 16, dtype=torch.int32),
-                vscale=zeros(batch, kv_heads, room, head_dim // gv), vzero=zeros(batch, kv_heads, room, head_dim // gv),
-                kres=zeros(batch, kv_heads, r, head_dim), vres=zeros(batch, kv_heads, r, head_dim),
-                length=capacity, residual=r, group_size=g, value_group_size=gv,
-                knorm=zeros(batch, kv_heads, room) if probe[2] is not None else None,
-                rotated_keys=method.rotated_keys, rotated_values=method.rotated_values)
-        elif family == "codebook":
-            groups = method.codebook_groups(layer)
-            blocks = method.codebook_blocks(method.compress(layer, blank, blank))
-            rows = []
-            for group, block in zip(groups, blocks):
-                mine = CodedRows(group.spec.to(device), head_map(group.heads, device), None, None, None, None)
-                for n in CODEBOOK_BUFFERS:  # as the block has them, `room` tokens
-                    if (x := getattr(block, n)) is not None:
-                        setattr(mine, n, zeros(batch, x.shape[1], room // mine.unit(n), *x.shape[3:], dtype=x.dtype))
-                rows.append(mine)
-            s = method.sink  # sink rows, and as many of slack for the masked write of the first flush (`append`)
-            self.codebook = CodebookLayer(
-                rows, zeros(batch, kv_heads, 2 * s, head_dim), zeros(batch, kv_heads, 2 * s, head_dim),
-                zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, s)
-        else:
-            kc, vc = method.vq_parts(method.compress(layer, blank, blank))
-            none = zeros(batch, kv_heads, 0, head_dim)
-            self.vq = VQLayer(zeros(batch, kv_heads, room, kc.shape[-1], dtype=torch.uint8),
-                              zeros(batch, kv_heads, room, vc.shape[-1], dtype=torch.uint8),
-                              books.kbook.to(device), books.vbook.to(device), none, none,
-                              zeros(batch, kv_heads, r, head_dim), zeros(batch, kv_heads, r, head_dim), capacity, r, 0,
-                              books.k_bits, books.v_bits,
-                              None if books.smooth is None else books.smooth.to(device), books.hadamard)
-        # the layout the kernel reads
-        self.kernel_layer = next(x for x in (self.packed, self.vq, self.codebook) if x is not None)
+        self.format: Format = fmt
+        self.layout = fmt.allocate(method, layer, declaration, batch, capacity + r, capacity, r, kv_heads, head_dim,
+                                   device)
         self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
@@ -183,13 +140,7 @@ class StaticLayer(CacheLayerMixin):
         empty state, a prompt's; the method's own rule, `Method.flush_state`)."""
         m = self.method
         packed = m.compress(self.layer, k16.float(), v16.float())
-        if self.vq is not None:  # code rows as they are (VecInfer keeps no decoding state: `check_static`)
-            return list(m.vq_parts(packed)), None
-        if self.codebook is not None:  # each group's code rows, norms, scales and zeros, as the format stores them
-            return [getattr(b, n) for b in m.codebook_blocks(packed) for n in b.present()], None
-        kq, vq, norms = m.int2_parts(packed)
-        kcodes, vcodes, vscale, vzero = kernel_parts(kq, vq)
-        parts = [kcodes, kq.scale, kq.zero, vcodes, vscale, vzero] + ([norms] if norms is not None else [])
+        parts = self.format.flush_parts(m, packed)
         state = None
         if self.state is not None:
             kd, vd = m.decompress(self.layer, packed)
@@ -198,13 +149,7 @@ class StaticLayer(CacheLayerMixin):
 
     def _buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The packed buffers with the tokens each row along dim 2 stands for, in `_flush`'s order."""
-        if self.vq is not None:
-            return [(self.vq.kcodes, 1), (self.vq.vcodes, 1)]
-        if self.codebook is not None:
-            return [(getattr(g, n), g.unit(n)) for g in self.codebook.groups for n in g.present()]
-        p, g = self.packed, self.packed.group_size
-        norms = [(p.knorm, 1)] if p.knorm is not None else []
-        return [(p.kcodes, 16), (p.kscale, g), (p.kzero, g), (p.vcodes, 1), (p.vscale, 1), (p.vzero, 1)] + norms
+        return self.format.buffers(self.layout)
 
     def _state_fields(self, state) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(this layer's state tensor, the same field of `state`), field by field."""
@@ -212,7 +157,7 @@ class StaticLayer(CacheLayerMixin):
 
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
-        t, r = k.shape[2], self.kernel_layer.residual
+        t, r = k.shape[2], self.layout.residual
         n = t // r * r
         k16, v16 = k.half(), v.half()
         for mine in _tensors(self.state):
@@ -224,28 +169,28 @@ class StaticLayer(CacheLayerMixin):
             if state is not None:
                 for mine, new in self._state_fields(state):
                     mine[slot] = new[0]
-            if self.codebook is not None and self.codebook.sinks:  # the first tokens in float16 as well
-                s = self.codebook.sinks
-                self.codebook.ksink[slot, :, :s], self.codebook.vsink[slot, :, :s] = k16[0, :, :s], v16[0, :, :s]
-        self.kernel_layer.kres[slot, :, : t - n], self.kernel_layer.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
+            if self.format.holds_sinks and self.layout.sinks:  # the first tokens in float16 as well
+                s = self.layout.sinks
+                self.layout.ksink[slot, :, :s], self.layout.vsink[slot, :, :s] = k16[0, :, :s], v16[0, :, :s]
+        self.layout.kres[slot, :, : t - n], self.layout.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
     def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
         `flush=False` where the caller knows no residual fills at this step (it appends only)."""
-        r = self.kernel_layer.residual
-        slots.write_token(self.kernel_layer.kres, self.kernel_layer.vres, self.residual, k, v)
+        r = self.layout.residual
+        slots.write_token(self.layout.kres, self.layout.vres, self.residual, k, v)
         if not flush:
             return
         full = self.residual == r
-        parts, state = self._flush(self.kernel_layer.kres, self.kernel_layer.vres, self.state)
+        parts, state = self._flush(self.layout.kres, self.layout.vres, self.state)
         for (buf, unit), part in zip(self._buffers(), parts):
             slots.masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
         if state is not None:
             for mine, new in self._state_fields(state):
                 mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))
-        if self.codebook is not None and self.codebook.sinks:  # a sequence's first flush holds its sink tokens
-            c, first = self.codebook, full & (self.flushed == 0)
+        if self.format.holds_sinks and self.layout.sinks:  # a sequence's first flush holds its sink tokens
+            c, first = self.layout, full & (self.flushed == 0)
             for buf, res in ((c.ksink, c.kres), (c.vsink, c.vres)):
                 slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(self.flushed), first)
         # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
@@ -271,11 +216,7 @@ class StaticLayer(CacheLayerMixin):
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
-        if self.vq is not None:
-            return vq_attend(query, self.vq, opts.scaling, counts=(self.flushed, self.residual))
-        if self.codebook is not None:
-            return codebook_attend(query, self.codebook, opts.scaling, counts=(self.flushed, self.residual))
-        return fused_attend(self.method, self.layer, query, self.packed, opts.scaling, self.state,
+        return self.format.attend(self.method, self.layer, query, self.layout, opts.scaling, self.state,
                             counts=(self.flushed, self.residual))
 
     def get_seq_length(self, *args) -> int:
