@@ -150,8 +150,11 @@ def test_where_layers_run_names_the_kernel_and_the_faster_cache():
     turbo = build_method("turboquant", shape, MethodSettings(bits=2, residual=32))
     line = where_layers_run(turbo, shape, cuda)
     assert f"{shape.num_layers} layers on the fused codebook path" in line and "StaticKvcalibCache" in line
-    kivi3 = build_method("kivi", shape, MethodSettings(bits=3, group_size=16, residual=32))  # no 3-bit kernel yet
+    kivi3 = build_method("kivi", shape, MethodSettings(bits=3, group_size=16, residual=32))  # affine codes
     line = where_layers_run(kivi3, shape, cuda)
+    assert f"{shape.num_layers} layers on the fused codebook path" in line and "StaticKvcalibCache" in line
+    kivi8 = build_method("kivi", shape, MethodSettings(bits=3, group_size=8, residual=32))  # groups within a tile
+    line = where_layers_run(kivi8, shape, cuda)
     assert f"{shape.num_layers} layers on the torch path" in line and "cannot hold this" in line
 
 
