@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..int2.launch import _sm_count, splits
+from ..waves import MAX_GQA, sm_count, splits
 from .layout import CodebookLayer, CodebookSpec, CodedPart
 
 HEAD_DIMS = (64, 128, 256)
-MAX_GQA = 8  # query heads per KV head: the 8 columns of an mma tile
 CH = 8  # channels a lane takes of each float16 row (the kernel's CH): D / 8 lanes a row
 WARPS = 4  # warps of a `partial` block
 ROWS = 64  # float16 rows (sinks, residual) a rows part takes
@@ -232,7 +231,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     length = capt if device else length
     rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
     row_parts = -(-rows // ROWS)
-    wave = max(1, round(share * blocks_per_sm(gqa, d) * _sm_count(q.device.index or 0)))
+    wave = max(1, round(share * blocks_per_sm(gqa, d) * sm_count(q.device.index or 0)))
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,

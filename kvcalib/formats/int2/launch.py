@@ -7,17 +7,16 @@ it reads, and the torch reference it is tested against, are `kvcalib.formats.int
 
 from __future__ import annotations
 
-import functools
 import math
 import torch
 
+from ..waves import MAX_GQA, sm_count, splits
 from .layout import TILE, Int2Spec, PackedLayer
 
 RESIDUAL_CHUNK = 16  # RT in int2_decode.cu: residual tokens per block
 MERGE_WARPS = 4  # MERGE_WARPS in int2_decode.cu: warps per block of `merge`
 BLOCKS_PER_SM = 4  # resident decode blocks per SM: the kernel's register budget and the size of one wave
 HEAD_DIMS = (64, 128)
-MAX_GQA = 8  # query heads per KV head: the 8 columns of an mma tile
 
 
 def supports(spec: Int2Spec | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
@@ -38,33 +37,15 @@ def split_unit(group: int) -> int:
     return TILE * group // math.gcd(TILE, group)
 
 
-def splits(length: int, blocks_per_split: int, unit: int, slots: int, reserved: int = 0) -> tuple[int, int]:
-    """(splits, tokens per split) of `length` flushed tokens: at most one wave of `slots` resident blocks,
-    `blocks_per_split` of them per split (batch x KV heads), `reserved` of the wave's slots going to the
-    float16 rows' blocks; splits of whole `unit`s (int2_decode.cu: 128 tokens and whole key groups;
-    vq_decode.cu: whole stages). With device counts a kernel re-splits each row's own length over the same
-    number of splits (`packed_partial`, `vq_partial`)."""
-    units = max(1, -(-length // unit))
-    want = max(1, (slots - reserved) // blocks_per_split)
-    per = -(-units // min(units, want))
-    split_len = per * unit
-    return max(1, -(-length // split_len)) if length else 0, split_len
-
-
 def partition(layer: PackedLayer, device: int) -> tuple[int, int, int]:
     """How `fused_decode` splits `layer` on GPU `device`: (residual blocks, packed splits, tokens per split)."""
     b, hkv = layer.kcodes.shape[:2]
     residual_blocks = max(1, -(-layer.residual // RESIDUAL_CHUNK))
-    sms = _sm_count(device)
+    sms = sm_count(device)
     # The residual blocks are short: they take wave slots up to an eighth of the wave, and any beyond
     # run as packed blocks finish.
     reserved = min(residual_blocks * b * hkv, BLOCKS_PER_SM * sms // 8)
     return residual_blocks, *splits(layer.length, b * hkv, split_unit(layer.group_size), BLOCKS_PER_SM * sms, reserved)
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fused_decode(q: torch.Tensor, layer: PackedLayer, scaling: float,

@@ -13,7 +13,7 @@ import torch
 
 from ...errors import SettingsError
 from ...vq import VQConfig
-from ..int2.launch import MAX_GQA, _sm_count, splits
+from ..waves import MAX_GQA, sm_count, splits
 from .layout import VQBooks, VQLayer
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
@@ -233,7 +233,7 @@ def _launch(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool, leng
     # One wave of blocks over the flushed tokens, splits of whole stages; every part also takes an equal share
     # of the float16 rows (blocks of their own for them queued behind the wave, and the blocks that took one
     # chunk of RT rows each finished last). Without flushed tokens, parts of RT rows.
-    num_splits, split_len = splits(length, b * hkv, stage, per_sm * _sm_count(q.device.index or 0))
+    num_splits, split_len = splits(length, b * hkv, stage, per_sm * sm_count(q.device.index or 0))
     parts = num_splits or max(1, -(-extra_rows // RT))
     rows_per_part = -(-extra_rows // parts)
     part_acc = torch.empty(b, hq, parts, d, device=q.device, dtype=torch.float32)
