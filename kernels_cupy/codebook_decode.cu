@@ -296,14 +296,7 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
     const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zw.y));
     const float x[4] = {f.x * s01.x, f.y * s01.y, f.z * s23.x, f.w * s23.y};
     b += f.x * z01.x + f.y * z01.y + f.z * z23.x + f.w * z23.y;
-    float hi[4], lo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      hi[i] = __half2float(__float2half_rn(x[i]));
-      lo[i] = x[i] - hi[i];
-    }
-    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
-                        pack_half2(lo[2], lo[3]));
+    qa[ks] = hi_lo_fragment(x);
   }
   b += __shfl_xor_sync(0xffffffff, b, 1);
   b += __shfl_xor_sync(0xffffffff, b, 2);

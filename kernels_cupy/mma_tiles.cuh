@@ -35,6 +35,18 @@ __device__ __forceinline__ void softmax_tiles(const float (*sc)[4], float& m, fl
   }
 }
 
+// Four float32 numbers as an A fragment's hi and lo rows: fp16 hi, and the remainder lo (x - hi) in fp16.
+__device__ __forceinline__ uint4 hi_lo_fragment(const float* x) {
+  float hi[4], lo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    hi[i] = __half2float(__float2half_rn(x[i]));
+    lo[i] = x[i] - hi[i];
+  }
+  return make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
+                    pack_half2(lo[2], lo[3]));
+}
+
 // A query's A fragments for the scores' mma, from float32 rows src[h][D] (h < GQ): row g is head g's fp16 hi,
 // row g + 8 its remainder lo (both zero for g >= GQ); k-slice ks: channels
 // t D/4 + 4 ks + {0, 1} and + {2, 3} (the keys' permutation).
@@ -45,14 +57,7 @@ __device__ __forceinline__ void q_fragments(const float (*src)[D], uint4* qa) {
     float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
     if (g < GQ) f = *reinterpret_cast<const float4*>(&src[g][t * (D / 4) + 4 * ks]);
     const float x[4] = {f.x, f.y, f.z, f.w};
-    float hi[4], lo[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      hi[i] = __half2float(__float2half_rn(x[i]));
-      lo[i] = x[i] - hi[i];
-    }
-    qa[ks] = make_uint4(pack_half2(hi[0], hi[1]), pack_half2(lo[0], lo[1]), pack_half2(hi[2], hi[3]),
-                        pack_half2(lo[2], lo[3]));
+    qa[ks] = hi_lo_fragment(x);
   }
 }
 

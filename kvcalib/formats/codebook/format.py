@@ -56,7 +56,7 @@ class CodebookFormat(Format):
         blocks = method.codebook_blocks(method.compress(layer, blank, blank))
         rows = []
         for group, block in zip(declaration, blocks):
-            mine = CodedRows(group.spec.to(device), head_map(group.heads, device), None, None, None, None)
+            mine = CodedRows(None, None, None, None, spec=group.spec.to(device), head_map=head_map(group.heads, device))
             for n in BUFFERS:  # as the block has them, `room` tokens
                 if (x := getattr(block, n)) is not None:
                     setattr(mine, n, torch.zeros(batch, x.shape[1], room // mine.unit(n), *x.shape[3:], dtype=x.dtype,

@@ -152,22 +152,11 @@ class CodedBlock:
 
 
 @dataclass
-class CodedRows:
-    """One group's buffers (`CodedBlock`'s, capacity-sized) and what reads them."""
+class CodedRows(CodedBlock):
+    """One group's buffers (a `CodedBlock`'s, capacity-sized) and what reads them."""
 
-    spec: CodebookSpec
-    head_map: torch.Tensor | None  # (Hg,) int32 on the buffers' device: the layer's KV head of each
-    kcodes: torch.Tensor
-    knorm: torch.Tensor | None
-    vcodes: torch.Tensor
-    vnorm: torch.Tensor | None
-    kscale: torch.Tensor | None = None
-    kzero: torch.Tensor | None = None
-    vscale: torch.Tensor | None = None
-    vzero: torch.Tensor | None = None
-
-    def present(self) -> list[str]:
-        return [n for n in BUFFERS if getattr(self, n) is not None]
+    spec: CodebookSpec | None = None
+    head_map: torch.Tensor | None = None  # (Hg,) int32 on the buffers' device: the layer's KV head of each
 
     def unit(self, name: str) -> int:
         """Tokens one row of buffer `name` stands for along dim 2: an affine key part's G for its scales, else 1."""
@@ -235,7 +224,7 @@ def new_layer(groups: list[HeadGroup], blocks: list[CodedBlock], kv_heads: int, 
     for group, block in zip(groups, blocks):
         empty = {n: None if (x := getattr(block, n)) is None else x.new_zeros(*x.shape[:2], 0, *x.shape[3:])
                  for n in BUFFERS}
-        rows.append(CodedRows(group.spec, head_map(group.heads, device), **empty))
+        rows.append(CodedRows(**empty, spec=group.spec, head_map=head_map(group.heads, device)))
     none = torch.zeros(blocks[0].kcodes.shape[0], kv_heads, 0, head_dim, dtype=torch.float16, device=device)
     return CodebookLayer(rows, none, none.clone(), none.clone(), none.clone(), 0, 0, 0)
 
