@@ -10,7 +10,7 @@ import sys
 import click
 
 from .errors import KvcalibError
-from .defaults import (DEFAULTS, KMEANS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS,
+from .defaults import (DEFAULTS, DTYPE_CHOICES, KMEANS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS,
                        PLAN_SINK_TOKENS, RESIDUAL_MODES)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -37,8 +37,12 @@ def _device(fn):
 
 
 def _trust_remote_code(fn):
-    """The options of a command that loads a model: --trust-remote-code and --device."""
+    """The options of a command that loads a model: --trust-remote-code, --device and --dtype."""
     fn = _device(fn)
+    fn = click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
+                      help="The model's dtype: auto takes the checkpoint's own on a GPU (its config's torch_dtype, a "
+                           "GGUF's float type; bfloat16 for a quantized Gemma GGUF, float16 for other quantized ones) "
+                           "and float32 on the CPU.")(fn)
     return click.option("--trust-remote-code", is_flag=True,
                         help="Let transformers run the model's own Python code, if its config asks for it "
                              "(off: such a model is refused).")(fn)
@@ -129,14 +133,14 @@ def cli(verbose: bool) -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the token sub-sampling.")
 @click.option("--max-tokens", type=int, default=None, help="Cap on stored tokens per layer (seeded sub-sampling).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (resumes if it holds a partial run).")
-def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory,
-                seed, max_tokens, out) -> None:
+def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, dtype, device, device_map,
+                max_memory, seed, max_tokens, out) -> None:
     """Record post-RoPE Q/K/V activations per layer as safetensors shards."""
     from .collect import collect
     from .devices import parse_max_memory
 
     path = collect(out, model=model, dataset=dataset, text_field=text_field, seed=seed, max_tokens=max_tokens,
-                   trust_remote_code=trust_remote_code, device=device, device_map=device_map,
+                   trust_remote_code=trust_remote_code, device=device, device_map=device_map, dtype=dtype,
                    max_memory=parse_max_memory(max_memory),
                    **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(f"activations written to {path}")
@@ -147,8 +151,8 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @click.option("--method", required=True, help="Cache method: fp16, kivi, oscar, kvlinc, vecinfer, turboquant, plan (docs/methods.md).")
 @_method_options
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
-def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, device, device_map, max_memory, method,
-             bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
+def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, dtype, device, device_map, max_memory,
+             method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .devices import parse_max_memory
@@ -158,7 +162,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys, artifacts=artifacts,
                       json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
-                      max_memory=parse_max_memory(max_memory), **_given(num_samples=num_samples, seq_len=seq_len))
+                      max_memory=parse_max_memory(max_memory), dtype=dtype,
+                      **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 
 
@@ -180,7 +185,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @_trust_remote_code
 def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
                  artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
-                 repetition_penalty, seed, trust_remote_code, device) -> None:
+                 repetition_penalty, seed, trust_remote_code, dtype, device) -> None:
     """Continue a prompt through a compressed cache, streaming the tokens to stdout. Under torchrun
     (--nproc-per-node N) the model is split over the GPUs by tensor parallelism and rank 0 streams."""
     from .generate import generate
@@ -193,7 +198,7 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
     generate(prompt if prompt is not None else prompt_file.read(), model=model, method=method, settings=settings,
              artifacts=artifacts, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
              top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed, device=device,
-             trust_remote_code=trust_remote_code, stream=sys.stdout)
+             trust_remote_code=trust_remote_code, stream=sys.stdout, dtype=dtype)
 
 
 @cli.command("lm-eval")
@@ -214,7 +219,7 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
 @click.option("--seed", type=int, default=0, show_default=True, help="lm-eval's seeds (sampling, few-shot order).")
 @_trust_remote_code
 def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
-                artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code, device) -> None:
+                artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code, dtype, device) -> None:
     """lm-evaluation-harness tasks with the KV cache replaced by a kvcalib method (generation through the cache a
     decoder holds, loglikelihoods as `eval` scores them)."""
     from .harness import run_tasks, score_table
@@ -226,7 +231,7 @@ def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotat
                         settings=settings, artifacts=artifacts, batch_size=batch_size,
                         limit=None if limit is None else (int(limit) if limit >= 1 else limit),
                         max_lengths=_number_list(max_lengths, "--max-lengths"), output_path=output_path, seed=seed,
-                        device=device, trust_remote_code=trust_remote_code)
+                        device=device, trust_remote_code=trust_remote_code, dtype=dtype)
     click.echo(score_table(results))
 
 
@@ -307,12 +312,14 @@ def make_model_cmd(shape, dtype, seed, tokenizer, weights, device, out) -> None:
 @click.option("--rotation/--no-rotation", default=DEFAULTS["rotation"], show_default=True)
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
-def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, trust_remote_code, device, out) -> None:
+def oscar_artifact_cmd(model, bits, group_size, residual, scaling, rotation, trust_remote_code, dtype, device,
+                       out) -> None:
     """Write the (training-free) OScaR artifact: settings, model fingerprint and rotation."""
     from .methods.oscar_fit import save_oscar_artifact
 
     path = save_oscar_artifact(out, model=model, bits=bits, group_size=group_size, residual=residual,
-                               scaling=scaling, rotation=rotation, trust_remote_code=trust_remote_code, device=device)
+                               scaling=scaling, rotation=rotation, trust_remote_code=trust_remote_code, device=device,
+                               dtype=dtype)
     click.echo(f"artifact written to {path}")
 
 
@@ -399,8 +406,8 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, key_candidates, value_candidates, items, anchor, windows, seq_len,
-             granularity, iters, sink_tokens, residual_mode, kmeans, trust_remote_code, device, device_map, max_memory,
-             out) -> None:
+             granularity, iters, sink_tokens, residual_mode, kmeans, trust_remote_code, dtype, device, device_map,
+             max_memory, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
     from .devices import parse_max_memory
@@ -411,7 +418,7 @@ def plan_cmd(activations, budgets, model, candidates, key_candidates, value_cand
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
                           device=device, device_map=device_map, max_memory=parse_max_memory(max_memory),
-                          kmeans=kmeans):
+                          kmeans=kmeans, dtype=dtype):
         click.echo(f"plan written to {path}")
 
 
@@ -432,13 +439,13 @@ def report_cmd(results, task_results, out) -> None:
 @click.argument("recipe", type=click.Path())
 @click.option("--model", default=None, help="Override the recipe's model.")
 @_trust_remote_code
-def run_cmd(recipe, model, trust_remote_code, device) -> None:
+def run_cmd(recipe, model, trust_remote_code, dtype, device) -> None:
     """Run the steps of a recipe (a TOML pipeline under recipes/) in order."""
     from .evaluate import EvalResult
     from .recipes import run_recipe
     from .report import result_table
 
-    done = run_recipe(recipe, model=model, trust_remote_code=trust_remote_code, device=device)
+    done = run_recipe(recipe, model=model, trust_remote_code=trust_remote_code, device=device, dtype=dtype)
     evals = [(step.label, out) for step, out in done if isinstance(out, EvalResult)]
     if evals:
         click.echo(result_table([r for _, r in evals], [label for label, _ in evals]))

@@ -175,7 +175,7 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
             text_field: str = "text", num_samples: int = 16, seq_len: int = 512, seed: int = 0,
             max_tokens: int | None = None, chunk_size: int | None = None, trust_remote_code: bool = False,
             device: str | None = None, device_map: str | None = None,
-            max_memory: dict[int | str, str] | None = None) -> Path:
+            max_memory: dict[int | str, str] | None = None, dtype: str | None = None) -> Path:
     """Run calibration text through `model` and save post-RoPE Q/K/V per layer under `out`.
 
     One process at a time writes `out` (a lock file inside it); a run that fails or is interrupted
@@ -197,7 +197,7 @@ def collect(out: str | Path, model: str | LoadedModel = DEFAULT_MODEL, dataset: 
 
         on_rank0(take, rank, size)
         try:
-            return _record(out, config, model, trust_remote_code, device, rank, size, device_map, max_memory)
+            return _record(out, config, model, trust_remote_code, device, rank, size, device_map, max_memory, dtype)
         except ActivationError:  # the same text gives the same values again: nothing here is worth resuming
             unstarted = rank == 0 and created
             if rank == 0:
@@ -254,8 +254,9 @@ def _earlier_checksums(out: Path) -> dict[str, str]:
 
 def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_remote_code: bool,
             device: str | None, rank: int = 0, size: int = 1, device_map: str | None = None,
-            max_memory: dict[int | str, str] | None = None) -> Path:
-    lm = load_model(model, **placement(device, device_map, max_memory, size), trust_remote_code=trust_remote_code)
+            max_memory: dict[int | str, str] | None = None, dtype: str | None = None) -> Path:
+    lm = load_model(model, **placement(device, device_map, max_memory, size), dtype=dtype,
+                    trust_remote_code=trust_remote_code)
     check_seq_len(lm.config, config.seq_len)
     windows = token_windows(lm.tokenizer, config.dataset, "calibration", config.num_samples, config.seq_len,
                             config.text_field)

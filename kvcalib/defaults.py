@@ -13,6 +13,8 @@ KMEANS = ("auto", "faiss", "torch")  # --kmeans: `kvcalib.methods.vecinfer_fit.k
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)
 # (the vector schemes fit k-means codebooks with faiss: `pip install kvcalib[cpu]`)
+# --dtype of every command that loads a model: auto takes the checkpoint's own on a GPU (`models.default_dtype`)
+DTYPE_CHOICES = ("auto", "float16", "bfloat16", "float32")
 PLAN_CANDIDATES = ("turboquant-1", "turboquant-2", "turboquant-3", "turboquant-4", "turboquant-d4b5", "turboquant-d4b6",
                    "turboquant-d4b7", "vecinfer-d4b6", "vecinfer-d4b7", "vecinfer-d4b8", "kivi-2-g128", "kivi-3-g128",
                    "kivi-4-g128", "oscar-2-g32", "oscar-2-g128", "oscar-3-g128", "oscar-4-g128")

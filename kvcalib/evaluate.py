@@ -104,7 +104,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              keys: str | None = None,
              artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False,
              device: str | None = None, device_map: str | None = None,
-             max_memory: dict[int | str, str] | None = None) -> EvalResult:
+             max_memory: dict[int | str, str] | None = None, dtype: str | None = None) -> EvalResult:
     """Score `method` on `num_samples` windows of `seq_len` tokens of the evaluation text.
 
     Method options left None take the artifact's value, else `kvcalib.defaults.DEFAULTS`; one the
@@ -115,7 +115,8 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
     rank, size = world()
-    lm = load_model(model, **placement(device, device_map, max_memory, size), trust_remote_code=trust_remote_code)
+    lm = load_model(model, **placement(device, device_map, max_memory, size), dtype=dtype,
+                    trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     cache = build_method(method, shape, settings, artifacts=artifacts, model=lm)
     check_seq_len(lm.config, seq_len)

@@ -60,7 +60,7 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
              settings: MethodSettings = MethodSettings(), artifacts: str | None = None, max_new_tokens: int = 128,
              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 50,
              repetition_penalty: float = 1.0, seed: int = 0, device: str | None = None,
-             trust_remote_code: bool = False, stream: TextIO | None = None) -> str:
+             trust_remote_code: bool = False, stream: TextIO | None = None, dtype: str | None = None) -> str:
     """The continuation of `prompt` (module docstring), written to `stream` token by token where given."""
     if not prompt.strip():
         raise SettingsError("the prompt is empty: give --prompt TEXT or --prompt-file FILE")
@@ -69,7 +69,7 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
     if do_sample and (temperature <= 0 or not 0 < top_p <= 1 or top_k < 0):
         raise SettingsError(f"sampling takes --temperature > 0, 0 < --top-p <= 1 and --top-k >= 0; got "
                             f"{temperature}, {top_p}, {top_k}")
-    lm = _load(model, device, trust_remote_code)
+    lm = _load(model, device, trust_remote_code, dtype)
     if lm.tokenizer is None:
         raise SettingsError(f"{lm.spec} has no tokenizer: generate needs one to read the prompt and write the text")
     compressed = build_method(method, attention_shape(lm.config), settings, artifacts, lm)
@@ -97,15 +97,16 @@ def generate(prompt: str, model: str | LoadedModel = DEFAULT_MODEL, method: str 
     return lm.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
-def _load(model: str | LoadedModel, device: str | None, trust_remote_code: bool) -> LoadedModel:
+def _load(model: str | LoadedModel, device: str | None, trust_remote_code: bool,
+          dtype: str | None = None) -> LoadedModel:
     """The model on `device`; under torchrun (several processes) under tensor parallelism (`load_model`)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or isinstance(model, LoadedModel):
-        return load_model(model, device, trust_remote_code=trust_remote_code)
+        return load_model(model, device, dtype, trust_remote_code=trust_remote_code)
     here = local_device(resolve_device(device))  # refuses --device cuda:N: every rank takes its own GPU
     if here == "cpu" and torch.cuda.is_available():
         raise SettingsError("--device cpu under torchrun on a machine with GPUs: tensor parallelism puts each rank "
                             "on its own GPU (give --device auto or cuda), or run without torchrun")
-    return load_model(model, trust_remote_code=trust_remote_code, tensor_parallel=True)
+    return load_model(model, dtype=dtype, trust_remote_code=trust_remote_code, tensor_parallel=True)
 
 
 class _Streamer(TextStreamer):

@@ -97,7 +97,7 @@ def kvcalib_lm(lm: LoadedModel, method: Method, batch_size: int = 1, max_length:
 def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method: str = "fp16",
               settings: MethodSettings = MethodSettings(), artifacts: str | None = None, batch_size: int = 1,
               limit: float | None = None, max_lengths: list[int] | None = None, output_path: str | None = None,
-              seed: int = 0, device: str | None = None, trust_remote_code: bool = False) -> dict:
+              seed: int = 0, device: str | None = None, trust_remote_code: bool = False, dtype: str | None = None) -> dict:
     """lm-eval's `simple_evaluate` of `tasks` with the cache of `method`; its results dict, with a `kvcalib`
     entry naming the model, method and settings, written to `output_path` where given. `max_lengths`:
     the prompt lengths RULER's tasks generate (its `max_seq_lengths`, default 4096)."""
@@ -118,7 +118,7 @@ def run_tasks(tasks: list[str], model: str | LoadedModel = DEFAULT_MODEL, method
     if unknown:
         raise SettingsError(f"lm-eval has no task {', '.join(unknown)} (offline, RULER's generated tasks run: "
                             f"{', '.join(OFFLINE_RULER)})")
-    lm = load_model(model, device, trust_remote_code=trust_remote_code)
+    lm = load_model(model, device, dtype, trust_remote_code=trust_remote_code)
     if lm.tokenizer is None:
         raise SettingsError(f"{lm.spec} has no tokenizer: lm-eval tasks are text")
     limit_tokens = max_context(lm.config)

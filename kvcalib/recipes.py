@@ -92,10 +92,10 @@ def run_step(step: Step, **overrides) -> object:
 
 
 def run_recipe(path: str | Path, model=None, trust_remote_code: bool = False,
-               device: str | None = None) -> list[tuple[Step, object]]:
+               device: str | None = None, dtype: str | None = None) -> list[tuple[Step, object]]:
     """Run every step in order; returns (step, what the command returned). `model` overrides the recipe's;
     `trust_remote_code` turns it on for every step that loads a model (a recipe may also set it per step);
-    `device` (auto when None) places every step's model."""
+    `device` (auto when None) places every step's model, in `dtype` (auto when None: `models.default_dtype`)."""
     return [(step, run_step(step, model=model, trust_remote_code=trust_remote_code or None,
-                            device=None if device == "auto" else device))
+                            device=None if device == "auto" else device, dtype=None if dtype == "auto" else dtype))
             for step in load_recipe(path)]

@@ -584,7 +584,7 @@ def test_the_embedded_gguf_reads_whole_and_a_copy_cut_short_is_refused_with_its_
 
     directory, options = _resolve("smollm2-135m")
     whole = Path(directory) / options["gguf_file"]
-    assert gguf_header(whole) == ("llama", whole.stat().st_size, whole.stat().st_size)
+    assert gguf_header(whole)[:3] == ("llama", whole.stat().st_size, whole.stat().st_size)
     cut = tmp_path / "cut.gguf"
     with open(whole, "rb") as f:
         cut.write_bytes(f.read(40_000_000))

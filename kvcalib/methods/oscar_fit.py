@@ -14,11 +14,11 @@ from .oscar import Oscar, OscarConfig
 def save_oscar_artifact(out: str, model: str | LoadedModel = DEFAULT_MODEL, bits: int = DEFAULTS["bits"],
                         group_size: int = DEFAULTS["group_size"], residual: int = DEFAULTS["residual"],
                         scaling: str = DEFAULTS["scaling"], rotation: bool = DEFAULTS["rotation"],
-                        trust_remote_code: bool = False, device: str | None = None) -> str:
+                        trust_remote_code: bool = False, device: str | None = None, dtype: str | None = None) -> str:
     """Write the artifact a deployment reproduces OScaR from: settings, model fingerprint, rotation."""
     config = OscarConfig(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation)
     ensure_writable_dir(out, "--out")
-    lm = load_model(model, device=device, trust_remote_code=trust_remote_code)
+    lm = load_model(model, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
     shape = attention_shape(lm.config)
     method = Oscar(config, shape)
     tensors = {"rotation": hadamard(shape.head_dim)} if rotation else {}

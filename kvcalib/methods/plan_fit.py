@@ -347,7 +347,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               windows: int = 4, seq_len: int = 512, granularity: str = "layer", iters: int = 50,
               residual: int | None = None, sink_tokens: int = PLAN_SINK_TOKENS,
               residual_mode: str = DEFAULTS["residual_mode"], anchor: str = PLAN_ANCHOR,
-              items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None,
+              items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None, dtype: str | None = None,
               device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
               kmeans: str = "auto", key_candidates: Sequence[str] | None = None,
               value_candidates: Sequence[str] | None = None) -> list[Path]:
@@ -393,7 +393,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     residual = DEFAULTS["residual"] if residual is None else residual
     outs = [ensure_writable_dir(plan_path(out, b, len(budgets) > 1)) for b in budgets]
     acts = Activations(activations)
-    lm = load_model(model, **place, trust_remote_code=trust_remote_code)
+    lm = load_model(model, **place, dtype=dtype, trust_remote_code=trust_remote_code)
     check_fingerprint(acts.fingerprint, lm.model, f"collection {activations}")
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
