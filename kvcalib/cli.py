@@ -284,7 +284,8 @@ def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, d
 
 
 @cli.command("make-model")
-@click.option("--shape", required=True, help="llama-3.1-8b, llama-3.1-70b, or a transformers config as a .json file.")
+@click.option("--shape", required=True, help="llama-3.1-8b, llama-3.1-70b, qwen3-8b, mistral-7b, phi-3-mini, gemma-2-9b, "
+              "gemma-3-4b, gemma-3-27b, or a transformers config as a .json file.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tokenizer", default=None, type=click.Path(),

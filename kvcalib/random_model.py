@@ -37,11 +37,39 @@ _LLAMA_31 = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, rope_
                  max_position_embeddings=131072, initializer_range=0.02, tie_word_embeddings=False,
                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                "original_max_position_embeddings": 8192})
+_GEMMA_2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=8192, initializer_range=0.02, tie_word_embeddings=True, head_dim=256,
+                query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0)
+# Gemma 3: five layers of six slide over 1024 tokens (local rope 10k), the sixth attends in full (rope 1M, scaled by 8)
+_GEMMA_3 = dict(model_type="gemma3_text", hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+                rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072, initializer_range=0.02,
+                tie_word_embeddings=True)
 SHAPES = {
     "llama-3.1-8b": _LLAMA_31 | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128),
     "llama-3.1-70b": _LLAMA_31 | dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                       num_attention_heads=64, num_key_value_heads=8, head_dim=128),
+    "qwen3-8b": dict(model_type="qwen3", hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                     max_position_embeddings=40960, initializer_range=0.02, tie_word_embeddings=False, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128),
+    "mistral-7b": dict(model_type="mistral", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                       max_position_embeddings=32768, initializer_range=0.02, tie_word_embeddings=False,
+                       sliding_window=None, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128),  # v0.3
+    "phi-3-mini": dict(model_type="phi3", hidden_act="silu", rms_norm_eps=1e-5, rope_theta=10000.0,
+                       max_position_embeddings=4096, initializer_range=0.02, tie_word_embeddings=False,
+                       hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=32),  # 4k context; head_dim 96
+    "gemma-2-9b": _GEMMA_2 | dict(hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                                  num_attention_heads=16, num_key_value_heads=8),
+    "gemma-3-4b": _GEMMA_3 | dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                                  num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256),
+    "gemma-3-27b": _GEMMA_3 | dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                                   num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                                   query_pre_attn_scalar=168),
 }
 
 

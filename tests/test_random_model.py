@@ -197,3 +197,51 @@ def test_a_gpu_draws_the_same_bytes_as_the_cpu(monkeypatch):
         monkeypatch.setattr(rw, "DRAW_CHUNK_GPU", 1000)
         assert torch.equal(rw.initial(name, shape, 0.02, 7, "cuda").cpu(), cpu), name
         monkeypatch.undo()
+
+
+# (layers, query heads, KV heads, head_dim, sliding layers) of each named shape, as its published config has them
+PUBLISHED = {"llama-3.1-8b": (32, 32, 8, 128, 0), "llama-3.1-70b": (80, 64, 8, 128, 0), "qwen3-8b": (36, 32, 8, 128, 0),
+             "mistral-7b": (32, 32, 8, 128, 0), "phi-3-mini": (32, 32, 32, 96, 0), "gemma-2-9b": (42, 16, 8, 256, 21),
+             "gemma-3-4b": (34, 8, 4, 256, 29), "gemma-3-27b": (62, 32, 16, 128, 52)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_each_named_shape_makes_the_published_attention_layout(shape, tmp_path):
+    """`--weights generated`: the config alone (no tensors drawn), which transformers reads back as the architecture
+    with the published attention: layers, heads, head_dim, and which layers slide over a window."""
+    from transformers import AutoConfig
+
+    from kvcalib.models import attention_shape
+
+    assert set(PUBLISHED) == set(SHAPES)
+    config = AutoConfig.from_pretrained(make_model(shape, tmp_path / "m", weights="generated"))
+    a = attention_shape(config)
+    sliding = sum(t == "sliding_attention" for t in (getattr(config, "layer_types", None) or []))
+    assert (a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim, sliding) == PUBLISHED[shape]
+    assert config.model_type == SHAPES[shape]["model_type"]
+
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, max_position_embeddings=512)  # a same-architecture variant small enough for the CPU
+
+
+@pytest.mark.parametrize("shape", ["qwen3-8b", "mistral-7b", "phi-3-mini", "gemma-2-9b", "gemma-3-4b"])
+def test_a_small_model_of_each_architecture_evaluates_through_a_compressed_cache(shape, tmp_path):
+    """The architecture of each named shape at a CPU size (its other settings kept: Gemma's windows shortened to 16
+    tokens so that they slide within the text, its soft-capping, Qwen3's QK norms): `eval` of KIVI-2 beside fp16 on the
+    same windows gives a finite perplexity and honest bits, the sliding layers attended over their windows."""
+    import json as json_
+
+    from kvcalib.evaluate import evaluate
+
+    fields = SHAPES[shape] | TINY
+    if "sliding_window" in fields and fields["sliding_window"]:
+        fields["sliding_window"] = 16
+    file = tmp_path / "shape.json"
+    file.write_text(json_.dumps(fields))
+    model = str(make_model(str(file), tmp_path / "m", dtype="float32", seed=1))
+    fp16 = evaluate(model=model, method="fp16", num_samples=1, seq_len=64, device="cpu")
+    kivi = evaluate(model=model, method="kivi", bits=2, group_size=16, residual=16, num_samples=1, seq_len=64,
+                    device="cpu")
+    assert all(torch.isfinite(torch.tensor(r.perplexity)) for r in (fp16, kivi))
+    assert kivi.perplexity != fp16.perplexity and kivi.effective_bits < 16 < fp16.effective_bits + 1e-9
