@@ -250,14 +250,23 @@ class Plan(Method):
         return out
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PlanPacked:
-        done: dict[tuple, Any] = {}  # a group whose keys and values share heads and coder is packed once
+        """Each group's block, packed by its scheme over its heads: a group whose keys and values share heads and
+        coder is packed once; a coder's part that no group reads is packed over no tokens (every scheme codes keys
+        and values apart, so the part read is the same bits: half of a flush's work otherwise)."""
+        serves: dict[tuple, set[str]] = {}
+        for part in PARTS:
+            for heads, coder in self.groups[part][layer]:
+                serves.setdefault((id(coder), tuple(heads)), set()).add(part)
+        done: dict[tuple, Any] = {}
         packed = {}
         for part in PARTS:
             packed[part] = []
             for heads, coder in self.groups[part][layer]:
                 key = (id(coder), tuple(heads))
                 if key not in done:
-                    done[key] = coder.compress(layer, heads_of(k, heads), heads_of(v, heads))
+                    kh, vh = heads_of(k, heads), heads_of(v, heads)
+                    done[key] = coder.compress(layer, kh if "k" in serves[key] else kh[..., :0, :],
+                                               vh if "v" in serves[key] else vh[..., :0, :])
                 packed[part].append(done[key])
         return PlanPacked(layer=layer, k=packed["k"], v=packed["v"])
 
