@@ -42,7 +42,8 @@ def runtime_cache(model: LoadedModel, method: Method, max_batch: int, max_length
     shape = attention_shape(model.config)
     device = next(model.model.parameters()).device
     try:
-        check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads, shape.num_layers)
+        check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads, shape.num_layers,
+                     model.config)
     except SettingsError:  # on CUDA the dynamic cache says why itself (`where_layers_run`)
         return KvcalibCache(model, method)
     return StaticKvcalibCache(model, method, max_batch=max_batch, max_length=max_length)

@@ -392,8 +392,8 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 def checkpoint_dtype(spec: str) -> torch.dtype | None:
     """The dtype the checkpoint `spec` keeps its weights in: its config's `torch_dtype` (or `dtype`, or its text
     config's); a GGUF file's float type that holds the most weights (F32 aside, which every file uses for its norms), or
-    for a quantized one bfloat16 in the families of `BFLOAT16_FAMILIES` and float16 in the others. None where it names
-    none (a hub id, not a local path)."""
+    for a quantized one bfloat16 in the families of `BFLOAT16_FAMILIES` and float16 in the others; a hub id's config
+    where the hub (or its local cache) gives it. None where nothing names one."""
     target, kwargs = _resolve(spec)
     if "gguf_file" in kwargs:
         header = gguf_header(Path(target) / kwargs["gguf_file"])
@@ -404,11 +404,19 @@ def checkpoint_dtype(spec: str) -> torch.dtype | None:
             return _GGUF_FLOATS[max(weights, key=weights.get)]
         return torch.bfloat16 if (header.architecture or "").startswith(BFLOAT16_FAMILIES) else torch.float16
     config = Path(target) / "config.json"
-    if not config.exists():
-        return None
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+        if config.exists():
+            data = json.loads(config.read_text())
+        else:  # a hub id: its config.json alone, from the local hub cache or a reachable hub (the load that follows
+            from huggingface_hub import hf_hub_download  # fetches it anyway, and says why it cannot)
+
+            try:
+                found = hf_hub_download(target, "config.json", local_files_only=True)
+            except Exception:
+                _check_hub_reachable(spec)  # fails fast where the hub client would retry for a minute
+                found = hf_hub_download(target, "config.json")
+            data = json.loads(Path(found).read_text())
+    except Exception:  # unreadable, or not on the hub: the caller's default; the load reports what is wrong
         return None
     text = data.get("text_config") or {}
     return DTYPES.get(data.get("torch_dtype") or data.get("dtype") or text.get("torch_dtype") or text.get("dtype"))

@@ -465,3 +465,38 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
         assert torch.equal(mine.ksink[1, :, :sinks], theirs.ksink[0]) and torch.equal(mine.vsink[1, :, :sinks], theirs.vsink[0])
     assert torch.equal(static.layout.kres[1, :, :r], theirs.kres[0])
     assert torch.equal(static.layout.vres[1, :, :r], theirs.vres[0])
+
+
+@pytest.mark.parametrize("model_type,fields,says", [
+    ("gemma2", {}, "soft-caps"),
+    ("gemma3_text", {"sliding_window": 512}, "slide over a window"),
+    ("mistral", {"sliding_window": 4096}, "slide over a window"),
+    ("mistral", {"sliding_window": None}, None),
+    ("qwen3", {"sliding_window": 4096, "use_sliding_window": False}, None),
+    ("llama", {}, None),
+])
+def test_a_static_cache_refuses_soft_capped_or_sliding_attention_by_the_models_config(model_type, fields, says):
+    """The static cache's kernels attend plainly over every token; the options reach an attention call only when it
+    runs, so the model's config decides before the cache is made (`attention_refusal`)."""
+    from transformers import AutoConfig
+
+    from kvcalib.runtime.cache import attention_refusal
+
+    config = AutoConfig.for_model(model_type, **fields)
+    method = build_method("kivi", SHAPE, MethodSettings(group_size=32))
+    if says is None:
+        assert attention_refusal(config) is None
+        check_static(method, SHAPE.head_dim, CUDA, 2, config=config)  # no error
+    else:
+        with pytest.raises(SettingsError, match=says):
+            check_static(method, SHAPE.head_dim, CUDA, 2, config=config)
+
+
+def test_affine_values_with_a_norm_are_not_read_by_the_codebook_kernel():
+    """The kernel's affine values carry no norm beside their scale (a static_assert there): `supports` says so first."""
+    from kvcalib.formats.codebook.launch import supports
+    from kvcalib.formats.codebook.layout import CodebookSpec, affine_part
+
+    key = affine_part(2, token_group=32)
+    assert supports([CodebookSpec(key, affine_part(2, channel_group=64))], 64, CUDA, 2)
+    assert not supports([CodebookSpec(key, affine_part(2, channel_group=64, norm=True))], 64, CUDA, 2)

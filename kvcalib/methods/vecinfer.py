@@ -183,11 +183,11 @@ class VecInfer(Method):
         """Vector codes without norms: values as coded, keys k = (y H) λ, so B = H diag(λ) per KV head
         (`kvcalib.formats.codebook.layout`)."""
         c, books = self.config, self.layers[layer]
-        d = self.shape.head_dim
-        basis = hadamard(d, torch.float32) if c.hadamard else None
+        d, device = self.shape.head_dim, books.k.device
+        basis = hadamard(d, torch.float32, device) if c.hadamard else None
         if books.smooth is not None:
-            lam = books.smooth.float()  # (Hkv, d)
-            basis = (basis[None] if basis is not None else torch.eye(d)[None]) * lam[:, None, :]
+            lam = books.smooth.float().to(device)  # (Hkv, d)
+            basis = (basis[None] if basis is not None else torch.eye(d, device=device)[None]) * lam[:, None, :]
         elif basis is not None:
             basis = basis[None]
         return CodebookSpec(CodedPart(c.k.bits, c.k.dim, books.k.float()[:, None], False, basis),

@@ -186,7 +186,7 @@ class KvcalibCache(Cache):
         super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         device = next(lm.model.parameters()).device
         if device.type == "cuda":
-            log.warning(where_layers_run(self.method, shape, device, fused))
+            log.warning(where_layers_run(self.method, shape, device, fused, lm.config))
         register_attention()
         _watch_padding(lm.model)
         lm.model.set_attn_implementation(IMPLEMENTATION)
@@ -203,7 +203,7 @@ class KvcalibCache(Cache):
         return sum(layer.stored_bits() for layer in self.layers)
 
 
-def where_layers_run(method: Method, shape, device: torch.device, fused: bool = True) -> str:
+def where_layers_run(method: Method, shape, device: torch.device, fused: bool = True, config=None) -> str:
     """One line: which of the method's layers a decode step reads through a fused kernel, which through the
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
@@ -214,7 +214,7 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
                       for k in dict.fromkeys(kernel))
     line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
     try:
-        check_static(method, shape.head_dim, device, gqa, shape.num_layers)
+        check_static(method, shape.head_dim, device, gqa, shape.num_layers, config)
     except SettingsError as why:
         return f"{line} ({why})"
     return (f"{line}; StaticKvcalibCache(model, method, max_batch=B, max_length=N) in model.generate replays each "
@@ -266,9 +266,29 @@ def kernel_format(method: Method, layer: int, head_dim: int, device: torch.devic
     return None, None
 
 
-def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, layers: int = 1) -> None:
-    """Refuse, with the reason, a method or device the static cache cannot serve (`kvcalib.runtime.static_cache`'s
-    docstring): every one of its `layers` must have one fused kernel, the same for all."""
+def attention_refusal(config) -> str | None:
+    """Why a model's attention is not the plain softmax over every cached token that the static cache's kernels
+    compute, from its config (transformers hands the options to each attention call; the static cache is chosen
+    before any call): soft-capped scores (Gemma 2), or layers that slide over a window (Gemma 2 and 3, Mistral v0.1);
+    None for plain attention."""
+    if config is None:
+        return None
+    config = getattr(config, "text_config", None) or config
+    if getattr(config, "attn_logit_softcapping", None):
+        return "the model soft-caps its attention scores, which the fused kernels do not"
+    types = getattr(config, "layer_types", None)
+    sliding = ("sliding_attention" in types if types else
+               bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False)
+    if sliding:
+        return "layers of the model slide over a window, which the fused kernels do not"
+    return None
+
+
+def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, layers: int = 1,
+                 config=None) -> None:
+    """Refuse, with the reason, a method, device or model (`config`: its attention, `attention_refusal`) the static
+    cache cannot serve (`kvcalib.runtime.static_cache`'s docstring): every one of its `layers` must have one fused
+    kernel, the same for all."""
     found = {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers)}
     fmt = found.pop() if len(found) == 1 else None
     why = None
@@ -277,6 +297,8 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
     elif fmt is None:
         why = (f"--method {method.name} has no fused layout at these settings, or not the same in every layer "
                f"({', '.join(f.name for f in FORMATS)}: `formats.*.launch.supports`)")
+    elif (refusal := attention_refusal(config)) is not None:
+        why = refusal
     elif method.window:
         why = "it flushes blockwise"
     elif method.sink and not fmt.holds_sinks:

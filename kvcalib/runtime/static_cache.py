@@ -212,6 +212,8 @@ class StaticLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
         """A prompt attends in float16 over itself; a step through the fused kernel, counts on the device."""
+        if opts.softcap or opts.sliding_window:  # `check_static` refuses such models before a cache is made
+            raise SettingsError("a static cache attends plainly over every token: this layer soft-caps or slides")
         if prefill:
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
             return torch.nn.functional.scaled_dot_product_attention(
@@ -256,7 +258,8 @@ class StaticKvcalibCache(Cache):
         method = for_this_rank(lm.model, method, shape)
         devices = layer_devices(lm.model, shape.num_layers)  # each layer's buffers on its layer's GPU
         for device in dict.fromkeys(devices):
-            check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads, shape.num_layers)
+            check_static(method, shape.head_dim, device, shape.num_heads // shape.num_kv_heads, shape.num_layers,
+                         lm.config)
         if max_batch < 1 or max_length < 1:
             raise SettingsError(f"max_batch and max_length must be positive, got {max_batch} and {max_length}")
         r = method.block

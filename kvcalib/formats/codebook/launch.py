@@ -74,7 +74,7 @@ def _reads(part: KernelBook, head_dim: int) -> bool:
 def _affine_reads(key: CodedPart, value: CodedPart, head_dim: int) -> bool:
     """Affine keys per channel over groups of tokens that whole 16-token tiles fill; affine values per token over
     groups of channels that hold whole lane shares (head_dim / 8 channels) and tile the head; nothing else."""
-    return (not key.channel_group and not value.token_group
+    return (not key.channel_group and not value.token_group and not (value.channel_group and value.norm)
             and (not key.token_group or key.token_group % 16 == 0)
             and (not value.channel_group or (value.channel_group % (head_dim // 8) == 0
                                              and head_dim % value.channel_group == 0)))
@@ -217,8 +217,12 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
         t for t in (knorm, vnorm, kbasis, vbasis, head_map, kscale, kzero, vscale, vzero) if t is not None]
     if not all(t.is_contiguous() and t.device == q.device for t in tensors):
         raise ValueError("codebook decode reads dense buffers on the query's device")
-    if ktokens and kscale.shape[2] * ktokens < kcodes.shape[2] or vchannels and vscale.shape[2] < vcodes.shape[2]:
-        raise ValueError("an affine part's scales must cover its codes")
+    capt = kcodes.shape[2]  # the kernel's row stride of every per-token buffer
+    per_token = [t for t in (vcodes, knorm, vnorm, vscale, vzero) if t is not None]
+    if any(t.shape[2] != capt for t in per_token) or (ktokens and min(kscale.shape[2], kzero.shape[2]) * ktokens < capt):
+        raise ValueError("the group's buffers must hold its codes' capacity of tokens (key scales: of key groups)")
+    if any(t.dtype != torch.float16 for t in (knorm, vnorm, kscale, kzero, vscale, vzero) if t is not None):
+        raise ValueError("norms, scales and zeros are float16")
     if kbook.dtype != torch.float16 or vbook.dtype != torch.float16 or any(
             t is not None and t.dtype != torch.float32 for t in (kbasis, vbasis)):
         raise ValueError("the kernel's books are float16 (`kernel_book`), the bases float32")
@@ -227,7 +231,6 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
             c.dtype != torch.int32 or c.shape != (b,) or not c.is_contiguous() or c.device != q.device
             for c in (flushed, residual))):
         raise ValueError(f"counts must be two contiguous int32 tensors of shape ({b},) on {q.device}")
-    capt = kcodes.shape[2]
     length = capt if device else length
     rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
     row_parts = -(-rows // ROWS)
