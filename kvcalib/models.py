@@ -105,6 +105,14 @@ class GGUFHeader(NamedTuple):
 
 
 def gguf_header(path: Path) -> GGUFHeader:
+    """`read_gguf_header` of the file as it is now, walked once per file version (a load resolves its checkpoint, and
+    asks its dtype, more than once)."""
+    stat = os.stat(path)
+    return read_gguf_header(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def read_gguf_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     """One walk over a GGUF file's header (gguf's own reader maps every tensor: seconds for the embedded model):
     `general.architecture` where it comes among the first 64 key-value pairs and before any array, as llama.cpp and
     gguf write it, else None; the bytes its tensors' data need, their offsets and sizes past the aligned header; the

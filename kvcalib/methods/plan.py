@@ -241,10 +241,17 @@ class Plan(Method):
 
     def codebook_blocks(self, packed: PlanPacked) -> list[CodedBlock]:
         layer, out = packed.layer, []
+        parts: dict[int, CodedBlock] = {}  # each coder's block in the codebook layout, made once (pairs share them)
+
+        def of(part: str, i: int) -> CodedBlock:
+            block = getattr(packed, part)[i]
+            if id(block) not in parts:
+                parts[id(block)] = self.groups[part][layer][i][1].codebook_parts(block)
+            return parts[id(block)]
+
+        pick = lambda x, pos: None if x is None else heads_of(x, pos)  # noqa: E731
         for _, ki, kpos, vi, vpos in self._pairs(layer):
-            kb = self.groups["k"][layer][ki][1].codebook_parts(packed.k[ki])
-            vb = self.groups["v"][layer][vi][1].codebook_parts(packed.v[vi])
-            pick = lambda x, pos: None if x is None else heads_of(x, pos)  # noqa: E731
+            kb, vb = of("k", ki), of("v", vi)
             out.append(CodedBlock(pick(kb.kcodes, kpos), pick(kb.knorm, kpos), pick(vb.vcodes, vpos), pick(vb.vnorm, vpos),
                                   pick(kb.kscale, kpos), pick(kb.kzero, kpos), pick(vb.vscale, vpos), pick(vb.vzero, vpos)))
         return out

@@ -107,11 +107,13 @@ class StaticLayer(CacheLayerMixin):
         super().__init__()
         # the format whose kernel reads the layer (`check_static` has held every layer to one); where none reads these
         # shapes (the host side alone, on the CPU), the first the method declares
-        fmt = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa)[0] or next(
-            (f for f in FORMATS if f.declaration(method, layer) is not None), None)
+        fmt, declaration = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa)
+        if fmt is None:
+            fmt, declaration = next(((f, d) for f in FORMATS if (d := f.declaration(method, layer)) is not None),
+                                    (None, None))
         if fmt is None:
             raise SettingsError(f"a static cache cannot hold --method {method.name}: it declares no fused layout")
-        declaration = fmt.on(fmt.declaration(method, layer), device)
+        declaration = fmt.on(declaration, device)
         r = method.block
         self.method, self.layer, self.capacity = method, layer, capacity
         self.format: Format = fmt

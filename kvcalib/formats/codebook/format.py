@@ -10,7 +10,7 @@ import torch
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
 from .launch import codebook_decode, supports
-from .layout import BUFFERS, CodebookLayer, CodedRows, append_block, flushed_kv, head_map
+from .layout import BUFFERS, CodebookLayer, append_block, flushed_kv, rows_like
 
 
 class CodebookFormat(Format):
@@ -54,14 +54,7 @@ class CodebookFormat(Format):
     def allocate(self, method, layer, declaration, batch, room, capacity, residual, kv_heads, head_dim, device):
         blank = torch.zeros(1, kv_heads, residual, head_dim, device=device)
         blocks = method.codebook_blocks(method.compress(layer, blank, blank))
-        rows = []
-        for group, block in zip(declaration, blocks):
-            mine = CodedRows(None, None, None, None, spec=group.spec.to(device), head_map=head_map(group.heads, device))
-            for n in BUFFERS:  # as the block has them, `room` tokens
-                if (x := getattr(block, n)) is not None:
-                    setattr(mine, n, torch.zeros(batch, x.shape[1], room // mine.unit(n), *x.shape[3:], dtype=x.dtype,
-                                                 device=device))
-            rows.append(mine)
+        rows = [rows_like(group, block, batch, room, device) for group, block in zip(declaration, blocks)]
         s = method.sink  # sink rows, and as many of slack for the masked write of the first flush
         zeros = lambda n: torch.zeros(batch, kv_heads, n, head_dim, dtype=torch.float16, device=device)  # noqa: E731
         return CodebookLayer(rows, zeros(2 * s), zeros(2 * s), zeros(residual), zeros(residual), capacity, residual, s)

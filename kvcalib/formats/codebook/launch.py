@@ -185,14 +185,14 @@ def _(q: torch.Tensor, out: torch.Tensor, *args) -> None:
 
 
 def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knorm: torch.Tensor | None,
-                     kscale: torch.Tensor | None, kzero: torch.Tensor | None, vcodes: torch.Tensor,
-                     vnorm: torch.Tensor | None, vscale: torch.Tensor | None, vzero: torch.Tensor | None,
-                     kbook: torch.Tensor, vbook: torch.Tensor, kbasis: torch.Tensor | None, vbasis: torch.Tensor | None,
-                     ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
-                     head_map: torch.Tensor | None, flushed: torch.Tensor | None, residual: torch.Tensor | None,
-                     length: int, residual_len: int, sinks: int, kbits: int, kdim: int, knormed: bool,
-                     ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, share: float, scaling: float,
-                     checked: bool) -> None:
+                  kscale: torch.Tensor | None, kzero: torch.Tensor | None, vcodes: torch.Tensor,
+                  vnorm: torch.Tensor | None, vscale: torch.Tensor | None, vzero: torch.Tensor | None,
+                  kbook: torch.Tensor, vbook: torch.Tensor, kbasis: torch.Tensor | None, vbasis: torch.Tensor | None,
+                  ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
+                  head_map: torch.Tensor | None, flushed: torch.Tensor | None, residual: torch.Tensor | None,
+                  length: int, residual_len: int, sinks: int, kbits: int, kdim: int, knormed: bool,
+                  ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, share: float, scaling: float,
+                  checked: bool) -> None:
     """One group of heads: it checks the inputs and launches on torch's current stream. `share`: the fraction of one
     wave its splits fill (its heads' share of the layer's)."""
     import cupy

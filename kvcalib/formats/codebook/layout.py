@@ -217,15 +217,22 @@ def decode_part(codes: torch.Tensor, norm: torch.Tensor | None, part: CodedPart,
     return y * norm.to(dtype)[..., None] if part.norm else y
 
 
+def rows_like(group: HeadGroup, block: CodedBlock, batch: int, tokens: int, device) -> CodedRows:
+    """A group's buffers for `batch` sequences of `tokens` flushed tokens, zeros, shaped and typed as `block`'s (the
+    buffers it has), on `device`."""
+    rows = CodedRows(None, None, None, None, spec=group.spec.to(device), head_map=head_map(group.heads, device))
+    for n in block.present():
+        x = getattr(block, n)
+        setattr(rows, n, torch.zeros(batch, x.shape[1], tokens // rows.unit(n), *x.shape[3:], dtype=x.dtype,
+                                     device=device))
+    return rows
+
+
 def new_layer(groups: list[HeadGroup], blocks: list[CodedBlock], kv_heads: int, head_dim: int) -> CodebookLayer:
     """An empty layer (no tokens) with buffers shaped as these blocks', on their device."""
-    device = blocks[0].kcodes.device
-    rows = []
-    for group, block in zip(groups, blocks):
-        empty = {n: None if (x := getattr(block, n)) is None else x.new_zeros(*x.shape[:2], 0, *x.shape[3:])
-                 for n in BUFFERS}
-        rows.append(CodedRows(**empty, spec=group.spec, head_map=head_map(group.heads, device)))
-    none = torch.zeros(blocks[0].kcodes.shape[0], kv_heads, 0, head_dim, dtype=torch.float16, device=device)
+    device, batch = blocks[0].kcodes.device, blocks[0].kcodes.shape[0]
+    rows = [rows_like(group, block, batch, 0, device) for group, block in zip(groups, blocks)]
+    none = torch.zeros(batch, kv_heads, 0, head_dim, dtype=torch.float16, device=device)
     return CodebookLayer(rows, none, none.clone(), none.clone(), none.clone(), 0, 0, 0)
 
 
