@@ -1,10 +1,12 @@
 """Decode attention on the GPU: torch SDPA fp16 (the peer), dequantize-then-SDPA, the fused INT2
 kernels over the packed cache, the fused VecInfer kernel over codebook codes (`--vecinfer`), and the fused
 codebook kernel over TurboQuant's codes (`--turboquant`: its oblivious codebook of each width, and 3 bits with
-calibrated codebooks per KV head), 32 query / 8 KV heads, d=128.
+calibrated codebooks per KV head) and over a plan's layer (`--plan`: a shipped plan mapped onto the 8B shape as
+generate_calls.py maps it, its layer of the most groups of heads, every group's codes random), 32 query / 8 KV heads,
+d=128.
 
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--vecinfer d4b8,d8b12]
-                                [--turboquant 2,3,4] [--results FILE]
+                                [--turboquant 2,3,4] [--plan DIR,...] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -177,6 +180,38 @@ def tq_layer(b: int, length: int, bits: int, kres: torch.Tensor, vres: torch.Ten
                         kres.contiguous(), vres.contiguous())
 
 
+def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: torch.Tensor):
+    """The layer of a shipped plan mapped onto this shape (generate_calls.py's `mapped_plan`, 32 layers of 8 KV heads)
+    with the most groups of heads, in the codebook layout of `length` flushed tokens: every buffer the static cache
+    allocates for it filled with random words (every bit pattern is a code or an fp16 number of the right kind:
+    norms and scales in [0.5, 1.5), zeros in [-1, 1)), the plan's float16 sink rows random: (the layer, its index).
+    The bytes a step reads do not depend on the codes' values; the error column compares the kernel with the float64
+    reference over these same codes."""
+    from generate import llama8b_config
+    from generate_calls import mapped_plan
+    from kvcalib.formats.codebook.format import CodebookFormat
+
+    plan = mapped_plan(llama8b_config(length), plan_dir)
+    fmt = CodebookFormat()
+    layer = max(range(plan.shape.num_layers), key=lambda i: len(plan.codebook_groups(i)))
+    groups = fmt.on(plan.codebook_groups(layer), "cuda")
+    out = fmt.allocate(plan, layer, groups, b, length, length, plan.residual, HKV, D, "cuda")  # a block of R packs
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows in out.groups:
+        for name in rows.present():
+            t = getattr(rows, name)
+            if t.dtype == torch.int32:
+                t.copy_(torch.randint(-2**31, 2**31 - 1, t.shape, generator=g, device="cuda", dtype=torch.int32))
+            elif name in ("kzero", "vzero"):
+                t.copy_(2 * torch.rand(t.shape, generator=g, device="cuda") - 1)
+            else:
+                t.copy_(0.5 + torch.rand(t.shape, generator=g, device="cuda"))
+    for t in (out.ksink, out.vsink):
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+    out.kres, out.vres, out.length, out.residual = kres.contiguous(), vres.contiguous(), length, kres.shape[2]
+    return out, layer
+
+
 def tq_bytes(layer, q) -> int:
     """What a codebook step reads and writes: code rows, norms, the residual, the query, the output (the books and
     bases, read from L2 by every block, count once)."""
@@ -197,6 +232,9 @@ def main() -> None:
                         help="VecInfer configurations for the fused VecInfer kernel's rows (empty: none)")
     parser.add_argument("--turboquant", default="2,3,4",
                         help="TurboQuant widths for the fused codebook kernel's rows (empty: none)")
+    parser.add_argument("--plan", default="",
+                        help="shipped plans (comma-separated directories) whose most-grouped layer, mapped onto this "
+                        "shape, the codebook kernel reads (empty: none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     bw = copy_bandwidth()
@@ -269,6 +307,16 @@ def main() -> None:
                 name = f"fused TurboQuant-{bits}" + (" (books per KV head)" if per_head else "")
                 rows.append([b, length, name, us, tq_bytes(tls[0], q[0]), err])
                 del tls
+                torch.cuda.empty_cache()
+            for plan_dir in filter(None, args.plan.split(",")):
+                pls = [plan_layer(b, length, plan_dir, k[:, :, length:], v[:, :, length:]) for k, v in kv]
+                qf = [x[:, :, 0] for x in q]
+                us = timed(lambda i: codebook_decode(qf[i], pls[i][0], D**-0.5), copies)
+                err = worst_row(codebook_decode(qf[0], pls[0][0], D**-0.5, checked=True),
+                                tq_reference(qf[0], pls[0][0], D**-0.5))
+                name = f"fused {Path(plan_dir).name}, layer {pls[0][1]} ({len(pls[0][0].groups)} groups of heads)"
+                rows.append([b, length, name, us, tq_bytes(pls[0][0], q[0]), err])
+                del pls
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}
     title = f"Decode attention, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv heads, d={D}, residual {RESIDUAL} tokens"

@@ -90,15 +90,19 @@ def kvcalib_method(name: str, lm: LoadedModel):
     return method
 
 
-def prefilled_8b(context: int, cache: str, room: int) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
+def prefilled_8b(context: int, cache: str, room: int, method=None) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
     """The 8B-shaped random model on the GPU (seed 0), a B=1 StaticKvcalibCache of cache `cache` (`CACHES`,
-    `VECINFER`) with `room` tokens past `context`, and a random prompt of `context` tokens prefilled into its
-    slot 0: (model, cache, the first decoded token (1,))."""
+    `VECINFER`; or `method(config) -> (method, settings)` where one is given) with `room` tokens past `context`, and
+    a random prompt of `context` tokens prefilled into its slot 0: (model, cache, the first decoded token (1,))."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(llama8b_config(context), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
-    static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=1, max_length=context + room)
+    if method is None:
+        static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=1, max_length=context + room)
+    else:
+        built, settings = method(model.config)
+        static = StaticKvcalibCache(lm, built, settings, max_batch=1, max_length=context + room)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
     return model, static, static.prefill(model, 0, prompt).argmax().view(1)
 

@@ -31,7 +31,8 @@
 // written and read once.
 //
 // Kernels, each launched by kvcalib/formats/codebook/launch.py, which decides the grid:
-//   rotate   block (query head, batch), D threads: q~ = scale log2(e) q B_K^T (q times the scale without a basis)
+//   rotate   block (query head, batch), D SLICES threads: q~ = scale log2(e) q B_K^T (q times the scale without a
+//            basis)
 //   partial  block (part, launch head, batch), WARPS warps. Parts 0 .. num_splits - 1 take split_len packed
 //            tokens each, as 16-token tiles, warp w taking tiles w, w + WARPS, ..., on the tensor cores:
 //              scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  mma.m16n8k16, f32 accumulate
@@ -46,10 +47,11 @@
 //            while a tile is computed. The other parts take ROWS float16 rows each (sinks, then the residual) on
 //            the CUDA cores: LPT = D / CH lanes a row, each lane CH channels, float32 throughout. The block's
 //            warps are merged into one partial (sum of exp2(s - m) v, m, sum of exp2(s - m)).
-//   merge    block (query head, batch), D threads: the parts weighed by exp2(m_p - M); the packed parts' sum taken
-//            back by B_V, the rows' added, divided by the total weight; written as QT.
+//   merge    block (query head, batch), D SLICES threads: the parts weighed by exp2(m_p - M); the packed parts' sum
+//            taken back by B_V, the rows' added, divided by the total weight; written as QT.
 //
-// Defines: D, GQ (<= 8), QT, CH (channels a lane of a float16 row), WARPS, ROWS (float16 rows a rows part), and per
+// Defines: D, GQ (<= 8), QT, CH (channels a lane of a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES
+// (slices of D threads a `rotate` and `merge` block, D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
 // group, 0: none).
@@ -59,7 +61,7 @@
 #define KS (D / 16)  // 16-channel k-slices of a key, 16-row blocks of the output
 #define NEG_INF __int_as_float(0xff800000)
 #define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
-#define MERGE_ROUND 16  // parts `merge` loads at once
+#define MERGE_ROUND (D * SLICES >= 1024 ? 8 : 16)  // parts a slice of `merge` loads at once (64 registers at 1024)
 #include "mma_tiles.cuh"
 
 // A lane's share of a token's codes, per part: KCH channels of a key, VCH of a value.
@@ -303,28 +305,46 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
   bias = b;
 }
 
-// q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)): thread c
-// takes row c of B_K (`kbasis` (G, D, D), G = 1 or the launch's heads; null: q times the scale).
-extern "C" __global__ void rotate(const QT* __restrict__ q, const float* __restrict__ kbasis, int basis_heads,
-                                  const int* __restrict__ head_map, int hq_model, float scale_log2,
-                                  float* __restrict__ qrot) {
+// q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)), D SLICES
+// threads: thread (c, s) takes channels s D / SLICES .. of row c of B_K (`kbasis` (G, D, D), G = 1 or the launch's
+// heads; null: q times the scale), all its loads in flight at once, the slices summed in shared memory (one trip to
+// L2, where D threads walking a whole row each made D / 32 dependent trips: this launch and `merge` are on every
+// step's critical path, latency-bound, not bytes-bound).
+extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __restrict__ q,
+                                                                 const float* __restrict__ kbasis, int basis_heads,
+                                                                 const int* __restrict__ head_map, int hq_model,
+                                                                 float scale_log2, float* __restrict__ qrot) {
   __shared__ float x[D];
-  const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x;
+  __shared__ float sums[SLICES][D];
+  const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
   const int hm = head_map ? head_map[hl] : hl;
   const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
-  x[c] = to_float(src[c]);
-  __syncthreads();
-  float y = x[c];
-  if (kbasis) {
-    const float4* m = reinterpret_cast<const float4*>(kbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + c * D);
-    y = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < D / 4; ++i) {
-      const float4 r = m[i];
-      y += x[4 * i] * r.x + x[4 * i + 1] * r.y + x[4 * i + 2] * r.z + x[4 * i + 3] * r.w;
-    }
+  float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
+  if (!kbasis) {
+    if (s == 0) *dst = to_float(src[c]) * scale_log2;
+    return;
   }
-  qrot[((long)b * gridDim.x + blockIdx.x) * D + c] = y * scale_log2;
+  if (s == 0) x[c] = to_float(src[c]);
+  __syncthreads();
+  constexpr int SPAN = D / SLICES;
+  const float4* m = reinterpret_cast<const float4*>(kbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + c * D + s * SPAN);
+  float4 r[SPAN / 4];
+#pragma unroll
+  for (int i = 0; i < SPAN / 4; ++i) r[i] = __ldg(m + i);
+  float y = 0.f;
+#pragma unroll
+  for (int i = 0; i < SPAN / 4; ++i) {
+    const float* xs = x + s * SPAN + 4 * i;
+    y += xs[0] * r[i].x + xs[1] * r[i].y + xs[2] * r[i].z + xs[3] * r[i].w;
+  }
+  sums[s][c] = y;
+  __syncthreads();
+  if (s == 0) {
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) t += sums[j][c];
+    *dst = t * scale_log2;
+  }
 }
 
 extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
@@ -463,50 +483,93 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
 }
 
 // out[b, head, :] for query head blockIdx.x of the launch (model head head_map[hl] GQ + blockIdx.x % GQ), batch
-// row blockIdx.y: the parts weighed by exp2(m_p - M), the packed parts' sum taken back by B_V (`vbasis` (G, D, D),
-// null: the identity), the rows' parts added, divided by the total weight.
-extern "C" __global__ void merge(const float* __restrict__ part_acc, const float* __restrict__ part_ml, int parts,
-                                 int num_splits, const float* __restrict__ vbasis, int basis_heads,
-                                 const int* __restrict__ head_map, int hq_model, QT* __restrict__ out) {
-  __shared__ float coded[D];
-  const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x;
+// row blockIdx.y, D SLICES threads: slice s merges parts s, s + SLICES, ... in one pass (MERGE_ROUND parts' loads in
+// flight at once, the running max moved a round at a time), the slices' states are merged in shared memory, the
+// packed parts' sum taken back by B_V (`vbasis` (G, D, D), null: the identity; slice s takes rows s D / SLICES .. of
+// it, every load in flight at once), the rows' parts added, divided by the total weight.
+extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __restrict__ part_acc,
+                                                                const float* __restrict__ part_ml, int parts,
+                                                                int num_splits, const float* __restrict__ vbasis,
+                                                                int basis_heads, const int* __restrict__ head_map,
+                                                                int hq_model, QT* __restrict__ out) {
+  __shared__ float coded[SLICES][D], rows[SLICES][D];
+  __shared__ float slice_max[SLICES], slice_den[SLICES];
+  const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
   const long row = (long)b * gridDim.x + blockIdx.x;
   const float* ml = part_ml + row * parts * 2;
   const float* acc = part_acc + row * parts * D + c;
-  // Parts in rounds of MERGE_ROUND, every load of a round in flight at once (one trip to L2 a round, not a part).
-  float mx = NEG_INF;
-  for (int p0 = 0; p0 < parts; p0 += MERGE_ROUND) {
-#pragma unroll
-    for (int i = 0; i < MERGE_ROUND; ++i)
-      if (p0 + i < parts) mx = fmaxf(mx, __ldcg(ml + 2 * (p0 + i)));
-  }
-  float sum_coded = 0.f, sum_rows = 0.f, den = 0.f;
-  for (int p0 = 0; p0 < parts; p0 += MERGE_ROUND) {
+  float mx = NEG_INF, den = 0.f, sum_coded = 0.f, sum_rows = 0.f;
+  for (int p0 = s; p0 < parts; p0 += SLICES * MERGE_ROUND) {
     float2 w[MERGE_ROUND];
     float x[MERGE_ROUND];
 #pragma unroll
     for (int i = 0; i < MERGE_ROUND; ++i) {
-      const bool here = p0 + i < parts;
-      w[i] = here ? __ldcg(reinterpret_cast<const float2*>(ml) + p0 + i) : make_float2(NEG_INF, 0.f);
-      x[i] = here ? __ldcg(acc + (long)(p0 + i) * D) : 0.f;
+      const int p = p0 + i * SLICES;
+      const bool here = p < parts;
+      w[i] = here ? __ldcg(reinterpret_cast<const float2*>(ml) + p) : make_float2(NEG_INF, 0.f);
+      x[i] = here ? __ldcg(acc + (long)p * D) : 0.f;
+    }
+    float round_max = mx;
+#pragma unroll
+    for (int i = 0; i < MERGE_ROUND; ++i) round_max = fmaxf(round_max, w[i].x);
+    if (round_max > mx) {  // mx is NEG_INF until a part holds a token
+      const float alpha = mx == NEG_INF ? 0.f : exp2f(mx - round_max);
+      den *= alpha, sum_coded *= alpha, sum_rows *= alpha;
+      mx = round_max;
     }
 #pragma unroll
     for (int i = 0; i < MERGE_ROUND; ++i) {
       const float wp = w[i].x == NEG_INF ? 0.f : exp2f(w[i].x - mx);
       den += wp * w[i].y;
-      if (p0 + i < num_splits) sum_coded += wp * x[i];
+      if (p0 + i * SLICES < num_splits) sum_coded += wp * x[i];
       else sum_rows += wp * x[i];
     }
   }
-  float y = sum_coded;
-  if (vbasis) {
-    coded[c] = sum_coded;
-    __syncthreads();
-    const float* m = vbasis + (basis_heads > 1 ? (long)hl * D * D : 0);
-    y = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < D; ++i) y += coded[i] * m[i * D + c];
+  if (c == 0) slice_max[s] = mx;  // a slice's max and weight are the same in each of its threads
+  __syncthreads();
+  float top = NEG_INF;
+#pragma unroll
+  for (int j = 0; j < SLICES; ++j) top = fmaxf(top, slice_max[j]);
+  const float alpha = mx == NEG_INF ? 0.f : exp2f(mx - top);
+  coded[s][c] = sum_coded * alpha;
+  rows[s][c] = sum_rows * alpha;
+  if (c == 0) slice_den[s] = den * alpha;
+  __syncthreads();
+  if (s == 0) {  // the slices' sums, slice 0 holding them
+    float tc = 0.f, tr = 0.f;
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) tc += coded[j][c], tr += rows[j][c];
+    coded[0][c] = tc, rows[0][c] = tr;
   }
+  __syncthreads();
+  const float rows_total = rows[0][c];
+  float y = coded[0][c];
+  if (vbasis) {
+    constexpr int SPAN = D / SLICES;
+    const float* m = vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + (long)s * SPAN * D + c;
+    constexpr int CHUNK = D * SLICES >= 1024 ? 16 : 32;  // loads in flight (at 1024 threads, 64 registers a thread)
+    float part = 0.f;
+#pragma unroll
+    for (int i0 = 0; i0 < SPAN; i0 += CHUNK) {
+      float r[CHUNK];
+#pragma unroll
+      for (int i = 0; i < CHUNK; ++i) r[i] = i0 + i < SPAN ? __ldg(m + (long)(i0 + i) * D) : 0.f;
+#pragma unroll
+      for (int i = 0; i < CHUNK && i0 + i < SPAN; ++i) part += coded[0][s * SPAN + i0 + i] * r[i];
+    }
+    __syncthreads();  // every slice has read coded[0] and rows[0]
+    rows[s][c] = part;  // slice s's share of y
+    __syncthreads();
+    if (s != 0) return;
+    y = 0.f;
+#pragma unroll
+    for (int j = 0; j < SLICES; ++j) y += rows[j][c];
+  }
+  if (s != 0) return;
+  float total_den = 0.f;
+#pragma unroll
+  for (int j = 0; j < SLICES; ++j) total_den += slice_den[j];
   const int hm = head_map ? head_map[hl] : hl;
-  from_float(out + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D + c, den > 0.f ? (y + sum_rows) / den : 0.f);
+  from_float(out + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D + c,
+             total_den > 0.f ? (y + rows_total) / total_den : 0.f);
 }

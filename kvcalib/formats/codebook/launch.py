@@ -21,6 +21,7 @@ HEAD_DIMS = (64, 128, 256)
 CH = 8  # channels a lane takes of each float16 row (the kernel's CH): D / 8 lanes a row
 WARPS = 4  # warps of a `partial` block
 ROWS = 64  # float16 rows (sinks, residual) a rows part takes
+SLICES = 4  # slices of head_dim threads of a `rotate` and a `merge` block (each slice's loads in flight at once)
 SPLIT_UNIT = 16 * WARPS  # packed tokens a split is a whole number of: a tile for each warp
 SHARED_LIMIT = 200 * 1024
 # Scalar codes are read in pairs (one shared-memory load a half2) where the pairs' book stays small: books per position
@@ -238,7 +239,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
-               "WARPS": WARPS, "ROWS": ROWS, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim,
+               "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
                "VW": vcodes.shape[-1], "VCG": vchannels}
@@ -252,7 +253,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     heads = lambda t: i32(0 if t is None else t.shape[0])  # noqa: E731
     with torch_stream(q.device):
         # Block (query head of the layer's heads, batch row): q~ = scale log2(e) q B_K^T.
-        launch(kernel("codebook_decode.cu", defines, "rotate"), (h * gqa, b), (d,),
+        launch(kernel("codebook_decode.cu", defines, "rotate"), (h * gqa, b), (d * SLICES,),
                (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
         # Block (part, KV head, batch row): split_len packed tokens (parts < num_splits) or ROWS float16 rows.
         partial = kernel("codebook_decode.cu", defines, "partial")
@@ -266,6 +267,6 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                 i32(split_len), i32(num_splits), scale_log2, ptr(flushed), ptr(residual), ptr(part_acc),
                 ptr(part_ml)), checked, smem)
         # Block (query head, batch row): the parts merged, the coded values taken back by B_V, written to out.
-        launch(kernel("codebook_decode.cu", defines, "merge"), (h * gqa, b), (d,),
+        launch(kernel("codebook_decode.cu", defines, "merge"), (h * gqa, b), (d * SLICES,),
                (ptr(part_acc), ptr(part_ml), i32(parts), i32(num_splits), ptr(vbasis), heads(vbasis),
                 ptr(head_map), i32(hq), ptr(out)), checked)
