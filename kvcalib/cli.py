@@ -11,7 +11,7 @@ import click
 
 from .errors import KvcalibError
 from .defaults import (DEFAULTS, DTYPE_CHOICES, KMEANS, KVLINC_KEYS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS,
-                       PLAN_SINK_TOKENS, RESIDUAL_MODES)
+                       PLAN_SINK_TOKENS, RESIDUAL_MODES, SLIDING_LAYERS)
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_DATASET = "pydoc"
@@ -90,6 +90,10 @@ def _method_options(fn):
         click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default=None,
                      help="Every method but fp16: flush R tokens at once when R wait (blockwise), or keep the newest R "
                           "always float16 (sliding) [default: blockwise, or the plan's]."),
+        click.option("--sliding-layers", type=click.Choice(SLIDING_LAYERS), default=None,
+                     help="Every method but fp16: a model's layers that slide over a window (Gemma 2 and 3) keep their "
+                          "window as the model computes it (float16), or are compressed too (compress) [default: "
+                          "float16, or the plan's]."),
         click.option("--keys", type=click.Choice(KVLINC_KEYS), default=None,
                      help="kvlinc: key coding under the correction, channel-wise (kivi) or OScaR's [default: kivi, or "
                           "the artifact's]."),
@@ -152,7 +156,8 @@ def collect_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_c
 @_method_options
 @click.option("--json", "json_path", type=click.Path(), default=None, help="Also write the result as JSON.")
 def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code, dtype, device, device_map, max_memory,
-             method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys, artifacts, json_path) -> None:
+             method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, sliding_layers, keys,
+             artifacts, json_path) -> None:
     """Perplexity, effective bits and per-layer attention error of a compressed cache."""
     from .evaluate import evaluate
     from .devices import parse_max_memory
@@ -160,7 +165,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                      sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys, artifacts=artifacts,
+                      sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers, keys=keys,
+                      artifacts=artifacts,
                       json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
                       max_memory=parse_max_memory(max_memory), dtype=dtype,
                       **_given(num_samples=num_samples, seq_len=seq_len))
@@ -183,7 +189,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
 @_trust_remote_code
-def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
+def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, sliding_layers, keys,
                  artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
                  repetition_penalty, seed, trust_remote_code, dtype, device) -> None:
     """Continue a prompt through a compressed cache, streaming the tokens to stdout. Under torchrun
@@ -194,7 +200,8 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give one of --prompt TEXT and --prompt-file FILE")
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                              sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys)
+                              sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers,
+                              keys=keys)
     generate(prompt if prompt is not None else prompt_file.read(), model=model, method=method, settings=settings,
              artifacts=artifacts, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
              top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed, device=device,
@@ -218,7 +225,8 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
 @click.option("--output-path", type=click.Path(), default=None, help="Write lm-eval's results, as JSON, here.")
 @click.option("--seed", type=int, default=0, show_default=True, help="lm-eval's seeds (sampling, few-shot order).")
 @_trust_remote_code
-def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, keys,
+def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode,
+                sliding_layers, keys,
                 artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code, dtype, device) -> None:
     """lm-evaluation-harness tasks with the KV cache replaced by a kvcalib method (generation through the cache a
     decoder holds, loglikelihoods as `eval` scores them)."""
@@ -226,7 +234,8 @@ def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotat
     from .methods import MethodSettings
 
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
-                              sink_tokens=sink_tokens, residual_mode=residual_mode, keys=keys)
+                              sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers,
+                              keys=keys)
     results = run_tasks(_names(tasks), model=model, method=method,
                         settings=settings, artifacts=artifacts, batch_size=batch_size,
                         limit=None if limit is None else (int(limit) if limit >= 1 else limit),
@@ -272,14 +281,18 @@ def train_adapters_cmd(activations, rank, steps, lr, bits, group_size, residual,
 @click.option("--max-samples", type=int, default=None, help="Use only the first N samples of the collection.")
 @click.option("--plot-layers", default=None, help="Comma-separated layers to plot (default: first, most imbalanced, last).")
 @click.option("--out", required=True, type=click.Path(), help="Output directory (report.json, report.md, PNGs).")
+@click.option("--sliding-layers", type=click.Choice(SLIDING_LAYERS), default=DEFAULTS["sliding_layers"],
+              show_default=True,
+              help="A model's layers that slide over a window: measured, but kept uncompressed and so in no summary "
+                   "figure (float16), or counted as any layer (compress).")
 @_device
-def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, device) -> None:
+def diagnose_cmd(activations, bits, group_size, max_samples, plot_layers, out, sliding_layers, device) -> None:
     """Token Norm Imbalance of collected Q/K/V and its cost to low-bit quantization."""
     from .diagnose import diagnose
 
     path = diagnose(activations, out, bits=_number_list(bits, "--bits"), group_size=group_size, max_samples=max_samples,
                     plot_layers=None if plot_layers is None else _number_list(plot_layers, "--plot-layers"),
-                    device=device)
+                    device=device, sliding_layers=sliding_layers)
     click.echo(f"report written to {path}/report.md")
 
 
@@ -400,6 +413,10 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
               help="Keep the first N tokens of a sequence in float16 (counted in the budget; the plan keeps them).")
 @click.option("--residual-mode", type=click.Choice(RESIDUAL_MODES), default="blockwise", show_default=True,
               help="The flush rule the sensitivities are measured under (see eval); the plan keeps it.")
+@click.option("--sliding-layers", type=click.Choice(SLIDING_LAYERS), default=DEFAULTS["sliding_layers"],
+              show_default=True,
+              help="A model's layers that slide over a window (Gemma 2 and 3): kept as the model computes them, no "
+                   "items (float16), or items as any layer (compress); the plan keeps it.")
 @click.option("--kmeans", type=click.Choice(KMEANS), default="auto", show_default=True,
               help="k-means of the vector candidates (turboquant-dDbB, vecinfer-dDbB), as fit-codebook's: auto takes "
                    "faiss on the CPU, kvcalib's own in torch on the model's GPU where faiss has no GPU build.")
@@ -407,8 +424,8 @@ def fit_turboquant_cmd(activations, bits, granularity, iters, out) -> None:
 @_trust_remote_code
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory to write.")
 def plan_cmd(activations, budgets, model, candidates, key_candidates, value_candidates, items, anchor, windows, seq_len,
-             granularity, iters, sink_tokens, residual_mode, kmeans, trust_remote_code, dtype, device, device_map,
-             max_memory, out) -> None:
+             granularity, iters, sink_tokens, residual_mode, sliding_layers, kmeans, trust_remote_code, dtype, device,
+             device_map, max_memory, out) -> None:
     """Choose each layer's key and value scheme (TurboQuant, KIVI, OScaR) under an average bit budget."""
     from .methods.plan_fit import make_plan
     from .devices import parse_max_memory
@@ -419,7 +436,7 @@ def plan_cmd(activations, budgets, model, candidates, key_candidates, value_cand
                           windows=windows, seq_len=seq_len, granularity=granularity, iters=iters,
                           sink_tokens=sink_tokens, residual_mode=residual_mode, trust_remote_code=trust_remote_code,
                           device=device, device_map=device_map, max_memory=parse_max_memory(max_memory),
-                          kmeans=kmeans, dtype=dtype):
+                          kmeans=kmeans, dtype=dtype, sliding_layers=sliding_layers):
         click.echo(f"plan written to {path}")
 
 

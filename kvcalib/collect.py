@@ -51,7 +51,8 @@ from .atomic import atomic_path, ensure_writable_dir, exclusive, write_json
 from .attention import AttentionOptions, intercept, mixed_attention
 from .data import DEFAULT_DATASET, token_windows
 from .errors import ActivationError, ArtifactError, SettingsError
-from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model
+from .models import (DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, fingerprint, load_model,
+                     sliding_windows)
 from .parallel import barrier, on_rank0, placement, share, world
 from .tensorfile import HEADER, check_finite, read_header, read_into, read_tensors, write_tensors
 
@@ -339,6 +340,9 @@ def _record(out: Path, config: CollectConfig, model: str | LoadedModel, trust_re
         read from the files."""
         manifest = dict(plan)
         manifest["num_chunks"] = num_chunks
+        # the layers that slide over a window, and their windows (`models.sliding_windows`): what diagnose and plan
+        # treat as no items unless asked
+        manifest["sliding_windows"] = {str(i): w for i, w in sliding_windows(lm.config).items()}
         names = [shard_name(i, c) for i in range(shape.num_layers) for c in range(num_chunks)]
         taken = dict(sums)
         for other in sorted(out.glob(".sums-*.json")):  # the other ranks' (`size` > 1)
@@ -380,6 +384,11 @@ class Activations:
     @property
     def fingerprint(self) -> dict:
         return self.manifest["model_fingerprint"]
+
+    @property
+    def sliding_windows(self) -> dict[int, int]:
+        """The model's layers that slide over a window, with their windows (none recorded by an older collection)."""
+        return {int(i): w for i, w in self.manifest.get("sliding_windows", {}).items()}
 
     @property
     def full_sequences(self) -> bool:

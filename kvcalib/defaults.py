@@ -3,12 +3,15 @@ oscar-artifact), the library functions and the runtime cache; `kvcalib.methods.M
 says how a given option, an artifact's setting and these combine. No torch here: the CLI reads it."""
 
 DEFAULTS = {"bits": 2, "group_size": 32, "residual": 128, "scaling": "l2", "rotation": True, "sink_tokens": 0,
-            "residual_mode": "blockwise", "keys": "kivi"}
+            "residual_mode": "blockwise", "keys": "kivi", "sliding_layers": "float16"}
 OPTIONS = {"bits": "--bits", "group_size": "--group-size", "residual": "--residual", "scaling": "--scaling",
            "rotation": "--rotation/--no-rotation", "sink_tokens": "--sink-tokens",
-           "residual_mode": "--residual-mode", "keys": "--keys"}
+           "residual_mode": "--residual-mode", "keys": "--keys", "sliding_layers": "--sliding-layers"}
 KVLINC_KEYS = ("kivi", "oscar")  # --keys: the key coding KVLinC's correction is trained on top of (kvcalib.methods.kvlinc)
 RESIDUAL_MODES = ("blockwise", "sliding")  # --residual-mode: `kvcalib.methods.base` says what each does
+# --sliding-layers: a layer that slides over a window (Gemma 2 and 3) keeps its window as the model computes it, as
+# transformers' own caches do (float16), or is compressed like a full-attention layer (compress)
+SLIDING_LAYERS = ("float16", "compress")
 KMEANS = ("auto", "faiss", "torch")  # --kmeans: `kvcalib.methods.vecinfer_fit.kmeans_library` says which each takes
 # kvcalib plan: the schemes each layer's keys and values may take (`kvcalib.methods.plan`), and the one
 # whose KL divergence is measured per item (`kvcalib.methods.plan_fit`)

@@ -32,6 +32,7 @@ from .atomic import atomic_path, ensure_writable_dir, write_json
 from .collect import Activations, tokens_per_second
 from .errors import SettingsError
 from .methods import DEFAULTS
+from .methods.base import check_sliding_layers
 from .methods.oscar import decode_keys, encode_keys
 from .devices import resolve_device
 from .parallel import merged, on_rank0, share, world
@@ -147,12 +148,17 @@ def _check(bits: list[int], group_size: int, acts: Activations, max_samples: int
 
 def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | list[int] = (2, 3, 4),
              group_size: int = DEFAULTS["group_size"], max_samples: int | None = None, plot_layers: list[int] | None = None,
-             outlier_z: float = 3.5, outlier_ratio: float = 2.0, device: str | None = None) -> Path:
+             outlier_z: float = 3.5, outlier_ratio: float = 2.0, device: str | None = None,
+             sliding_layers: str = DEFAULTS["sliding_layers"]) -> Path:
     """Measure TNI in a collection and its cost to RTN quantization; write report.json, report.md, PNGs.
-    `device`: where the statistics are computed (`--device`)."""
+    `device`: where the statistics are computed (`--device`). `sliding_layers`: the model's sliding layers (as the
+    collection records them) are measured and reported, but under float16, which keeps them uncompressed, they
+    count in no summary figure and are no default plot's strongest imbalance; under compress they are as any."""
     from .diagnose_plots import figures, render  # matplotlib is imported only here
 
     acts = Activations(activations)
+    check_sliding_layers(sliding_layers)
+    float16 = sorted(acts.sliding_windows) if sliding_layers == "float16" else []
     bits = sorted(set(bits))
     _check(bits, group_size, acts, max_samples, plot_layers)
     out = ensure_writable_dir(out, "--out")
@@ -175,7 +181,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
             raise SettingsError(f"the collection keeps {data['q'].shape[2]} tokens per sample, fewer than --group-size {group_size}")
         data = {k: t[..., :tokens, :] if t.dim() == 4 else t[:, :tokens] for k, t in data.items()}  # already on dev
         measured[i] = (_layer(data, bits, group_size, rule), samples, tokens)
-        plottable = _plottable(measured, acts.num_layers, plot_layers)
+        plottable = _plottable(measured, acts.num_layers, plot_layers, float16)
         if i in plottable:
             kept[i] = {"norms": {name: data[name].float().norm(dim=-1).cpu() for name in TENSORS},
                        "k0": data["k"][0].float().cpu(), "positions": data["positions"][0].long().cpu()}
@@ -184,7 +190,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
     measured, kept = merged(measured, size), merged(kept, size)
     layers = [measured[i][0] for i in range(acts.num_layers)]
     samples, tokens = measured[acts.num_layers - 1][1:]
-    chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers)
+    chosen = plot_layers if plot_layers is not None else _default_plot_layers(layers, float16)
     report = {
         "activations": str(acts.directory),
         "model": acts.manifest["model"],
@@ -196,6 +202,7 @@ def diagnose(activations: str | Path, out: str | Path, bits: tuple[int, ...] | l
         "group_size": group_size,
         "outlier_rule": {"z": rule.z, "ratio": rule.ratio},
         "plot_layers": chosen,
+        "float16_layers": float16,  # sliding layers kept uncompressed: in no summary figure
         "layers": layers,
     }
     report["summary"] = summarize(report)
@@ -222,40 +229,45 @@ def _imbalance(layer: dict) -> float:
     return max(h["max_over_min"] for h in layer["norms"]["k"]["heads"])
 
 
-def _worst(reports: dict[int, dict]) -> int:
-    """The layer (of `reports`: layer -> its report) with the strongest key-norm imbalance, the first of equals."""
-    return max(reports, key=lambda i: (_imbalance(reports[i]), -i))
+def _worst(reports: dict[int, dict], float16: list[int] = ()) -> int:
+    """The layer (of `reports`: layer -> its report) with the strongest key-norm imbalance, the first of equals;
+    layers kept uncompressed (`float16`) only where no other layer is there."""
+    coded = [i for i in reports if i not in float16] or list(reports)
+    return max(coded, key=lambda i: (_imbalance(reports[i]), -i))
 
 
-def _default_plot_layers(layers: list[dict]) -> list[int]:
+def _default_plot_layers(layers: list[dict], float16: list[int] = ()) -> list[int]:
     """The first layer, the layer with the strongest key-norm imbalance (`_worst`), and the last layer."""
-    return sorted({0, _worst(dict(enumerate(layers))), len(layers) - 1})
+    return sorted({0, _worst(dict(enumerate(layers)), float16), len(layers) - 1})
 
 
-def _plottable(measured: dict[int, tuple], num_layers: int, plot_layers: list[int] | None) -> set[int]:
+def _plottable(measured: dict[int, tuple], num_layers: int, plot_layers: list[int] | None,
+               float16: list[int] = ()) -> set[int]:
     """The layers measured so far (`measured`: layer -> (report, ...), in increasing order) that may still be
     plotted: those asked for, or else the first, the last and the strongest imbalance so far (`_worst`, the
     rule `_default_plot_layers` applies to all of them). The layer it picks over all layers is the first of
     equals among each rank's own, so each rank keeping its own is enough."""
     if plot_layers is not None:
         return set(plot_layers)
-    return {0, num_layers - 1, _worst({i: m[0] for i, m in measured.items()})}
+    return {0, num_layers - 1, _worst({i: m[0] for i, m in measured.items()}, float16)}
 
 
 def summarize(report: dict) -> dict:
-    """Headline figures over all layers at the lowest bit width."""
+    """Headline figures over the layers that are compressed (all but `float16_layers`) at the lowest bit width;
+    the layer lists name layers by their index in the model."""
     b = str(report["bits"][0])
-    layers = report["layers"]
-    key = {t: [l["quant"]["k"][b][t]["rel_err"] for l in layers] for t in TRANSFORMS}
-    val = {t: [l["quant"]["v"][b][t]["rel_err"] for l in layers] for t in TRANSFORMS}
+    kept = set(report.get("float16_layers", []))
+    layers = {i: l for i, l in enumerate(report["layers"]) if i not in kept} or dict(enumerate(report["layers"]))
+    key = {t: {i: l["quant"]["k"][b][t]["rel_err"] for i, l in layers.items()} for t in TRANSFORMS}
+    val = {t: {i: l["quant"]["v"][b][t]["rel_err"] for i, l in layers.items()} for t in TRANSFORMS}
     return {
         "bits": int(b),
-        "key_rel_err_mean": {t: sum(e) / len(e) for t, e in key.items()},
-        "value_rel_err_mean": {t: sum(e) / len(e) for t, e in val.items()},
-        "layers_with_low_norm_key_tokens": [i for i, l in enumerate(layers) if any(h["low_count"] for h in l["norms"]["k"]["heads"])],
+        "key_rel_err_mean": {t: sum(e.values()) / len(e) for t, e in key.items()},
+        "value_rel_err_mean": {t: sum(e.values()) / len(e) for t, e in val.items()},
+        "layers_with_low_norm_key_tokens": [i for i, l in layers.items() if any(h["low_count"] for h in l["norms"]["k"]["heads"])],
         # The scaling-induced outlier artifact: scaling alone makes keys worse than doing nothing.
-        "layers_where_scaling_alone_hurts_keys": [i for i in range(len(layers)) if key["scaling"][i] > key["none"][i]],
-        "layers_where_oscar_beats_rotation_on_keys": [i for i in range(len(layers)) if key["oscar"][i] < key["rotation"][i]],
+        "layers_where_scaling_alone_hurts_keys": [i for i in layers if key["scaling"][i] > key["none"][i]],
+        "layers_where_oscar_beats_rotation_on_keys": [i for i in layers if key["oscar"][i] < key["rotation"][i]],
     }
 
 
@@ -284,6 +296,8 @@ def markdown(report: dict, plots: list[str]) -> str:
         "",
         f"## Summary at {b} bits",
         "",
+        *([f"Sliding layers {report['float16_layers']} are kept uncompressed (--sliding-layers float16): measured "
+           "below, in no summary figure.", ""] if report.get("float16_layers") else []),
         "| transform | key rel. error (mean over layers) | value rel. error (mean over layers) |",
         "|---|---:|---:|",
     ]
@@ -295,7 +309,8 @@ def markdown(report: dict, plots: list[str]) -> str:
         f"- Scaling-induced outlier artifact (token scaling alone raises key error above no transform): "
         f"layers {s['layers_where_scaling_alone_hurts_keys'] or 'none'}",
         f"- OScaR (rotation + scaling) beats rotation alone on keys in "
-        f"{len(s['layers_where_oscar_beats_rotation_on_keys'])} of {len(report['layers'])} layers",
+        f"{len(s['layers_where_oscar_beats_rotation_on_keys'])} of "
+        f"{len(report['layers']) - len(report.get('float16_layers', []))} layers",
         "",
         "## Key norms and outliers per layer",
         "",

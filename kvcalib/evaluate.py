@@ -10,7 +10,9 @@ checks this against token-by-token decoding.
 Effective bits per cached element = every stored bit of the cache after the whole window (codes,
 scales, zero points, norms, correction states, the float16 residual) summed over layers and windows,
 plus the method's shared tensors (codebooks, adapters) once, divided by the number of cached
-elements (windows x layers x 2 x kv_heads x seq_len x head_dim).
+elements (windows x layers x 2 x kv_heads x seq_len x head_dim). A model's sliding layers are kept
+as it computes them by default (`--sliding-layers float16`, `Method.float16_layers`): never compressed,
+each holding the last min(seq_len, window) tokens at 16 bits, which the count includes.
 
 Attention error: for each layer, ||o - o_ref|| / ||o_ref|| over all windows, where o is the layer's
 attention output with the compressed cache and o_ref with the exact float keys and values, both
@@ -31,7 +33,7 @@ from .atomic import ensure_writable_file, write_json
 from .attention import AttentionOptions, flushed_counts, flushed_length, intercept, mixed_attention
 from .collect import tokens_per_second
 from .data import DEFAULT_DATASET, token_windows
-from .methods import MethodSettings, build_method, hold, settings_used
+from .methods import MethodSettings, build_method, float16_window, hold, settings_used
 from .models import DEFAULT_MODEL, LoadedModel, attention_shape, check_seq_len, load_model
 from .parallel import merged, on_rank0, placement, share, world
 
@@ -58,21 +60,26 @@ class EvalResult:
 
 
 def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, shared: float,
-                window: int = 0) -> dict[str, float]:
+                window: int = 0, float16_windows: list[int] = (), layers: int = 1) -> dict[str, float]:
     """The two bit counts a reader compares across methods, per cached element:
     `compressed_part_bits_per_element`: the flushed blocks alone (codes and metadata, float16 sinks),
     from a window of `seq_len` tokens whose `stored_bits` (over `elements` cached elements) include a
     float16 residual of the seq_len - `flushed_length` newest tokens; `decode_averaged_bits_per_element`:
     the cache's bits per element averaged over every decode step t = 1 .. seq_len, its float16 window
     (t - `flushed_length(t)` tokens) included, plus the shared tensors. None of the first when nothing was
-    flushed."""
+    flushed. `float16_windows`: the windows of the layers (of `layers`) kept uncompressed (`Method.float16_layers`),
+    each holding its last min(t, window) tokens at 16 bits, in `stored_bits` and in the average, never in the first."""
     flushed = flushed_length(seq_len, block, window)
-    per_token = elements / seq_len  # cached elements per token (layers, K and V, KV heads, head_dim, windows)
-    residual_bits = 16 * per_token * (seq_len - flushed)
-    compressed = (stored_bits - residual_bits) / (per_token * flushed) if flushed else None
+    per_layer = elements / seq_len / layers  # cached elements per token and layer (K and V, KV heads, head_dim, windows)
+    compressed_layers = layers - len(float16_windows)
+    kept_bits = sum(16 * per_layer * min(seq_len, w) for w in float16_windows)
+    residual_bits = 16 * per_layer * compressed_layers * (seq_len - flushed)
+    compressed = ((stored_bits - kept_bits - residual_bits) / (per_layer * compressed_layers * flushed)
+                  if flushed and compressed_layers else None)
     t = torch.arange(1, seq_len + 1, dtype=torch.float64)
     f = flushed_length(t, block, window)
-    held = ((compressed or 0.0) * f + 16 * (t - f)) / t
+    kept = sum((16 * t.clamp(max=w) for w in float16_windows), torch.zeros_like(t))
+    held = (compressed_layers * ((compressed or 0.0) * f + 16 * (t - f)) + kept) / (layers * t)
     return {"compressed_part_bits_per_element": compressed, "decode_averaged_bits_per_element": held.mean().item() + shared}
 
 
@@ -88,8 +95,11 @@ def decode_exact(method, observe=None):
     sums and bits; lm-eval's loglikelihoods need none)."""
     def attend(layer: int, q, k, v, opts: AttentionOptions):
         held = hold(method, layer, k, v)
-        flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block, device=q.device, window=method.window)
-        out = method.attend(layer, q, k, v, held, flushed, opts)
+        if float16_window(method, layer) is not None:  # a sliding layer kept as the model computes it
+            out = mixed_attention(q, k, v, opts)
+        else:
+            flushed = flushed_counts(q.shape[-2], k.shape[-2], method.block, device=q.device, window=method.window)
+            out = method.attend(layer, q, k, v, held, flushed, opts)
         if observe is not None:
             observe(layer, q, k, v, opts, held, out)
         return out
@@ -101,7 +111,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
              num_samples: int = 4, seq_len: int = 1024, method: str = "fp16", bits: int | None = None,
              group_size: int | None = None, residual: int | None = None, scaling: str | None = None,
              rotation: bool | None = None, sink_tokens: int | None = None, residual_mode: str | None = None,
-             keys: str | None = None,
+             keys: str | None = None, sliding_layers: str | None = None,
              artifacts: str | None = None, json_path: str | None = None, trust_remote_code: bool = False,
              device: str | None = None, device_map: str | None = None,
              max_memory: dict[int | str, str] | None = None, dtype: str | None = None) -> EvalResult:
@@ -110,7 +120,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
     Method options left None take the artifact's value, else `kvcalib.defaults.DEFAULTS`; one the
     method does not use, or one that contradicts the artifact, is refused (`MethodSettings.resolve`)."""
     settings = MethodSettings(bits=bits, group_size=group_size, residual=residual, scaling=scaling, rotation=rotation, keys=keys,
-                              sink_tokens=sink_tokens, residual_mode=residual_mode)
+                              sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers)
     settings.resolve(method, settings_used(method))  # an option the method does not use: refused before any work
     if json_path is not None:
         ensure_writable_file(json_path, "--json")
@@ -168,6 +178,7 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         count += seq_len - 1
     elements = num_samples * shape.num_layers * 2 * shape.num_kv_heads * seq_len * shape.head_dim
     constant = cache.constant_bits()
+    kept = cache.float16_layers or {}  # sliding layers kept as the model computes them, counted in `stored_bits`
     result = EvalResult(
         method=method,
         settings=settings_of(cache)
@@ -182,7 +193,9 @@ def evaluate(model: str | LoadedModel = DEFAULT_MODEL, dataset: str = DEFAULT_DA
         seq_len=seq_len,
         seconds=time.perf_counter() - start,
         bits_breakdown={"cache_bits_per_element": stored_bits / elements, "shared_bits_per_element": constant / elements,
-                        **decode_bits(stored_bits, elements, seq_len, cache.block, constant / elements, cache.window)},
+                        "float16_layers": len(kept), **decode_bits(stored_bits, elements, seq_len, cache.block,
+                                                                   constant / elements, cache.window,
+                                                                   list(kept.values()), shape.num_layers)},
     )
     if json_path is not None:
         on_rank0(lambda: write_json(json_path, result.to_json()), rank, size)

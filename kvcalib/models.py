@@ -497,6 +497,20 @@ def attention_shape(config) -> AttentionShape:
     )
 
 
+def sliding_windows(config) -> dict[int, int]:
+    """The layers whose attention slides over a window, each with its window in tokens: those `layer_types` names
+    "sliding_attention" (Gemma 2 and 3 alternate them with full-attention layers), or every layer where the config
+    sets one `sliding_window` for all (Mistral v0.1); none for plain models."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return {}
+    types = getattr(config, "layer_types", None)
+    if types:
+        return {i: int(window) for i, t in enumerate(types) if t == "sliding_attention"}
+    return {i: int(window) for i in range(config.num_hidden_layers)}
+
+
 def layer_devices(model: torch.nn.Module, num_layers: int) -> list[torch.device]:
     """The device each attention layer runs on (its weights' device): every layer on the model's device,
     or spread by `device_map="auto"`. An attention module names its layer (`layer_idx`, as transformers'

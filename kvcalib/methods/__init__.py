@@ -12,9 +12,9 @@
 
 from ..defaults import DEFAULTS
 from .base import (DeviceCopies, Held, KernelLayout, Method, MethodSettings, apply_residual_mode, check_residual_mode,
-                   hold, keep_sinks)
+                   float16_window, hold, keep_sinks, settle_float16_layers)
 from .registry import GENERIC, METHOD_NAMES, METHODS, build_method, check_method_name, settings_used
 
 __all__ = ["DEFAULTS", "GENERIC", "METHOD_NAMES", "METHODS", "DeviceCopies", "Held", "KernelLayout", "Method",
            "MethodSettings", "apply_residual_mode", "build_method", "check_method_name", "check_residual_mode",
-           "hold", "keep_sinks", "settings_used"]
+           "float16_window", "hold", "keep_sinks", "settings_used", "settle_float16_layers"]

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..attention import AttentionOptions, flushed_length, mixed_attention
-from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES
+from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES, SLIDING_LAYERS
 from ..errors import SettingsError
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..formats.int2.layout import Int2Spec
@@ -153,6 +153,13 @@ class Method(KernelLayout, ABC):
     window: int = 0  # tokens always kept float16 after the flushed blocks: R when sliding, 0 when blockwise
     sink: int = 0  # leading tokens of a sequence also kept in float16 (attention sinks)
     fitted_residual_mode: str | None = None  # the flush rule an artifact was made under (a plan's), None: any
+    # The layers kept as the model computes them, each with its window (its sliding layers, `models.sliding_windows`,
+    # unless --sliding-layers compress): never compressed, attended over their window as transformers' own caches
+    # hold it, counted at 16 bits a value for the window's tokens. None: not yet settled for a model (a method built
+    # without one); a cache settles it from its model's config (`settle_float16_layers`).
+    float16_layers: dict[int, int] | None = None
+    sliding_layers: str | None = None  # --sliding-layers as resolved (`build_method`), None: the default
+    fitted_sliding_layers: str | None = None  # what an artifact was made under (a plan's items), None: any
 
     # ---- the codec: every method defines these ----
     @abstractmethod
@@ -241,11 +248,17 @@ class Held:
 
 
 def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
-    """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16.
+    """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16; a layer the
+    method keeps uncompressed (`float16_layers`) holds its window's last tokens as they came.
 
     The cache receives float16 keys and values; blocks are compressed from those.
     """
     t = k.shape[-2]
+    window = float16_window(method, layer)
+    if window is not None:  # a layer kept as the model computes it: its window's tokens, never compressed
+        held = min(t, window)
+        bits = 16 * (k[..., t - held :, :].numel() + v[..., t - held :, :].numel())
+        return Held(k=k, v=v, k16=k, v16=v, flushed=0, stored_bits=bits)
     flushed = flushed_length(t, method.block, method.window)
     k16, v16 = k.half().to(k.dtype), v.half().to(v.dtype)
     bits = 16 * (k16[..., flushed:, :].numel() + v16[..., flushed:, :].numel())
@@ -290,6 +303,7 @@ class MethodSettings:
     sink_tokens: int | None = None  # every method that compresses: the first N tokens also kept in float16
     residual_mode: str | None = None  # every method that compresses: "blockwise" or "sliding" (module docstring)
     keys: str | None = None  # KVLinC: the key coding its correction is trained on top of, "kivi" or "oscar"
+    sliding_layers: str | None = None  # every method that compresses: "float16" or "compress" (`float16_layers`)
 
     def given(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -306,6 +320,28 @@ class MethodSettings:
                 raise SettingsError(f"{OPTIONS[key]} {value} contradicts the artifact {source}, made with "
                                     f"{key}={fixed[key]}: drop {OPTIONS[key]} or pass {fixed[key]}")
         return {k: given.get(k, fixed.get(k, DEFAULTS[k])) for k in uses}
+
+
+def float16_window(method: "Method", layer: int) -> int | None:
+    """The window of a layer the method keeps uncompressed (`Method.float16_layers`), None for a compressed one."""
+    return (method.float16_layers or {}).get(layer)
+
+
+def settle_float16_layers(method: "Method", config) -> None:
+    """Settle which layers `method` keeps uncompressed for a model of `config` (once: a method settled keeps its
+    layers): its sliding layers under --sliding-layers float16 (the default), none under compress."""
+    from ..models import sliding_windows
+
+    if method.float16_layers is not None or config is None:
+        return
+    mode = method.sliding_layers or method.fitted_sliding_layers or DEFAULTS["sliding_layers"]
+    check_sliding_layers(mode)
+    method.float16_layers = sliding_windows(config) if mode == "float16" and method.name != "fp16" else {}
+
+
+def check_sliding_layers(mode: str) -> None:
+    if mode not in SLIDING_LAYERS:
+        raise SettingsError(f"--sliding-layers must be one of {', '.join(SLIDING_LAYERS)}, got {mode!r}")
 
 
 def check_residual_mode(mode: str) -> None:

@@ -209,7 +209,8 @@ class Plan(Method):
         books = {name: t[start:stop] if self.granularity == "head" or name.endswith("_smooth") else t
                  for name, t in self.books.items()}
         part = Plan(kv_head_part(self.shape, start, stop), schemes, self.residual, self._flush_step, books, self.granularity)
-        for name in ("block", "window", "sink", "fitted_residual_mode"):  # the flush rule and sinks as set on this one
+        for name in ("block", "window", "sink", "fitted_residual_mode", "float16_layers", "sliding_layers",
+                     "fitted_sliding_layers"):  # the flush rule, sinks and kept layers as set on this one
             setattr(part, name, getattr(self, name))
         return part
 
@@ -346,6 +347,7 @@ def load(path: str, shape: AttentionShape, settings: MethodSettings, model=None)
     method = Plan(shape, schemes, residual, step, books, granularity)
     method.sink = int(s.get("sink_tokens", 0))  # made with float16 sinks: it keeps them
     method.fitted_residual_mode = s.get("residual_mode")  # and the flush rule it was measured under
+    method.fitted_sliding_layers = s.get("sliding_layers")  # and whether its sliding layers were items
     return method
 
 

@@ -61,12 +61,12 @@ from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
 from ..models import (DEFAULT_MODEL, AttentionShape, LoadedModel, attention_shape, check_fingerprint, load_model,
-                      resolve_device)
+                      resolve_device, sliding_windows)
 from ..parallel import placement
 from ..defaults import (DEFAULTS, PLAN_ANCHOR, PLAN_CANDIDATES, PLAN_ITEM, PLAN_ITEMS, PLAN_SINK_TOKENS,
                         PLAN_VECTOR_KEYS)
 from .. import vq
-from .base import Held, Method, apply_residual_mode, check_residual_mode, hold
+from .base import Held, Method, apply_residual_mode, check_residual_mode, check_sliding_layers, hold
 from .plan import PARTS, Plan, Scheme, codebook_name, common_flush_step, parse_scheme, scheme_coder, smooth_name
 from .turboquant import ROTATION_SEED
 from .turboquant_fit import check_fit_settings, fit_codebooks, fit_vector_codebooks
@@ -191,7 +191,7 @@ def kl_sum(ref_logp: torch.Tensor, ref_p: torch.Tensor, logits: torch.Tensor) ->
 
 
 def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: torch.Tensor, anchor: str,
-                        positions: torch.Tensor | None = None) -> torch.Tensor:
+                        positions: torch.Tensor | None = None, kept: Sequence[int] = ()) -> torch.Tensor:
     """s (layers, 2, KV heads, len(coders)): the sensitivity of each layer's keys (0) and values (1), per
     KV head, under each coder, in the dict's order, over `windows` (module docstring): the KL divergence
     of the next-token distributions when only that layer's keys or values are coded by `anchor`, times
@@ -200,7 +200,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
     gives each head's error exactly.) Summed over heads, the anchor's is the layer's KL. Every coder
     must flush under the same rule. `positions` (windows x tokens, bool), where given, picks the positions
     whose next-token distributions and attention outputs count (e.g. the answer of a retrieval prompt);
-    every position otherwise. The whole window still runs: a counted position reads all before it."""
+    every position otherwise. The whole window still runs: a counted position reads all before it. Layers in
+    `kept` (sliding layers kept as the model computes them) are no items: never coded, their sensitivity zero."""
     shape = attention_shape(lm.config)
     names = list(coders)
     a = names.index(anchor)
@@ -244,7 +245,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
         raise ValueError(f"positions {tuple(positions.shape)} must have the windows' shape {tuple(windows.shape)}")
     # one bar over every forward (per window: the reference, then one per item), not per window: on a deep model a
     # window's 2 x layers forwards take minutes, and its estimate of the time left should show from the first ones
-    with tqdm(total=len(windows) * (1 + 2 * shape.num_layers), desc="plan: sensitivity", unit="forward") as bar:
+    targets = [i for i in range(shape.num_layers) if i not in set(kept)]
+    with tqdm(total=len(windows) * (1 + 2 * len(targets)), desc="plan: sensitivity", unit="forward") as bar:
         for w, window_ids in enumerate(windows):
             ids = window_ids.unsqueeze(0).to(device)
             rows = slice(None) if positions is None else positions[w].nonzero().squeeze(-1).to(device)
@@ -256,6 +258,8 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                 return diff.double().pow(2).reshape(b, shape.num_kv_heads, -1).sum((0, 2)).cpu()
 
             def reference(layer: int, q, k, v, opts: AttentionOptions):
+                if layer in kept:  # as the model computes it
+                    return mixed_attention(q, k, v, opts)
                 k16, v16, flushed, ref = cache_of(k, v, q, opts)
                 for j, name in enumerate(names):
                     held: Held = hold(coders[name], layer, k, v)
@@ -272,8 +276,10 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
                     hook.remove()
             bar.update()
             ref_p = ref_logp.exp()  # once a window, not once an item
-            for target, which in itertools.product(range(shape.num_layers), (0, 1)):
+            for target, which in itertools.product(targets, (0, 1)):
                 def one_item(layer: int, q, k, v, opts: AttentionOptions):
+                    if layer in kept:
+                        return mixed_attention(q, k, v, opts)
                     k16, v16, flushed, ref = cache_of(k, v, q, opts)
                     if layer != target:
                         return ref
@@ -350,7 +356,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
               items: str = PLAN_ITEM, trust_remote_code: bool = False, device: str | None = None, dtype: str | None = None,
               device_map: str | None = None, max_memory: dict[int | str, str] | None = None,
               kmeans: str = "auto", key_candidates: Sequence[str] | None = None,
-              value_candidates: Sequence[str] | None = None) -> list[Path]:
+              value_candidates: Sequence[str] | None = None,
+              sliding_layers: str = DEFAULTS["sliding_layers"]) -> list[Path]:
     """Fit codebooks for every TurboQuant candidate, measure every item's sensitivity to every candidate,
     choose each layer's key and value scheme under each budget, and save each plan as a `plan`
     artifact: at `out` for one budget, at `out/budget-{b}` for several (the codebooks and
@@ -361,7 +368,9 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     `value_candidates` (each of `candidates`) are the schemes keys and values may take: every candidate is
     measured on both, and the knapsack never gives a part a scheme outside its own list. None: all of them, but
     for the keys only the scalar ones where there are any (`PLAN_VECTOR_KEYS`: vector codes on keys lose copied
-    tokens)."""
+    tokens). `sliding_layers`: a model's sliding layers are kept as it computes them (float16: no items; the budget
+    is over the other layers' items, and the plan records them, `Method.float16_layers`) or are items as any layer
+    (compress)."""
     place = placement(device, device_map, max_memory, 1)  # a placement given wrong is refused before anything runs
     budgets = [float(budget)] if isinstance(budget, (int, float)) else [float(b) for b in budget]
     schemes = list(dict.fromkeys(parse_scheme(c) for c in candidates))
@@ -379,6 +388,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     if sink_tokens < 0:
         raise SettingsError(f"--sink-tokens must be 0 or more, got {sink_tokens}")
     check_residual_mode(residual_mode)
+    check_sliding_layers(sliding_layers)
     if items not in PLAN_ITEMS:
         raise SettingsError(f"--items must be one of {', '.join(PLAN_ITEMS)}, got {items!r}")
     tq_bits = tuple(sorted({s.bits for s in schemes if s.family == "turboquant" and not s.dim}))
@@ -398,6 +408,11 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     shape = attention_shape(lm.config)
     groups = 1 if granularity == "layer" else shape.num_kv_heads
     heads = shape.num_kv_heads if items == "head" else 1  # items per layer and part
+    kept = sorted(sliding_windows(lm.config)) if sliding_layers == "float16" else []
+    if len(kept) == shape.num_layers:
+        raise SettingsError(f"every layer of the model slides over a window, kept as it computes them: nothing to plan "
+                            "(--sliding-layers compress makes them items)")
+    coded = [i for i in range(shape.num_layers) if i not in kept]
     # Costs depend on shapes only: measured on stand-in codebooks, so that a budget below the cheapest
     # plan is refused before any fit.
     standin = {s.book: {f"layers.{i}.{p}_codebook": torch.zeros(s.book_shape(groups, shape.head_dim))
@@ -407,7 +422,7 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
     part_cost = item_costs(coders, shape, residual, groups, sink_tokens, items=items)
     barred = torch.tensor([[str(c) not in allowed[p] for c in schemes] for p in PARTS])  # (part, candidate)
     # items (layer, part, head) in order; a barred option costs more than any budget allows: never taken
-    cost = part_cost.masked_fill(barred, BARRED_COST).repeat_interleave(heads, 0).repeat(shape.num_layers, 1)
+    cost = part_cost.masked_fill(barred, BARRED_COST).repeat_interleave(heads, 0).repeat(len(coded), 1)
     for b in budgets:
         solve(torch.zeros_like(cost), cost, b)
     scalar, _ = fit_codebooks(acts, tq_bits, granularity, iters, desc="plan: codebooks") if tq_bits else ({}, {})
@@ -422,15 +437,19 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         tensors |= {f"vecinfer_{tag}": t for tag, t in books.items()}
     coders = candidate_coders(schemes, shape, residual, residual_mode, sink_tokens, tensors, granularity, smooth)
     step = common_flush_step(list(coders.values()))
-    sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor)
+    sens = measure_sensitivity(lm, coders, heldout_windows(lm, acts, windows, seq_len), anchor, kept=kept)
     item_sens = sens if items == "head" else sens.sum(2, keepdim=True)  # (layers, 2, heads, candidates)
+    item_sens = item_sens[coded]  # the items: the layers that are coded
     names = list(coders)
     written = []
     for budget, path in zip(budgets, outs):
         picks = solve(item_sens.reshape(-1, len(names)), cost, budget)
         chosen = [schemes[j] for j in picks]
-        # per part and layer, a scheme per KV head (layer items: the layer's one scheme for every head)
-        plan = {p: [[chosen[(i * 2 + w) * heads + (h if items == "head" else 0)] for h in range(shape.num_kv_heads)]
+        # per part and layer, a scheme per KV head (layer items: the layer's one scheme for every head); a kept
+        # layer, which nothing reads coded, holds the anchor (the plan names a scheme for every layer)
+        at = {i: n for n, i in enumerate(coded)}
+        plan = {p: [[chosen[(at[i] * 2 + w) * heads + (h if items == "head" else 0)] if i in at else
+                     parse_scheme(anchor) for h in range(shape.num_kv_heads)]
                     for i in range(shape.num_layers)] for w, p in enumerate(PARTS)}
         plan_tensors = {codebook_name(i, p, c.book): tensors[c.book][f"layers.{i}.{p}_codebook"]
                         for i in range(shape.num_layers) for p in PARTS for c in plan[p][i] if c.book}
@@ -439,7 +458,8 @@ def make_plan(activations: str | Path, budget: float | Sequence[float], out: str
         predicted = sum(float(cost[n, j]) for n, j in enumerate(picks)) / len(picks)
         settings = {p: [[str(c) for c in layer] for layer in plan[p]] for p in PARTS} | {
             "budget": budget, "items": items, "residual": residual, "flush_step": step, "granularity": granularity,
-            "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode}
+            "rotation_seed": ROTATION_SEED, "iters": iters, "sink_tokens": sink_tokens, "residual_mode": residual_mode,
+            "sliding_layers": sliding_layers, "float16_layers": kept}
         extra = {"activations": str(activations), "calibration": acts.manifest["settings"], "candidates": names,
                  "candidates_per_part": {p: sorted(allowed[p], key=names.index) for p in PARTS},
                  **({"kmeans": {"library": library_version(library), "gpu": gpu}} if vector_schemes else {}),

@@ -36,17 +36,21 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
-from ..methods import Method, MethodSettings, build_method, keep_sinks
-from ..models import LoadedModel, attention_shape
+from ..methods import Method, MethodSettings, build_method, keep_sinks, settle_float16_layers
+from ..models import LoadedModel, attention_shape, sliding_windows
 
 log = logging.getLogger(__name__)
 IMPLEMENTATION = "kvcalib_runtime"
+# The same attention for a model whose sliding layers are kept as it computes them: transformers makes the masks of
+# SDPA for it (each sliding layer's window and the batch's padding, which `_model_attention` hands to SDPA). Compressed
+# layers never read a mask; a model without such layers runs without any (none is made for a long prompt).
+IMPLEMENTATION_MASKED = "kvcalib_runtime_masked"
 # The layer a cache update hands to the attention call that follows it, per thread. A threading.local
 # rather than a ContextVar: torch.compile traces its attributes (a ContextVar's set breaks the graph).
 _CURRENT = threading.local()
@@ -174,22 +178,44 @@ class CompressedLayer(CacheLayerMixin):
         return self.packed_bits + res
 
 
+class Float16WindowLayer(DynamicSlidingWindowLayer):
+    """A sliding layer the method keeps as the model computes it (`Method.float16_layers`): transformers' own window
+    layer (its last window - 1 tokens, in the model's dtype); the attention call that follows its update runs the
+    model's own attention over it with transformers' mask (`_model_attention`)."""
+
+    def __init__(self, layer: int, window: int):
+        super().__init__(sliding_window=window)
+        self.layer = layer
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        hand_to_attention(self, None)
+        return out
+
+    def stored_bits(self) -> int:
+        return 16 * (self.keys.numel() + self.values.numel()) if self.is_initialized else 0
+
+
 class KvcalibCache(Cache):
     def __init__(self, model, method: str | Method = "kivi", settings: MethodSettings = MethodSettings(),
                  artifacts: str | None = None, fused: bool = True):
-        """`fused=False` keeps the torch reference path on CUDA too (for comparisons)."""
+        """`fused=False` keeps the torch reference path on CUDA too (for comparisons). A model's sliding layers keep
+        their window as it computes them unless the method says otherwise (`Method.float16_layers`)."""
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         self.method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
+        settle_float16_layers(self.method, lm.config)
         self.method = for_this_rank(lm.model, self.method, shape)
         self.padding = _Padding()
-        super().__init__(layers=[CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
+        kept = self.method.float16_layers or {}
+        super().__init__(layers=[Float16WindowLayer(i, kept[i]) if i in kept else
+                                 CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
         device = next(lm.model.parameters()).device
         if device.type == "cuda":
             log.warning(where_layers_run(self.method, shape, device, fused, lm.config))
         register_attention()
         _watch_padding(lm.model)
-        lm.model.set_attn_implementation(IMPLEMENTATION)
+        lm.model.set_attn_implementation(IMPLEMENTATION_MASKED if kept else IMPLEMENTATION)
 
     @classmethod
     def from_artifacts(cls, path: str, model) -> "KvcalibCache":
@@ -207,11 +233,14 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
     """One line: which of the method's layers a decode step reads through a fused kernel, which through the
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
+    kept = method.float16_layers or {}
     kernel = [(kernel_format(method, i, shape.head_dim, device, gqa)[0] if fused else None)
-              for i in range(shape.num_layers)]
+              for i in range(shape.num_layers) if i not in kept]
     kernel = ["torch" if f is None else f.name for f in kernel]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
                       for k in dict.fromkeys(kernel))
+    if kept:
+        where += f", {len(kept)} sliding layers kept as the model computes them (their window only)"
     line = f"KvcalibCache({method.name}): {where}, decoded eagerly"
     try:
         check_static(method, shape.head_dim, device, gqa, shape.num_layers, config)
@@ -276,11 +305,9 @@ def attention_refusal(config) -> str | None:
     config = getattr(config, "text_config", None) or config
     if getattr(config, "attn_logit_softcapping", None):
         return "the model soft-caps its attention scores, which the fused kernels do not"
-    types = getattr(config, "layer_types", None)
-    sliding = ("sliding_attention" in types if types else
-               bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False)
-    if sliding:
-        return "layers of the model slide over a window, which the fused kernels do not"
+    if sliding_windows(config):
+        return ("layers of the model slide over a window, which the static cache does not hold (KvcalibCache keeps "
+                "them as the model computes them and compresses the others)")
     return None
 
 
@@ -322,6 +349,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """The model's attention while a KvcalibCache is in use; plain exact attention otherwise."""
     opts = AttentionOptions.of_call(query, scaling, kwargs)
     current = getattr(_CURRENT, "layer", None)
+    if current is not None and current[0].layer == module.layer_idx and isinstance(current[0], Float16WindowLayer):
+        _CURRENT.layer = None
+        return _model_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if current is None or current[0].layer != module.layer_idx:
         out = mixed_attention(query, key, value, opts)  # no compressed cache: exact attention
     else:
@@ -344,6 +374,24 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
                     out[one, :, idx] = _attend(row, layer.rows_before[b], query[one, :, idx], key[one, :, idx],
                                                value[one, :, idx], opts).to(out.dtype)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _model_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    """A layer kept as the model computes it: transformers' SDPA attention with the mask transformers made for the
+    layer (its window, the batch's padding), or where the model soft-caps its scores, which SDPA does not, the eager
+    attention of the model's own modeling file."""
+    if kwargs.get("softcap") is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    import sys
+
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA's mask; eager adds its mask
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 def _decodes_together(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOptions) -> bool:
@@ -536,5 +584,10 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
 
 
 def register_attention() -> None:
-    """Make `kvcalib_runtime` an attention implementation transformers can switch a model to."""
+    """Make `kvcalib_runtime` (and `kvcalib_runtime_masked`, with SDPA's masks) attention implementations transformers
+    can switch a model to."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
     AttentionInterface.register(IMPLEMENTATION, _attention)
+    AttentionInterface.register(IMPLEMENTATION_MASKED, _attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION_MASKED, sdpa_mask)
