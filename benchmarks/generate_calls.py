@@ -1,6 +1,8 @@
 """Decoding through `model.generate`, as a user calls it: per-token cost, time to the first token and the
 first call's cost, kvcalib's static cache against transformers' fastest fp16 path, in one run on one GPU.
-A random-initialised Llama-3.1-8B-shaped model in fp16 (`generate.llama8b_config`).
+A random-initialised Llama-3.1-8B-shaped model in fp16 (`generate.llama8b_config`), or with `--shape` one of
+`kvcalib make-model`'s shapes (`kvcalib.random_model.SHAPES`) in bfloat16, its checkpoints' dtype (Gemma's
+sliding layers then kept as the model computes them by the kvcalib caches, `--sliding-layers float16`).
 
     python benchmarks/generate_calls.py [--contexts 4096,32768,131072] [--batch8 16384] [--paths all]
 
@@ -143,11 +145,24 @@ def sync_free_multinomial(probs: torch.Tensor, num_samples: int, *args, **kwargs
     return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1, keepdim=True)
 
 
-def one_path(path: str, shapes: list[list[int]], plan3: str | None = None) -> list[dict]:
+def model_config(shape: str, longest: int):
+    """(config, dtype) of the benchmark's model: the 8B shape in fp16, or a named `make-model` shape in bfloat16."""
+    from transformers import AutoConfig
+
+    from generate import llama8b_config
+    from kvcalib.random_model import SHAPES
+
+    if shape == "llama-3.1-8b":
+        return llama8b_config(longest), torch.float16
+    fields = dict(SHAPES[shape])
+    fields["max_position_embeddings"] = max(fields.get("max_position_embeddings", 0), longest + 1024)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields), torch.bfloat16
+
+
+def one_path(path: str, shapes: list[list[int]], plan3: str | None = None, shape: str = "llama-3.1-8b") -> list[dict]:
     """Every row of `path` (a list of prompt lengths per row), in this process."""
     from transformers import AutoModelForCausalLM, StaticCache
 
-    from generate import llama8b_config
     from kvcalib.methods import MethodSettings
     from kvcalib.runtime.cache import KvcalibCache
     from kvcalib.runtime.static_cache import StaticKvcalibCache
@@ -155,7 +170,8 @@ def one_path(path: str, shapes: list[list[int]], plan3: str | None = None) -> li
     longest = max(max(s) for s in shapes)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(longest), dtype=torch.float16).eval()
+        config, dtype = model_config(shape, longest)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # every call decodes all its tokens
     base = path.removesuffix("-warm")
     if base == "kivi128-static-cublas":
@@ -236,6 +252,8 @@ def main() -> None:
     parser.add_argument("--batch8", type=int, default=16384, help="the longest of the B=8 row's prompts (0: no row)")
     parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--one-path", default=None, help=argparse.SUPPRESS)  # a child process: one path, JSON out
+    parser.add_argument("--shape", default="llama-3.1-8b",
+                        help="llama-3.1-8b (fp16), or another of `kvcalib make-model`'s shapes (bfloat16)")
     parser.add_argument("--rows-dir", default=None,
                         help="keep each path's rows here as JSON, and read (not rerun) a path already there: a run "
                              "split over several calls of a machine that keeps the folder")
@@ -250,7 +268,7 @@ def main() -> None:
     if args.batch8:
         shapes.append([args.batch8 * (8 - i) // 8 for i in range(8)])
     if args.one_path:
-        print(json.dumps(one_path(args.one_path, shapes, args.plan3)))
+        print(json.dumps(one_path(args.one_path, shapes, args.plan3, args.shape)))
         return
     paths = PATHS if args.paths == "all" else args.paths.split(",")
     rows = []
@@ -263,7 +281,8 @@ def main() -> None:
         if args.cache_root:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(Path(args.cache_root) / path.removesuffix("-warm"))
         child = subprocess.run([sys.executable, __file__, "--one-path", path, "--contexts", args.contexts,
-                                "--batch8", str(args.batch8)] + (["--plan3", args.plan3] if args.plan3 else []),
+                                "--batch8", str(args.batch8), "--shape", args.shape]
+                               + (["--plan3", args.plan3] if args.plan3 else []),
                                capture_output=True, text=True, env=env)
         sys.stderr.write(child.stderr[-3000:])
         if child.returncode:
@@ -287,7 +306,8 @@ def main() -> None:
                      ("-" if r["step"] is None else f"{1e3 * r['step']:.2f} ({r['greedy'] / r['step']:.3f})") + " |")
     from results import RESULTS, record
 
-    title = f"Decoding through model.generate, {torch.cuda.get_device_name()}, Llama-3.1-8B shape (random init)"
+    named = "Llama-3.1-8B" if args.shape == "llama-3.1-8b" else f"{args.shape} in bfloat16"
+    title = f"Decoding through model.generate, {torch.cuda.get_device_name()}, {named} shape (random init)"
     table = "\n".join(lines)
     print(f"\n{title}\n\n{table}")
     record(title, table, sys.argv, args.results or RESULTS)
