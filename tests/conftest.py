@@ -28,6 +28,7 @@ def tiny_config(arch: str = "llama", **overrides):
         "gemma": {},
         "gemma2": {"attn_logit_softcapping": 5.0, "sliding_window": 24, "query_pre_attn_scalar": 16},
         "gemma3_text": {"sliding_window": 24, "query_pre_attn_scalar": 16},
+        "phi3": {"pad_token_id": 0},  # fused qkv and gate-up projections
     }[arch]
     return AutoConfig.for_model(arch, **{**common, **extra, **overrides})
 
