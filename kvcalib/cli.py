@@ -253,7 +253,9 @@ def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotat
 @click.option("--group-size", type=int, default=DEFAULTS["group_size"], show_default=True)
 @click.option("--residual", type=int, default=DEFAULTS["residual"], show_default=True)
 @click.option("--tokens", type=int, default=128, show_default=True, help="Query positions per step.")
-@click.option("--layers", default="all", show_default=True, help="all, or layers such as 0-9 or 0,4,7-9.")
+@click.option("--layers", default="all", show_default=True,
+              help="all (but a model's sliding layers, which the caches keep uncompressed by default: "
+                   "--sliding-layers), or layers such as 0-9 or 0,4,7-9.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--gate/--no-gate", default=True, show_default=True,
               help="Correct only the query heads whose held-out attention output error the adapters lower "

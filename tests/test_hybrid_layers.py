@@ -173,3 +173,17 @@ def test_diagnose_measures_the_sliding_layers_and_summarises_the_others(tmp_path
     assert kept["summary"]["key_rel_err_mean"]["none"] == pytest.approx(sixth)
     errors = [layer["quant"]["k"]["2"]["none"]["rel_err"] for layer in every["layers"]]
     assert every["summary"]["key_rel_err_mean"]["none"] == pytest.approx(sum(errors) / 6)
+
+
+def test_train_adapters_trains_the_layers_a_cache_compresses(tmp_path, tokenizer, text_file):
+    """`--layers all` on Gemma 3: the sixth layer alone (its five sliding ones are kept uncompressed); named layers are
+    trained as named."""
+    from kvcalib.methods.kvlinc_fit import train_adapters
+
+    lm = LoadedModel(model=tiny_model("gemma3_text", **HYBRIDS["gemma3_text"]), tokenizer=tokenizer, spec="g3")
+    acts = collect(tmp_path / "acts", model=lm, dataset=str(text_file), num_samples=2, seq_len=48)
+    every = train_adapters(acts, tmp_path / "a", rank=4, steps=1, group_size=8, residual=16, tokens=16, device="cpu")
+    named = train_adapters(acts, tmp_path / "b", rank=4, steps=1, group_size=8, residual=16, tokens=16, layers="0,5",
+                           device="cpu")
+    trained = [json.loads((p / "manifest.json").read_text())["settings"]["trained_layers"] for p in (every, named)]
+    assert trained == [[5], [0, 5]]

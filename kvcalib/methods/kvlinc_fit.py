@@ -229,6 +229,8 @@ def train_adapters(activations: str | Path, out: str | Path, rank: int = 256, st
     if settings["num_samples"] < 2:
         raise SettingsError("training needs at least 2 collected sequences (one is held out)")
     chosen = parse_layers(layers, acts.num_layers)
+    if layers == "all":  # the layers a cache compresses: a model's sliding ones it keeps as computed (by default)
+        chosen = [i for i in chosen if i not in acts.sliding_windows] or chosen
     fp = acts.fingerprint
     shape = AttentionShape(acts.num_layers, fp["num_heads"], fp["num_kv_heads"], fp["head_dim"])
     kvlinc(config, shape)  # refuses settings the cache cannot hold before training
