@@ -306,8 +306,8 @@ def attention_refusal(config) -> str | None:
     if getattr(config, "attn_logit_softcapping", None):
         return "the model soft-caps its attention scores, which the fused kernels do not"
     if sliding_windows(config):
-        return ("layers of the model slide over a window, which the static cache does not hold (KvcalibCache keeps "
-                "them as the model computes them and compresses the others)")
+        return ("layers of the model slide over a window, which the static cache does not hold; KvcalibCache keeps "
+                "them as the model computes them and compresses the others")
     return None
 
 
