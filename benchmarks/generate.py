@@ -90,7 +90,8 @@ def kvcalib_method(name: str, lm: LoadedModel):
     return method
 
 
-def prefilled_8b(context: int, cache: str, room: int, method=None) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
+def prefilled_8b(context: int, cache: str, room: int,
+                 method=None) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
     """The 8B-shaped random model on the GPU (seed 0), a B=1 StaticKvcalibCache of cache `cache` (`CACHES`,
     `VECINFER`; or `method(config) -> (method, settings)` where one is given) with `room` tokens past `context`, and
     a random prompt of `context` tokens prefilled into its slot 0: (model, cache, the first decoded token (1,))."""

@@ -189,7 +189,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
 @_trust_remote_code
-def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, sliding_layers, keys,
+def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, sliding_layers,
+                 keys,
                  artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
                  repetition_penalty, seed, trust_remote_code, dtype, device) -> None:
     """Continue a prompt through a compressed cache, streaming the tokens to stdout. Under torchrun

@@ -264,7 +264,8 @@ def summarize(report: dict) -> dict:
         "bits": int(b),
         "key_rel_err_mean": {t: sum(e.values()) / len(e) for t, e in key.items()},
         "value_rel_err_mean": {t: sum(e.values()) / len(e) for t, e in val.items()},
-        "layers_with_low_norm_key_tokens": [i for i, l in layers.items() if any(h["low_count"] for h in l["norms"]["k"]["heads"])],
+        "layers_with_low_norm_key_tokens": [i for i, l in layers.items()
+                                            if any(h["low_count"] for h in l["norms"]["k"]["heads"])],
         # The scaling-induced outlier artifact: scaling alone makes keys worse than doing nothing.
         "layers_where_scaling_alone_hurts_keys": [i for i in layers if key["scaling"][i] > key["none"][i]],
         "layers_where_oscar_beats_rotation_on_keys": [i for i in layers if key["oscar"][i] < key["rotation"][i]],

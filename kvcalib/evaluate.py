@@ -70,7 +70,7 @@ def decode_bits(stored_bits: int, elements: int, seq_len: int, block: int, share
     flushed. `float16_windows`: the windows of the layers (of `layers`) kept uncompressed (`Method.float16_layers`),
     each holding its last min(t, window) tokens at 16 bits, in `stored_bits` and in the average, never in the first."""
     flushed = flushed_length(seq_len, block, window)
-    per_layer = elements / seq_len / layers  # cached elements per token and layer (K and V, KV heads, head_dim, windows)
+    per_layer = elements / seq_len / layers  # cached elements a token and layer (K and V, KV heads, head_dim, windows)
     compressed_layers = layers - len(float16_windows)
     kept_bits = sum(16 * per_layer * min(seq_len, w) for w in float16_windows)
     residual_bits = 16 * per_layer * compressed_layers * (seq_len - flushed)

@@ -94,7 +94,8 @@ def test_every_command_runs_on_each_architecture(model_dir, tmp_path, text_file,
          capsys)
     _run(["fit-codebook", "--activations", str(acts), "--k-config", "d4b4", "--v-config", "d4b4", "--iters", "3",
           "--out", str(books)], capsys)
-    _run(["plan", "--activations", str(acts), *model, "--budget", "5", "--candidates", "turboquant-2,turboquant-4,kivi-2-g8",
+    _run(["plan", "--activations", str(acts), *model, "--budget", "5",
+          "--candidates", "turboquant-2,turboquant-4,kivi-2-g8",
           "--windows", "1", "--seq-len", "160", "--iters", "3", "--out", str(plan)], capsys)  # R = 128 flushes once
     sliding = sliding_windows(load_model(str(model_dir), device="cpu").config)
     manifest = json.loads((plan / "manifest.json").read_text())

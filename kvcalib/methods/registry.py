@@ -25,7 +25,8 @@ METHODS: dict[str, ModuleType] = {
     "vecinfer": vecinfer,
 }
 METHOD_NAMES = tuple(METHODS)
-GENERIC = ("sink_tokens", "residual_mode", "sliding_layers")  # options every compressing method takes, applied by `build_method`
+# options every compressing method takes, applied by `build_method`
+GENERIC = ("sink_tokens", "residual_mode", "sliding_layers")
 
 
 def check_method_name(name: str) -> None:

@@ -239,7 +239,8 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
-               "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits, "KDIM": kdim,
+               "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
+               "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
                "VW": vcodes.shape[-1], "VCG": vchannels}
