@@ -26,6 +26,7 @@ error on the same cache).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -180,20 +181,28 @@ def tq_layer(b: int, length: int, bits: int, kres: torch.Tensor, vres: torch.Ten
                         kres.contiguous(), vres.contiguous())
 
 
+@functools.lru_cache(maxsize=None)
+def mapped(plan_dir: str):
+    """A shipped plan mapped onto the 8B shape (generate_calls.py's `mapped_plan`, 32 layers of 8 KV heads: seeded,
+    the same at every length and batch), and its layer with the most groups of heads; once per plan."""
+    from generate import llama8b_config
+    from generate_calls import mapped_plan
+
+    plan = mapped_plan(llama8b_config(0), plan_dir)
+    return plan, max(range(plan.shape.num_layers), key=lambda i: len(plan.codebook_groups(i)))
+
+
 def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: torch.Tensor):
-    """The layer of a shipped plan mapped onto this shape (generate_calls.py's `mapped_plan`, 32 layers of 8 KV heads)
-    with the most groups of heads, in the codebook layout of `length` flushed tokens: every buffer the static cache
+    """The layer of a shipped plan mapped onto this shape (`mapped`) with the most groups of heads, in the codebook
+    layout of `length` flushed tokens: every buffer the static cache
     allocates for it filled with random words (every bit pattern is a code or an fp16 number of the right kind:
     norms and scales in [0.5, 1.5), zeros in [-1, 1)), the plan's float16 sink rows random: (the layer, its index).
     The bytes a step reads do not depend on the codes' values; the error column compares the kernel with the float64
     reference over these same codes."""
-    from generate import llama8b_config
-    from generate_calls import mapped_plan
     from kvcalib.formats.codebook.format import CodebookFormat
 
-    plan = mapped_plan(llama8b_config(length), plan_dir)
+    plan, layer = mapped(plan_dir)
     fmt = CodebookFormat()
-    layer = max(range(plan.shape.num_layers), key=lambda i: len(plan.codebook_groups(i)))
     groups = fmt.on(plan.codebook_groups(layer), "cuda")
     out = fmt.allocate(plan, layer, groups, b, length, length, plan.residual, HKV, D, "cuda")  # a block of R packs
     g = torch.Generator(device="cuda").manual_seed(0)

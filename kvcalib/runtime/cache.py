@@ -349,14 +349,13 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """The model's attention while a KvcalibCache is in use; plain exact attention otherwise."""
     opts = AttentionOptions.of_call(query, scaling, kwargs)
     current = getattr(_CURRENT, "layer", None)
-    if current is not None and current[0].layer == module.layer_idx and isinstance(current[0], Float16WindowLayer):
-        _CURRENT.layer = None
-        return _model_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if current is None or current[0].layer != module.layer_idx:
         out = mixed_attention(query, key, value, opts)  # no compressed cache: exact attention
     else:
         layer, before = current
         _CURRENT.layer = None
+        if isinstance(layer, Float16WindowLayer):  # kept as the model computes it: its own attention and masks
+            return _model_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
         if hasattr(layer, "attend"):  # a static cache's layer (kvcalib.runtime.static_cache) attends itself
             out = layer.attend(query, key, value, opts, before)
         elif layer.rows is None:
