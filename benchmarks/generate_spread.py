@@ -4,7 +4,8 @@ places it: the GPUs run one after another), one long prompt at B=1; kvcalib's ca
 fp16 paths on the same GPUs, in one process.
 
     python benchmarks/generate_spread.py [--shape llama-3.1-70b] [--context 32768] [--paths all]
-    torchrun --nproc-per-node 2 benchmarks/generate_spread.py --engine tp --model DIR [--context 32768]
+    torchrun --nproc-per-node 2 benchmarks/generate_spread.py --engine tp --model DIR [--context 16384,32768]
+                                                              [--plan DIR]
 
 `--engine tp`: the other way to spread a model, transformers' tensor parallelism (`from_pretrained(DIR,
 distributed_config=DistributedConfig(tp_plan="auto"))` under torchrun, NCCL): every GPU holds a share of every
@@ -21,7 +22,10 @@ Paths:
   parallelism each rank's step is on one GPU, and it may);
 - `kivi128-dynamic`, `oscar32-dynamic`: `KvcalibCache` (KIVI-2 G=128, OScaR-2 G=32; R=128);
 - `kivi128-static`, `oscar32-static`: `StaticKvcalibCache`; its step runs uncaptured on a model's layers over
-  several GPUs (one CUDA graph records one GPU's work), captured on each rank under tensor parallelism.
+  several GPUs (one CUDA graph records one GPU's work), captured on each rank under tensor parallelism;
+- `plan-static`: `StaticKvcalibCache(model, "plan", artifacts=--plan DIR)`, the plan `kvcalib plan` wrote for this
+  model (`kvcalib collect --model DIR`, then `kvcalib plan --budget 2.25`), as `kvcalib generate --method plan
+  --artifacts DIR` serves it: under tensor parallelism each rank holds its own KV heads' schemes.
 
 Per path: `first call` (generate of 1 new token: prefill and first token, no decode step), a call of 5
 new tokens untimed (the first decode steps: compilation, the static cache's decoder), then ms/token =
@@ -43,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-PATHS = ["fp16-dynamic", "kivi128-dynamic", "oscar32-dynamic", "kivi128-static", "oscar32-static", "fp16-static"]
+PATHS = ["fp16-dynamic", "kivi128-dynamic", "oscar32-dynamic", "kivi128-static", "oscar32-static", "fp16-static",
+         "plan-static"]
 CACHES = {"kivi128": ("kivi", (2, 128, 128)), "oscar32": ("oscar", (2, 32, 128))}
 
 
@@ -84,18 +89,22 @@ def tp_model(directory: str):
     return model, model.config
 
 
-def floor_bytes(model, config, path: str, tokens: int, ranks: int = 1) -> float:
+def floor_bytes(model, config, row: dict, tokens: int, ranks: int = 1) -> float:
     """Bytes a decode step reads on one GPU: its weights (a rank's shards under tensor parallelism), and its
-    share of the cache of `tokens` as the path holds it."""
+    share of the cache of `tokens` as the path holds it (a plan's: the bytes its static cache holds on this GPU,
+    `row["held"]`, sized for the prompt and the tokens decoded, one block of slack: 1% over at 16k)."""
     from generate import fp16_bytes, int2_bytes
 
     local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]  # a DTensor's own shard
     weights = sum(p.numel() * p.element_size() for p in local)
-    name = path.rsplit("-", 1)[0]
+    name = row["path"].rsplit("-", 1)[0]
+    if name == "plan":
+        return weights + row["held"]
     return weights + (fp16_bytes(tokens, config) if name == "fp16" else int2_bytes(tokens, name, config)) / ranks
 
 
-def run_path(path: str, model, context: int, gpus: list[int]) -> dict:
+def run_path(path: str, model, context: int, gpus: list[int], plan: str | None = None) -> dict:
+    from throughput import held_tensors
     from transformers import StaticCache
 
     from kvcalib.methods import MethodSettings
@@ -109,9 +118,12 @@ def run_path(path: str, model, context: int, gpus: list[int]) -> dict:
     static = None
     if name == "fp16":
         model.set_attn_implementation("sdpa")
+    elif name == "plan":
+        static = StaticKvcalibCache(model, "plan", artifacts=plan, max_batch=1, max_length=room)
     elif how == "static":
         method, settings = CACHES[name]
         static = StaticKvcalibCache(model, method, MethodSettings(*settings), max_batch=1, max_length=room)
+    held = 0 if static is None else held_tensors(static)  # this GPU's share (the plan's byte floor)
 
     def call(new: int) -> float:
         if name == "fp16":
@@ -149,58 +161,65 @@ def run_path(path: str, model, context: int, gpus: list[int]) -> dict:
     peak = [torch.cuda.max_memory_allocated(d) / 2**30 for d in gpus]
     del static
     torch.cuda.empty_cache()
-    return {"path": path, "first": first, "ttft": t5 - 4 * per, "per": per, "peak": peak}
+    return {"path": path, "first": first, "ttft": t5 - 4 * per, "per": per, "peak": peak, "held": held}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3.1-70b")
-    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--context", default="32768", help="prompt tokens; comma-separated: one table each, "
+                        "the model loaded once")
     parser.add_argument("--paths", default="all", help=f"comma-separated, of {', '.join(PATHS)}")
     parser.add_argument("--engine", choices=["map", "tp"], default="map",
                         help="map: layers in sequence over the GPUs (device_map); tp: tensor parallelism (torchrun)")
     parser.add_argument("--model", default=None, help="--engine tp: a model directory with its weights written")
+    parser.add_argument("--plan", default=None, help="plan-static: the directory `kvcalib plan` wrote for this model")
     parser.add_argument("--results", default=None, help="record into this file (default RESULTS.md)")
     args = parser.parse_args()
     from generate import copy_bandwidth
 
     paths = PATHS if args.paths == "all" else args.paths.split(",")
+    contexts = [int(c) for c in args.context.split(",")]
+    if args.paths == "all" and args.plan is None:
+        paths = [p for p in paths if p != "plan-static"]
     tp = args.engine == "tp"
+    if "plan-static" in paths and args.plan is None:
+        parser.error("plan-static serves a plan: --plan DIR (what `kvcalib plan` wrote for this model)")
     if tp and (args.model is None or "LOCAL_RANK" not in os.environ):
         parser.error("--engine tp runs under torchrun --nproc-per-node N and reads --model DIR (its weights written)")
     if tp:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     bandwidth = copy_bandwidth()  # before the weights take the memory
-    model, config = tp_model(args.model) if tp else spread_model(args.shape, args.context)
+    model, config = tp_model(args.model) if tp else spread_model(args.shape, max(contexts))
     from kvcalib.runtime.cache import tensor_parallel_rank, tensor_parallel_size
 
     ranks = tensor_parallel_size(model)
     gpus = [torch.cuda.current_device()] if tp else list(range(torch.cuda.device_count()))
     lead = tensor_parallel_rank(model) == 0  # the rank that reports
-    rows = []
-    for path in paths:
-        try:
-            rows.append(run_path(path, model, args.context, gpus))
-        except Exception as err:  # a path that fails is reported in its row, the others still run
-            rows.append({"path": path, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"})
-            if tp:  # one rank's failure leaves the others waiting in a collective: stop every rank (torchrun),
-                if lead:  # the rows run so far recorded first
-                    report(rows, args, model, config, ranks, bandwidth, gpus)
-                raise
-            torch.cuda.empty_cache()
-        if lead:
-            print(f"[{path}] {rows[-1]}", file=sys.stderr, flush=True)
+    for context in contexts:
+        rows = []
+        for path in paths:
+            try:
+                rows.append(run_path(path, model, context, gpus, args.plan))
+            except Exception as err:  # a path that fails is reported in its row, the others still run
+                rows.append({"path": path, "error": f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"})
+                if tp:  # one rank's failure leaves the others waiting in a collective: stop every rank (torchrun),
+                    if lead:  # the rows run so far recorded first
+                        report(rows, args, context, model, config, ranks, bandwidth, gpus)
+                    raise
+                torch.cuda.empty_cache()
+            if lead:
+                print(f"[{context} {path}] {rows[-1]}", file=sys.stderr, flush=True)
+        if lead:  # each context's table as it ends: a run cut short keeps those done
+            report(rows, args, context, model, config, ranks, bandwidth, gpus)
     if tp:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        if not lead:
-            return
-    report(rows, args, model, config, ranks, bandwidth, gpus)
 
 
-def report(rows: list[dict], args, model, config, ranks: int, bandwidth: float, gpus: list[int]) -> None:
+def report(rows: list[dict], args, context: int, model, config, ranks: int, bandwidth: float, gpus: list[int]) -> None:
     """Print and record the table of `rows` (a failed path's row says why)."""
     base = next((r for r in rows if r["path"] == "fp16-dynamic" and "per" in r), None)
     fastest_fp16 = min((r["per"] for r in rows if r["path"].startswith("fp16") and "per" in r), default=None)
@@ -210,7 +229,7 @@ def report(rows: list[dict], args, model, config, ranks: int, bandwidth: float, 
         if "error" in r:
             lines.append(f"| {r['path']} | failed: {r['error']} | | | | | | | |")
             continue
-        floor = floor_bytes(model, config, r["path"], args.context + 37, ranks) / bandwidth
+        floor = floor_bytes(model, config, r, context + 37, ranks) / bandwidth
         lines.append(f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | "
                      f"{base['per'] / r['per']:.2f} | {fastest_fp16 / r['per']:.2f} | {1e3 * floor:.2f} | "
                      f"{r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |"
@@ -227,8 +246,8 @@ def report(rows: list[dict], args, model, config, ranks: int, bandwidth: float, 
         title = (f"Decoding a model over {len(gpus)} GPUs through model.generate, {cards}, {args.shape} shape "
                  "(random init), B=1")
     table = "\n".join(lines)
-    print(f"\n{title}, {args.context}-token prompt\n\n{table}")
-    record(f"{title}, {args.context}-token prompt", table, sys.argv, args.results or RESULTS)
+    print(f"\n{title}, {context}-token prompt\n\n{table}")
+    record(f"{title}, {context}-token prompt", table, sys.argv, args.results or RESULTS)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,10 @@ Caches, each at its fastest path in generate.py:
   StaticKvcalibCache, the step compiled and captured (`CapturedDecoder(compile=True)`);
 - `{vecinfer cache}-captured`: the same step captured without `torch.compile` (a VecInfer flush encodes every
   slot's window by nearest centroid, a chunked torch loop that Inductor would unroll into thousands of ops at
-  large batches).
+  large batches);
+- `plan-static-compiled`: StaticKvcalibCache holding the plan `kvcalib plan` wrote for this model (`--plan DIR`),
+  as `kvcalib generate --method plan --artifacts DIR` serves it; its byte floor counts the bytes a slot's cache
+  holds as measured (`held_tensors`, sized for the context, the steps and one block of slack: about 1% over).
 
 Memory. Weights: allocated once the model is built. Cache: the bytes of the tensors it holds
 (`held_tensors`; `max_length` = context + the steps run; every buffer is allocated at creation), at batch
@@ -73,9 +76,9 @@ from kvcalib.runtime.static_cache import StaticKvcalibCache
 from results import RESULTS, record
 
 CACHES = ["fp16-static-compile"] + [f"{name}-static-compiled" for name in [*INT2_CACHES, *VECINFER]] \
-    + [f"{name}-captured" for name in VECINFER]
+    + [f"{name}-captured" for name in VECINFER] + ["plan-static-compiled"]
 GIB = 2**30
-PACKED = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "kres", "vres")
+PLAN: list = []  # the plan of `--plan DIR`, loaded once
 
 
 def build(name: str, lm: LoadedModel, batch: int, length: int):
@@ -88,6 +91,8 @@ def build(name: str, lm: LoadedModel, batch: int, length: int):
         heads = c.num_key_value_heads // tensor_parallel_size(lm.model)
         cache.early_initialization(batch, heads, c.head_dim, torch.float16, torch.device("cuda"))
         return cache
+    if name == "plan-static-compiled":
+        return StaticKvcalibCache(lm, PLAN[0], max_batch=batch, max_length=length)
     return StaticKvcalibCache(lm, kvcalib_method(name.split("-")[0], lm), max_batch=batch, max_length=length)
 
 
@@ -202,22 +207,43 @@ def agree(value: float, most: bool) -> float:
     return t.item()
 
 
+def paired_tensors(a, b):
+    """(tensor of `a`, the tensor at the same place in `b`), walking two layouts of one format alike (dataclasses,
+    lists, tuples, dicts) as `held_tensors` walks one."""
+    if isinstance(a, torch.Tensor):
+        yield a, b
+    elif isinstance(a, (list, tuple)):
+        for x, y in zip(a, b):
+            yield from paired_tensors(x, y)
+    elif isinstance(a, dict):
+        for k in a:
+            yield from paired_tensors(a[k], b[k])
+    elif hasattr(a, "__dict__") and not isinstance(a, (torch.nn.Module, type)):
+        for k, x in vars(a).items():
+            if k not in ("method", "model"):
+                yield from paired_tensors(x, getattr(b, k))
+
+
 def fill(cache, one, batch: int, ctx: int) -> None:
-    """Slots holding the prompt of `one` (module docstring: one prefill copied), or fp16 noise (`one` None)."""
+    """Slots holding the prompt of `one` (module docstring: one prefill copied), or fp16 noise (`one` None).
+    Every tensor of a layer's layout and of its counts and state (`StaticLayer.mutable`: KVLinC's S and P) is
+    copied: one slot's rows into each of the batch's (dim 0), a tensor without slots (codebooks, bases) as it is."""
     if one is None:
         for layer in cache.layers:
             layer.keys.normal_()
             layer.values.normal_()
         return
     for src, dst in zip(one.layers, cache.layers):
-        if src.format.name == "INT2":
-            pairs = [(getattr(src.layout, f), getattr(dst.layout, f)) for f in PACKED + ("knorm",)]
-        else:  # VecInfer's code rows and residual (`StaticLayer.layout`)
-            pairs = [(getattr(src.layout, f), getattr(dst.layout, f)) for f in ("kcodes", "vcodes", "kres", "vres")]
-        pairs += list(zip(src.mutable(), dst.mutable()))
-        for a, b in pairs:  # (counts, KVLinC's state: `StaticLayer.mutable`)
-            if a is not None:
+        pairs = list(paired_tensors(src.layout, dst.layout)) + list(zip(src.mutable(), dst.mutable()))
+        for a, b in pairs:
+            if a is None or a.data_ptr() == b.data_ptr():
+                continue
+            if a.shape == b.shape:
+                b.copy_(a)
+            elif a.shape[0] == 1 and a.shape[1:] == b.shape[1:]:
                 b.copy_(a.expand_as(b))
+            else:
+                raise ValueError(f"fill: a one-slot tensor {tuple(a.shape)} against the batch's {tuple(b.shape)}")
     cache.lengths = [ctx] * batch
 
 
@@ -291,6 +317,8 @@ def main() -> None:
                         help="after timing, profile this many steps of each measured batch (GPU time by kind)")
     parser.add_argument("--model", default=None,
                         help="under torchrun: a model directory with its weights written, run under tensor parallelism")
+    parser.add_argument("--plan", default=None, help="plan-static-compiled: the directory `kvcalib plan` wrote for "
+                        "this model")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     tp = "LOCAL_RANK" in os.environ
@@ -303,6 +331,10 @@ def main() -> None:
         if name not in CACHES or not value.isdigit() or int(value) < 1:
             parser.error(f"--start-batch takes CACHE=B pairs, CACHE of {', '.join(CACHES)}; got {item!r}")
         start[name] = int(value)
+    if args.caches == "all" and args.plan is None:
+        caches = [c for c in caches if c != "plan-static-compiled"]
+    if ("plan-static-compiled" in caches) != (args.plan is not None):
+        parser.error("plan-static-compiled serves the plan of --plan DIR, and --plan needs it among --caches")
     contexts = [int(c) for c in args.contexts.split(",")]
     budget = args.budget_gib * GIB
     if tp:
@@ -317,6 +349,11 @@ def main() -> None:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(llama8b_config(max(contexts)), dtype=torch.float16).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec=args.model or "llama-3.1-8b-shaped (random)")
+    if args.plan is not None:
+        from kvcalib.methods import MethodSettings, build_method
+        from kvcalib.models import attention_shape
+
+        PLAN.append(build_method("plan", attention_shape(model.config), MethodSettings(), args.plan, lm))
     ranks, lead = tensor_parallel_size(model), tensor_parallel_rank(model) == 0
     say = print if lead else (lambda *args, **kwargs: None)  # under tensor parallelism rank 0 reports
     weights = torch.cuda.memory_allocated()  # this rank's share under tensor parallelism
@@ -357,7 +394,8 @@ def main() -> None:
                 rows[name] = (per_slot, c2 - c1, 0, None, None)
                 say(f"{ctx} {name}: holds no sequence of {ctx} tokens in the budget", flush=True)
                 continue
-            floor = (weights + batch * held_bytes(name, ctx, model.config) / ranks) / bandwidth
+            held = c1 if name == "plan-static-compiled" else held_bytes(name, ctx, model.config) / ranks  # a GPU's share
+            floor = (weights + batch * held) / bandwidth
             rows[name] = (per_slot, c2 - c1, batch, res, floor)
             say(f"{ctx} {name}: B={batch} median {1e3 * res['median']:.2f} ms, {batch / res['median']:.0f} tokens/s, "
                   f"peak allocated {res['peak'][0] / GIB:.2f}, reserved {res['peak'][1] / GIB:.2f} GiB", flush=True)

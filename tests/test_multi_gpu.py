@@ -20,7 +20,7 @@ import test_int2_kernel_gpu as int2_tests  # noqa: E402
 import test_quantize_gpu as quantize_tests  # noqa: E402
 import test_vq_kernel_gpu as vq_tests  # noqa: E402
 from conftest import tiny_model  # noqa: E402
-from test_runtime_cache import _kvlinc_with_adapters, _method, _vecinfer_with_sinks  # noqa: E402
+from test_runtime_cache import _kvlinc_with_adapters, _method, _plan, _vecinfer_with_sinks  # noqa: E402
 
 from kvcalib.methods import MethodSettings, build_method  # noqa: E402
 from kvcalib.models import LoadedModel, attention_shape, layer_devices  # noqa: E402
@@ -175,11 +175,34 @@ def test_data_parallel_collect_on_two_gpus_writes_the_bytes_one_gpu_writes(tmp_p
     assert not differ, f"files differ between one GPU and two: {differ}"
 
 
+def _head_spec(plan, layer: int, head: int):
+    """How the plan codes one KV head of a layer: its group's spec sliced to that head."""
+    for group in plan.codebook_groups(layer):
+        heads = group.heads or tuple(range(plan.shape.num_kv_heads))
+        if head in heads:
+            pos = [heads.index(head)]
+            return type(group.spec)(group.spec.key.heads(pos), group.spec.value.heads(pos))
+    raise AssertionError(f"layer {layer} has no group holding head {head}")
+
+
+def _same_coding(held, spec) -> bool:
+    """Whether a static layer's group codes as `spec` does: widths, layouts, books and bases."""
+    def part(a, b) -> bool:
+        same = (a.bits, a.dim, a.norm, a.token_group, a.channel_group) == (b.bits, b.dim, b.norm, b.token_group,
+                                                                          b.channel_group)
+        bases = (a.basis is None) == (b.basis is None) and (a.basis is None or torch.equal(a.basis.cpu(), b.basis.cpu()))
+        return same and bases and a.book.shape == b.book.shape and torch.equal(a.book.cpu(), b.book.cpu())
+
+    return part(held.key, spec.key) and part(held.value, spec.value)
+
+
 def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) -> None:
     """One rank of `torchrun --nproc-per-node 2`: the model under transformers' tensor parallelism on cuda:<rank>
     (NCCL), its static cache's greedy tokens through kvcalib's serving loop, captured and eager (nothing compiled:
     the capture is what is under test), and through `model.generate` with the cache as made by default (its
-    regions compiled). Each stage is noted beside the log (`test_parallel.reached`)."""
+    regions compiled); then a plan's static cache, eager and captured, and how its layers code their head (for
+    each of the model's two KV heads: whether the rank's layer codes as the plan codes that head). Each stage is
+    noted beside the log (`test_parallel.reached`)."""
     from test_parallel import as_rank, reached
 
     def work() -> dict:
@@ -212,8 +235,19 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         captured_in_generate = isinstance(cache.decoder, CapturedDecoder)
         cache.close()  # before as_rank destroys the process group, which waits forever on a live graph's collectives
         reached(log, "closed")
+        # a plan mixing every family per KV head, each head its own codebooks: the rank serves its own head's
+        plan = _plan(attention_shape(model.config), 16, "head")
+        plan_served, holds = {}, {}
+        for captured in (False, True):
+            cache = StaticKvcalibCache(lm, plan, max_batch=2, max_length=128, compile="none")
+            plan_served[captured] = generate(model, cache, prompts, max_new_tokens=30, captured=captured)
+            holds = {head: [_same_coding(layer.layout.groups[0].spec, _head_spec(plan, i, head))
+                            for i, layer in enumerate(cache.layers)] for head in (0, 1)}
+            cache.close()
+            reached(log, f"plan served, {'captured' if captured else 'eager'}")
         return {"heads": cache.layers[0].layout.kres.shape[1], "served": served[True], "eager": served[False],
-                "generate": out[0, 37:].tolist(), "captured_in_generate": captured_in_generate}
+                "generate": out[0, 37:].tolist(), "captured_in_generate": captured_in_generate,
+                "plan_served": plan_served[True], "plan_eager": plan_served[False], "plan_holds": holds}
 
     as_rank(rank, size, port, log, work)
 
@@ -242,6 +276,15 @@ def test_the_static_cache_under_tensor_parallelism_holds_each_ranks_heads_and_re
         assert r["served"] == r["eager"] and [len(t) for t in r["served"]] == [30, 30, 30]
         assert len(r["generate"]) == 30
     assert ranks[0]["served"] == ranks[1]["served"] and ranks[0]["generate"] == ranks[1]["generate"]
+    # the plan: captured as eager, the ranks agreeing; rank r's layers code as the plan codes head r, and not as it
+    # codes the other head (the planted error: a rank holding the other rank's part): in both layers of this model
+    # the plan gives its two heads other schemes (`_plan`), and per-head books besides
+    for rank, r in enumerate(ranks):
+        holds = {int(h): v for h, v in r["plan_holds"].items()}
+        assert r["plan_served"] == r["plan_eager"] and [len(t) for t in r["plan_served"]] == [30, 30, 30]
+        assert all(holds[rank]), holds
+        assert not any(holds[1 - rank]), holds
+    assert ranks[0]["plan_served"] == ranks[1]["plan_served"]
 
 
 def test_kvcalib_generate_under_torchrun_serves_the_static_cache_split_over_two_gpus(tmp_path, tokenizer, monkeypatch):
