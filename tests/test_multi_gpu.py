@@ -235,6 +235,7 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
         captured_in_generate = isinstance(cache.decoder, CapturedDecoder)
         cache.close()  # before as_rank destroys the process group, which waits forever on a live graph's collectives
         reached(log, "closed")
+        heads = cache.layers[0].layout.kres.shape[1]
         # a plan mixing every family per KV head, each head its own codebooks: the rank serves its own head's
         plan = _plan(attention_shape(model.config), 16, "head")
         plan_served, holds = {}, {}
@@ -245,7 +246,7 @@ def _tp_static_child(rank: int, size: int, port: int, model_dir: str, log: str) 
                             for i, layer in enumerate(cache.layers)] for head in (0, 1)}
             cache.close()
             reached(log, f"plan served, {'captured' if captured else 'eager'}")
-        return {"heads": cache.layers[0].layout.kres.shape[1], "served": served[True], "eager": served[False],
+        return {"heads": heads, "served": served[True], "eager": served[False],
                 "generate": out[0, 37:].tolist(), "captured_in_generate": captured_in_generate,
                 "plan_served": plan_served[True], "plan_eager": plan_served[False], "plan_holds": holds}
 
