@@ -230,11 +230,11 @@ def report(rows: list[dict], args, context: int, model, config, ranks: int, band
             lines.append(f"| {r['path']} | failed: {r['error']} | | | | | | | |")
             continue
         floor = floor_bytes(model, config, r, context + 37, ranks) / bandwidth
-        lines.append(f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | "
-                     f"{base['per'] / r['per']:.2f} | {fastest_fp16 / r['per']:.2f} | {1e3 * floor:.2f} | "
-                     f"{r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |"
-                     if base else f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | - | - | "
-                     f"{1e3 * floor:.2f} | {r['per'] / floor:.2f} | {' / '.join(f'{g:.1f}' for g in r['peak'])} |")
+        versus_dynamic = f"{base['per'] / r['per']:.2f}" if base else "-"  # each ratio where its fp16 path ran
+        versus_fastest = f"{fastest_fp16 / r['per']:.2f}" if fastest_fp16 else "-"
+        lines.append(f"| {r['path']} | {r['first']:.1f} | {r['ttft']:.2f} | {1e3 * r['per']:.2f} | {versus_dynamic} | "
+                     f"{versus_fastest} | {1e3 * floor:.2f} | {r['per'] / floor:.2f} | "
+                     f"{' / '.join(f'{g:.1f}' for g in r['peak'])} |")
     from results import RESULTS, record
 
     tp = args.engine == "tp"
