@@ -103,3 +103,48 @@ def test_eos_sampling_and_streamers_hold_through_the_captured_step(name):
     check_eos_stops_a_row(model, _static(model, name), _prompts(4))
     check_seeded_sampling_repeats(model, _static(model, name), _prompts(5))
     check_streamer_gets_every_token(model, _static(model, name), _prompts(6))
+
+
+def _hybrid(dtype: torch.dtype):
+    """A small Gemma 3 (five sliding layers over 24 tokens, then one full-attention layer) on the GPU in `dtype`."""
+    from conftest import tiny_model
+
+    model = tiny_model("gemma3_text", seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
+                       intermediate_size=512, vocab_size=1000).to(dtype).to(DEV).eval()
+    model.generation_config.eos_token_id = None  # every call decodes all its steps
+    return model
+
+
+@pytest.mark.parametrize("name,dtype", [("kivi", torch.float16), ("plan", torch.float16), ("kivi", torch.bfloat16)])
+def test_a_hybrid_model_takes_the_static_cache_its_sliding_layers_kept_and_decodes_the_dynamic_caches_tokens(name,
+                                                                                                           dtype):
+    """Gemma 3's sliding layers kept uncompressed (the default): the cache `kvcalib generate` picks is the static one,
+    its five sliding layers rings of the window (`StaticWindowLayer`), the full layer compressed. Through
+    `model.generate` (captured step) its greedy tokens are the eager serving loop's, and `KvcalibCache`'s (the
+    sliding layers there are transformers' own window layers under its mask) up to the first near tie, prompts of
+    45, 31 and 8 tokens past, beyond and under the window. bfloat16: the ties counted in its own ulps (7 bits)."""
+    from kvcalib.generate import runtime_cache
+    from kvcalib.models import LoadedModel
+    from kvcalib.runtime.captured import generate
+    from kvcalib.runtime.static_cache import StaticWindowLayer
+
+    model = _hybrid(dtype)
+    picked = runtime_cache(LoadedModel(model=model, tokenizer=None, spec="tiny-gemma3"), _model_method(model, name),
+                           3, 256)
+    assert isinstance(picked, StaticKvcalibCache)
+    assert [isinstance(layer, StaticWindowLayer) for layer in picked.layers] == [True] * 5 + [False]
+    prompts = _prompts(1)
+    ids, mask = left_padded(prompts)
+    make = _static(model, name)
+    tokens, _ = run(model, make, ids, mask, STEPS, do_sample=False)
+    assert tokens.tolist() == generate(model, make(), [p.to(DEV) for p in prompts], max_new_tokens=STEPS,
+                                       captured=False)
+    method = _model_method(model, name)
+    bits = 10 if dtype == torch.float16 else 7
+    for b, p in enumerate(prompts):
+        dyn_tokens, dyn_logits = run(model, lambda: KvcalibCache(model, method), p[None], None, STEPS, do_sample=False)
+        differ = (dyn_tokens[0] != tokens[b]).nonzero()
+        if len(differ):
+            first = int(differ[0])
+            top = dyn_logits[0, first].float().topk(2).values
+            assert top[0] - top[1] <= 8 * 2.0 ** (torch.floor(torch.log2(top[0].abs())) - bits), (b, first)

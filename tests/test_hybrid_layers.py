@@ -187,3 +187,67 @@ def test_train_adapters_trains_the_layers_a_cache_compresses(tmp_path, tokenizer
                            device="cpu")
     trained = [json.loads((p / "manifest.json").read_text())["settings"]["trained_layers"] for p in (every, named)]
     assert trained == [[5], [0, 5]]
+
+
+def _ring_decode(model, ids: torch.Tensor, window: int, steps: int) -> list[torch.Tensor]:
+    """Greedy logits of `model` (a small Gemma 3) decoding `ids` (1, T) with every layer a `StaticWindowLayer`, as
+    the static cache drives them (a prompt with prefill_slot set, then one token a step, kvcalib's attention, no
+    masks): its sliding layers' rings of `window` tokens, its full layer's a ring longer than the whole call."""
+    from transformers.cache_utils import Cache
+
+    from kvcalib.runtime.cache import IMPLEMENTATION, register_attention
+    from kvcalib.runtime.static_cache import StaticWindowLayer
+
+    config, kept = model.config, sliding_windows(model.config)
+
+    class Rings(Cache):
+        def __init__(self):
+            super().__init__(layers=[StaticWindowLayer(i, 1, window if i in kept else 4096, config.num_key_value_heads,
+                                                       config.head_dim, torch.float32, torch.device("cpu"))
+                                     for i in range(config.num_hidden_layers)])
+
+        def get_seq_length(self, *args) -> int:
+            return 0
+
+        def get_mask_sizes(self, query_length, *args):
+            return (query_length if isinstance(query_length, int) else query_length.shape[0]), 0
+
+    register_attention()
+    model.set_attn_implementation(IMPLEMENTATION)
+    cache, t = Rings(), ids.shape[1]
+    pos = torch.arange(t)
+    for layer in cache.layers:
+        layer.prefill_slot = 0
+    with torch.no_grad():
+        out = model(ids, position_ids=pos[None], cache_position=pos, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+    for layer in cache.layers:
+        layer.prefill_slot = None
+    logits = [out.logits[0, -1]]
+    for s in range(steps - 1):
+        p = torch.tensor([[t + s]])
+        with torch.no_grad():
+            out = model(logits[-1].argmax().view(1, 1), position_ids=p, cache_position=p[0], past_key_values=cache,
+                        use_cache=True)
+        logits.append(out.logits[0, -1])
+    return logits
+
+
+def test_the_static_caches_window_rings_decode_a_gemma3_as_transformers_own_cache():
+    """The static cache's kept sliding layers (`StaticWindowLayer`: a prompt through the window's mask chunk by
+    chunk, then a ring of the last W tokens) inside Gemma 3's own forward under kvcalib's attention, which builds
+    no masks: 45 prompt tokens (past the window of 24) and 20 greedy steps give transformers' DynamicCache's logits
+    (the model's SDPA under its sliding masks) within 1e-5 (float32, summed in another order: 1.4e-6 seen), the
+    same tokens. Planted: rings of 23 tokens part by far more."""
+    model = tiny_model("gemma3_text", seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
+                       intermediate_size=512, vocab_size=1000).eval()
+    ids = torch.randint(1, 1000, (1, 45), generator=torch.Generator().manual_seed(0))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=DynamicCache(config=model.config),
+                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    got = _ring_decode(model, ids, 24, 20)
+    assert [int(x.argmax()) for x in got] == ref.sequences[0, 45:].tolist()
+    assert max((a - b).abs().max().item() for a, b in zip(got, ref.logits)) <= 1e-5
+    planted = _ring_decode(model, ids, 23, 20)
+    assert max((a - b).abs().max().item() for a, b in zip(planted, ref.logits)) > 1e-2

@@ -467,29 +467,35 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
     assert torch.equal(static.layout.vres[1, :, :r], theirs.vres[0])
 
 
-@pytest.mark.parametrize("model_type,fields,says", [
-    ("gemma2", {}, "soft-caps"),
-    ("gemma3_text", {"sliding_window": 512}, "slide over a window"),
-    ("mistral", {"sliding_window": 4096}, "slide over a window"),
-    ("mistral", {"sliding_window": None}, None),
-    ("qwen3", {"sliding_window": 4096, "use_sliding_window": False}, None),
-    ("llama", {}, None),
+@pytest.mark.parametrize("model_type,fields,sliding,says", [
+    ("gemma2", {}, "float16", "soft-caps"),
+    ("gemma3_text", {"sliding_window": 512}, "float16", None),  # its sliding layers held as rings, uncompressed
+    ("gemma3_text", {"sliding_window": 512}, "compress", "compresses layers that slide"),
+    ("mistral", {"sliding_window": 4096}, "float16", "nothing to compress"),  # every layer slides
+    ("mistral", {"sliding_window": 4096}, "compress", "compresses layers that slide"),
+    ("mistral", {"sliding_window": None}, "float16", None),
+    ("qwen3", {"sliding_window": 4096, "use_sliding_window": False}, "float16", None),
+    ("llama", {}, "float16", None),
 ])
-def test_a_static_cache_refuses_soft_capped_or_sliding_attention_by_the_models_config(model_type, fields, says):
-    """The static cache's kernels attend plainly over every token; the options reach an attention call only when it
-    runs, so the model's config decides before the cache is made (`attention_refusal`)."""
+def test_a_static_cache_refuses_soft_capping_and_compressed_sliding_layers_by_the_models_config(model_type, fields,
+                                                                                               sliding, says):
+    """The static cache's kernels attend plainly over every compressed token, and a sliding layer kept uncompressed
+    (the default) over its ring of the window's tokens; the options reach an attention call only when it runs, so
+    the model's config decides before the cache is made (`attention_refusal`)."""
     from transformers import AutoConfig
 
+    from kvcalib.models import attention_shape
     from kvcalib.runtime.cache import attention_refusal
 
     config = AutoConfig.for_model(model_type, **fields)
-    method = build_method("kivi", SHAPE, MethodSettings(group_size=32))
+    layers = attention_shape(config).num_layers
+    method = build_method("kivi", SHAPE, MethodSettings(group_size=32, sliding_layers=sliding))
     if says is None:
-        assert attention_refusal(config) is None
-        check_static(method, SHAPE.head_dim, CUDA, 2, config=config)  # no error
+        check_static(method, SHAPE.head_dim, CUDA, 2, layers, config=config)  # no error
+        assert attention_refusal(config, method.float16_layers) is None
     else:
         with pytest.raises(SettingsError, match=says):
-            check_static(method, SHAPE.head_dim, CUDA, 2, config=config)
+            check_static(method, SHAPE.head_dim, CUDA, 2, layers, config=config)
 
 
 def test_affine_values_with_a_norm_are_not_read_by_the_codebook_kernel():
@@ -500,3 +506,78 @@ def test_affine_values_with_a_norm_are_not_read_by_the_codebook_kernel():
     key = affine_part(2, token_group=32)
     assert supports([CodebookSpec(key, affine_part(2, channel_group=64))], 64, CUDA, 2)
     assert not supports([CodebookSpec(key, affine_part(2, channel_group=64, norm=True))], 64, CUDA, 2)
+
+
+def _window_reference(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], window: int,
+                      scale: float) -> torch.Tensor:
+    """float64 attention of one query (Hq, D) over the last `window` of a sequence's keys and values (each (H, D)),
+    query heads grouped over the KV heads in order."""
+    k = torch.stack(keys[-window:], 1).double()  # (H, n, D)
+    v = torch.stack(values[-window:], 1).double()
+    g = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
+    p = torch.softmax((q.double()[:, None] * k).sum(-1) * scale, -1)  # (Hq, n)
+    return (p[..., None] * v).sum(1)
+
+
+@pytest.mark.parametrize("prompts", [(5, 12, 30), (1, 8, 9)])
+def test_a_kept_sliding_layer_holds_each_slots_last_window_and_attends_over_it_alone(prompts):
+    """Three slots with prompts shorter than, as long as and longer than the window (8), then 20 steps: each step's
+    output equals float64 attention over the slot's last 8 tokens (1e-5: float32 SDPA over at most 8 keys of unit
+    scale against float64). Planted: the reference over 9 tokens, or over all of them, differs by far more."""
+    from kvcalib.attention import AttentionOptions
+    from kvcalib.runtime.static_cache import StaticWindowLayer
+
+    h, hq, d, w = 2, 4, 16, 8
+    scale = d**-0.5
+    layer = StaticWindowLayer(0, len(prompts), w, h, d, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    seen = [([], []) for _ in prompts]
+    for slot, n in enumerate(prompts):
+        k, v = torch.randn(1, h, n, d, generator=gen), torch.randn(1, h, n, d, generator=gen)
+        layer.prefill_slot = slot
+        layer.update(k, v)
+        layer.prefill_slot = None
+        seen[slot][0].extend(k[0].unbind(1))
+        seen[slot][1].extend(v[0].unbind(1))
+    assert layer.count.tolist() == list(prompts)
+    opts = AttentionOptions(scaling=scale)
+    worst, planted = 0.0, {w + 1: 0.0, "all": 0.0}
+    for _ in range(20):
+        k, v = torch.randn(len(prompts), h, 1, d, generator=gen), torch.randn(len(prompts), h, 1, d, generator=gen)
+        q = torch.randn(len(prompts), hq, 1, d, generator=gen)
+        layer.update(k, v)
+        out = layer.attend(q, k, v, opts, prefill=False)  # (B, Hq, 1, D)
+        for slot in range(len(prompts)):
+            seen[slot][0].append(k[slot, :, 0])
+            seen[slot][1].append(v[slot, :, 0])
+            want = _window_reference(q[slot, :, 0], *seen[slot], w, scale)
+            worst = max(worst, (out[slot, :, 0].double() - want).abs().max().item())
+            for other in planted:  # what the test's worst would read were the layer to hold these
+                wrong = _window_reference(q[slot, :, 0], *seen[slot], len(seen[slot][0]) if other == "all" else other,
+                                          scale)
+                planted[other] = max(planted[other], (out[slot, :, 0].double() - wrong).abs().max().item())
+    assert worst <= 1e-5, worst
+    assert min(planted.values()) > 1e-2, planted
+    assert layer.count.tolist() == [n + 20 for n in prompts]
+
+
+def test_a_prompt_attends_within_the_window_chunk_by_chunk_as_over_the_whole_mask():
+    """`window_prefill_attention` in chunks of 16 queries equals float64 attention under the whole T x T sliding
+    mask (query i over keys i - W < j <= i), grouped query heads (1e-5: float32 SDPA against float64); a chunk
+    larger than the prompt gives the same."""
+    from kvcalib.runtime.static_cache import window_prefill_attention
+
+    h, hq, t, d, w = 2, 4, 50, 16, 12
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, hq, t, d, generator=gen), torch.randn(1, h, t, d, generator=gen), torch.randn(1, h, t, d, generator=gen)
+    i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+    mask = (i >= j) & (i - j < w)
+    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * d**-0.5
+    want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv
+    for chunk in (16, 64):
+        got = window_prefill_attention(q, k, v, w, d**-0.5, chunk=chunk)
+        assert (got.double() - want).abs().max().item() <= 1e-5, chunk
+    wider = torch.softmax(s.masked_fill(~((i >= j) & (i - j < w + 1)), float("-inf")), -1) @ vv  # planted: W + 1
+    assert (window_prefill_attention(q, k, v, w, d**-0.5, chunk=16).double() - wider).abs().max().item() > 1e-2

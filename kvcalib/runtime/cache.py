@@ -295,19 +295,24 @@ def kernel_format(method: Method, layer: int, head_dim: int, device: torch.devic
     return None, None
 
 
-def attention_refusal(config) -> str | None:
-    """Why a model's attention is not the plain softmax over every cached token that the static cache's kernels
-    compute, from its config (transformers hands the options to each attention call; the static cache is chosen
-    before any call): soft-capped scores (Gemma 2), or layers that slide over a window (Gemma 2 and 3, Mistral v0.1);
-    None for plain attention."""
+def attention_refusal(config, kept: dict[int, int] | None = None) -> str | None:
+    """Why a model's attention is not what the static cache computes, from its config (transformers hands the
+    options to each attention call; the static cache is chosen before any call): the fused kernels' plain softmax
+    over every cached token in each compressed layer, and a sliding layer's window only where the method keeps it
+    uncompressed (`kept`, `Method.float16_layers`: a ring of its last tokens). Refused: soft-capped scores (Gemma
+    2), sliding layers the method compresses (--sliding-layers compress), or no compressed layer at all; None
+    where the static cache computes the model's attention."""
     if config is None:
         return None
     config = getattr(config, "text_config", None) or config
     if getattr(config, "attn_logit_softcapping", None):
         return "the model soft-caps its attention scores, which the fused kernels do not"
-    if sliding_windows(config):
-        return ("layers of the model slide over a window, which the static cache does not hold; KvcalibCache keeps "
-                "them as the model computes them and compresses the others")
+    sliding = sliding_windows(config)
+    if set(sliding) - set(kept or {}):
+        return ("the method compresses layers that slide over a window (--sliding-layers compress), whose window "
+                "the fused kernels do not apply; KvcalibCache serves them")
+    if sliding and len(sliding) == config.num_hidden_layers:
+        return "every layer of the model slides over a window and is kept uncompressed: there is nothing to compress"
     return None
 
 
@@ -316,16 +321,18 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
     """Refuse, with the reason, a method, device or model (`config`: its attention, `attention_refusal`) the static
     cache cannot serve (`kvcalib.runtime.static_cache`'s docstring): every one of its `layers` must have one fused
     kernel, the same for all."""
-    found = {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers)}
+    settle_float16_layers(method, config)  # a sliding layer kept uncompressed is held as it comes, no kernel's
+    kept = method.float16_layers or {}
+    found = {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers) if i not in kept}
     fmt = found.pop() if len(found) == 1 else None
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
+    elif (refusal := attention_refusal(config, kept)) is not None:
+        why = refusal
     elif fmt is None:
         why = (f"--method {method.name} has no fused layout at these settings, or not the same in every layer "
                f"({', '.join(f.name for f in FORMATS)}: `formats.*.launch.supports`)")
-    elif (refusal := attention_refusal(config)) is not None:
-        why = refusal
     elif method.window:
         why = "it flushes blockwise"
     elif method.sink and not fmt.holds_sinks:
@@ -334,7 +341,8 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
     elif not fmt.holds_state and method.empty_state(0, 1, 1, head_dim) is not None:
         why = f"--method {method.name} keeps a decoding state, which the {fmt.name} kernel's layout does not hold"
     else:
-        why = fmt.static_refusal(method, fmt.declaration(method, 0))
+        first = next(i for i in range(layers) if i not in kept)  # a compressed layer (the refusal above: one is)
+        why = fmt.static_refusal(method, fmt.declaration(method, first))
     if why:
         raise SettingsError(f"a static cache cannot hold this: {why}")
 

@@ -194,7 +194,7 @@ class Decoder:
     def __init__(self, model, cache: StaticKvcalibCache, compile: bool | str | None = None):
         self.model, self.cache = model, cache
         self.mode = compile_mode(cache.compile if compile is None else compile)
-        device = cache.layers[0].flushed.device
+        device = cache.device
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
@@ -312,7 +312,7 @@ def generate(model, cache: StaticKvcalibCache, prompts: list[torch.Tensor], max_
     `compile` unless given), the step `model.generate` replays."""
     if max_new_tokens < 1:
         raise SettingsError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    device = cache.layers[0].flushed.device
+    device = cache.device
     decoder = CapturedDecoder(model, cache, compile=compile) if captured else Decoder(model, cache, compile)
     queue = list(enumerate(prompts))
     out: list[list[int]] = [[] for _ in prompts]

@@ -1,7 +1,7 @@
 """The static cache's writes into its slots, on the device and in place: a decode step's new token into each
 sequence's residual window (`write_token`, which the captured step swaps for its compiled form:
-`kvcalib.runtime.captured`), and a flush's rows into each sequence's packed buffers where its window filled
-(`masked_write`). Functions of tensors alone, so that one compiled region serves every layer."""
+`kvcalib.runtime.captured`), a flush's rows into each sequence's packed buffers where its window filled
+(`masked_write`), and a sliding layer's new token into its ring of the window's last tokens (`write_ring`). Functions of tensors alone, so that one compiled region serves every layer."""
 
 from __future__ import annotations
 
@@ -35,3 +35,15 @@ def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, 
     for buf, x in ((kres, k), (vres, v)):
         buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`masked_write`)
     residual += 1
+
+
+def write_ring(kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Each sequence's new token, k and v (B, H, 1, D), into its ring of the last W tokens (kwin, vwin (B, H, W, D),
+    the model's dtype) at position count mod W, `count` (B,) the tokens it has seen, then the counts one up. The
+    ring's order is not the tokens' (attention over a set of keys does not depend on their order)."""
+    b, h, w = k.shape[0], k.shape[1], kwin.shape[2]
+    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
+            torch.remainder(count.long(), w).view(b, 1))
+    for buf, x in ((kwin, k), (vwin, v)):
+        buf.index_put_(rows, x[:, :, 0].to(buf.dtype))
+    count += 1

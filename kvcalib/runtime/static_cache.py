@@ -80,7 +80,7 @@ from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
 from ..hadamard import hadamard
-from ..methods import Method, MethodSettings, build_method
+from ..methods import Method, MethodSettings, build_method, settle_float16_layers
 from ..models import LoadedModel, attention_shape, layer_devices
 from .cache import (IMPLEMENTATION, check_static, for_this_rank, hand_to_attention, kernel_format, register_attention,
                     tensor_parallel_size)
@@ -135,6 +135,10 @@ class StaticLayer(CacheLayerMixin):
         """What a decode step changes besides the buffers' rows past the counts: the counts and the state
         (a captured decoder's warm-up puts them back)."""
         return [self.flushed, self.residual, *_tensors(self.state)]
+
+    def tokens(self) -> torch.Tensor:
+        """(B,) int32: the tokens each slot holds."""
+        return self.flushed + self.residual
 
     def _flush(self, k16: torch.Tensor, v16: torch.Tensor, start):
         """Compress float16 blocks k16, v16 (B, H, T, D), T a multiple of R, as they came in: their packed
@@ -241,6 +245,104 @@ class StaticLayer(CacheLayerMixin):
             t.zero_()
 
 
+def window_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
+                             scale: float, chunk: int = 2048) -> torch.Tensor:
+    """A prompt's attention in a layer sliding over `window` tokens: query i over keys j with 0 <= i - j < window
+    (transformers' sliding mask), queries (1, Hq, T, D) over keys and values (1, H, T, D). Chunks of `chunk` queries,
+    each over its own keys, so that no T x T mask is made (1 GiB at 32k)."""
+    t = query.shape[2]
+    outs = []
+    for a in range(0, t, chunk):
+        e = min(a + chunk, t)
+        lo = max(0, a - window + 1)
+        i = torch.arange(a, e, device=query.device).view(-1, 1)
+        j = torch.arange(lo, e, device=query.device).view(1, -1)
+        mask = (i >= j) & (i - j < window)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e], attn_mask=mask, scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=2)
+
+
+class StaticWindowLayer(CacheLayerMixin):
+    """A sliding layer the method keeps as the model computes it (`Method.float16_layers`, Gemma 2 and 3's sliding
+    layers by default): each slot's last `window` tokens in a ring in the model's dtype, uncompressed, the count of
+    tokens it has seen on the device. A prompt attends over itself through the window's mask
+    (`window_prefill_attention`); a step writes its token into the ring (`slots.write_token`'s sibling
+    `slots.write_ring`) and attends over the min(count, window) tokens the ring holds: the tokens transformers'
+    sliding mask lets it see, in another order."""
+
+    is_sliding = False  # the model's masks are not read (a static cache's layers attend by their counts)
+    is_compileable = False
+
+    def __init__(self, layer: int, batch: int, window: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
+        super().__init__()
+        self.layer, self.window = layer, window
+        self.kwin = torch.zeros(batch, kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.vwin = torch.zeros_like(self.kwin)
+        self.count = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.is_initialized = True
+        self.prefill_slot: int | None = None
+        self.flush = True  # set by StaticKvcalibCache.advance for every layer; a window has nothing to flush
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def mutable(self) -> list[torch.Tensor]:
+        return [self.count]
+
+    def tokens(self) -> torch.Tensor:
+        """(B,) int32: the tokens each slot has seen."""
+        return self.count
+
+    def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A whole prompt (1, H, T, D) into `slot`: its last min(T, window) tokens, token t at ring position t mod W."""
+        t = k.shape[2]
+        n = min(t, self.window)
+        at = torch.arange(t - n, t, device=k.device) % self.window
+        self.kwin[slot, :, at] = k[0, :, t - n:].to(self.kwin.dtype)
+        self.vwin[slot, :, at] = v[0, :, t - n:].to(self.vwin.dtype)
+        self.count[slot] = t
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefill_slot is not None:
+            self.prefill(self.prefill_slot, key_states, value_states)
+        elif key_states.shape[2] == 1 and key_states.shape[0] == self.count.shape[0]:
+            slots.write_ring(self.kwin, self.vwin, self.count, key_states, value_states)
+        else:
+            raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
+                                f"token for each of its {self.count.shape[0]} slots per step")
+        hand_to_attention(self, self.prefill_slot is not None)
+        return key_states, value_states
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
+               prefill: bool) -> torch.Tensor:
+        """A prompt over itself within the window; a step over the ring's valid tokens (SDPA, the model's dtype)."""
+        if opts.softcap:  # `check_static` refuses soft-capping models before a cache is made
+            raise SettingsError("a static cache attends without soft-capping: this layer soft-caps its scores")
+        if prefill:
+            return window_prefill_attention(query, key, value, self.window, opts.scaling)
+        held = torch.arange(self.window, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, W)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, self.kwin, self.vwin, attn_mask=held[:, None, None, :], scale=opts.scaling, enable_gqa=True)
+
+    def get_seq_length(self, *args) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        n = query_length if isinstance(query_length, int) else query_length.shape[0]
+        return n, 0
+
+    def get_max_length(self) -> int:
+        return self.window
+
+    def get_max_cache_shape(self) -> int:
+        return self.window
+
+    def reset(self) -> None:
+        self.count.zero_()
+
+
 class StaticKvcalibCache(Cache):
     """The cache of the module docstring: `max_batch` slots of up to `max_length` tokens each."""
 
@@ -253,6 +355,7 @@ class StaticKvcalibCache(Cache):
         lm = model if isinstance(model, LoadedModel) else LoadedModel(model=model, tokenizer=None, spec="")
         shape = attention_shape(lm.config)
         method = build_method(method, shape, settings, artifacts, lm) if isinstance(method, str) else method
+        settle_float16_layers(method, lm.config)  # the sliding layers it keeps as the model computes them
         ranks = tensor_parallel_size(lm.model)  # under tensor parallelism each rank holds its own KV heads' slots
         if shape.num_kv_heads % ranks:
             raise SettingsError(f"tensor parallelism over {ranks} ranks splits {shape.num_kv_heads} KV heads "
@@ -267,9 +370,17 @@ class StaticKvcalibCache(Cache):
         r = method.block
         self.method, self.max_batch, self.max_length = method, max_batch, max_length
         capacity = -(-max_length // r) * r
-        super().__init__(layers=[StaticLayer(method, i, max_batch, capacity, shape.num_kv_heads // ranks,
-                                             shape.head_dim, devices[i], shape.num_heads // shape.num_kv_heads)
+        kept = method.float16_layers or {}
+        dtype = next(lm.model.parameters()).dtype
+        heads = shape.num_kv_heads // ranks
+        super().__init__(layers=[StaticWindowLayer(i, max_batch, kept[i], heads, shape.head_dim, dtype, devices[i])
+                                 if i in kept else
+                                 StaticLayer(method, i, max_batch, capacity, heads, shape.head_dim, devices[i],
+                                             shape.num_heads // shape.num_kv_heads)
                                  for i in range(shape.num_layers)])
+        self.device = devices[0]  # where the decode step's inputs go (its first layer's GPU)
+        # the layer whose residual counts say which steps flush: the first compressed one
+        self.counting = next(layer for layer in self.layers if isinstance(layer, StaticLayer))
         self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
@@ -282,8 +393,7 @@ class StaticKvcalibCache(Cache):
 
     def positions(self) -> torch.Tensor:
         """(B, 1) int64 on the device: the position of each slot's next token (tokens it holds)."""
-        layer = self.layers[0]
-        return (layer.flushed + layer.residual).long().view(-1, 1)
+        return self.layers[0].tokens().long().view(-1, 1)
 
     def release(self, slot: int) -> None:
         """Free a slot: its counts go to zero (its buffers are overwritten by the next prompt)."""
@@ -334,7 +444,7 @@ class StaticKvcalibCache(Cache):
     def read_counts(self) -> None:
         """Take the host's copy of the residual counts from the device (one transfer): for counts written
         other than by `prefill` and `release` (a benchmark filling slots by copying)."""
-        self.residual_counts = self.layers[0].residual.tolist()
+        self.residual_counts = self.counting.residual.tolist()
 
     def run_direct(self, forward):
         """`forward()`, a model call of the cache's own, run as the model's forward (`route_forward` steps aside)."""
