@@ -55,7 +55,9 @@ never the whole batch's.
 Methods: those whose flushed blocks a fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
 at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer; `Method.codebook_groups`:
 TurboQuant, KIVI and OScaR at other widths, and a plan, one group of KV heads per pair of schemes, with float16
-sink tokens, written beside the codes at a sequence's first flush); others are refused with the reason. What a
+sink tokens, written beside the codes at a sequence's first flush); others are refused with the reason. A sliding
+layer the method keeps uncompressed (`Method.float16_layers`: Gemma 3's, by default) is a ring of each slot's last
+`window` tokens in the model's dtype (`StaticWindowLayer`), beside the compressed full-attention layers. What a
 method declares of itself is served as `KvcalibCache` serves it (`kvcalib.runtime.cache.decode`):
 - a rotated basis (OScaR's keys and values, KVLinC's values): the flushed blocks are stored rotated
   (`PackedLayer.rotated_keys`/`rotated_values`) and the kernel rotates the query for them and their
