@@ -234,7 +234,9 @@ def fill(cache, one, batch: int, ctx: int) -> None:
             layer.values.normal_()
         return
     for src, dst in zip(one.layers, cache.layers):
-        pairs = list(paired_tensors(src.layout, dst.layout)) + list(zip(src.mutable(), dst.mutable()))
+        # a compressed layer's layout, or a kept sliding layer's rings (`StaticWindowLayer`), and the counts
+        held = (src.layout, dst.layout) if hasattr(src, "layout") else ((src.kwin, src.vwin), (dst.kwin, dst.vwin))
+        pairs = list(paired_tensors(*held)) + list(zip(src.mutable(), dst.mutable()))
         for a, b in pairs:
             if a is None or a.data_ptr() == b.data_ptr():
                 continue

@@ -277,10 +277,13 @@ class StaticWindowLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, layer: int, batch: int, window: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, longest: int | None = None):
+        """`longest`: the most tokens a slot holds, where fewer than the window: the ring is then that long (it never
+        wraps, and holds the same tokens)."""
         super().__init__()
         self.layer, self.window = layer, window
-        self.kwin = torch.zeros(batch, kv_heads, window, head_dim, dtype=dtype, device=device)
+        self.ring = min(window, longest or window)
+        self.kwin = torch.zeros(batch, kv_heads, self.ring, head_dim, dtype=dtype, device=device)
         self.vwin = torch.zeros_like(self.kwin)
         self.count = torch.zeros(batch, dtype=torch.int32, device=device)
         self.is_initialized = True
@@ -298,10 +301,10 @@ class StaticWindowLayer(CacheLayerMixin):
         return self.count
 
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A whole prompt (1, H, T, D) into `slot`: its last min(T, window) tokens, token t at ring position t mod W."""
+        """A whole prompt (1, H, T, D) into `slot`: its last min(T, ring) tokens, token t at ring position t mod ring."""
         t = k.shape[2]
-        n = min(t, self.window)
-        at = torch.arange(t - n, t, device=k.device) % self.window
+        n = min(t, self.ring)
+        at = torch.arange(t - n, t, device=k.device) % self.ring
         self.kwin[slot, :, at] = k[0, :, t - n:].to(self.kwin.dtype)
         self.vwin[slot, :, at] = v[0, :, t - n:].to(self.vwin.dtype)
         self.count[slot] = t
@@ -324,7 +327,7 @@ class StaticWindowLayer(CacheLayerMixin):
             raise SettingsError("a static cache attends without soft-capping: this layer soft-caps its scores")
         if prefill:
             return window_prefill_attention(query, key, value, self.window, opts.scaling)
-        held = torch.arange(self.window, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, W)
+        held = torch.arange(self.ring, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, ring)
         return torch.nn.functional.scaled_dot_product_attention(
             query, self.kwin, self.vwin, attn_mask=held[:, None, None, :], scale=opts.scaling, enable_gqa=True)
 
@@ -336,10 +339,10 @@ class StaticWindowLayer(CacheLayerMixin):
         return n, 0
 
     def get_max_length(self) -> int:
-        return self.window
+        return self.ring
 
     def get_max_cache_shape(self) -> int:
-        return self.window
+        return self.ring
 
     def reset(self) -> None:
         self.count.zero_()
@@ -375,7 +378,8 @@ class StaticKvcalibCache(Cache):
         kept = method.float16_layers or {}
         dtype = next(lm.model.parameters()).dtype
         heads = shape.num_kv_heads // ranks
-        super().__init__(layers=[StaticWindowLayer(i, max_batch, kept[i], heads, shape.head_dim, dtype, devices[i])
+        super().__init__(layers=[StaticWindowLayer(i, max_batch, kept[i], heads, shape.head_dim, dtype, devices[i],
+                                                   longest=capacity)
                                  if i in kept else
                                  StaticLayer(method, i, max_batch, capacity, heads, shape.head_dim, devices[i],
                                              shape.num_heads // shape.num_kv_heads)
