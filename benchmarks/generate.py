@@ -143,6 +143,34 @@ def int2_bytes(tokens: int, name: str, config: LlamaConfig) -> float:
     return rows * (flushed * per_token_bits / 8 + (tokens - flushed) * 2 * d * 2 + state)
 
 
+def held_tensors(cache) -> int:
+    """Bytes of every tensor the cache holds (its buffers, counts and state), each storage once: the
+    cache's own size, free of the allocator's rounding and of whatever else allocates meanwhile."""
+    seen, total = set(), 0
+
+    def walk(x) -> None:
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            key = x.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += x.untyped_storage().nbytes()
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for k, y in vars(x).items():
+                if k not in ("method", "model"):
+                    walk(y)
+
+    for layer in cache.layers:
+        walk(layer)
+    return total
+
+
 def fp16_bytes(tokens: int, config: LlamaConfig) -> float:
     """Bytes an fp16 cache holds for `tokens`: keys and values of every layer and KV head."""
     return 2 * 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * tokens

@@ -104,7 +104,7 @@ def floor_bytes(model, config, row: dict, tokens: int, ranks: int = 1) -> float:
 
 
 def run_path(path: str, model, context: int, gpus: list[int], plan: str | None = None) -> dict:
-    from throughput import held_tensors
+    from generate import held_tensors
     from transformers import StaticCache
 
     from kvcalib.methods import MethodSettings

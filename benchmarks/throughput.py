@@ -68,7 +68,8 @@ from transformers import AutoModelForCausalLM, StaticCache
 
 from generate import CACHES as INT2_CACHES
 from generate import VECINFER
-from generate import copy_bandwidth, fp16_bytes, int2_bytes, kvcalib_method, llama8b_config, median_p99, spoken, timed_steps
+from generate import (copy_bandwidth, fp16_bytes, held_tensors, int2_bytes, kvcalib_method, llama8b_config, median_p99,
+                      spoken, timed_steps)
 from kvcalib.models import LoadedModel
 from kvcalib.runtime.cache import tensor_parallel_rank, tensor_parallel_size
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
@@ -110,34 +111,6 @@ def fp16_step(model, cache, batch: int, at: int, compiled: bool):
         return out.logits[:, -1].argmax(-1)
 
     return step
-
-
-def held_tensors(cache) -> int:
-    """Bytes of every tensor the cache holds (its buffers, counts and state), each storage once: the
-    cache's own size, free of the allocator's rounding and of whatever else allocates meanwhile."""
-    seen, total = set(), 0
-
-    def walk(x) -> None:
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            key = x.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                total += x.untyped_storage().nbytes()
-        elif isinstance(x, (list, tuple)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
-            for k, y in vars(x).items():
-                if k not in ("method", "model"):
-                    walk(y)
-
-    for layer in cache.layers:
-        walk(layer)
-    return total
 
 
 def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tuple[int, int]:
