@@ -90,14 +90,15 @@ def kvcalib_method(name: str, lm: LoadedModel):
     return method
 
 
-def prefilled_8b(context: int, cache: str, room: int,
-                 method=None) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
-    """The 8B-shaped random model on the GPU (seed 0), a B=1 StaticKvcalibCache of cache `cache` (`CACHES`,
-    `VECINFER`; or `method(config) -> (method, settings)` where one is given) with `room` tokens past `context`, and
-    a random prompt of `context` tokens prefilled into its slot 0: (model, cache, the first decoded token (1,))."""
+def prefilled_8b(context: int, cache: str, room: int, method=None, config=None,
+                 dtype: torch.dtype = torch.float16) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
+    """The 8B-shaped random model on the GPU (seed 0; or one of `config` in `dtype`), a B=1 StaticKvcalibCache of
+    cache `cache` (`CACHES`, `VECINFER`; or `method(config) -> (method, settings)` where one is given) with `room`
+    tokens past `context`, and a random prompt of `context` tokens prefilled into its slot 0: (model, cache, the
+    first decoded token (1,))."""
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(llama8b_config(context), dtype=torch.float16).eval()
+        model = AutoModelForCausalLM.from_config(config or llama8b_config(context), dtype=dtype).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
     if method is None:
         static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=1, max_length=context + room)

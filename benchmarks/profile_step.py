@@ -4,6 +4,7 @@ generate_calls.py's static paths (`turboquant2`, `turboquant3`, `plan225`, `plan
 `--context` tokens; torch.profiler over `--replays`
 graph replays, GPU kernel time per step by kind:
 
+- rings: SDPA's kernels over a hybrid model's kept sliding layers (`StaticWindowLayer`, `--shape gemma-3-4b`);
 - matmul: cuBLAS/cuBLASLt kernels (the fp16 weights' matrix-vector products, lm_head included);
 - attention: the fused decode kernels (INT2's `packed_partial`, the codebook kernel's `rotate` and `partial`, `merge`);
 - append+flush: Inductor kernels of the cache's append and masked flush (their fused names hold
@@ -11,6 +12,7 @@ graph replays, GPU kernel time per step by kind:
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
     python benchmarks/profile_step.py [--context 32768] [--cache kivi128] [--replays 20] [--out DIR]
+                                      [--shape llama-3.1-8b | another make-model shape, in bfloat16]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from generate import CACHES, event_steps, prefilled_8b
 from kvcalib.runtime.captured import CapturedDecoder
 
 KINDS = [("attention", re.compile(r"packed_partial|partial|merge|rotate")),
+         ("rings", re.compile(r"fmha|flash|efficient_attention|sdpa", re.I)),
          ("matmul", re.compile(r"gemm|gemv|nvjet|cutlass|xmma|splitK|cublas", re.I)),
          ("append+flush", re.compile(r"scatter|gather|amax|amin|round|clamp|bitwise|lshift|rshift|where")),
          ("other", re.compile(r"."))]
@@ -57,13 +60,17 @@ def main() -> None:
     parser.add_argument("--cache", default="kivi128", help="one of generate.py's CACHES")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=".")
+    parser.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (fp16), or another of `kvcalib "
+                        "make-model`'s shapes (bfloat16, generate_calls.py's `model_config`)")
     args = parser.parse_args()
+    from generate_calls import model_config, static_method
+
     method = None
     if args.cache not in CACHES:
-        from generate_calls import static_method
-
         method = lambda config: static_method(f"{args.cache}-static", config)  # noqa: E731
-    model, cache, token = prefilled_8b(args.context, args.cache, 2 * args.replays + 64, method)
+    room = 2 * args.replays + 64
+    config, dtype = model_config(args.shape, args.context + room)
+    model, cache, token = prefilled_8b(args.context, args.cache, room, method, config, dtype)
     decoder = CapturedDecoder(model, cache, compile=True)
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
@@ -74,7 +81,7 @@ def main() -> None:
         by_kind[kind(name)] += us
     step_ms = statistics.median(times)
     total = sum(by_kind.values())
-    lines = [f"{args.cache}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
+    lines = [f"{args.shape}, {args.cache}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
              f"replays, events), GPU kernels {total / 1e3:.2f} ms, {sum(calls.values()):.0f} kernels per step", "",
              "| kind | ms per step | share of the step |", "|---|---:|---:|"]
     lines += [f"| {k} | {us / 1e3:.3f} | {us / 1e3 / step_ms:.0%} |" for k, us in by_kind.most_common()]
@@ -84,7 +91,7 @@ def main() -> None:
     lines += ["", "Kernels on side streams overlap: the kinds' sum may pass the step."]
     text = "\n".join(lines)
     print(text)
-    Path(args.out, f"profile_{args.cache}_{args.context}.md").write_text(text + "\n")
+    Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
