@@ -1,7 +1,8 @@
 """The static cache's writes into its slots, on the device and in place: a decode step's new token into each
 sequence's residual window (`write_token`, which the captured step swaps for its compiled form:
 `kvcalib.runtime.captured`), a flush's rows into each sequence's packed buffers where its window filled
-(`masked_write`), and a sliding layer's new token into its ring of the window's last tokens (`write_ring`). Functions of tensors alone, so that one compiled region serves every layer."""
+(`masked_write`), and a sliding layer's new token into its ring of the window's last tokens (`write_ring`).
+Functions of tensors alone, so that one compiled region serves every layer."""
 
 from __future__ import annotations
 

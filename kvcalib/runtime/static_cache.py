@@ -97,16 +97,61 @@ def _tensors(state) -> list[torch.Tensor]:
     return [] if state is None else [getattr(state, f.name) for f in dataclasses.fields(state)]
 
 
-class StaticLayer(CacheLayerMixin):
-    """One layer's buffers (its format's layout, sized for the capacity plus one block of slack, where the
-    masked flush writes the rows it does not take), its per-sequence counts and decoding state."""
+class SlotLayer(CacheLayerMixin):
+    """What every layer of a static cache shares: buffers allocated at creation for `batch` slots of `capacity`
+    tokens, counts on the device (`mutable`), a prompt taken into one slot (`prefill`, while `prefill_slot` is set)
+    and one token for every slot per step (`step`), then the attention call that follows handed this layer
+    (`attend`); the model's masks are never read (a prompt attends over itself, a step by its counts)."""
 
     is_sliding = False
     is_compileable = False
 
+    def __init__(self, layer: int, batch: int, capacity: int):
+        super().__init__()
+        self.layer, self.batch, self.capacity = layer, batch, capacity
+        self.is_initialized = True
+        self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
+        self.flush = True  # whether a step may fill a window (StaticKvcalibCache.advance): else it appends only
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.prefill_slot is not None:
+            self.prefill(self.prefill_slot, key_states, value_states)
+        elif key_states.shape[2] == 1 and key_states.shape[0] == self.batch:
+            self.step(key_states, value_states)
+        else:
+            raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
+                                f"token for each of its {self.batch} slots per step")
+        hand_to_attention(self, self.prefill_slot is not None)
+        return key_states, value_states
+
+    def get_seq_length(self, *args) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        n = query_length if isinstance(query_length, int) else query_length.shape[0]
+        return n, 0  # the mask is not read: a prompt attends causally over itself, a step by its counts
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+    def get_max_cache_shape(self) -> int:
+        return self.capacity
+
+    def reset(self) -> None:
+        for t in self.mutable():
+            t.zero_()
+
+
+class StaticLayer(SlotLayer):
+    """One layer's buffers (its format's layout, sized for the capacity plus one block of slack, where the
+    masked flush writes the rows it does not take), its per-sequence counts and decoding state."""
+
     def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
                  device: torch.device, gqa: int = 1):
-        super().__init__()
+        super().__init__(layer, batch, capacity)
         # the format whose kernel reads the layer (`check_static` has held every layer to one); where none reads these
         # shapes (the host side alone, on the CPU), the first the method declares
         fmt, declaration = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa)
@@ -117,7 +162,7 @@ class StaticLayer(CacheLayerMixin):
             raise SettingsError(f"a static cache cannot hold --method {method.name}: it declares no fused layout")
         declaration = fmt.on(declaration, device)
         r = method.block
-        self.method, self.layer, self.capacity = method, layer, capacity
+        self.method = method
         self.format: Format = fmt
         self.layout = fmt.allocate(method, layer, declaration, batch, capacity + r, capacity, r, kv_heads, head_dim,
                                    device)
@@ -126,12 +171,6 @@ class StaticLayer(CacheLayerMixin):
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
         if method.rotated_keys or method.rotated_values:  # made now, read by a compiled flush as an input
             hadamard(head_dim, torch.float32, self.flushed.device)
-        self.is_initialized = True
-        self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
-        self.flush = True  # whether a step may fill a window (StaticKvcalibCache.advance): else it appends only
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
-        pass
 
     def mutable(self) -> list[torch.Tensor]:
         """What a decode step changes besides the buffers' rows past the counts: the counts and the state
@@ -206,16 +245,8 @@ class StaticLayer(CacheLayerMixin):
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
         self.residual.masked_fill_(full, 0)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.prefill_slot is not None:
-            self.prefill(self.prefill_slot, key_states, value_states)
-        elif key_states.shape[2] == 1 and key_states.shape[0] == self.flushed.shape[0]:
-            self.append(key_states, value_states, self.flush)
-        else:
-            raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
-                                f"token for each of its {self.flushed.shape[0]} slots per step")
-        hand_to_attention(self, self.prefill_slot is not None)
-        return key_states, value_states
+    def step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.append(k, v, self.flush)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
@@ -228,23 +259,6 @@ class StaticLayer(CacheLayerMixin):
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
         return self.format.attend(self.method, self.layer, query, self.layout, opts.scaling, self.state,
                             counts=(self.flushed, self.residual))
-
-    def get_seq_length(self, *args) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        n = query_length if isinstance(query_length, int) else query_length.shape[0]
-        return n, 0  # the mask is not read: a prompt attends causally over itself, a step by its counts
-
-    def get_max_length(self) -> int:
-        return self.capacity
-
-    def get_max_cache_shape(self) -> int:
-        return self.capacity
-
-    def reset(self) -> None:
-        for t in self.mutable():
-            t.zero_()
 
 
 def window_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
@@ -265,33 +279,23 @@ def window_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.cat(outs, dim=2)
 
 
-class StaticWindowLayer(CacheLayerMixin):
+class StaticWindowLayer(SlotLayer):
     """A sliding layer the method keeps as the model computes it (`Method.float16_layers`, Gemma 2 and 3's sliding
     layers by default): each slot's last `window` tokens in a ring in the model's dtype, uncompressed, the count of
     tokens it has seen on the device. A prompt attends over itself through the window's mask
     (`window_prefill_attention`); a step writes its token into the ring (`slots.write_token`'s sibling
     `slots.write_ring`) and attends over the min(count, window) tokens the ring holds: the tokens transformers'
-    sliding mask lets it see, in another order."""
-
-    is_sliding = False  # the model's masks are not read (a static cache's layers attend by their counts)
-    is_compileable = False
+    sliding mask lets it see, in another order. Its `capacity` is the ring's length."""
 
     def __init__(self, layer: int, batch: int, window: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, longest: int | None = None):
         """`longest`: the most tokens a slot holds, where fewer than the window: the ring is then that long (it never
         wraps, and holds the same tokens)."""
-        super().__init__()
-        self.layer, self.window = layer, window
-        self.ring = min(window, longest or window)
-        self.kwin = torch.zeros(batch, kv_heads, self.ring, head_dim, dtype=dtype, device=device)
+        super().__init__(layer, batch, min(window, longest or window))
+        self.window = window
+        self.kwin = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
         self.vwin = torch.zeros_like(self.kwin)
         self.count = torch.zeros(batch, dtype=torch.int32, device=device)
-        self.is_initialized = True
-        self.prefill_slot: int | None = None
-        self.flush = True  # set by StaticKvcalibCache.advance for every layer; a window has nothing to flush
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
 
     def mutable(self) -> list[torch.Tensor]:
         return [self.count]
@@ -303,22 +307,14 @@ class StaticWindowLayer(CacheLayerMixin):
     def prefill(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """A whole prompt (1, H, T, D) into `slot`: its last min(T, ring) tokens, token t at ring position t mod ring."""
         t = k.shape[2]
-        n = min(t, self.ring)
-        at = torch.arange(t - n, t, device=k.device) % self.ring
+        n = min(t, self.capacity)
+        at = torch.arange(t - n, t, device=k.device) % self.capacity
         self.kwin[slot, :, at] = k[0, :, t - n:].to(self.kwin.dtype)
         self.vwin[slot, :, at] = v[0, :, t - n:].to(self.vwin.dtype)
         self.count[slot] = t
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.prefill_slot is not None:
-            self.prefill(self.prefill_slot, key_states, value_states)
-        elif key_states.shape[2] == 1 and key_states.shape[0] == self.count.shape[0]:
-            slots.write_ring(self.kwin, self.vwin, self.count, key_states, value_states)
-        else:
-            raise SettingsError("a static cache takes a prompt through `prefill(model, slot, ids)` and then one "
-                                f"token for each of its {self.count.shape[0]} slots per step")
-        hand_to_attention(self, self.prefill_slot is not None)
-        return key_states, value_states
+    def step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        slots.write_ring(self.kwin, self.vwin, self.count, k, v)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
@@ -327,25 +323,9 @@ class StaticWindowLayer(CacheLayerMixin):
             raise SettingsError("a static cache attends without soft-capping: this layer soft-caps its scores")
         if prefill:
             return window_prefill_attention(query, key, value, self.window, opts.scaling)
-        held = torch.arange(self.ring, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, ring)
+        held = torch.arange(self.capacity, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, ring)
         return torch.nn.functional.scaled_dot_product_attention(
             query, self.kwin, self.vwin, attn_mask=held[:, None, None, :], scale=opts.scaling, enable_gqa=True)
-
-    def get_seq_length(self, *args) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
-        n = query_length if isinstance(query_length, int) else query_length.shape[0]
-        return n, 0
-
-    def get_max_length(self) -> int:
-        return self.ring
-
-    def get_max_cache_shape(self) -> int:
-        return self.ring
-
-    def reset(self) -> None:
-        self.count.zero_()
 
 
 class StaticKvcalibCache(Cache):
