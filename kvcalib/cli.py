@@ -166,8 +166,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers, keys=keys,
-                      artifacts=artifacts,
-                      json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
+                      artifacts=artifacts, json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
                       max_memory=parse_max_memory(max_memory), dtype=dtype,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
@@ -190,8 +189,7 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
 @_trust_remote_code
 def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode, sliding_layers,
-                 keys,
-                 artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
+                 keys, artifacts, prompt, prompt_file, max_new_tokens, do_sample, temperature, top_p, top_k,
                  repetition_penalty, seed, trust_remote_code, dtype, device) -> None:
     """Continue a prompt through a compressed cache, streaming the tokens to stdout. Under torchrun
     (--nproc-per-node N) the model is split over the GPUs by tensor parallelism and rank 0 streams."""
@@ -227,8 +225,8 @@ def generate_cmd(model, method, bits, group_size, residual, scaling, rotation, s
 @click.option("--seed", type=int, default=0, show_default=True, help="lm-eval's seeds (sampling, few-shot order).")
 @_trust_remote_code
 def lm_eval_cmd(tasks, model, method, bits, group_size, residual, scaling, rotation, sink_tokens, residual_mode,
-                sliding_layers, keys,
-                artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code, dtype, device) -> None:
+                sliding_layers, keys, artifacts, max_lengths, batch_size, limit, output_path, seed, trust_remote_code,
+                dtype, device) -> None:
     """lm-evaluation-harness tasks with the KV cache replaced by a kvcalib method (generation through the cache a
     decoder holds, loglikelihoods as `eval` scores them)."""
     from .harness import run_tasks, score_table
