@@ -7,9 +7,10 @@
 How much of the step torch.compile sees (`compile`, the cache's `compile` unless given; `COMPILE_MODES`):
 - `"regions"` (the cache's default): the model's small ops, where eager launches cost most and Inductor
   compiles least: each decoder layer but its attention module (norms, residual adds, MLP), the final norm,
-  the rotary embedding's application and the cache's append of the step's token (`_Regions`). One compiled
-  region serves every layer (its parameters and buffers are inputs), so the first call compiles five small
-  graphs, seconds, not the whole model's minutes. The masked flush and the fused attention stay eager;
+  the norms the attention applies to its heads (Qwen3's, Gemma 3's), the rotary embedding's application, the
+  cache's append of the step's token and a kept sliding layer's ring (`_Regions`). One compiled region serves
+  every layer (its parameters and buffers are inputs), so the first call compiles a few small graphs (five for
+  Llama), seconds, not the whole model's minutes. The masked flush and the fused attention stay eager;
 - `"step"` (or True): the whole step, below;
 - `"none"` (or False): nothing compiled.
 
@@ -90,8 +91,11 @@ class _Regions:
       attention module runs eagerly inside it (its `forward` under `torch._dynamo.disable` while open), so a
       layer compiles as two graphs, before and after its attention: the input norm; the residual add, the
       post-attention norm, the MLP and the last residual add;
-    - inside the eager attention, the rotary application (its module's `apply_rotary_pos_emb`, where it
-      defines one) and the cache's append (`slots.write_token`), each swapped for its compiled form.
+    - inside the eager attention, the norms it applies to its heads (`_attention_norms`: Qwen3's and Gemma 3's
+      `q_norm`, `k_norm`, switched in as the layers are), the rotary application (its module's
+      `apply_rotary_pos_emb`, where it defines one), the cache's append (`slots.write_token`) and a kept sliding
+      layer's ring write and attention (`slots.write_ring`, `slots.ring_attention`), each swapped for its
+      compiled form.
     - on a GPU, in every compile mode (`compiled=False`: this alone): `nn.Linear.forward`, switched to
       `gemv_kernel`'s, whose kernel computes a one-row step's weight products (most of a B = 1 step's time)
       faster than cuBLAS; torch.compile traces it where it traces a layer.
@@ -114,9 +118,11 @@ class _Regions:
             norm = getattr(getattr(model, "model", model), "norm", None)
             if isinstance(norm, torch.nn.Module):
                 self.modules.append(norm)
+            self.modules += _attention_norms(self.attention)
             self.compiled = [torch.compile(m._call_impl, **options) for m in self.modules]
             home = sys.modules.get(type(self.attention[0]).__module__) if self.attention else None
-            swaps = [(home, "apply_rotary_pos_emb"), (slots, "write_token")]
+            swaps = [(home, "apply_rotary_pos_emb"), (slots, "write_token"), (slots, "write_ring"),
+                     (slots, "ring_attention")]
             eager = [(where, name, _eager(getattr(where, name, None))) for where, name in swaps]
             self.swaps = [(where, name, fn, torch.compile(fn, **options)) for where, name, fn in eager if callable(fn)]
         if _linears_for_the_kernel(model):
@@ -173,6 +179,14 @@ def _linears_for_the_kernel(model) -> bool:
         return False
     plain = (torch.Tensor, torch.nn.Parameter)
     return all(type(m.weight) in plain for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _attention_norms(attention: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The norms an attention module applies to its heads (Qwen3's and Gemma 3's `q_norm` and `k_norm`): its
+    children named for a norm that hold no module of their own. Run eagerly inside the attention they would launch
+    each of their float32 casts, reductions and products as a kernel of its own, twice a layer."""
+    return [child for a in attention for name, child in a.named_children()
+            if "norm" in name.lower() and not any(True for _ in child.children())]
 
 
 def _decoder_layers(model) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:

@@ -1,8 +1,9 @@
 """The static cache's writes into its slots, on the device and in place: a decode step's new token into each
 sequence's residual window (`write_token`, which the captured step swaps for its compiled form:
 `kvcalib.runtime.captured`), a flush's rows into each sequence's packed buffers where its window filled
-(`masked_write`), and a sliding layer's new token into its ring of the window's last tokens (`write_ring`).
-Functions of tensors alone, so that one compiled region serves every layer."""
+(`masked_write`), a sliding layer's new token into its ring of the window's last tokens (`write_ring`), and the
+step's attention over that ring (`ring_attention`). Functions of tensors alone, so that one compiled region serves
+every layer."""
 
 from __future__ import annotations
 
@@ -48,3 +49,13 @@ def write_ring(kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor, k: t
     for buf, x in ((kwin, k), (vwin, v)):
         buf.index_put_(rows, x[:, :, 0].to(buf.dtype))
     count += 1
+
+
+def ring_attention(query: torch.Tensor, kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """Each sequence's step query (B, Hq, 1, D) over the min(count, W) tokens its ring holds (`write_ring`), SDPA in
+    the model's dtype. A module-level function of tensors, like `write_token`, so that one compiled region serves
+    every sliding layer: eager, its mask and grouped-query SDPA are several kernels a layer."""
+    held = torch.arange(kwin.shape[2], device=query.device).view(1, -1) < count.view(-1, 1)  # (B, W)
+    return torch.nn.functional.scaled_dot_product_attention(query, kwin, vwin, attn_mask=held[:, None, None, :],
+                                                            scale=scaling, enable_gqa=True)

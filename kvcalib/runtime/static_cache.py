@@ -323,9 +323,7 @@ class StaticWindowLayer(SlotLayer):
             raise SettingsError("a static cache attends without soft-capping: this layer soft-caps its scores")
         if prefill:
             return window_prefill_attention(query, key, value, self.window, opts.scaling)
-        held = torch.arange(self.capacity, device=query.device).view(1, -1) < self.count.view(-1, 1)  # (B, ring)
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, self.kwin, self.vwin, attn_mask=held[:, None, None, :], scale=opts.scaling, enable_gqa=True)
+        return slots.ring_attention(query, self.kwin, self.vwin, self.count, opts.scaling)
 
 
 class StaticKvcalibCache(Cache):
