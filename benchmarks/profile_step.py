@@ -11,7 +11,7 @@ graph replays, GPU kernel time per step by kind:
   scatter/gather, the quantizer's min/max and rounding, or the packing's shifts);
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
-    python benchmarks/profile_step.py [--context 32768] [--cache kivi128] [--replays 20] [--out DIR]
+    python benchmarks/profile_step.py [--context 32768] [--cache kivi128] [--replays 20] [--out DIR] [--compile regions]
                                       [--shape llama-3.1-8b | another make-model shape, in bfloat16]
 """
 
@@ -59,6 +59,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cache", default="kivi128", help="one of generate.py's CACHES")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--compile", default="step", help="the captured step's compile mode: step (the whole step, "
+                        "by torch.compile), or regions (what model.generate's static cache compiles by default)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (fp16), or another of `kvcalib "
                         "make-model`'s shapes (bfloat16, generate_calls.py's `model_config`)")
@@ -71,7 +73,7 @@ def main() -> None:
     room = 2 * args.replays + 64
     config, dtype = model_config(args.shape, args.context + room)
     model, cache, token = prefilled_8b(args.context, args.cache, room, method, config, dtype)
-    decoder = CapturedDecoder(model, cache, compile=True)
+    decoder = CapturedDecoder(model, cache, compile=args.compile)
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
     token, times = event_steps(decoder, token, args.replays)
@@ -81,7 +83,7 @@ def main() -> None:
         by_kind[kind(name)] += us
     step_ms = statistics.median(times)
     total = sum(by_kind.values())
-    lines = [f"{args.shape}, {args.cache}, {args.context} tokens, B=1: step {step_ms:.2f} ms (median of {args.replays} "
+    lines = [f"{args.shape}, {args.cache}, {args.context} tokens, B=1, compiled {args.compile}: step {step_ms:.2f} ms (median of {args.replays} "
              f"replays, events), GPU kernels {total / 1e3:.2f} ms, {sum(calls.values()):.0f} kernels per step", "",
              "| kind | ms per step | share of the step |", "|---|---:|---:|"]
     lines += [f"| {k} | {us / 1e3:.3f} | {us / 1e3 / step_ms:.0%} |" for k, us in by_kind.most_common()]
@@ -91,7 +93,7 @@ def main() -> None:
     lines += ["", "Kernels on side streams overlap: the kinds' sum may pass the step."]
     text = "\n".join(lines)
     print(text)
-    Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}.md").write_text(text + "\n")
+    Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}_{args.compile}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":
