@@ -14,28 +14,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from pathlib import Path
 
 import cupy
+
+from .source import source_of
 
 OPTIONS = ("-std=c++17", "--use_fast_math")
 _BY_SOURCE: dict[tuple[str, int], cupy.RawModule] = {}  # (source hash, device)
 _BY_DEFINES: dict[tuple, cupy.RawModule] = {}  # fast path for the decode loop: no file read, no hashing
-
-
-def source_of(filename: str) -> str:
-    """A kernel file's text with each `#include "name"` of this folder inlined (once per name), so that the
-    source hash covers what the compiler reads and NVRTC needs no include path."""
-    seen: set[str] = set()
-
-    def expand(name: str) -> str:
-        if name in seen:
-            return ""
-        seen.add(name)
-        lines = (Path(__file__).parent / name).read_text().splitlines(keepends=True)
-        return "".join(expand(line.split('"')[1]) if line.startswith('#include "') else line for line in lines)
-
-    return expand(filename)
 
 
 def module(filename: str, defines: dict[str, object]) -> cupy.RawModule:

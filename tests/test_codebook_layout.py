@@ -4,6 +4,10 @@ cache, and `reference_decode` is attention over it: TurboQuant with oblivious, p
 scalar and vector codes; KIVI and OScaR (affine codes) at 2 to 4 bits; VecInfer (smoothed, rotated keys); plans
 mixing all of them per KV head; sinks on and off. It never reads past its counts."""
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -201,3 +205,36 @@ def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits
         got = book[torch.arange(2).view(1, 2, 1, 1), pos.view(1, 1, 1, -1), codes].reshape(2, 2, 5, 32)
         assert kb.dim == (2 if part.dim == 1 and (bits <= 3 or part.book.shape[1] == 1) else part.dim)
         assert torch.equal(got, want.half().float())
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine to compile the kernel for its register count")
+@pytest.mark.parametrize("head_dim,gqa", [(256, 2), (256, 1), (64, 8)])
+def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim, gqa):
+    """`blocks_per_sm` caps each `partial` thread's registers (`__launch_bounds__(128, PARTIAL_BLOCKS)`): compiled
+    for sm_90 at the count it picks, KIVI-2's codebook form (affine keys over 128-token groups, affine values, the
+    largest register set of the formats) spills nothing to local memory. Where it once picked 4 blocks, head_dim
+    256 spilled 848 bytes a thread and 8 query heads of head_dim 64 388 (the planted error: at 4 blocks these cases
+    fail here). Llama's 4 query heads of 128 keep 4 blocks, measured the faster there though KIVI's affine keys
+    spill 48 bytes (TurboQuant's codes none)."""
+    from kernels_cupy.source import source_of
+    from kvcalib.formats.codebook.launch import CH, ROWS, SLICES, WARPS, blocks_per_sm
+
+    words = head_dim * 4 // 32  # pairs of 2-bit levels: 4-bit codes (`kernel_book`)
+    defines = {"D": head_dim, "GQ": gqa, "QT": "__nv_bfloat16", "CH": CH, "WARPS": WARPS, "ROWS": ROWS,
+               "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, head_dim), "KB": 4, "KDIM": 2, "KPOS": 0,
+               "KNORM": 0, "KW": words // 2, "KTG": 128, "VB": 4, "VDIM": 2, "VPOS": 0, "VNORM": 0, "VW": words // 2,
+               "VCG": max(64, head_dim // 2)}
+    src = tmp_path / "partial.cu"
+    src.write_text("".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source_of("codebook_decode.cu"))
+    run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--use_fast_math", "-cubin", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "partial.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if "entry function 'partial'" in line)
+    usage = " ".join(lines[at + 1 : at + 3])
+    spilled = re.search(r"(\d+) bytes spill stores", usage)
+    assert spilled and int(spilled.group(1)) == 0, usage
+    assert defines["PARTIAL_BLOCKS"] == 2

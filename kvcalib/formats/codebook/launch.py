@@ -59,9 +59,12 @@ def kernel_book(part: CodedPart) -> KernelBook:
 
 def blocks_per_sm(gqa: int, head_dim: int) -> int:
     """Resident `partial` blocks per SM (the kernel's PARTIAL_BLOCKS, its register budget) and so the size of one
-    wave, which the splits fill once: 4 up to 4 query heads of head_dim 128 (at most 128 registers a thread, none
-    spilled), 2 beyond (a lane holds more of the query and the float16 rows' accumulators; at 4 they spilled)."""
-    return 4 if gqa * head_dim <= 512 else 2
+    wave, which the splits fill once: 4 up to 4 query heads of head_dim up to 128 (at most 128 registers a thread),
+    2 beyond, where a lane holds more of the query and of the accumulators. At 4 blocks head_dim 256 spilled
+    740 to 964 bytes a thread (its query fragments and output accumulators alone take 128 registers: Gemma 3's
+    full layers decoded at 14x their read floor), 8 query heads of head_dim 64 388 bytes (the float16 rows'
+    query and accumulators); at 2, none (tests/test_codebook_layout.py compiles them)."""
+    return 4 if head_dim <= 128 and gqa <= 4 and gqa * head_dim <= 512 else 2
 
 
 def _reads(part: KernelBook, head_dim: int) -> bool:
