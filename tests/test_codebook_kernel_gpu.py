@@ -113,6 +113,20 @@ def test_long_contexts_and_large_batches_are_as_exact_as_sdpa_in_every_row(b, t,
     _check(method, k16, v16, q)
 
 
+@pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
+@pytest.mark.parametrize("kind,bits", [("kivi-g128", 2), ("head", 3)])
+@pytest.mark.parametrize("peaked", [False, True])
+def test_head_dim_256_at_long_contexts_as_gemma_3_holds_it(b, t, kind, bits, peaked):
+    """Gemma 3's full layers: head_dim 256, 2 query heads a KV head, bfloat16 queries, at 2 `partial` blocks an SM
+    (`blocks_per_sm`: at 4 the registers spilled), every row as exact as SDPA's on the same cache."""
+    method = _on_device(any_method(kind, bits, d=256, sinks=1, residual=128))
+    k16, v16, g = _inputs(b, 2, t + 77, 256, b + t, peaked)
+    q = torch.randn(b, 4, 256, device=DEV, generator=g)
+    if peaked:
+        q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(2, 1)
+    _check(method, k16, v16, q, torch.bfloat16)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("heads,kv_heads", [(2, 2), (9, 3), (16, 2)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
