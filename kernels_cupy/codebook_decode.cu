@@ -50,7 +50,8 @@
 //   merge    block (query head, batch), D SLICES threads: the parts weighed by exp2(m_p - M); the packed parts' sum
 //            taken back by B_V, the rows' added, divided by the total weight; written as QT.
 //
-// Defines: D, GQ (<= 8), QT, CH (channels a lane of a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES
+// Defines: SOFTCAP_LOG2 (optional: Gemma 2's cap on the scores, times log2(e)), D, GQ (<= 8), QT, CH (channels a
+// lane of a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES
 // (slices of D threads a `rotate` and `merge` block, D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
@@ -60,9 +61,19 @@
 #define NT (32 * WARPS)
 #define KS (D / 16)  // 16-channel k-slices of a key, 16-row blocks of the output
 #define NEG_INF __int_as_float(0xff800000)
+#ifndef SOFTCAP_LOG2
+#define SOFTCAP_LOG2 0.f  // soft-capping (Gemma 2): the cap c times log2(e); 0: none
+#endif
 #define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
 #define MERGE_ROUND (D * SLICES >= 1024 ? 8 : 16)  // parts a slice of `merge` loads at once (64 registers at 1024)
 #include "mma_tiles.cuh"
+
+// A score s (log2 units, scale log2(e) q.k) soft-capped as the model caps it, c tanh(s_nat / c), in log2 units:
+// C tanh(s / C) with C = c log2(e). tanh by exp (2^-21 of relative error), not an approximate tanh instruction.
+__device__ __forceinline__ float softcapped(float s) {
+  if (SOFTCAP_LOG2 == 0.f) return s;
+  return SOFTCAP_LOG2 * (1.f - 2.f / (__expf(2.f * s / SOFTCAP_LOG2) + 1.f));
+}
 
 // A lane's share of a token's codes, per part: KCH channels of a key, VCH of a value.
 #define KCH (D / 4)
@@ -205,7 +216,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tok = base + slot_token(i, t);
-    sc[0][i] = tok >= t0 && tok < t1 ? (c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias) * x.kn[i] : NEG_INF;
+    sc[0][i] = tok >= t0 && tok < t1 ? softcapped((c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias) * x.kn[i]) : NEG_INF;
   }
   softmax_tiles<1>(sc, m, l, p, acc);
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
@@ -441,7 +452,7 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
 #pragma unroll
         for (int c = 0; c < CH; ++c) x += qr[h][c] * y[c];
         const float sum = row_sum(x);  // every lane takes part in the shuffles
-        s[h] = here ? sum : NEG_INF;
+        s[h] = here ? softcapped(sum) : NEG_INF;
       }
       row_softmax(s, m, l, acc, p);
 #pragma unroll

@@ -155,3 +155,19 @@ def mixed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Att
             out[..., start:stop, :] = (p * held) @ vh + (p * ~held) @ vf
     out = out.reshape(b, hq, tq, -1)
     return (out, lse.reshape(b, hq, tq)) if return_lse else out
+
+
+def capped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores as Gemma 2's eager attention computes it (there in the model's dtype, here
+    scores, cap and softmax in float32): queries (B, Hq, Tq, D) over keys and values (B, H, Tk, D) (Hq a multiple
+    of H, grouped), s = q.k scale, softcap tanh(s / softcap), the positions `mask` (broadcast to (B, Hq, Tq, Tk),
+    True where attended) kept; the output in the values' dtype."""
+    b, hq, tq, d = query.shape
+    h = key.shape[1]
+    q = query.float().reshape(b, h, hq // h, tq, d)
+    s = torch.matmul(q, key.float().unsqueeze(2).transpose(-1, -2)) * scale  # (B, H, G, Tq, Tk)
+    s = softcap * torch.tanh(s / softcap)
+    mask = mask.expand(b, hq, tq, key.shape[2]).reshape(b, h, hq // h, tq, key.shape[2])
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).to(value.dtype)
+    return torch.matmul(p, value.unsqueeze(2)).reshape(b, hq, tq, -1)

@@ -38,6 +38,20 @@ def _sdpa(q: torch.Tensor, layer, scaling: float) -> torch.Tensor:
     return torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, scale=scaling, enable_gqa=True)[:, :, 0]
 
 
+def _capped_peer(q: torch.Tensor, layer, scaling: float, softcap: float) -> torch.Tensor:
+    """The peer of soft-capped attention, which SDPA does not compute: Gemma 2's eager attention in q's dtype over the
+    same cache dequantized (products and cap in q's dtype, softmax in float32)."""
+    k, v = flushed_kv(layer)
+    k = torch.cat([k, layer.kres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    v = torch.cat([v, layer.vres[:, :, : layer.residual].float()], 2).to(q.dtype)
+    gqa = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(gqa, 1), v.repeat_interleave(gqa, 1)
+    s = torch.matmul(q[:, :, None], k.transpose(-1, -2)) * scaling
+    s = softcap * torch.tanh(s / softcap)
+    p = torch.softmax(s, -1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, v)[:, :, 0]
+
+
 def _inputs(b, kv_heads, t, d, seed, peaked=False):
     g = torch.Generator(device=DEV).manual_seed(seed)
     k16 = (torch.randn(b, kv_heads, t, d, device=DEV, generator=g)
@@ -48,16 +62,19 @@ def _inputs(b, kv_heads, t, d, seed, peaked=False):
     return k16, v16, g
 
 
-def _check(method, k16, v16, q, dtype=torch.float16):
-    """Run the kernel on q (model's basis, `dtype`); hold every row to the rule; returns the layer and output."""
+def _check(method, k16, v16, q, dtype=torch.float16, softcap=None):
+    """Run the kernel on q (model's basis, `dtype`); hold every row to the rule; returns the layer and output.
+    `softcap`: scores capped (Gemma 2), against the float64 reference capped alike and the model's eager attention
+    as the peer."""
     layer = layout_of(method, k16, v16)
     d = layer.head_dim
     qm = q.to(dtype)
-    ref = reference_decode(qm, layer, d**-0.5)
-    out = codebook_decode(qm, layer, d**-0.5, checked=True)
+    ref = reference_decode(qm, layer, d**-0.5, softcap)
+    out = codebook_decode(qm, layer, d**-0.5, checked=True, softcap=softcap)
     assert out.dtype == dtype and torch.isfinite(out).all(), "unwritten or NaN output"
     err = _row_errors(out, ref)
-    bound = 2 * _row_errors(_sdpa(qm, layer, d**-0.5), ref) + FLOOR
+    peer = _sdpa(qm, layer, d**-0.5) if softcap is None else _capped_peer(qm, layer, d**-0.5, softcap)
+    bound = 2 * _row_errors(peer, ref) + FLOOR
     worst = int((err / bound).argmax())
     assert (err <= bound).all(), f"row {worst}: {err[worst]:.2e} > {bound[worst]:.2e}"
     return layer, qm, out
@@ -125,6 +142,27 @@ def test_head_dim_256_at_long_contexts_as_gemma_3_holds_it(b, t, kind, bits, pea
     if peaked:
         q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(2, 1)
     _check(method, k16, v16, q, torch.bfloat16)
+
+
+@pytest.mark.parametrize("b,t", [(1, 32768), (8, 8192)])
+@pytest.mark.parametrize("kind,bits", [("kivi-g128", 2), ("head", 3), ("plan-mixed", 0)])
+@pytest.mark.parametrize("softcap,peaked", [(50.0, False), (50.0, True), (2.0, True)])
+def test_soft_capped_scores_as_gemma_2_caps_them(b, t, kind, bits, softcap, peaked):
+    """Gemma 2 caps its scores at 50 (`attn_logit_softcapping`): the kernel caps each score, packed tokens and float16
+    rows alike, as the float64 reference does, every row as exact as the model's own eager attention in bfloat16
+    on the same cache (a cap of 2 bends every score of the peaked query). Planted: the kernel without the cap
+    (`softcap=None`) misses the capped reference in the peaked rows."""
+    method = _on_device(any_method(kind, bits, d=256, sinks=1, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(b, h, t + 77, 256, b + t, peaked)
+    q = torch.randn(b, 2 * h, 256, device=DEV, generator=g)
+    if peaked:
+        q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(2, 1)
+    layer, qm, out = _check(method, k16, v16, q, torch.bfloat16, softcap)
+    if peaked:
+        uncapped = codebook_decode(qm, layer, 256**-0.5, checked=True)
+        ref = reference_decode(qm, layer, 256**-0.5, softcap)
+        assert (_row_errors(uncapped, ref) > 2 * _row_errors(out, ref) + FLOOR).any()
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

@@ -148,7 +148,11 @@ def test_the_layout_reads_back_the_methods_own_cache(kind, bits, sinks):
 
 @pytest.mark.parametrize("kind", KINDS + ["kivi-g32", "oscar-g32", "vecinfer-head", "plan-mixed"])
 @pytest.mark.parametrize("t", [0, 5, 16, 37, 300])
-def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t, softcap):
+    """The kernel's float64 reference is attention over the dequantized cache, its scores soft-capped where the
+    model caps them (Gemma 2: softcap tanh(s / softcap), `mixed_attention`'s rule; a cap of 2 moves these scores
+    of up to about 10 by far more than the tolerance)."""
     method = any_method(kind, 2, sinks=2, residual=32)
     g = torch.Generator().manual_seed(t)
     h = 4 if kind.startswith("plan") else 2
@@ -159,9 +163,11 @@ def test_reference_decode_is_attention_over_the_dequantized_cache(kind, t):
     k, v = flushed_kv(layer, torch.float64)
     k = torch.cat([k, layer.kres.double()], 2)
     v = torch.cat([v, layer.vres.double()], 2)
-    want = mixed_attention(q[:, :, None], k, v, AttentionOptions(scaling=32**-0.5))[:, :, 0]
-    got = reference_decode(q, layer, 32**-0.5)
+    want = mixed_attention(q[:, :, None], k, v, AttentionOptions(scaling=32**-0.5, softcap=softcap))[:, :, 0]
+    got = reference_decode(q, layer, 32**-0.5, softcap)
     assert torch.allclose(got, want, rtol=0, atol=F64 * want.abs().max().item())
+    if softcap and t > 0:  # the cap is applied: without it the reference is another attention
+        assert not torch.allclose(reference_decode(q, layer, 32**-0.5), want, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["head", "plan-mixed"])
@@ -211,14 +217,15 @@ NVCC = shutil.which("nvcc")
 
 
 @pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine to compile the kernel for its register count")
-@pytest.mark.parametrize("head_dim,gqa", [(256, 2), (256, 1), (64, 8)])
-def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim, gqa):
+@pytest.mark.parametrize("head_dim,gqa,softcap", [(256, 2, None), (256, 1, None), (64, 8, None), (256, 2, 50.0)])
+def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim, gqa, softcap):
     """`blocks_per_sm` caps each `partial` thread's registers (`__launch_bounds__(128, PARTIAL_BLOCKS)`): compiled
     for sm_90 at the count it picks, KIVI-2's codebook form (affine keys over 128-token groups, affine values, the
     largest register set of the formats) spills nothing to local memory. Where it once picked 4 blocks, head_dim
     256 spilled 848 bytes a thread and 8 query heads of head_dim 64 388 (the planted error: at 4 blocks these cases
     fail here). Llama's 4 query heads of 128 keep 4 blocks, measured the faster there though KIVI's affine keys
-    spill 48 bytes (TurboQuant's codes none)."""
+    spill 48 bytes (TurboQuant's codes none). Gemma 2's soft cap (`SOFTCAP_LOG2`, as the launch writes it) compiles
+    into the same budget."""
     from kernels_cupy.source import source_of
     from kvcalib.formats.codebook.launch import CH, ROWS, SLICES, WARPS, blocks_per_sm
 
@@ -227,6 +234,8 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
                "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, head_dim), "KB": 4, "KDIM": 2, "KPOS": 0,
                "KNORM": 0, "KW": words // 2, "KTG": 128, "VB": 4, "VDIM": 2, "VPOS": 0, "VNORM": 0, "VW": words // 2,
                "VCG": max(64, head_dim // 2)}
+    if softcap:
+        defines["SOFTCAP_LOG2"] = f"{softcap * 1.4426950408889634!r}f"
     src = tmp_path / "partial.cu"
     src.write_text("".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source_of("codebook_decode.cu"))
     run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--use_fast_math", "-cubin", "-Xptxas", "-v", "-o",

@@ -105,21 +105,24 @@ def test_eos_sampling_and_streamers_hold_through_the_captured_step(name):
     check_streamer_gets_every_token(model, _static(model, name), _prompts(6))
 
 
-def _hybrid(dtype: torch.dtype):
-    """A small Gemma 3 (five sliding layers over 24 tokens, then one full-attention layer) on the GPU in `dtype`."""
+def _hybrid(dtype: torch.dtype, arch: str = "gemma3_text"):
+    """A small Gemma 3 (five sliding layers over 24 tokens, then one full-attention layer), or Gemma 2 (every other
+    layer sliding, scores soft-capped at 5), on the GPU in `dtype`."""
     from conftest import tiny_model
 
-    model = tiny_model("gemma3_text", seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
+    model = tiny_model(arch, seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
                        intermediate_size=512, vocab_size=1000).to(dtype).to(DEV).eval()
     model.generation_config.eos_token_id = None  # every call decodes all its steps
     return model
 
 
-@pytest.mark.parametrize("name,dtype", [("kivi", torch.float16), ("plan", torch.float16), ("kivi", torch.bfloat16)])
+@pytest.mark.parametrize("name,dtype,arch", [("kivi", torch.float16, "gemma3_text"), ("plan", torch.float16, "gemma3_text"),
+                                             ("kivi", torch.bfloat16, "gemma3_text"), ("kivi", torch.bfloat16, "gemma2")])
 def test_a_hybrid_model_takes_the_static_cache_its_sliding_layers_kept_and_decodes_the_dynamic_caches_tokens(name,
-                                                                                                           dtype):
+                                                                                                           dtype, arch):
     """Gemma 3's sliding layers kept uncompressed (the default): the cache `kvcalib generate` picks is the static one,
-    its five sliding layers rings of the window (`StaticWindowLayer`), the full layer compressed. Through
+    its five sliding layers rings of the window (`StaticWindowLayer`), the full layer compressed; Gemma 2's three,
+    its soft-capped scores capped in the rings, the prompts' chunks and the codebook kernel. Through
     `model.generate` (captured step) its greedy tokens are the eager serving loop's, and `KvcalibCache`'s (the
     sliding layers there are transformers' own window layers under its mask) up to the first near tie, prompts of
     45, 31 and 8 tokens past, beyond and under the window. bfloat16: the ties counted in its own ulps (7 bits)."""
@@ -128,11 +131,15 @@ def test_a_hybrid_model_takes_the_static_cache_its_sliding_layers_kept_and_decod
     from kvcalib.runtime.captured import generate
     from kvcalib.runtime.static_cache import StaticWindowLayer
 
-    model = _hybrid(dtype)
-    picked = runtime_cache(LoadedModel(model=model, tokenizer=None, spec="tiny-gemma3"), _model_method(model, name),
+    from kvcalib.models import sliding_windows
+
+    model = _hybrid(dtype, arch)
+    picked = runtime_cache(LoadedModel(model=model, tokenizer=None, spec=f"tiny-{arch}"), _model_method(model, name),
                            3, 256)
     assert isinstance(picked, StaticKvcalibCache)
-    assert [isinstance(layer, StaticWindowLayer) for layer in picked.layers] == [True] * 5 + [False]
+    sliding = sliding_windows(model.config)
+    assert [isinstance(layer, StaticWindowLayer) for layer in picked.layers] == [i in sliding for i in range(6)]
+    assert len(sliding) == (5 if arch == "gemma3_text" else 3)
     prompts = _prompts(1)
     ids, mask = left_padded(prompts)
     make = _static(model, name)

@@ -233,16 +233,18 @@ def _ring_decode(model, ids: torch.Tensor, window: int, steps: int) -> list[torc
     return logits
 
 
-def test_the_static_caches_window_rings_decode_a_gemma3_as_transformers_own_cache():
+@pytest.mark.parametrize("arch,implementation", [("gemma3_text", "sdpa"), ("gemma2", "eager")])
+def test_the_static_caches_window_rings_decode_a_gemma_as_transformers_own_cache(arch, implementation):
     """The static cache's kept sliding layers (`StaticWindowLayer`: a prompt through the window's mask chunk by
-    chunk, then a ring of the last W tokens) inside Gemma 3's own forward under kvcalib's attention, which builds
-    no masks: 45 prompt tokens (past the window of 24) and 20 greedy steps give transformers' DynamicCache's logits
-    (the model's SDPA under its sliding masks) within 1e-5 (float32, summed in another order: 1.4e-6 seen), the
-    same tokens. Planted: rings of 23 tokens part by far more."""
-    model = tiny_model("gemma3_text", seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
+    chunk, then a ring of the last W tokens) inside Gemma 3's and Gemma 2's own forward under kvcalib's attention,
+    which builds no masks: 45 prompt tokens (past the window of 24) and 20 greedy steps give transformers'
+    DynamicCache's logits (the model's SDPA under its sliding masks; Gemma 2's eager attention, which soft-caps the
+    scores at 5, as kvcalib's `capped_attention` does in prompt chunks and ring steps) within 1e-5 (float32, summed
+    in another order: 1.4e-6 seen), the same tokens. Planted: rings of 23 tokens part by far more."""
+    model = tiny_model(arch, seed=3, num_hidden_layers=6, sliding_window=24, head_dim=64, hidden_size=256,
                        intermediate_size=512, vocab_size=1000).eval()
     ids = torch.randint(1, 1000, (1, 45), generator=torch.Generator().manual_seed(0))
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(implementation)
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=DynamicCache(config=model.config),
                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)

@@ -347,6 +347,29 @@ def test_the_regions_compile_the_norms_an_attention_applies_to_its_heads_and_the
     assert sorted(map(id, _Regions(llama).modules)) == sorted(map(id, [*llama.model.layers, llama.model.norm]))
 
 
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_prompts_soft_capped_attention_in_chunks_is_causal_attention_capped(window):
+    """A prompt in a static layer of a soft-capping model (Gemma 2) attends through `chunked_prefill_attention`:
+    chunk by chunk (no T x T matrix), query i over keys j <= i (within the window where one is given), scores capped
+    as softcap tanh(s / softcap); against float64 attention over the whole mask, to float32 round-off (1e-5 of
+    outputs of order 1). Planted: without the cap the outputs part by more than 1e-2."""
+    from kvcalib.runtime.static_cache import chunked_prefill_attention
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, h, 100, 16, generator=g) * s for h, s in ((4, 2.0), (2, 2.0), (2, 1.0)))
+    scale, cap = 0.25, 3.0
+    got = chunked_prefill_attention(q, k, v, scale, window=window, softcap=cap, chunk=32)
+    s = torch.einsum("bjgqd,bjkd->bjgqk", q.double().view(1, 2, 2, 100, 16), k.double()) * scale
+    s = cap * torch.tanh(s / cap)
+    i, j = torch.arange(100).view(-1, 1), torch.arange(100).view(1, -1)
+    seen = (i >= j) & ((i - j < window) if window else True)
+    want = torch.einsum("bjgqk,bjkd->bjgqd", torch.softmax(s.masked_fill(~seen, float("-inf")), -1),
+                        v.double()).reshape(1, 4, 100, 16)
+    assert (got.double() - want).abs().max() <= 1e-5
+    plain = chunked_prefill_attention(q, k, v, scale, window=window, chunk=32)
+    assert (plain.double() - want).abs().max() > 1e-2
+
+
 def test_a_window_layer_writes_and_attends_through_the_module_level_ring_functions():
     """`StaticWindowLayer` looks `write_ring` and `ring_attention` up on `kvcalib.runtime.slots` at every call, so
     the regions' compiled forms are the ones that run; the ring attention is SDPA over the tokens each slot holds
@@ -520,7 +543,7 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
 
 
 @pytest.mark.parametrize("model_type,fields,sliding,says", [
-    ("gemma2", {}, "float16", "soft-caps"),
+    ("gemma2", {}, "float16", None),  # soft-capped scores: the codebook kernel caps them
     ("gemma3_text", {"sliding_window": 512}, "float16", None),  # its sliding layers held as rings, uncompressed
     ("gemma3_text", {"sliding_window": 512}, "compress", "compresses layers that slide"),
     ("mistral", {"sliding_window": 4096}, "float16", "nothing to compress"),  # every layer slides
@@ -529,11 +552,10 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
     ("qwen3", {"sliding_window": 4096, "use_sliding_window": False}, "float16", None),
     ("llama", {}, "float16", None),
 ])
-def test_a_static_cache_refuses_soft_capping_and_compressed_sliding_layers_by_the_models_config(model_type, fields,
-                                                                                               sliding, says):
-    """The static cache's kernels attend plainly over every compressed token, and a sliding layer kept uncompressed
-    (the default) over its ring of the window's tokens; the options reach an attention call only when it runs, so
-    the model's config decides before the cache is made (`attention_refusal`)."""
+def test_a_static_cache_refuses_compressed_sliding_layers_by_the_models_config(model_type, fields, sliding, says):
+    """The static cache's kernels attend over every compressed token, and a sliding layer kept uncompressed (the
+    default) over its ring of the window's tokens; the options reach an attention call only when it runs, so the
+    model's config decides before the cache is made (`attention_refusal`, `model_softcap`)."""
     from transformers import AutoConfig
 
     from kvcalib.models import attention_shape
@@ -548,6 +570,34 @@ def test_a_static_cache_refuses_soft_capping_and_compressed_sliding_layers_by_th
     else:
         with pytest.raises(SettingsError, match=says):
             check_static(method, SHAPE.head_dim, CUDA, 2, layers, config=config)
+
+
+def test_soft_capped_scores_go_to_the_one_kernel_that_caps_them_or_are_refused(monkeypatch):
+    """Gemma 2 caps its scores (`attn_logit_softcapping`): of the fused kernels only the codebook layout's applies the
+    cap, so KIVI-2, which the INT2 kernel reads first elsewhere, is held in the codebook layout there, in the static
+    cache's layers as in `kernel_format`. Planted: a codebook kernel that did not cap would leave no kernel, and the
+    static cache refuses the model, naming the cap."""
+    from transformers import AutoConfig
+
+    from kvcalib.formats.codebook import format as codebook_format
+    from kvcalib.models import attention_shape
+    from kvcalib.runtime.cache import kernel_format, model_softcap
+
+    config = AutoConfig.for_model("gemma2")
+    layers = attention_shape(config).num_layers
+    method = build_method("kivi", SHAPE, MethodSettings(group_size=32))
+    assert model_softcap(config) == 50.0 and model_softcap(AutoConfig.for_model("llama")) is None
+    assert kernel_format(method, 0, SHAPE.head_dim, CUDA, 2)[0].name == "INT2"
+    assert kernel_format(method, 0, SHAPE.head_dim, CUDA, 2, 50.0)[0].name == "codebook"
+    check_static(method, SHAPE.head_dim, CUDA, 2, layers, config=config)
+    layer = StaticLayer(method, 0, 2, capacity=128, kv_heads=2, head_dim=64, device=torch.device("cpu"), gqa=2,
+                        softcap=50.0)
+    assert layer.format.name == "codebook"
+    plain = codebook_format.supports
+    monkeypatch.setattr(codebook_format, "supports", lambda specs, d, device, gqa=1, opts=None: (
+        plain(specs, d, device, gqa, opts) and not (opts and opts.softcap)))
+    with pytest.raises(SettingsError, match="soft-caps its attention scores"):
+        check_static(method, SHAPE.head_dim, CUDA, 2, layers, config=config)
 
 
 def test_affine_values_with_a_norm_are_not_read_by_the_codebook_kernel():

@@ -50,9 +50,10 @@ class Format(ABC):
 
     @abstractmethod
     def attend(self, method, layer: int, q: torch.Tensor, layout: Any, scaling: float, state: Any,
-               counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               counts: tuple[torch.Tensor, torch.Tensor] | None = None, softcap: float | None = None) -> torch.Tensor:
         """One new query per head, q (B, Hq, 1, D), through the kernel over `layout`; (B, Hq, 1, D) in the compute
-        dtype. `counts`: each sequence's (flushed, residual) int32 (B,) on the device (a static cache's)."""
+        dtype. `counts`: each sequence's (flushed, residual) int32 (B,) on the device (a static cache's);
+        `softcap`: the scores capped before the softmax (Gemma 2), only where `supports` said so for the call."""
 
     @abstractmethod
     def slots(self, layout: Any) -> list[tuple[Any, str]]:

@@ -234,7 +234,7 @@ def where_layers_run(method: Method, shape, device: torch.device, fused: bool = 
     torch reference, and the faster cache where the static one can hold the method."""
     gqa = shape.num_heads // shape.num_kv_heads
     kept = method.float16_layers or {}
-    kernel = [(kernel_format(method, i, shape.head_dim, device, gqa)[0] if fused else None)
+    kernel = [(kernel_format(method, i, shape.head_dim, device, gqa, model_softcap(config))[0] if fused else None)
               for i in range(shape.num_layers) if i not in kept]
     kernel = ["torch" if f is None else f.name for f in kernel]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"
@@ -285,28 +285,34 @@ def for_this_rank(model, method: Method, shape) -> Method:
 
 
 def kernel_format(method: Method, layer: int, head_dim: int, device: torch.device,
-                  gqa: int = 1) -> tuple[Format | None, Any]:
+                  gqa: int = 1, softcap: float | None = None) -> tuple[Format | None, Any]:
     """The format whose kernel reads the layer's flushed blocks, the first of `FORMATS` whose `supports` holds the
-    method's declaration, and that declaration; (None, None): none does (the torch reference runs)."""
+    method's declaration (and, for a model that soft-caps its scores, `softcap`, the cap), and that declaration;
+    (None, None): none does (the torch reference runs)."""
+    opts = AttentionOptions(scaling=1.0, softcap=softcap) if softcap else None
     for fmt in FORMATS:
         declaration = fmt.declaration(method, layer)
-        if fmt.supports(declaration, head_dim, device, gqa):
+        if fmt.supports(declaration, head_dim, device, gqa, opts):
             return fmt, declaration
     return None, None
+
+
+def model_softcap(config) -> float | None:
+    """The cap a model puts on its attention scores (Gemma 2's `attn_logit_softcapping`), None where it puts none."""
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "attn_logit_softcapping", None) or None
 
 
 def attention_refusal(config, kept: dict[int, int] | None = None) -> str | None:
     """Why a model's attention is not what the static cache computes, from its config (transformers hands the
     options to each attention call; the static cache is chosen before any call): the fused kernels' plain softmax
     over every cached token in each compressed layer, and a sliding layer's window only where the method keeps it
-    uncompressed (`kept`, `Method.float16_layers`: a ring of its last tokens). Refused: soft-capped scores (Gemma
-    2), sliding layers the method compresses (--sliding-layers compress), or no compressed layer at all; None
-    where the static cache computes the model's attention."""
+    uncompressed (`kept`, `Method.float16_layers`: a ring of its last tokens). Refused: sliding layers the method
+    compresses (--sliding-layers compress), or no compressed layer at all; None where the static cache computes the
+    model's attention. Soft-capped scores (Gemma 2) are the kernels' to refuse (`check_static`)."""
     if config is None:
         return None
     config = getattr(config, "text_config", None) or config
-    if getattr(config, "attn_logit_softcapping", None):
-        return "the model soft-caps its attention scores, which the fused kernels do not"
     sliding = sliding_windows(config)
     if set(sliding) - set(kept or {}):
         return ("the method compresses layers that slide over a window (--sliding-layers compress), whose window "
@@ -323,13 +329,18 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
     kernel, the same for all."""
     settle_float16_layers(method, config)  # a sliding layer kept uncompressed is held as it comes, no kernel's
     kept = method.float16_layers or {}
-    found = {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers) if i not in kept}
+    cap = model_softcap(config)
+    found = {kernel_format(method, i, head_dim, device, gqa, cap)[0] for i in range(layers) if i not in kept}
     fmt = found.pop() if len(found) == 1 else None
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
     elif (refusal := attention_refusal(config, kept)) is not None:
         why = refusal
+    elif fmt is None and cap and {kernel_format(method, i, head_dim, device, gqa)[0] for i in range(layers)
+                                  if i not in kept} - {None}:
+        why = (f"the model soft-caps its attention scores, which of the fused kernels only the codebook layout's "
+               f"applies, and it does not read --method {method.name}'s blocks at these settings")
     elif fmt is None:
         why = (f"--method {method.name} has no fused layout at these settings, or not the same in every layer "
                f"({', '.join(f.name for f in FORMATS)}: `formats.*.launch.supports`)")
@@ -525,7 +536,8 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
             or (not fmt.holds_state and any(row.state is not None for row in rows))):
         return None
     packed, counts = layer.side_by_side.layout_for(fmt, [row.layout for row in rows], residuals, layer.padding.counts)
-    return fmt.attend(method, layer.layer, query, packed, opts.scaling, layer.side_by_side.states_for(rows), counts)
+    return fmt.attend(method, layer.layer, query, packed, opts.scaling, layer.side_by_side.states_for(rows), counts,
+                      softcap=opts.softcap)
 
 
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
@@ -585,7 +597,7 @@ def decode(layer: CompressedLayer, q: torch.Tensor, opts: AttentionOptions) -> t
     gqa = q.shape[1] // layer.k_res.shape[1]
     if (layer.layout is not None and q.shape[-2] == 1
             and fmt.supports(layer.declaration, q.shape[-1], q.device, gqa, opts)):
-        return fmt.attend(method, layer.layer, q, layer.layout, opts.scaling, layer.state)
+        return fmt.attend(method, layer.layer, q, layer.layout, opts.scaling, layer.state, softcap=opts.softcap)
     k_held, v_held = layer.held(compute_dtype(q))
     return method.decode(layer.layer, q, k_held, v_held, opts, layer.state)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import capped_attention
+
 
 def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
     """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync); a row not
@@ -52,10 +54,13 @@ def write_ring(kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor, k: t
 
 
 def ring_attention(query: torch.Tensor, kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor,
-                   scaling: float) -> torch.Tensor:
+                   scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Each sequence's step query (B, Hq, 1, D) over the min(count, W) tokens its ring holds (`write_ring`), SDPA in
-    the model's dtype. A module-level function of tensors, like `write_token`, so that one compiled region serves
-    every sliding layer: eager, its mask and grouped-query SDPA are several kernels a layer."""
+    the model's dtype, or where the model soft-caps its scores (Gemma 2) its eager attention's products
+    (`kvcalib.attention.capped_attention`). A module-level function of tensors, like `write_token`, so that one compiled
+    region serves every sliding layer: eager, its mask and grouped-query SDPA are several kernels a layer."""
     held = torch.arange(kwin.shape[2], device=query.device).view(1, -1) < count.view(-1, 1)  # (B, W)
+    if softcap:
+        return capped_attention(query, kwin, vwin, held[:, None, None, :], scaling, softcap)
     return torch.nn.functional.scaled_dot_product_attention(query, kwin, vwin, attn_mask=held[:, None, None, :],
                                                             scale=scaling, enable_gqa=True)

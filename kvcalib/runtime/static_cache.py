@@ -77,15 +77,15 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..attention import AttentionOptions
+from ..attention import AttentionOptions, capped_attention
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
 from ..hadamard import hadamard
 from ..methods import Method, MethodSettings, build_method, settle_float16_layers
 from ..models import LoadedModel, attention_shape, layer_devices
-from .cache import (IMPLEMENTATION, check_static, for_this_rank, hand_to_attention, kernel_format, register_attention,
-                    tensor_parallel_size)
+from .cache import (IMPLEMENTATION, check_static, for_this_rank, hand_to_attention, kernel_format, model_softcap,
+                    register_attention, tensor_parallel_size)
 from . import slots
 from .captured import CapturedDecoder, Decoder, compile_mode
 
@@ -150,11 +150,12 @@ class StaticLayer(SlotLayer):
     masked flush writes the rows it does not take), its per-sequence counts and decoding state."""
 
     def __init__(self, method: Method, layer: int, batch: int, capacity: int, kv_heads: int, head_dim: int,
-                 device: torch.device, gqa: int = 1):
+                 device: torch.device, gqa: int = 1, softcap: float | None = None):
+        """`softcap`: the model's cap on its scores (Gemma 2), which the layer's kernel must apply."""
         super().__init__(layer, batch, capacity)
         # the format whose kernel reads the layer (`check_static` has held every layer to one); where none reads these
         # shapes (the host side alone, on the CPU), the first the method declares
-        fmt, declaration = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa)
+        fmt, declaration = kernel_format(method, layer, head_dim, torch.device("cuda"), gqa, softcap)
         if fmt is None:
             fmt, declaration = next(((f, d) for f in FORMATS if (d := f.declaration(method, layer)) is not None),
                                     (None, None))
@@ -250,33 +251,50 @@ class StaticLayer(SlotLayer):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
-        """A prompt attends in float16 over itself; a step through the fused kernel, counts on the device."""
-        if opts.softcap or opts.sliding_window:  # `check_static` refuses such models before a cache is made
-            raise SettingsError("a static cache attends plainly over every token: this layer soft-caps or slides")
+        """A prompt attends in float16 over itself; a step through the fused kernel, counts on the device; the scores
+        soft-capped where the model caps them (Gemma 2)."""
+        if opts.sliding_window:  # `check_static` refuses such models before a cache is made
+            raise SettingsError("a static cache attends over every token of a compressed layer: this layer slides")
         if prefill:
             k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+            if opts.softcap:
+                return chunked_prefill_attention(query, k16, v16, opts.scaling, softcap=opts.softcap)
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
         return self.format.attend(self.method, self.layer, query, self.layout, opts.scaling, self.state,
-                            counts=(self.flushed, self.residual))
+                                  counts=(self.flushed, self.residual), softcap=opts.softcap)
+
+
+def chunked_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                              window: int | None = None, softcap: float | None = None,
+                              chunk: int | None = None) -> torch.Tensor:
+    """A prompt's causal attention, queries (1, Hq, T, D) over keys and values (1, H, T, D): query i over keys j with
+    0 <= i - j < window (transformers' sliding mask; every j <= i without a window), the scores soft-capped as
+    softcap tanh(s / softcap) where given (Gemma 2, which SDPA does not do: then products in float32, softmax as
+    the model's eager attention takes it). Chunks of `chunk` queries, each over its own keys, so that no T x T mask
+    or score matrix is made (1 GiB of mask at 32k)."""
+    t = query.shape[2]
+    chunk = chunk or (512 if softcap else 2048)
+    outs = []
+    for a in range(0, t, chunk):
+        e = min(a + chunk, t)
+        lo = max(0, a - window + 1) if window else 0
+        i = torch.arange(a, e, device=query.device).view(-1, 1)
+        j = torch.arange(lo, e, device=query.device).view(1, -1)
+        mask = (i >= j) & (i - j < window) if window else i >= j
+        q, k, v = query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e]
+        if softcap:
+            outs.append(capped_attention(q, k, v, mask, scale, softcap))
+        else:
+            outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                         enable_gqa=True))
+    return torch.cat(outs, dim=2)
 
 
 def window_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
                              scale: float, chunk: int = 2048) -> torch.Tensor:
-    """A prompt's attention in a layer sliding over `window` tokens: query i over keys j with 0 <= i - j < window
-    (transformers' sliding mask), queries (1, Hq, T, D) over keys and values (1, H, T, D). Chunks of `chunk` queries,
-    each over its own keys, so that no T x T mask is made (1 GiB at 32k)."""
-    t = query.shape[2]
-    outs = []
-    for a in range(0, t, chunk):
-        e = min(a + chunk, t)
-        lo = max(0, a - window + 1)
-        i = torch.arange(a, e, device=query.device).view(-1, 1)
-        j = torch.arange(lo, e, device=query.device).view(1, -1)
-        mask = (i >= j) & (i - j < window)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, a:e], key[:, :, lo:e], value[:, :, lo:e], attn_mask=mask, scale=scale, enable_gqa=True))
-    return torch.cat(outs, dim=2)
+    """A prompt's attention in a layer sliding over `window` tokens (`chunked_prefill_attention`, no soft cap)."""
+    return chunked_prefill_attention(query, key, value, scale, window=window, chunk=chunk)
 
 
 class StaticWindowLayer(SlotLayer):
@@ -319,11 +337,9 @@ class StaticWindowLayer(SlotLayer):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
         """A prompt over itself within the window; a step over the ring's valid tokens (SDPA, the model's dtype)."""
-        if opts.softcap:  # `check_static` refuses soft-capping models before a cache is made
-            raise SettingsError("a static cache attends without soft-capping: this layer soft-caps its scores")
         if prefill:
-            return window_prefill_attention(query, key, value, self.window, opts.scaling)
-        return slots.ring_attention(query, self.kwin, self.vwin, self.count, opts.scaling)
+            return chunked_prefill_attention(query, key, value, opts.scaling, window=self.window, softcap=opts.softcap)
+        return slots.ring_attention(query, self.kwin, self.vwin, self.count, opts.scaling, opts.softcap)
 
 
 class StaticKvcalibCache(Cache):
@@ -360,7 +376,7 @@ class StaticKvcalibCache(Cache):
                                                    longest=capacity)
                                  if i in kept else
                                  StaticLayer(method, i, max_batch, capacity, heads, shape.head_dim, devices[i],
-                                             shape.num_heads // shape.num_kv_heads)
+                                             shape.num_heads // shape.num_kv_heads, model_softcap(lm.config))
                                  for i in range(shape.num_layers)])
         self.device = devices[0]  # where the decode step's inputs go (its first layer's GPU)
         # the layer whose residual counts say which steps flush: the first compressed one

@@ -34,10 +34,10 @@ class CodebookFormat(Format):
     def flushed_kv(self, layout: CodebookLayer):
         return flushed_kv(layout)
 
-    def attend(self, method, layer, q, layout, scaling, state, counts=None):
-        """The kernel takes the query into the keys' basis and the output back."""
-        return codebook_decode(query_for_kernel(q).contiguous(), layout, scaling,
-                               counts=counts).to(compute_dtype(q)).unsqueeze(2)
+    def attend(self, method, layer, q, layout, scaling, state, counts=None, softcap=None):
+        """The kernel takes the query into the keys' basis and the output back; it soft-caps the scores where asked."""
+        return codebook_decode(query_for_kernel(q).contiguous(), layout, scaling, counts=counts,
+                               softcap=softcap).to(compute_dtype(q)).unsqueeze(2)
 
     def slots(self, layout: CodebookLayer):
         return [(g, n) for g in layout.groups for n in BUFFERS] + [(layout, "ksink"), (layout, "vsink")]

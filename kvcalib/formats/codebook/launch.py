@@ -99,10 +99,11 @@ def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.devi
     """Whether the kernel reads blocks of these specs (a layer's groups of heads): on CUDA, head_dim 64, 128 or 256,
     at most 8 query heads per KV head, codes whose lane shares are whole (scalar codes, vector codes of up to
     head_dim / 8 coordinates), affine groups as `_affine_reads` says, books that fit shared memory; and, given the
-    call's `kvcalib.attention.AttentionOptions`, plain softmax attention (no softcap, no sliding window)."""
+    call's `kvcalib.attention.AttentionOptions`, softmax over every token, its scores soft-capped or not (Gemma 2),
+    no sliding window."""
     if not specs or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
         return False
-    if opts is not None and (opts.softcap or opts.sliding_window):
+    if opts is not None and opts.sliding_window:
         return False
     for spec in specs:
         key, value = kernel_book(spec.key), kernel_book(spec.value)
@@ -118,9 +119,11 @@ GROUP_INTS = ("kbits", "kdim", "knormed", "ktokens", "vbits", "vdim", "vnormed",
 
 
 def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
-                    counts: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False) -> torch.Tensor:
+                    counts: tuple[torch.Tensor, torch.Tensor] | None = None, checked: bool = False,
+                    softcap: float | None = None) -> torch.Tensor:
     """q (B, Hq, D) fp16/bf16 on CUDA, in the model's basis -> (B, Hq, D) in q's dtype: attention over `layer`, one
     launch a group of heads (each writes its own query heads), the groups side by side (module docstring).
+    `softcap`: the scores capped as c tanh(s / c) before the softmax (Gemma 2's `attn_logit_softcapping`).
 
     `counts`: (flushed, residual) int32 (B,) on the device, each sequence's own (a static cache: the launch is the
     same at every step and can be captured); `layer.length` and `layer.residual` are then capacities."""
@@ -135,7 +138,8 @@ def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
         ints += [key.bits, key.dim, int(spec.key.norm), spec.key.token_group, value.bits, value.dim,
                  int(spec.value.norm), spec.value.channel_group]
     torch.ops.kvcalib.codebook_decode(q, out, tensors, ints, layer.ksink, layer.vsink, layer.kres, layer.vres, flushed,
-                                      residual, layer.length, layer.residual, layer.sinks, scaling, checked)
+                                      residual, layer.length, layer.residual, layer.sinks, scaling, checked,
+                                      float(softcap or 0.0))
     return out
 
 
@@ -154,7 +158,7 @@ def side_streams(device: torch.device, n: int) -> list:
 def _codebook_decode(q: torch.Tensor, out: torch.Tensor, tensors: list[torch.Tensor | None], ints: list[int],
                      ksink: torch.Tensor, vsink: torch.Tensor, kres: torch.Tensor, vres: torch.Tensor,
                      flushed: torch.Tensor | None, residual: torch.Tensor | None, length: int, residual_len: int,
-                     sinks: int, scaling: float, checked: bool) -> None:
+                     sinks: int, scaling: float, checked: bool, softcap: float = 0.0) -> None:
     """`codebook_decode` with the layout spelled out as the op's arguments (a custom op takes tensors, lists of them
     and numbers only: per group `GROUP_TENSORS` and `GROUP_INTS`, in order): one group launched on torch's current
     stream, several each on a side stream of its own, joined back."""
@@ -168,7 +172,7 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, tensors: list[torch.Ten
         t, x = group
         _launch_group(q, out, *t[:12], ksink, vsink, kres, vres, t[12], flushed, residual, length, residual_len, sinks,
                       x[0], x[1], bool(x[2]), x[3], x[4], x[5], bool(x[6]), x[7], t[0].shape[1] / heads, scaling,
-                      checked)
+                      checked, softcap)
 
     if len(groups) == 1:
         one(groups[0])
@@ -196,9 +200,9 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                   head_map: torch.Tensor | None, flushed: torch.Tensor | None, residual: torch.Tensor | None,
                   length: int, residual_len: int, sinks: int, kbits: int, kdim: int, knormed: bool,
                   ktokens: int, vbits: int, vdim: int, vnormed: bool, vchannels: int, share: float, scaling: float,
-                  checked: bool) -> None:
+                  checked: bool, softcap: float = 0.0) -> None:
     """One group of heads: it checks the inputs and launches on torch's current stream. `share`: the fraction of one
-    wave its splits fill (its heads' share of the layer's)."""
+    wave its splits fill (its heads' share of the layer's); `softcap`: 0 for none."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
@@ -247,6 +251,10 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
                "VW": vcodes.shape[-1], "VCG": vchannels}
+    if softcap:  # only where asked: every other launch keeps its compiled kernel
+        if not softcap > 0:
+            raise ValueError(f"a soft cap is a positive number, got {softcap}")
+        defines["SOFTCAP_LOG2"] = f"{softcap * 1.4426950408889634!r}f"
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)

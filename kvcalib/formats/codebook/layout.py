@@ -281,8 +281,9 @@ def flushed_kv(layer: CodebookLayer, dtype: torch.dtype = torch.float32) -> tupl
     return k, v
 
 
-def reference_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float) -> torch.Tensor:
-    """Attention of one query per head, q (B, Hq, d) in the model's basis, over `layer`: (B, Hq, d) float64."""
+def reference_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of one query per head, q (B, Hq, d) in the model's basis, over `layer`: (B, Hq, d) float64; the
+    scores capped as softcap tanh(s / softcap) where given (Gemma 2)."""
     b, hq, d = q.shape
     hkv = layer.kres.shape[1]
     k, v = flushed_kv(layer, torch.float64)
@@ -290,5 +291,7 @@ def reference_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float) -> t
     v = torch.cat([v, layer.vres[:, :, : layer.residual].double()], 2)
     qm = q.double().reshape(b, hkv, hq // hkv, d)
     scores = torch.einsum("bjgd,bjtd->bjgt", qm, k) * scaling
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     p = torch.softmax(scores, -1)
     return torch.einsum("bjgt,bjtd->bjgd", p, v).reshape(b, hq, d)

@@ -30,9 +30,11 @@ class Int2Format(Format):
     def flushed_kv(self, layout: PackedLayer):
         return layout.flushed_kv(model_basis=True)
 
-    def attend(self, method, layer, q, layout, scaling, state, counts=None):
+    def attend(self, method, layer, q, layout, scaling, state, counts=None, softcap=None):
         """The method's correction terms (KVLinC's) enter at the merge; everything in the model's basis: where the
         method stores blocks rotated, the kernel rotates the query for them and their partial outputs back."""
+        if softcap:  # `supports` refuses soft-capped calls
+            raise ValueError("the INT2 kernel does not soft-cap scores")
         terms = method.correction(layer, q, state)
         if terms is not None:
             terms = (terms[0][:, :, 0], terms[1][:, :, 0])  # the single new position

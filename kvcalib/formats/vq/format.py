@@ -30,8 +30,10 @@ class VQFormat(Format):
     def flushed_kv(self, layout: VQLayer):
         return flushed_kv(layout)
 
-    def attend(self, method, layer, q, layout, scaling, state, counts=None):
+    def attend(self, method, layer, q, layout, scaling, state, counts=None, softcap=None):
         """Keys coded in the codec basis: the kernel transforms the query."""
+        if softcap:  # `supports` refuses soft-capped calls
+            raise ValueError("the VQ kernel does not soft-cap scores")
         lengths, residuals = counts if counts is not None else (None, None)
         return vq_decode(query_for_kernel(q), layout, scaling, lengths=lengths,
                          residuals=residuals).to(compute_dtype(q)).unsqueeze(2)
