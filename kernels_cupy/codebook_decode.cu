@@ -69,7 +69,8 @@
 #include "mma_tiles.cuh"
 
 // A score s (log2 units, scale log2(e) q.k) soft-capped as the model caps it, c tanh(s_nat / c), in log2 units:
-// C tanh(s / C) with C = c log2(e). tanh by exp (2^-21 of relative error), not an approximate tanh instruction.
+// C tanh(s / C) with C = c log2(e). tanh by exp (near 0 an absolute error of about C 2^-23), not the approximate
+// tanh instruction (2^-11).
 __device__ __forceinline__ float softcapped(float s) {
   if (SOFTCAP_LOG2 == 0.f) return s;
   return SOFTCAP_LOG2 * (1.f - 2.f / (__expf(2.f * s / SOFTCAP_LOG2) + 1.f));

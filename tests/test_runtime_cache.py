@@ -414,3 +414,24 @@ def test_the_one_launch_comparison_catches_a_planted_error(plant, monkeypatch):
     # a stale stack is shorter than row 0's count: the reference stops at its end (a kernel would read past it)
     with pytest.raises(AssertionError if plant == "residual count one short" else (AssertionError, RuntimeError)):
         _padded_in_one_launch_as_alone("kivi", monkeypatch)
+
+
+def test_a_soft_capping_models_layers_pick_the_kernel_that_caps_as_the_log_says():
+    """`KvcalibCache` picks each layer's kernel at its first flush (`kernel_format`) with the model's query heads a KV
+    head and its cap on the scores, as its decode step calls the kernel and as `where_layers_run` logs it: for Gemma
+    2 (cap 5 in the tiny config) KIVI-2 goes to the codebook layout, the one kernel that caps; picked without the
+    cap, INT2 would be chosen and refuse every capped step (the torch path, while the log said fused)."""
+    import dataclasses
+
+    from kvcalib.runtime.cache import CompressedLayer, kernel_format, model_softcap, where_layers_run
+
+    model = tiny_model("gemma2", head_dim=64)
+    cache = KvcalibCache(model, "kivi", MethodSettings(group_size=16))
+    compressed = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
+    assert compressed and all((layer.gqa, layer.softcap) == (2, 5.0) for layer in compressed)
+    cuda, shape = torch.device("cuda"), attention_shape(model.config)
+    picked = {kernel_format(cache.method, layer.layer, 64, cuda, layer.gqa, layer.softcap)[0].name for layer in compressed}
+    assert picked == {"codebook"} and model_softcap(model.config) == 5.0
+    assert kernel_format(cache.method, compressed[0].layer, 64, cuda, 2)[0].name == "INT2"  # the cap ignored
+    line = where_layers_run(cache.method, dataclasses.replace(shape), cuda, True, model.config)
+    assert f"{len(compressed)} layers on the fused codebook path" in line

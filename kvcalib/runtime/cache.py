@@ -62,9 +62,13 @@ class CompressedLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, method: Method, layer: int, use_fused: bool = True, padding: "_Padding | None" = None):
+    def __init__(self, method: Method, layer: int, use_fused: bool = True, padding: "_Padding | None" = None,
+                 gqa: int = 1, softcap: float | None = None):
+        """`gqa` and `softcap` (the model's query heads a KV head, its cap on the scores) pick the kernel's format
+        as the decode step will call it (`kernel_format`)."""
         super().__init__()
         self.method, self.layer, self.use_fused = method, layer, use_fused
+        self.gqa, self.softcap = gqa, softcap
         self.padding = padding if padding is not None else _Padding()
         self.rows: list[CompressedLayer] | None = None  # a padded batch: one B=1 layer per sequence
         self.side_by_side: _RowsSideBySide | None = None  # the rows' kernel layouts for one launch
@@ -97,7 +101,8 @@ class CompressedLayer(CacheLayerMixin):
         if self.rows is None and valid is not None and not bool(valid.all()):
             if before:
                 raise SettingsError("padding after the prompt is not supported: pad prompts, then append real tokens")
-            self.rows = [CompressedLayer(self.method, self.layer, self.use_fused) for _ in range(key_states.shape[0])]
+            self.rows = [CompressedLayer(self.method, self.layer, self.use_fused, gqa=self.gqa, softcap=self.softcap)
+                         for _ in range(key_states.shape[0])]
         if self.rows is not None:
             self.new_valid = valid if valid is not None else torch.ones(key_states.shape[0], t, dtype=torch.bool)
             self.one_each = t == 1 and bool(self.new_valid.all())  # a decode step: one real token in every row
@@ -136,7 +141,8 @@ class CompressedLayer(CacheLayerMixin):
             self.k_res = self.k_res[..., flush:, :].clone()
             self.v_res = self.v_res[..., flush:, :].clone()
             if self.format is None and self.use_fused:
-                self.format, declaration = kernel_format(self.method, self.layer, k16.shape[-1], k16.device)
+                self.format, declaration = kernel_format(self.method, self.layer, k16.shape[-1], k16.device, self.gqa,
+                                                         self.softcap)
                 self.declaration = None if self.format is None else self.format.on(declaration, k16.device)
             if self.format is not None:
                 self.layout = self.format.append(self.layout, self.method, self.layer, self.declaration, packed,
@@ -208,8 +214,10 @@ class KvcalibCache(Cache):
         self.method = for_this_rank(lm.model, self.method, shape)
         self.padding = _Padding()
         kept = self.method.float16_layers or {}
+        gqa, cap = shape.num_heads // shape.num_kv_heads, model_softcap(lm.config)
         super().__init__(layers=[Float16WindowLayer(i, kept[i]) if i in kept else
-                                 CompressedLayer(self.method, i, fused, self.padding) for i in range(shape.num_layers)])
+                                 CompressedLayer(self.method, i, fused, self.padding, gqa, cap)
+                                 for i in range(shape.num_layers)])
         device = next(lm.model.parameters()).device
         if device.type == "cuda":
             log.warning(where_layers_run(self.method, shape, device, fused, lm.config))

@@ -275,6 +275,8 @@ def chunked_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     or score matrix is made (1 GiB of mask at 32k)."""
     t = query.shape[2]
     chunk = chunk or (512 if softcap else 2048)
+    if softcap:
+        key = key.float()  # once, not per chunk (`capped_attention` takes its products in float32)
     outs = []
     for a in range(0, t, chunk):
         e = min(a + chunk, t)
