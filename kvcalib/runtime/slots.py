@@ -41,15 +41,15 @@ def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, 
     residual += 1
 
 
-def write_ring(kwin: torch.Tensor, vwin: torch.Tensor, count: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Each sequence's new token, k and v (B, H, 1, D), into its ring of the last W tokens (kwin, vwin (B, H, W, D),
-    the model's dtype) at position count mod W, `count` (B,) the tokens it has seen, then the counts one up. The
+def write_ring(kvwin: torch.Tensor, count: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Each sequence's new token, k and v (B, H, 1, D), into its ring of the last W tokens (kvwin (2, B, H, W, D):
+    keys, then values, the model's dtype) at position count mod W, `count` (B,) the tokens it has seen, then the
+    counts one up: one write for keys and values (compiled, one kernel a layer where two writes took two). The
     ring's order is not the tokens' (attention over a set of keys does not depend on their order)."""
-    b, h, w = k.shape[0], k.shape[1], kwin.shape[2]
-    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
-            torch.remainder(count.long(), w).view(b, 1))
-    for buf, x in ((kwin, k), (vwin, v)):
-        buf.index_put_(rows, x[:, :, 0].to(buf.dtype))
+    b, h, w = k.shape[0], k.shape[1], kvwin.shape[3]
+    rows = (torch.arange(2, device=k.device).view(2, 1, 1), torch.arange(b, device=k.device).view(1, b, 1),
+            torch.arange(h, device=k.device).view(1, 1, h), torch.remainder(count.long(), w).view(1, b, 1))
+    kvwin.index_put_(rows, torch.stack([k[:, :, 0], v[:, :, 0]]).to(kvwin.dtype))
     count += 1
 
 

@@ -313,8 +313,8 @@ class StaticWindowLayer(SlotLayer):
         wraps, and holds the same tokens)."""
         super().__init__(layer, batch, min(window, longest or window))
         self.window = window
-        self.kwin = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
-        self.vwin = torch.zeros_like(self.kwin)
+        self.kvwin = torch.zeros(2, batch, kv_heads, self.capacity, head_dim, dtype=dtype, device=device)
+        self.kwin, self.vwin = self.kvwin[0], self.kvwin[1]  # keys and values: one buffer, one write a step
         self.count = torch.zeros(batch, dtype=torch.int32, device=device)
 
     def mutable(self) -> list[torch.Tensor]:
@@ -334,7 +334,7 @@ class StaticWindowLayer(SlotLayer):
         self.count[slot] = t
 
     def step(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        slots.write_ring(self.kwin, self.vwin, self.count, k, v)
+        slots.write_ring(self.kvwin, self.count, k, v)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
