@@ -76,24 +76,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def mapped_plan(config, path: str):
     """The plan at `path` (the embedded model's: 30 layers x 3 KV heads) mapped onto `config`'s layers and KV heads:
-    item n of the L x H (layer, head) items, layer by layer, takes the (key, value) schemes of the plan's item
-    floor(n N / (L H)), so that every family and width keeps its share of items (to one item in N) and each head's
-    key and value schemes stay paired; its flush rule and sink; random calibrated books (TurboQuant's scalar books
-    sorted, every book of the shape the artifact's would have: the kernel's work does not depend on their values).
-    Also a line saying the mix and the groups of heads per layer."""
+    item n of the L x H (layer, head) items of the layers it compresses, layer by layer, takes the (key, value)
+    schemes of the plan's item floor(n N / (L H)), so that every family and width keeps its share of items (to one
+    item in N) and each head's key and value schemes stay paired; its flush rule and sink; random calibrated books
+    (TurboQuant's scalar books sorted, every book of the shape the artifact's would have: the kernel's work does not
+    depend on their values). A hybrid model's sliding layers, kept in the model's dtype by default, are no items
+    (as `kvcalib plan` leaves them): they take the first item's schemes, which nothing reads.
+    Also a line saying the mix and the groups of heads per layer, over the compressed layers."""
     import json as json_
 
     from kvcalib.methods.plan import Plan, codebook_name, parse_scheme, smooth_name
-    from kvcalib.models import attention_shape
+    from kvcalib.models import attention_shape, sliding_windows
 
     shape = attention_shape(config)
     settings = json_.loads((Path(path) / "manifest.json").read_text())["settings"]
     items = [(k, v) for ks, vs in zip(settings["k"], settings["v"]) for k, v in zip(ks, vs)]
     per = shape.num_kv_heads
-    total = shape.num_layers * per
+    kept = set(sliding_windows(config))
+    compressed = [i for i in range(shape.num_layers) if i not in kept] or list(range(shape.num_layers))
+    total = len(compressed) * per
     picked = [items[n * len(items) // total] for n in range(total)]
-    schemes = {part: [[parse_scheme(picked[i * per + j][w]) for j in range(per)] for i in range(shape.num_layers)]
-               for w, part in enumerate("kv")}
+    row = {layer: r for r, layer in enumerate(compressed)}  # a compressed layer's row of items
+    schemes = {part: [[parse_scheme(picked[row.get(i, 0) * per + j][w]) for j in range(per)]
+                      for i in range(shape.num_layers)] for w, part in enumerate("kv")}
     g = torch.Generator().manual_seed(0)
     d, books = shape.head_dim, {}
     for part in "kv":
@@ -107,9 +112,10 @@ def mapped_plan(config, path: str):
     plan = Plan(shape, schemes, settings["residual"], settings["flush_step"], books, settings["granularity"])
     plan.sink = settings.get("sink_tokens", 0)
     plan.fitted_residual_mode = settings.get("residual_mode")
-    groups = [len(plan.codebook_groups(i)) for i in range(shape.num_layers)]
-    mix = {part: {str(s): sum(str(x) == str(s) for heads in schemes[part] for x in heads)
-                  for s in dict.fromkeys(x for heads in schemes[part] for x in heads)} for part in "kv"}
+    groups = [len(plan.codebook_groups(i)) for i in compressed]
+    held = {part: [x for i in compressed for x in schemes[part][i]] for part in "kv"}
+    mix = {part: {str(s): sum(str(x) == str(s) for x in held[part]) for s in dict.fromkeys(held[part])}
+           for part in "kv"}
     print(f"[plan {path}] keys {mix['k']}; values {mix['v']}; groups of heads per layer: mean "
           f"{sum(groups) / len(groups):.2f}, max {max(groups)}", file=sys.stderr, flush=True)
     return plan
