@@ -166,8 +166,8 @@ def eval_cmd(model, dataset, text_field, num_samples, seq_len, trust_remote_code
     result = evaluate(model=model, dataset=dataset, text_field=text_field, method=method, bits=bits,
                       group_size=group_size, residual=residual, scaling=scaling, rotation=rotation,
                       sink_tokens=sink_tokens, residual_mode=residual_mode, sliding_layers=sliding_layers, keys=keys,
-                      artifacts=artifacts, json_path=json_path, trust_remote_code=trust_remote_code, device=device, device_map=device_map,
-                      max_memory=parse_max_memory(max_memory), dtype=dtype,
+                      artifacts=artifacts, json_path=json_path, trust_remote_code=trust_remote_code, device=device,
+                      device_map=device_map, max_memory=parse_max_memory(max_memory), dtype=dtype,
                       **_given(num_samples=num_samples, seq_len=seq_len))
     click.echo(result_table([result]))
 

@@ -668,10 +668,10 @@ def test_a_kept_sliding_layer_holds_each_slots_last_window_and_attends_over_it_a
 
 
 def test_a_prompt_attends_within_the_window_chunk_by_chunk_as_over_the_whole_mask():
-    """`window_prefill_attention` in chunks of 16 queries equals float64 attention under the whole T x T sliding
+    """`chunked_prefill_attention` with a window, in chunks of 16 queries equals float64 attention under the whole T x T sliding
     mask (query i over keys i - W < j <= i), grouped query heads (1e-5: float32 SDPA against float64); a chunk
     larger than the prompt gives the same."""
-    from kvcalib.runtime.static_cache import window_prefill_attention
+    from kvcalib.runtime.static_cache import chunked_prefill_attention
 
     h, hq, t, d, w = 2, 4, 50, 16, 12
     gen = torch.Generator().manual_seed(4)
@@ -682,7 +682,7 @@ def test_a_prompt_attends_within_the_window_chunk_by_chunk_as_over_the_whole_mas
     s = (q.double() @ kk.transpose(-1, -2)) * d**-0.5
     want = torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv
     for chunk in (16, 64):
-        got = window_prefill_attention(q, k, v, w, d**-0.5, chunk=chunk)
+        got = chunked_prefill_attention(q, k, v, d**-0.5, window=w, chunk=chunk)
         assert (got.double() - want).abs().max().item() <= 1e-5, chunk
     wider = torch.softmax(s.masked_fill(~((i >= j) & (i - j < w + 1)), float("-inf")), -1) @ vv  # planted: W + 1
-    assert (window_prefill_attention(q, k, v, w, d**-0.5, chunk=16).double() - wider).abs().max().item() > 1e-2
+    assert (chunked_prefill_attention(q, k, v, d**-0.5, window=w, chunk=16).double() - wider).abs().max().item() > 1e-2

@@ -240,9 +240,9 @@ class KvcalibCache(Cache):
 def where_layers_run(method: Method, shape, device: torch.device, fused: bool = True, config=None) -> str:
     """One line: which of the method's layers a decode step reads through a fused kernel, which through the
     torch reference, and the faster cache where the static one can hold the method."""
-    gqa = shape.num_heads // shape.num_kv_heads
+    gqa, cap = shape.num_heads // shape.num_kv_heads, model_softcap(config)
     kept = method.float16_layers or {}
-    kernel = [(kernel_format(method, i, shape.head_dim, device, gqa, model_softcap(config))[0] if fused else None)
+    kernel = [(kernel_format(method, i, shape.head_dim, device, gqa, cap)[0] if fused else None)
               for i in range(shape.num_layers) if i not in kept]
     kernel = ["torch" if f is None else f.name for f in kernel]
     where = ", ".join(f"{kernel.count(k)} layers on the {k if k == 'torch' else 'fused ' + k} path"

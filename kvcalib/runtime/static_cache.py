@@ -293,17 +293,11 @@ def chunked_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: tor
     return torch.cat(outs, dim=2)
 
 
-def window_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: int,
-                             scale: float, chunk: int = 2048) -> torch.Tensor:
-    """A prompt's attention in a layer sliding over `window` tokens (`chunked_prefill_attention`, no soft cap)."""
-    return chunked_prefill_attention(query, key, value, scale, window=window, chunk=chunk)
-
-
 class StaticWindowLayer(SlotLayer):
     """A sliding layer the method keeps as the model computes it (`Method.float16_layers`, Gemma 2 and 3's sliding
     layers by default): each slot's last `window` tokens in a ring in the model's dtype, uncompressed, the count of
     tokens it has seen on the device. A prompt attends over itself through the window's mask
-    (`window_prefill_attention`); a step writes its token into the ring (`slots.write_token`'s sibling
+    (`chunked_prefill_attention`); a step writes its token into the ring (`slots.write_token`'s sibling
     `slots.write_ring`) and attends over the min(count, window) tokens the ring holds: the tokens transformers'
     sliding mask lets it see, in another order. Its `capacity` is the ring's length."""
 

@@ -113,6 +113,16 @@ def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.devi
     return True
 
 
+LOG2E = 1.4426950408889634  # the kernel's scores are in log2 units
+
+
+def softcap_define(softcap: float) -> str:
+    """The kernel's SOFTCAP_LOG2 for a cap on the scores: the cap in log2 units, as a float literal."""
+    if not softcap > 0:
+        raise ValueError(f"a soft cap is a positive number, got {softcap}")
+    return f"{softcap * LOG2E!r}f"
+
+
 GROUP_TENSORS = ("kcodes", "knorm", "kscale", "kzero", "vcodes", "vnorm", "vscale", "vzero", "kbook", "vbook", "kbasis",
                  "vbasis", "head_map")  # a group's tensors, in the layer op's list
 GROUP_INTS = ("kbits", "kdim", "knormed", "ktokens", "vbits", "vdim", "vnormed", "vchannels")  # and its numbers
@@ -252,14 +262,12 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
                "VW": vcodes.shape[-1], "VCG": vchannels}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
-        if not softcap > 0:
-            raise ValueError(f"a soft cap is a positive number, got {softcap}")
-        defines["SOFTCAP_LOG2"] = f"{softcap * 1.4426950408889634!r}f"
+        defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
     smem = shared_bytes(key, value, gqa, d)
-    scale_log2 = cupy.float32(scaling * 1.4426950408889634)  # softmax in base 2
+    scale_log2 = cupy.float32(scaling * LOG2E)  # softmax in base 2
     i32 = cupy.int32
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     heads = lambda t: i32(0 if t is None else t.shape[0])  # noqa: E731
