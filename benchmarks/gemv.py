@@ -23,6 +23,19 @@ from kvcalib.runtime.gemv_kernel import launch_gemv
 from results import record
 
 HIDDEN, INTER, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
+DTYPE = torch.float16
+
+
+def take_shape(name: str, dtype: str) -> None:
+    """The model's products of `kvcalib make-model --shape NAME` (default: the Llama-3.1-8B shape above) in `dtype`."""
+    global HIDDEN, INTER, Q, KV, VOCAB, LAYERS, DTYPE
+    from kvcalib.random_model import SHAPES
+
+    c = SHAPES[name]
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    HIDDEN, INTER, LAYERS = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    Q, KV, VOCAB = c["num_attention_heads"] * head, c["num_key_value_heads"] * head, c.get("vocab_size", VOCAB)
+    DTYPE = getattr(torch, dtype)
 
 
 def check(config, rows: int) -> tuple[float, float]:
@@ -30,10 +43,10 @@ def check(config, rows: int) -> tuple[float, float]:
     multiple of 256), the kernel's output poisoned first."""
     worst, worst_blas = 0.0, 0.0
     for n, k in [(Q + 2 * KV, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER), (1000, 576), (37, 200)]:
-        w = torch.randn(n, k, device="cuda", dtype=torch.float16) / k ** 0.5
-        x = torch.randn(rows, k, device="cuda", dtype=torch.float16)
+        w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
+        x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
         ref = x.double() @ w.double().T
-        out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.float16)
+        out = torch.full((rows, n), float("nan"), device="cuda", dtype=DTYPE)
         launch_gemv(x, w, None, out, config=config)
         worst = max(worst, worst_row(out, ref))
         worst_blas = max(worst_blas, worst_row(torch.nn.functional.linear(x, w), ref))
@@ -44,19 +57,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8")
     parser.add_argument("--configs", default="1x4x16,1x4x8,2x4x8,1x8x8,4x4x4",
-                        help="kernel configurations: rows a warp x warps a block x words in flight a lane")
+                        help="kernel configurations: rows a warp x warps a block x words in flight a lane (0: balanced)")
+    parser.add_argument("--shape", default=None, help="a kvcalib make-model shape (default: Llama-3.1-8B's)")
+    parser.add_argument("--dtype", default="float16")
     parser.add_argument("--results", default=None, help="record the table in this file (default: print only)")
     args = parser.parse_args()
+    if args.shape:
+        take_shape(args.shape, args.dtype)
     torch.manual_seed(0)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     gib = lambda t: t.numel() * 2  # noqa: E731
     layers = []
     for _ in range(LAYERS):
-        qkv = torch.randn(Q + 2 * KV, HIDDEN, device="cuda", dtype=torch.float16) * 0.02
-        gu = torch.randn(2 * INTER, HIDDEN, device="cuda", dtype=torch.float16) * 0.02
-        layers.append(dict(qkv=qkv, o=torch.randn(HIDDEN, Q, device="cuda", dtype=torch.float16) * 0.02, gu=gu,
-                           down=torch.randn(HIDDEN, INTER, device="cuda", dtype=torch.float16) * 0.02))
-    head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=torch.float16) * 0.02
+        qkv = torch.randn(Q + 2 * KV, HIDDEN, device="cuda", dtype=DTYPE) * 0.02
+        gu = torch.randn(2 * INTER, HIDDEN, device="cuda", dtype=DTYPE) * 0.02
+        layers.append(dict(qkv=qkv, o=torch.randn(HIDDEN, Q, device="cuda", dtype=DTYPE) * 0.02, gu=gu,
+                           down=torch.randn(HIDDEN, INTER, device="cuda", dtype=DTYPE) * 0.02))
+    head = torch.randn(VOCAB, HIDDEN, device="cuda", dtype=DTYPE) * 0.02
     nbytes = sum(gib(t) for layer in layers for t in layer.values()) + gib(head)
     copy = copy_bandwidth()
     floor_us = read_floor(nbytes)
@@ -66,9 +83,10 @@ def main() -> None:
              "|---:|---|---|---|---:|---:|---:|---:|---|"]
     print(lines[0], flush=True)
     for m in [int(r) for r in args.rows.split(",")]:
-        xh = torch.randn(m, HIDDEN, device="cuda", dtype=torch.float16)
-        xi = torch.randn(m, INTER, device="cuda", dtype=torch.float16)
-        outs = {n: torch.empty(m, n, device="cuda", dtype=torch.float16)
+        xh = torch.randn(m, HIDDEN, device="cuda", dtype=DTYPE)
+        xi = torch.randn(m, INTER, device="cuda", dtype=DTYPE)
+        xq = torch.randn(m, Q, device="cuda", dtype=DTYPE)  # o's input: the heads' width (Gemma 3's is not HIDDEN)
+        outs = {n: torch.empty(m, n, device="cuda", dtype=DTYPE)
                 for n in (Q, KV, HIDDEN, INTER, Q + 2 * KV, 2 * INTER, VOCAB)}
 
         def products(fused: bool):
@@ -83,7 +101,7 @@ def main() -> None:
                     yield xh, qkv[Q + KV:], outs[KV]
                     yield xh, gu[:INTER], outs[INTER]
                     yield xh, gu[INTER:], outs[INTER]
-                yield xh, layer["o"], outs[HIDDEN]
+                yield xq, layer["o"], outs[HIDDEN]
                 yield xi, layer["down"], outs[HIDDEN]
             yield xh, head, outs[VOCAB]
 
@@ -111,7 +129,8 @@ def main() -> None:
                 lines.append(line)
     table = "\n".join(lines)
     if args.results:
-        record("Weight products of a decode step, Llama-3.1-8B shape: cuBLAS against a CuPy kernel", table,
+        record(f"Weight products of a decode step, {args.shape or 'Llama-3.1-8B'} shape in {DTYPE}: cuBLAS against a "
+               "CuPy kernel", table,
                sys.argv, args.results)
 
 

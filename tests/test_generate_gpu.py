@@ -154,4 +154,28 @@ def test_a_hybrid_model_takes_the_static_cache_its_sliding_layers_kept_and_decod
         if len(differ):
             first = int(differ[0])
             top = dyn_logits[0, first].float().topk(2).values
-            assert top[0] - top[1] <= 8 * 2.0 ** (torch.floor(torch.log2(top[0].abs())) - bits), (b, first)
+            if top[0] - top[1] <= 8 * 2.0 ** (torch.floor(torch.log2(top[0].abs())) - bits):
+                continue
+            # Beyond a near tie: the two bf16 paths round differently (Gemma 2's eager attention caps and weighs in
+            # bfloat16, the static cache's rings and prompts in float32), so the float32 model is the referee.
+            ref = _float32_logits(model, arch, method, p, tokens[b], first)
+            noise = (dyn_logits[0, first].float() - ref).abs().max()
+            picked = int(tokens[b, first])
+            assert ref.max() - ref[picked] <= 2 * noise, (b, first, float(ref.max() - ref[picked]), float(noise))
+
+
+def _float32_logits(model, arch: str, method, prompt: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    """The logits (V,) of decode step `step` of `method`'s reference cache (`KvcalibCache`) over `model`'s weights in
+    float32 (a fresh model of `arch`, not a copy: a copy would carry the static cache's forward route), fed `prompt`
+    and then `tokens[:step]`. At a step where two paths in the model's dtype part, this says which token is right:
+    the static cache's pick stands if its float32 logit is within twice the dynamic path's own distance from these
+    logits of the best (each of the two logits may move by that much in the model's dtype)."""
+    ref = _hybrid(torch.float32, arch)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    cache = KvcalibCache(ref, method)
+    with torch.no_grad():
+        out = ref(prompt[None].to(DEV), past_key_values=cache, use_cache=True)
+        for t in tokens[:step]:
+            out = ref(t.view(1, 1).to(DEV), past_key_values=cache, use_cache=True)
+    assert out.logits.dtype == torch.float32
+    return out.logits[0, -1].float().cpu()

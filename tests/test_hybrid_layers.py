@@ -78,6 +78,22 @@ def test_kept_sliding_layers_decode_as_transformers_own_cache(hybrid, monkeypatc
     assert max((a - b).abs().max().item() for a, b in zip(unmasked.scores, want.scores)) > 1e-2
 
 
+def test_a_prompt_within_the_window_attends_causally_in_a_kept_sliding_layer(hybrid):
+    """A lone prompt no longer than the window: transformers makes no mask for it (SDPA's `is_causal` does the work),
+    and the eager attention a soft-capping model's kept layers run (Gemma 2) adds none, so the layer must mask
+    causally itself. Six tokens under a window of 8, greedy steps past the window: the tokens of transformers' own
+    DynamicCache, its logits within 1e-3 (the test above's bound; the prompt attended over later tokens too, before
+    this was mended, gave Gemma 2 logits 0.88 off on a GPU)."""
+    model = hybrid.model
+    ids = torch.randint(5, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+    run = lambda cache: model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False,  # noqa: E731
+                                       output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    want = run(DynamicCache(config=model.config))
+    got = run(KvcalibCache(hybrid, "kivi", MethodSettings(bits=2, group_size=8, residual=256)))
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 1e-3
+
+
 def test_compress_makes_every_layer_a_compressed_one_and_the_two_decode_apart(hybrid):
     compress = KvcalibCache(hybrid, "kivi", MethodSettings(bits=2, group_size=8, residual=8, sliding_layers="compress"))
     assert all(isinstance(layer, CompressedLayer) for layer in compress.layers)

@@ -413,6 +413,12 @@ def _model_attention(module, query, key, value, attention_mask, scaling, dropout
                                       **kwargs)
     import sys
 
+    if attention_mask is None and query.shape[2] > 1:
+        # transformers makes no mask where SDPA's `is_causal` would do (a lone prompt within the window); the eager
+        # attention adds only the mask it is given, so the causal one is made here
+        tq, tk = query.shape[2], key.shape[2]
+        at = torch.arange(tk, device=query.device)
+        attention_mask = (at <= at[tk - tq:, None])[None, None]  # (1, 1, Tq, Tk), as transformers shapes its masks
     if attention_mask is not None and attention_mask.dtype == torch.bool:  # SDPA's mask; eager adds its mask
         attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
             ~attention_mask, torch.finfo(query.dtype).min)

@@ -60,12 +60,14 @@ def launch_gemv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
                 n: int | None = None, config: tuple[int, int, int] = (RPW, WARPS, CHUNK), checked: bool = False) -> None:
     """out (M, N) = rows (M, K) weightᵀ (+ bias) by the kernel, on torch's current stream: rows and weight dense and
     16-byte aligned; `n` of weight's rows (all by default: fewer leaves the others unwritten, a test's planted
-    fault); `config`: rows a warp, warps a block, 16-byte words a lane keeps in flight (benchmarks/gemv.py)."""
+    fault); `config`: rows a warp, warps a block, 16-byte words a lane keeps in flight (0: `balanced_chunk`'s)
+    (benchmarks/gemv.py)."""
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
     rpw, warps, chunk = config
+    chunk = chunk or balanced_chunk(weight.shape[1])
     n = weight.shape[0] if n is None else n
     defines = {"KDIM": weight.shape[1], "MROWS": rows.shape[0], "RPW": rpw, "WARPS": warps, "CHUNK": chunk,
                "BF16": int(rows.dtype == torch.bfloat16)}
@@ -73,6 +75,14 @@ def launch_gemv(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     with torch_stream(rows.device):  # a warp per rpw rows of W, `warps` warps a block: every row of W read once
         launch(kernel("gemv.cu", defines, "gemv"), (-(-n // (rpw * warps)),), (32 * warps,),
                (ptr(weight), ptr(rows), ptr(bias), ptr(out), cupy.int32(n)), checked)
+
+
+def balanced_chunk(k: int, most: int = 10) -> int:
+    """16-byte words a lane keeps in flight for rows of `k` values, at most `most`, in passes of equal size: a row
+    of 2560 (Gemma 3's hidden size, 10 words a lane) in one pass of 10, not a pass of 8 and one of 2."""
+    per_lane = -(-k // 8 // 32)
+    passes = -(-per_lane // most)
+    return -(-per_lane // passes)
 
 
 @torch.library.custom_op("kvcalib::gemv", mutates_args=())
