@@ -42,7 +42,8 @@ def _within_bound(got, x, w, bias=None) -> bool:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 14336), (6144, 4096), (37, 200), (1000, 576), (300, 5128)])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 14336), (6144, 4096), (37, 200), (1000, 576), (300, 5128),
+                                 (1024, 2560), (2560, 10240)])  # Gemma 3 4B's: one pass of 10 words, four
 @pytest.mark.parametrize("rows", [1, 2, 8])
 def test_each_element_is_within_the_float32_sum_and_one_rounding_of_the_exact_product(dtype, n, k, rows):
     g = torch.Generator(device=DEV).manual_seed(n + k + rows)

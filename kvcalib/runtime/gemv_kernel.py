@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 2  # rows of x the kernel takes: from four rows on cuBLAS is as fast or faster (module docstring)
-RPW, WARPS, CHUNK = 1, 8, 8  # rows a warp, warps a block, 16-byte words a lane keeps in flight (benchmarks/gemv.py)
+RPW, WARPS, CHUNK = 1, 8, 0  # rows a warp, warps a block, 16-byte words a lane keeps in flight (0: balanced_chunk)
 EAGER_FORWARD = torch.nn.Linear.forward  # as torch defines it, whatever is switched in later
 
 
