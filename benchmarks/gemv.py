@@ -1,14 +1,16 @@
 """The decode step's weight products at a few rows (B = 1..8): cuBLAS (what `nn.Linear` runs) against the
 one-row kernel the static cache's step switches in (kernels_cupy/gemv.cu, `kvcalib.runtime.gemv_kernel`) in
-several configurations, each over a whole Llama-3.1-8B-shaped model's weights (32 layers of q, k, v, o, gate,
-up, down, and lm_head: 15.0 GB) captured in one CUDA graph, with the projections
-separate (as transformers' Llama runs them) or fused (q|k|v and gate|up as one product each: views of one
-weight, as serving engines store them). Beside them, the read floor: one launch reading the same bytes.
+several configurations, each over a whole model's weights (every layer's q, k, v, o, gate, up, down, and an
+lm_head of the shape's vocabulary, or 128256 rows where the shape names none; by default the Llama-3.1-8B shape,
+15.0 GB) captured in one CUDA graph, with the projections separate (as transformers' models run them) or fused
+(q|k|v and gate|up as one product each: views of one weight, as serving engines store them). Beside them, the
+read floor: one launch reading the same bytes.
 
-    python benchmarks/gemv.py [--rows 1,8] [--configs 1x4x16,2x4x8] [--results FILE]
+    python benchmarks/gemv.py [--rows 1,8] [--configs 1x8x0,1x8x8] [--shape gemma-3-4b --dtype bfloat16] [--results FILE]
 
 Accuracy: every kernel configuration's output is checked, row by row, against a float64 product of the same
-float16 inputs, with the output buffer poisoned (NaN) before the launch; cuBLAS's error is printed beside it.
+inputs (float16 or bfloat16), with the output buffer poisoned (NaN) before the launch; cuBLAS's error is printed
+beside it.
 """
 
 from __future__ import annotations
@@ -26,23 +28,23 @@ HIDDEN, INTER, Q, KV, VOCAB, LAYERS = 4096, 14336, 4096, 1024, 128256, 32
 DTYPE = torch.float16
 
 
-def take_shape(name: str, dtype: str) -> None:
-    """The model's products of `kvcalib make-model --shape NAME` (default: the Llama-3.1-8B shape above) in `dtype`."""
-    global HIDDEN, INTER, Q, KV, VOCAB, LAYERS, DTYPE
+def take_shape(name: str) -> None:
+    """The products of `kvcalib make-model --shape NAME` in place of the Llama-3.1-8B shape above (its vocabulary
+    where the shape names one, else 128256 rows of lm_head)."""
+    global HIDDEN, INTER, Q, KV, VOCAB, LAYERS
     from kvcalib.random_model import SHAPES
 
     c = SHAPES[name]
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     HIDDEN, INTER, LAYERS = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     Q, KV, VOCAB = c["num_attention_heads"] * head, c["num_key_value_heads"] * head, c.get("vocab_size", VOCAB)
-    DTYPE = getattr(torch, dtype)
 
 
 def check(config, rows: int) -> tuple[float, float]:
-    """Worst row ‖y − y64‖/‖y64‖ of the kernel and of cuBLAS over the 8B shapes (and a K that is no
+    """Worst row ‖y − y64‖/‖y64‖ of the kernel and of cuBLAS over the model's product shapes (and a K that is no
     multiple of 256), the kernel's output poisoned first."""
     worst, worst_blas = 0.0, 0.0
-    for n, k in [(Q + 2 * KV, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER), (1000, 576), (37, 200)]:
+    for n, k in [(Q + 2 * KV, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, Q), (HIDDEN, INTER), (1000, 576), (37, 200)]:
         w = torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
         x = torch.randn(rows, k, device="cuda", dtype=DTYPE)
         ref = x.double() @ w.double().T
@@ -56,14 +58,16 @@ def check(config, rows: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,8")
-    parser.add_argument("--configs", default="1x4x16,1x4x8,2x4x8,1x8x8,4x4x4",
+    parser.add_argument("--configs", default="1x8x0,1x8x8,1x4x0,2x4x8,4x4x4",
                         help="kernel configurations: rows a warp x warps a block x words in flight a lane (0: balanced)")
     parser.add_argument("--shape", default=None, help="a kvcalib make-model shape (default: Llama-3.1-8B's)")
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     parser.add_argument("--results", default=None, help="record the table in this file (default: print only)")
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     if args.shape:
-        take_shape(args.shape, args.dtype)
+        take_shape(args.shape)
     torch.manual_seed(0)
     configs = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",")]
     gib = lambda t: t.numel() * 2  # noqa: E731

@@ -140,7 +140,7 @@ def test_the_kernel_is_switched_in_only_for_a_model_on_a_gpu_whose_linear_weight
 def test_words_in_flight_come_in_equal_passes_of_at_most_ten():
     """`balanced_chunk`: a lane's share of a row (K / 8 words over 32 lanes) in the fewest passes of at most 10 words,
     all of one size but the last: Gemma 3's rows of 2560 values (10 words a lane) in one pass, not 8 and then 2, which
-    measured 13% slower over Gemma-3-4B's products (benchmarks/gemv.py); Llama's 4096 as before (8, two passes)."""
+    measured 14% slower over Gemma-3-4B's products (benchmarks/gemv.py); Llama's 4096 as before (8, two passes)."""
     from kvcalib.runtime.gemv_kernel import balanced_chunk
 
     for k, want in [(2560, 10), (10240, 10), (4096, 8), (14336, 10), (5376, 7), (2048, 8), (200, 1), (8, 1)]:

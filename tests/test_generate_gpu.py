@@ -125,7 +125,8 @@ def test_a_hybrid_model_takes_the_static_cache_its_sliding_layers_kept_and_decod
     its soft-capped scores capped in the rings, the prompts' chunks and the codebook kernel. Through
     `model.generate` (captured step) its greedy tokens are the eager serving loop's, and `KvcalibCache`'s (the
     sliding layers there are transformers' own window layers under its mask) up to the first near tie, prompts of
-    45, 31 and 8 tokens past, beyond and under the window. bfloat16: the ties counted in its own ulps (7 bits)."""
+    45, 31 and 8 tokens past, beyond and under the window (bfloat16: the ties counted in its own ulps, 7 bits); past
+    a wider parting, the float32 model says which pick is right (`_float32_logits`)."""
     from kvcalib.generate import runtime_cache
     from kvcalib.models import LoadedModel
     from kvcalib.runtime.captured import generate

@@ -405,7 +405,7 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
 def _model_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
     """A layer kept as the model computes it: transformers' SDPA attention with the mask transformers made for the
     layer (its window, the batch's padding), or where the model soft-caps its scores, which SDPA does not, the eager
-    attention of the model's own modeling file."""
+    attention of the model's own modeling file, given the causal mask where transformers made none."""
     if kwargs.get("softcap") is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
