@@ -247,3 +247,50 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     spilled = re.search(r"(\d+) bytes spill stores", usage)
     assert spilled and int(spilled.group(1)) == 0, usage
     assert defines["PARTIAL_BLOCKS"] == 2
+
+
+def test_affine_keys_go_to_the_level_read_only_where_asked_and_their_bits_allow(monkeypatch):
+    """`affine_level_bits`: nothing unless `AFFINE_LEVELS`; then an affine key part (key groups > 0) of 2 or 4 bits
+    (the kernel book's pairs: 4 and 8 bits of dimension 2) reads levels, 3 bits (codes straddle words) and codebook
+    parts (no key groups) the book."""
+    from kvcalib.formats.codebook import launch
+
+    assert launch.affine_level_bits(128, 4, 2) == 0
+    monkeypatch.setattr(launch, "AFFINE_LEVELS", True)
+    assert [launch.affine_level_bits(128, b, 2) for b in (4, 6, 8)] == [2, 0, 4]
+    assert launch.affine_level_bits(32, 2, 1) == 2 and launch.affine_level_bits(0, 4, 2) == 0
+
+
+@pytest.mark.parametrize("level_bits", [2, 4])
+def test_the_level_trick_gives_each_code_once_as_an_exact_fp16_level(level_bits):
+    """The arithmetic of the kernel's `affine_levels`, in numpy: for every word u of a lane's share, (w >> bits i) &
+    mask | 0x64006400 read as two float16 is 1024 + the codes of channels c(u) and c(u) + HALF, and less 1024 exactly
+    those codes; over the words, c(u) and c(u) + HALF visit each channel of the share once (`level_channel`, the
+    order the query fragments follow). Planted: the mask of one bit fewer gives other levels."""
+    import numpy as np
+
+    cpw, half = 32 // level_bits, 16 // level_bits
+    rng = np.random.default_rng(level_bits)
+    for channels in (16, 32, 64):  # a lane's share of a key: D / 4 for D = 64, 128, 256
+        codes = rng.integers(0, 1 << level_bits, channels)
+        words = [sum(int(c) << (level_bits * j) for j, c in enumerate(codes[w * cpw:(w + 1) * cpw]))
+                 for w in range(channels // cpw)]
+        seen = []
+
+        def levels(mask):
+            out = []
+            for u in range(channels // 2):
+                lv = ((words[u // half] >> (level_bits * (u % half))) & mask) | 0x64006400
+                pair = np.array([lv & 0xFFFF, lv >> 16], dtype=np.uint16).view(np.float16)
+                out.append((pair - np.float16(1024)).astype(np.float32))
+            return out
+
+        mask = ((1 << level_bits) - 1) * 0x00010001
+        for u, pair in enumerate(levels(mask)):
+            c = u // half * cpw + u % half
+            assert pair.tolist() == [codes[c], codes[c + half]]
+            seen += [c, c + half]
+        assert sorted(seen) == list(range(channels))
+        wrong = ((1 << (level_bits - 1)) - 1) * 0x00010001
+        assert any(p.tolist() != [codes[u // half * cpw + u % half], codes[u // half * cpw + u % half + half]]
+                   for u, p in enumerate(levels(wrong)))
