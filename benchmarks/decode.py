@@ -249,6 +249,8 @@ def main() -> None:
                         "(the codebook launch's AFFINE_LEVELS)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
+    if args.affine_levels and not args.plan:
+        parser.error("--affine-levels measures the plans' rows: name them with --plan")
     bw = copy_bandwidth()
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -322,6 +324,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             from kvcalib.formats.codebook import launch
 
+            held = launch.AFFINE_LEVELS
             for plan_dir in filter(None, args.plan.split(",")):
                 pls = [plan_layer(b, length, plan_dir, k[:, :, length:], v[:, :, length:]) for k, v in kv]
                 qf = [x[:, :, 0] for x in q]
@@ -333,6 +336,7 @@ def main() -> None:
                     name = (f"fused {Path(plan_dir).name}, layer {pls[0][1]} ({len(pls[0][0].groups)} groups of heads)"
                             + (", affine keys as levels" if levels else ""))
                     rows.append([b, length, name, us, tq_bytes(pls[0][0], q[0]), err])
+                launch.AFFINE_LEVELS = held
                 del pls
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}

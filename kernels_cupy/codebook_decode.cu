@@ -69,6 +69,11 @@
 #define KLEVELS 0  // affine keys' levels read from the book in shared memory, as any codes
 #endif
 #define LEVEL_BITS (KLEVELS > 0 ? KLEVELS : 2)  // (a divisor that never is zero)
+// The level read permutes the key channels its affine fragments follow: affine keys only, codes of 2 or 4 bits (a
+// pair of them one kernel code), whole words a lane.
+static_assert(KLEVELS == 0 || (KTG > 0 && (KLEVELS == 2 || KLEVELS == 4) && KLEVELS * KDIM == KB &&
+                               (D / 4) % (32 / LEVEL_BITS) == 0),
+              "KLEVELS reads affine keys of 2 or 4 bits only");
 #define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
 #define MERGE_ROUND (D * SLICES >= 1024 ? 8 : 16)  // parts a slice of `merge` loads at once (64 registers at 1024)
 #include "mma_tiles.cuh"

@@ -123,8 +123,8 @@ AFFINE_KEYS = [("kivi-g128", 2), ("kivi-g128", 4), ("oscar-g32", 2), ("oscar-g12
 @pytest.mark.parametrize("kind,bits", AFFINE_KEYS)
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("b,t,peaked", [(2, 1037, False), (1, 131072, True), (8, 32768, False)])
-def test_affine_keys_read_as_levels_by_arithmetic_are_as_exact_as_from_the_book(monkeypatch, kind, bits, d, b, t,
-                                                                               peaked):
+def test_affine_keys_read_as_levels_by_arithmetic_hold_every_row_to_the_rule(monkeypatch, kind, bits, d, b, t,
+                                                                             peaked):
     """`AFFINE_LEVELS` (the kernel's `affine_levels`: 2- and 4-bit affine keys decoded by a shift, a lop3 and a sub,
     their query fragments permuted to match): every row within the rule against the float64 reference (`_check`),
     at head_dim 64 to 256, long and batched, diffuse and peaked, the poisoned buffers past the counts unread; the
