@@ -69,10 +69,12 @@
 #define KLEVELS 0  // affine keys' levels read from the book in shared memory, as any codes
 #endif
 #define LEVEL_BITS (KLEVELS > 0 ? KLEVELS : 2)  // (a divisor that never is zero)
+#define LEVEL_CPW (32 / LEVEL_BITS)  // codes a word
+#define LEVEL_HALF (LEVEL_CPW / 2)  // the channel distance of a half2 word's two levels (`affine_levels`)
 // The level read permutes the key channels its affine fragments follow: affine keys only, codes of 2 or 4 bits (a
 // pair of them one kernel code), whole words a lane.
 static_assert(KLEVELS == 0 || (KTG > 0 && (KLEVELS == 2 || KLEVELS == 4) && KLEVELS * KDIM == KB &&
-                               (D / 4) % (32 / LEVEL_BITS) == 0),
+                               (D / 4) % LEVEL_CPW == 0),
               "KLEVELS reads affine keys of 2 or 4 bits only");
 #define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
 #define MERGE_ROUND (D * SLICES >= 1024 ? 8 : 16)  // parts a slice of `merge` loads at once (64 registers at 1024)
@@ -169,18 +171,14 @@ __device__ __forceinline__ void gather(const __half* book, const unsigned* f, in
 // u % HALF (`level_channel`; the affine fragments take q~ scale in the same order). (w >> KLEVELS i) & mask puts code i
 // in the low half and code i + HALF in the high half; or'ed into 0x6400 (1024.0) each half is 1024 + level exactly,
 // and 1024 comes off exactly in fp16: a shift, a lop3 and a sub a pair of channels, no shared memory.
-__device__ __forceinline__ int level_channel(int u) {
-  constexpr int CPW = 32 / LEVEL_BITS, HALF = CPW / 2;
-  return u / HALF * CPW + u % HALF;
-}
+__device__ __forceinline__ int level_channel(int u) { return u / LEVEL_HALF * LEVEL_CPW + u % LEVEL_HALF; }
 
 __device__ __forceinline__ void affine_levels(const unsigned* f, unsigned* out) {
-  constexpr int CPW = 32 / LEVEL_BITS, HALF = CPW / 2;
   constexpr unsigned MASK = ((1u << LEVEL_BITS) - 1u) * 0x00010001u;
   const __half2 k1024 = __float2half2_rn(1024.f);
 #pragma unroll
   for (int u = 0; u < KCH / 2; ++u) {
-    const unsigned lv = ((f[u / HALF] >> (LEVEL_BITS * (u % HALF))) & MASK) | 0x64006400u;
+    const unsigned lv = ((f[u / LEVEL_HALF] >> (LEVEL_BITS * (u % LEVEL_HALF))) & MASK) | 0x64006400u;
     const __half2 y = __hsub2(*reinterpret_cast<const __half2*>(&lv), k1024);
     out[u] = *reinterpret_cast<const unsigned*>(&y);
   }
@@ -334,11 +332,10 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float b = 0.f;
   if constexpr (KLEVELS > 0) {  // channels in `affine_levels`' order: words 2 ks and 2 ks + 1, each c and c + HALF
-    constexpr int HALF = 16 / LEVEL_BITS;
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const int ca = t * KCH + level_channel(2 * ks), cc = t * KCH + level_channel(2 * ks + 1);
-      const int ch[4] = {ca, ca + HALF, cc, cc + HALF};
+      const int ch[4] = {ca, ca + LEVEL_HALF, cc, cc + LEVEL_HALF};
       float x[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

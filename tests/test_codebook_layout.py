@@ -276,6 +276,7 @@ def test_the_level_trick_gives_each_code_once_as_an_exact_fp16_level(level_bits)
         words = [sum(int(c) << (level_bits * j) for j, c in enumerate(codes[w * cpw:(w + 1) * cpw]))
                  for w in range(channels // cpw)]
         seen = []
+        channel = lambda u: u // half * cpw + u % half  # noqa: E731  (the kernel's `level_channel`)
 
         def levels(mask):
             out = []
@@ -287,10 +288,8 @@ def test_the_level_trick_gives_each_code_once_as_an_exact_fp16_level(level_bits)
 
         mask = ((1 << level_bits) - 1) * 0x00010001
         for u, pair in enumerate(levels(mask)):
-            c = u // half * cpw + u % half
-            assert pair.tolist() == [codes[c], codes[c + half]]
-            seen += [c, c + half]
+            assert pair.tolist() == [codes[channel(u)], codes[channel(u) + half]]
+            seen += [channel(u), channel(u) + half]
         assert sorted(seen) == list(range(channels))
         wrong = ((1 << (level_bits - 1)) - 1) * 0x00010001
-        assert any(p.tolist() != [codes[u // half * cpw + u % half], codes[u // half * cpw + u % half + half]]
-                   for u, p in enumerate(levels(wrong)))
+        assert any(p.tolist() != [codes[channel(u)], codes[channel(u) + half]] for u, p in enumerate(levels(wrong)))
