@@ -6,7 +6,7 @@ generate_calls.py maps it, its layer of the most groups of heads, every group's 
 d=128.
 
     python benchmarks/decode.py [--lengths 4096,32768,131072] [--batches 1,8] [--vecinfer d4b8,d8b12]
-                                [--turboquant 2,3,4] [--plan DIR,...] [--affine-levels] [--results FILE]
+                                [--turboquant 2,3,4] [--plan DIR,...] [--results FILE]
 
 Each figure is the median of device-event timings of CUDA-graph replays after warm-up, rotating
 over enough copies of the inputs that they do not fit in L2. A spin kernel queued before the start
@@ -244,13 +244,8 @@ def main() -> None:
     parser.add_argument("--plan", default="",
                         help="shipped plans (comma-separated directories) whose most-grouped layer, mapped onto this "
                         "shape, the codebook kernel reads (empty: none)")
-    parser.add_argument("--affine-levels", action="store_true",
-                        help="each plan row twice: its affine keys read from the book, then as levels by arithmetic "
-                        "(the codebook launch's AFFINE_LEVELS)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
-    if args.affine_levels and not args.plan:
-        parser.error("--affine-levels measures the plans' rows: name them with --plan")
     bw = copy_bandwidth()
     rows = []
     for b in map(int, args.batches.split(",")):
@@ -322,21 +317,14 @@ def main() -> None:
                 rows.append([b, length, name, us, tq_bytes(tls[0], q[0]), err])
                 del tls
                 torch.cuda.empty_cache()
-            from kvcalib.formats.codebook import launch
-
-            held = launch.AFFINE_LEVELS
             for plan_dir in filter(None, args.plan.split(",")):
                 pls = [plan_layer(b, length, plan_dir, k[:, :, length:], v[:, :, length:]) for k, v in kv]
                 qf = [x[:, :, 0] for x in q]
-                for levels in ([False, True] if args.affine_levels else [launch.AFFINE_LEVELS]):
-                    launch.AFFINE_LEVELS = levels
-                    us = timed(lambda i: codebook_decode(qf[i], pls[i][0], D**-0.5), copies)
-                    err = worst_row(codebook_decode(qf[0], pls[0][0], D**-0.5, checked=True),
-                                    tq_reference(qf[0], pls[0][0], D**-0.5))
-                    name = (f"fused {Path(plan_dir).name}, layer {pls[0][1]} ({len(pls[0][0].groups)} groups of heads)"
-                            + (", affine keys as levels" if levels else ""))
-                    rows.append([b, length, name, us, tq_bytes(pls[0][0], q[0]), err])
-                launch.AFFINE_LEVELS = held
+                us = timed(lambda i: codebook_decode(qf[i], pls[i][0], D**-0.5), copies)
+                err = worst_row(codebook_decode(qf[0], pls[0][0], D**-0.5, checked=True),
+                                tq_reference(qf[0], pls[0][0], D**-0.5))
+                name = f"fused {Path(plan_dir).name}, layer {pls[0][1]} ({len(pls[0][0].groups)} groups of heads)"
+                rows.append([b, length, name, us, tq_bytes(pls[0][0], q[0]), err])
                 del pls
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[4] for r in rows})}

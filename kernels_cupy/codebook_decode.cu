@@ -24,8 +24,7 @@
 // are scored against q~ and their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16
 // rows meet q itself and are summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
 // (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
-// the levels gathered as any codes are (with KLEVELS, decoded by arithmetic instead: `affine_levels`); affine values
-// are level * scale + zero in fp16 (one fma a half2).
+// the levels gathered as any codes are; affine values are level * scale + zero in fp16 (one fma a half2).
 //
 // Bytes that must move per (batch, KV head): T (KW + VW) 4 of codes and T 2 of each norm, 4 D (sinks + r) of
 // float16 rows, read once; the books per block, from L2 after the first block; the partials, 4 (D + 2) GQ per part,
@@ -56,7 +55,7 @@
 // (slices of D threads a `rotate` and `merge` block, D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
-// group, 0: none); KLEVELS (optional: an affine key's code bits, 2 or 4, read as levels by arithmetic: `affine_levels`).
+// group, 0: none).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -65,17 +64,6 @@
 #ifndef SOFTCAP_LOG2
 #define SOFTCAP_LOG2 0.f  // soft-capping (Gemma 2): the cap c times log2(e); 0: none
 #endif
-#ifndef KLEVELS
-#define KLEVELS 0  // affine keys' levels read from the book in shared memory, as any codes
-#endif
-#define LEVEL_BITS (KLEVELS > 0 ? KLEVELS : 2)  // (a divisor that never is zero)
-#define LEVEL_CPW (32 / LEVEL_BITS)  // codes a word
-#define LEVEL_HALF (LEVEL_CPW / 2)  // the channel distance of a half2 word's two levels (`affine_levels`)
-// The level read permutes the key channels its affine fragments follow: affine keys only, codes of 2 or 4 bits (a
-// pair of them one kernel code), whole words a lane.
-static_assert(KLEVELS == 0 || (KTG > 0 && (KLEVELS == 2 || KLEVELS == 4) && KLEVELS * KDIM == KB &&
-                               (D / 4) % LEVEL_CPW == 0),
-              "KLEVELS reads affine keys of 2 or 4 bits only");
 #define RESCALE_SLACK 8.f  // log2 units a score passes the running max by before it moves (`softmax_tiles`)
 #define MERGE_ROUND (D * SLICES >= 1024 ? 8 : 16)  // parts a slice of `merge` loads at once (64 registers at 1024)
 #include "mma_tiles.cuh"
@@ -166,24 +154,6 @@ __device__ __forceinline__ void gather(const __half* book, const unsigned* f, in
   }
 }
 
-// An affine key share's levels as KCH / 2 half2 words, by arithmetic, without the book: with CPW = 32 / KLEVELS codes
-// a word and HALF = CPW / 2, word u holds channels c(u) and c(u) + HALF of the share, c(u) = (u / HALF) CPW +
-// u % HALF (`level_channel`; the affine fragments take q~ scale in the same order). (w >> KLEVELS i) & mask puts code i
-// in the low half and code i + HALF in the high half; or'ed into 0x6400 (1024.0) each half is 1024 + level exactly,
-// and 1024 comes off exactly in fp16: a shift, a lop3 and a sub a pair of channels, no shared memory.
-__device__ __forceinline__ int level_channel(int u) { return u / LEVEL_HALF * LEVEL_CPW + u % LEVEL_HALF; }
-
-__device__ __forceinline__ void affine_levels(const unsigned* f, unsigned* out) {
-  constexpr unsigned MASK = ((1u << LEVEL_BITS) - 1u) * 0x00010001u;
-  const __half2 k1024 = __float2half2_rn(1024.f);
-#pragma unroll
-  for (int u = 0; u < KCH / 2; ++u) {
-    const unsigned lv = ((f[u / LEVEL_HALF] >> (LEVEL_BITS * (u % LEVEL_HALF))) & MASK) | 0x64006400u;
-    const __half2 y = __hsub2(*reinterpret_cast<const __half2*>(&lv), k1024);
-    out[u] = *reinterpret_cast<const unsigned*>(&y);
-  }
-}
-
 // A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart (words copied: E DIM
 // is even for every book the launch makes).
 template <int P, int ROWLEN, int STRIDE>
@@ -239,11 +209,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
-    if constexpr (KLEVELS > 0) {
-      affine_levels(x.k[r], kh);
-    } else {
-      gather<KCH, KB, KDIM, KPOS, KSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
-    }
+    gather<KCH, KB, KDIM, KPOS, KSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
   }
@@ -331,36 +297,20 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
                                                  const __half* __restrict__ zero, uint4* qa, float& bias) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float b = 0.f;
-  if constexpr (KLEVELS > 0) {  // channels in `affine_levels`' order: words 2 ks and 2 ks + 1, each c and c + HALF
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const int ca = t * KCH + level_channel(2 * ks), cc = t * KCH + level_channel(2 * ks + 1);
-      const int ch[4] = {ca, ca + LEVEL_HALF, cc, cc + LEVEL_HALF};
-      float x[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float f = g < GQ ? src[g][ch[i]] : 0.f;
-        x[i] = f * __half2float(__ldg(scale + ch[i]));
-        b += f * __half2float(__ldg(zero + ch[i]));
-      }
-      qa[ks] = hi_lo_fragment(x);
-    }
-  } else {
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const int c0 = t * (D / 4) + 4 * ks;
-      float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (g < GQ) f = *reinterpret_cast<const float4*>(&src[g][c0]);
-      const uint2 sw = __ldg(reinterpret_cast<const uint2*>(scale + c0));
-      const uint2 zw = __ldg(reinterpret_cast<const uint2*>(zero + c0));
-      const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sw.x));
-      const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sw.y));
-      const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zw.x));
-      const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zw.y));
-      const float x[4] = {f.x * s01.x, f.y * s01.y, f.z * s23.x, f.w * s23.y};
-      b += f.x * z01.x + f.y * z01.y + f.z * z23.x + f.w * z23.y;
-      qa[ks] = hi_lo_fragment(x);
-    }
+  for (int ks = 0; ks < KS; ++ks) {
+    const int c0 = t * (D / 4) + 4 * ks;
+    float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < GQ) f = *reinterpret_cast<const float4*>(&src[g][c0]);
+    const uint2 sw = __ldg(reinterpret_cast<const uint2*>(scale + c0));
+    const uint2 zw = __ldg(reinterpret_cast<const uint2*>(zero + c0));
+    const float2 s01 = __half22float2(*reinterpret_cast<const __half2*>(&sw.x));
+    const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sw.y));
+    const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zw.x));
+    const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zw.y));
+    const float x[4] = {f.x * s01.x, f.y * s01.y, f.z * s23.x, f.w * s23.y};
+    b += f.x * z01.x + f.y * z01.y + f.z * z23.x + f.w * z23.y;
+    qa[ks] = hi_lo_fragment(x);
   }
   b += __shfl_xor_sync(0xffffffff, b, 1);
   b += __shfl_xor_sync(0xffffffff, b, 2);

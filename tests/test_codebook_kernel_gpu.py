@@ -117,35 +117,6 @@ def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, si
     assert torch.equal(codebook_decode(q, layer, 128**-0.5, checked=True), out)
 
 
-AFFINE_KEYS = [("kivi-g128", 2), ("kivi-g128", 4), ("oscar-g32", 2), ("oscar-g128", 4), ("plan-mixed", 0)]
-
-
-@pytest.mark.parametrize("kind,bits", AFFINE_KEYS)
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("b,t,peaked", [(2, 1037, False), (1, 131072, True), (8, 32768, False)])
-def test_affine_keys_read_as_levels_by_arithmetic_hold_every_row_to_the_rule(monkeypatch, kind, bits, d, b, t,
-                                                                             peaked):
-    """`AFFINE_LEVELS` (the kernel's `affine_levels`: 2- and 4-bit affine keys decoded by a shift, a lop3 and a sub,
-    their query fragments permuted to match): every row within the rule against the float64 reference (`_check`),
-    at head_dim 64 to 256, long and batched, diffuse and peaked, the poisoned buffers past the counts unread; the
-    launch takes KLEVELS for a part here (without the flag none would, and this test would not test the levels)."""
-    from kvcalib.formats.codebook import launch
-
-    monkeypatch.setattr(launch, "AFFINE_LEVELS", True)
-    method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
-    h = 4 if kind.startswith("plan") else 2
-    k16, v16, g = _inputs(b, h, t + 77, d, t, peaked)
-    q = torch.randn(b, 4 * h, d, device=DEV, generator=g)
-    if peaked:  # each query head points at the peaked key, as in the long-context test above
-        q = q + 3 * k16[:, :, (t + 77) // 3].float().repeat_interleave(4, 1)
-    layer, q, out = _check(method, k16, v16, q)
-    ktokens = [rows.spec.key.token_group for rows in layer.groups]
-    books = [launch.kernel_book(rows.spec.key) for rows in layer.groups]
-    assert any(launch.affine_level_bits(n, kb.bits, kb.dim) for n, kb in zip(ktokens, books))
-    _poison(layer)
-    assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), out)
-
-
 @pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
 @pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 6), ("plan-mixed", 0)])
 @pytest.mark.parametrize("peaked", [False, True])

@@ -27,12 +27,6 @@ SHARED_LIMIT = 200 * 1024
 # Scalar codes are read in pairs (one shared-memory load a half2) where the pairs' book stays small: books per position
 # up to 3 bits (2^6 half2 a position), a shared book up to 4 bits (2^8 half2).
 PAIR_BITS = {"per position": 3, "shared": 4}
-# Affine keys (KIVI's, OScaR's) of 2 or 4 bits read as levels by arithmetic (the kernel's `affine_levels`: a shift, a
-# lop3 and a sub a pair of channels) instead of from the book in shared memory. Off until
-# tests/test_codebook_kernel_gpu.py's level test (every row against the float64 reference) has passed on a GPU and
-# benchmarks/decode.py --affine-levels has measured it (compiled for sm_90 at head_dim 128 and 4 query heads, 2-bit
-# keys spill nothing where the book read spills 48 bytes; 4-bit keys spill more, 152 against 96).
-AFFINE_LEVELS = False
 
 
 @dataclass(frozen=True)
@@ -61,13 +55,6 @@ def kernel_book(part: CodedPart) -> KernelBook:
         held = KernelBook(book.half().contiguous(), bits, dim)
         object.__setattr__(part, "_kernel_book", held)
     return held
-
-
-def affine_level_bits(key_tokens: int, bits: int, dim: int) -> int:
-    """The code bits of an affine key part the kernel reads as levels by arithmetic (`AFFINE_LEVELS`), 0 where it
-    reads the book: `bits` and `dim` are the kernel book's (a pair of 2-bit codes is one 4-bit code of dimension 2)."""
-    levels = bits // dim
-    return levels if AFFINE_LEVELS and key_tokens and dim in (1, 2) and levels in (2, 4) and bits % dim == 0 else 0
 
 
 def blocks_per_sm(gqa: int, head_dim: int) -> int:
@@ -276,8 +263,6 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                "VW": vcodes.shape[-1], "VCG": vchannels}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
-    if (levels := affine_level_bits(ktokens, kbits, kdim)):
-        defines["KLEVELS"] = levels
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
