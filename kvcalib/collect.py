@@ -225,7 +225,7 @@ def _overflow(layer: int, name: str, sample: int, x: torch.Tensor, config) -> st
     where = f"layer {layer}'s {part} (sample {sample})"
     if not bool(torch.isfinite(x).all()):
         return (f"{where} are infinite or NaN in the model's {str(x.dtype).removeprefix('torch.')}: the model overflows "
-                "its dtype; load it in one with more range (float32: --device cpu)")
+                "its dtype; load it in one with more range (--dtype bfloat16 or float32)")
     return (f"{where} exceed float16's range (largest {float(x.abs().max()):.4g}, float16 holds 65504), and a "
             f"collection stores float16: kvcalib cannot calibrate this {config.model_type} model's cache yet")
 

@@ -4,8 +4,9 @@ for benchmarks and tests where no model hub is reachable, never for accuracy.
     kvcalib make-model --shape llama-3.1-8b --out runs/models/llama-3.1-8b-random
     kvcalib make-model --shape my-config.json --out DIR      # any transformers config, as JSON
 
-Shapes (`SHAPES`): Llama-3.1-8B and Llama-3.1-70B as their published configs give them (layers, widths,
-heads, RoPE with its Llama-3 scaling, context 128k). The tokenizer is the embedded model's (SmolLM2's),
+Shapes (`SHAPES`): Llama-3.1-8B and -70B, Qwen3-8B, Mistral-7B, Phi-3-mini, Gemma-2-9B, Gemma-3-4B and
+Gemma-3-27B as their published configs give them (layers, widths, heads, head_dim, RoPE and its scaling, sliding
+windows, soft caps, context). The tokenizer is the embedded model's (SmolLM2's),
 saved beside the weights, so the vocabulary is its (49152 tokens, where Llama 3.1 has 128256: the
 embedding and output matrices are smaller, every layer is the real one).
 

@@ -278,6 +278,9 @@ CASES = {
     "collect of a model whose keys overflow float16": lambda c: [
         "collect", "--model", str(_overflowing_model(c)), "--dataset", str(c.text), "--num-samples", "2",
         "--seq-len", "32", "--out", str(c.tmp / "acts")],
+    "collect of a model that overflows its own dtype": lambda c: [
+        "collect", "--model", str(_overflowing_model(c)), "--dtype", "float16", "--dataset", str(c.text),
+        "--num-samples", "2", "--seq-len", "32", "--out", str(c.tmp / "acts")],
     "a GPU this machine does not have": lambda c: ["eval", *c.model, "--method", "fp16", "--device", "cuda:99",
                                                    *c.small],
     "a device that is no device": lambda c: ["collect", *c.model, "--dataset", str(c.text), "--device", "gpu",
@@ -389,6 +392,7 @@ EXPECT = {
     "seq-len beyond the context": "exceeds the model's context",
     "collect of zero samples": "must be positive",
     "collect of a model whose keys overflow float16": "layer 1's keys (sample 0) exceed float16's range",
+    "collect of a model that overflows its own dtype": "are infinite or NaN in the model's float16",
     "a GPU this machine does not have": "--device cuda:99",
     "a device that is no device": "--device must be auto, cpu, cuda or cuda:N",
     "train-adapters on a GPU this machine does not have": "--device cuda:99",
