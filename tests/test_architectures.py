@@ -33,18 +33,25 @@ ARCHS = {"qwen3": {}, "mistral": {"sliding_window": None}, "phi3": {}, "gemma2":
          "gemma3_text": {"num_hidden_layers": 6, "sliding_window": 8}}
 
 
+# The methods a cache holds without an artifact (the pipeline test below decodes the fitted ones, VecInfer and the
+# plan, through `model.generate`): R = 16, so that 65 tokens flush four blocks.
+METHODS = {"kivi": {"bits": 2, "group_size": 8, "residual": 16}, "oscar": {"bits": 2, "group_size": 8, "residual": 16},
+           "turboquant": {"bits": 3, "residual": 16}}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_a_decoder_holds_the_cache_eval_scores_on_each_architecture(arch, tokenizer, monkeypatch):
-    """KIVI-2 G=8 R=16 over 65 tokens (four flushes): logits of one token at a time through `KvcalibCache` equal
-    eval's one forward, sliding layers kept as the model computes them on both sides."""
+def test_a_decoder_holds_the_cache_eval_scores_on_each_architecture(arch, method, tokenizer, monkeypatch):
+    """KIVI-2 G=8, OScaR-2 G=8 and TurboQuant-3, R=16, over 65 tokens (four flushes): logits of one token at a time
+    through `KvcalibCache` equal eval's one forward, sliding layers kept as the model computes them on both sides."""
     lm = LoadedModel(model=float64(tiny_model(arch, **ARCHS[arch])), tokenizer=tokenizer, spec=f"tiny-{arch}")
-    options = {"bits": 2, "group_size": 8, "residual": 16}
+    options = METHODS[method]
     window = torch.randint(5, 500, (65,), generator=torch.Generator().manual_seed(0))
     logits = []
     hook = lm.model.register_forward_hook(lambda module, args, out: logits.append(out.logits[0].detach()))
     monkeypatch.setattr(evaluate_module, "token_windows", lambda *args, **kwargs: window[None])
     try:
-        evaluate(lm, num_samples=1, seq_len=65, method="kivi", **options)
+        evaluate(lm, num_samples=1, seq_len=65, method=method, **options)
     finally:
         hook.remove()
     scored = logits[0][:-1]
@@ -57,14 +64,14 @@ def test_a_decoder_holds_the_cache_eval_scores_on_each_architecture(arch, tokeni
                 rows.append(lm.model(window[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0])
         return torch.cat(rows)
 
-    cache = KvcalibCache(lm, "kivi", MethodSettings(**options))
+    cache = KvcalibCache(lm, method, MethodSettings(**options))
     assert set(cache.method.float16_layers) == set(sliding_windows(lm.config))
     decoded = decode(cache)
     atol = (FLOAT32_SOFTMAX_REL if arch == "gemma2" else LOGITS_REL) * scored.abs().max().item()
     torch.testing.assert_close(decoded, scored, rtol=0, atol=atol)
     assert any(layer.length - layer.k_res.shape[-2] >= 48 for layer in cache.layers if hasattr(layer, "k_res"))
     if sliding_windows(lm.config):  # the planted error: a decoder that compresses the layers eval keeps
-        other = decode(KvcalibCache(lm, "kivi", MethodSettings(**options, sliding_layers="compress")))
+        other = decode(KvcalibCache(lm, method, MethodSettings(**options, sliding_layers="compress")))
         assert (other - scored).abs().max().item() > 1000 * atol
 
 
