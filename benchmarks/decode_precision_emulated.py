@@ -1,5 +1,5 @@
 """CPU emulation of how the fused decode kernel accumulates values, to predict its error against
-float64 for each code-unpack scheme of kernels_cupy/int2_decode.cu without a GPU.
+float64 for each code-unpack scheme of kvcalib/formats/int2/int2_decode.cu without a GPU.
 
     python benchmarks/decode_precision_emulated.py [--tokens 4704] [--bits 24] [--heads 4]
 

@@ -1,5 +1,5 @@
 """CPU emulation of where the fused decode kernel's scores lose precision, against SDPA over the
-dequantized cache: the key side of kernels_cupy/int2_decode.cu's schemes, without a GPU.
+dequantized cache: the key side of kvcalib/formats/int2/int2_decode.cu's schemes, without a GPU.
 
     python benchmarks/decode_precision_keys_emulated.py [--trials 40] [--length 128]
 

@@ -72,7 +72,7 @@ SETS = {"int2_decode.cu": int2_sets, "vq_decode.cu": vq_sets}
 
 
 def source_of(files: dict[str, str], filename: str, seen: set | None = None) -> str:
-    """The loader's `source_of` over a {name: text} snapshot of kernels_cupy/."""
+    """The loader's `source_of` over a {name: text} snapshot of the kernels (`snapshot`)."""
     seen = set() if seen is None else seen
     if filename in seen:
         return ""
@@ -122,15 +122,23 @@ def nvcc_version() -> str:
     return subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
 
 
+KERNEL_DIRS = ("kernels_cupy", "kvcalib/formats/int2", "kvcalib/formats/vq", "kvcalib/formats/codebook")
+
+
 def snapshot(rev: str | None) -> dict[str, str]:
-    """kernels_cupy/'s .cu and .cuh files at `rev` (None: the working tree)."""
-    folder = ROOT / "kernels_cupy"
-    names = [p.name for p in folder.iterdir() if p.suffix in (".cu", ".cuh")]
+    """The kernels' .cu and .cuh files by name (kernels_cupy/'s shared ones and each format's own) at `rev` (None: the
+    working tree); at a rev, each name where it lay then (the formats' kernels lived in kernels_cupy/ before)."""
+    here = {p.name: p for d in KERNEL_DIRS for p in (ROOT / d).iterdir() if p.suffix in (".cu", ".cuh")}
     if rev is None:
-        return {n: (folder / n).read_text() for n in names}
-    return {n: subprocess.run(["git", "show", f"{rev}:kernels_cupy/{n}"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout
-            for n in names if subprocess.run(["git", "cat-file", "-e", f"{rev}:kernels_cupy/{n}"], cwd=ROOT).returncode == 0}
+        return {n: p.read_text() for n, p in here.items()}
+    out = {}
+    for n in here:
+        for d in KERNEL_DIRS:
+            if subprocess.run(["git", "cat-file", "-e", f"{rev}:{d}/{n}"], cwd=ROOT).returncode == 0:
+                out[n] = subprocess.run(["git", "show", f"{rev}:{d}/{n}"], cwd=ROOT, capture_output=True, text=True,
+                                        check=True).stdout
+                break
+    return out
 
 
 def compare(old: dict, new: dict, filename: str, arch: str, defines: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""Shared-memory wavefronts of the VecInfer kernel's code loads (kernels_cupy/vq_decode.cu) under an order of a
+"""Shared-memory wavefronts of the VecInfer kernel's code loads (kvcalib/formats/vq/vq_decode.cu) under an order of a
 tile's tokens in the mma's slots (`slot_token`): a model of the loads each lane makes, for the configurations
 `fit-codebook` produces. Prints the wavefronts per tile of the orders named below; `--search` tries all 8!
 orders of a half tile (one minute) and prints the best, the one vq_decode.cu uses.

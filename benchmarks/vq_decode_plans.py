@@ -1,4 +1,4 @@
-"""A/B of the VecInfer decode kernel's launch plans (kernels_cupy/vq_decode.cu): warps per block,
+"""A/B of the VecInfer decode kernel's launch plans (kvcalib/formats/vq/vq_decode.cu): warps per block,
 pipeline stages, conflict-free book copies, blocks per SM, against the plan `kvcalib.formats.vq.launch.plan`
 picks, on decode.py's inputs (32 q / 8 KV heads, d=128, residual 100, random codes, median of graph
 replays). Prints a table; `--results FILE` records it.

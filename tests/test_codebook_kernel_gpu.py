@@ -1,6 +1,7 @@
-"""The fused codebook decode kernel (kernels_cupy/codebook_decode.cu) against the float64 reference of the same codes
-(`kvcalib.formats.codebook.layout.reference_decode`), row by row, under the runtime's accuracy rule: each row's error
-at most twice that of SDPA in the query's dtype over the dequantized cache, plus 1e-4 (tests/test_int2_kernel_gpu.py).
+"""The fused codebook decode kernel (kvcalib/formats/codebook/codebook_decode.cu) against the float64 reference of the
+same codes (`kvcalib.formats.codebook.layout.reference_decode`), row by row, under the runtime's accuracy rule: each
+row's error at most twice that of SDPA in the query's dtype over the dequantized cache, plus 1e-4
+(tests/test_int2_kernel_gpu.py).
 TurboQuant oblivious, calibrated per layer and per KV head, 1 to 4 bits, vector codes; KIVI and OScaR (affine codes,
 key groups of 32 and 128 tokens) at 2 to 4 bits; VecInfer; plans mixing them per KV head (one launch a group of heads);
 head_dim 64, 128 and 256; one to eight query heads per KV head; sinks on and off; residual windows empty to full; flushed

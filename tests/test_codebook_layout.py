@@ -227,7 +227,7 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     spill 48 bytes (TurboQuant's codes none). Gemma 2's soft cap (`SOFTCAP_LOG2`, as the launch writes it) compiles
     into the same budget."""
     from kernels_cupy.source import source_of
-    from kvcalib.formats.codebook.launch import CH, ROWS, SLICES, WARPS, blocks_per_sm, softcap_define
+    from kvcalib.formats.codebook.launch import CH, KERNEL, ROWS, SLICES, WARPS, blocks_per_sm, softcap_define
 
     words = head_dim * 4 // 32  # pairs of 2-bit levels: 4-bit codes (`kernel_book`)
     defines = {"D": head_dim, "GQ": gqa, "QT": "__nv_bfloat16", "CH": CH, "WARPS": WARPS, "ROWS": ROWS,
@@ -237,7 +237,7 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     if softcap:
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     src = tmp_path / "partial.cu"
-    src.write_text("".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source_of("codebook_decode.cu"))
+    src.write_text("".join(f"#define {k} {v}\n" for k, v in sorted(defines.items())) + source_of(KERNEL))
     run = subprocess.run([NVCC, "-arch=sm_90", "-std=c++17", "--use_fast_math", "-cubin", "-Xptxas", "-v", "-o",
                           str(tmp_path / "partial.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

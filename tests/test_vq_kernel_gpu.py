@@ -1,4 +1,4 @@
-"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu) against the float64 reference of
+"""The fused VecInfer decode kernel (kvcalib/formats/vq/vq_decode.cu) against the float64 reference of
 the same codes (`kvcalib.formats.vq.layout.reference_decode`), row by row, under the runtime's accuracy rule: each
 row's error at most twice that of SDPA in float16 over the dequantized cache, plus 1e-4
 (tests/test_int2_kernel_gpu.py). Per-layer and per-head codebooks, key and value configurations that

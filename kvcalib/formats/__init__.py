@@ -1,11 +1,11 @@
 """The packed layouts the fused decode kernels read, one folder each, named by format:
 
 - `int2/`: 2-bit codes with per-group scales and zero points, in the tensor-core order of
-  `kernels_cupy/int2_decode.cu`; the layout of KIVI, OScaR and KVLinC at 2 bits (`Method.int2_spec`).
-- `vq/`: codebook indices with per-layer or per-head codebooks, read by `kernels_cupy/vq_decode.cu`; the layout
+  `int2/int2_decode.cu`; the layout of KIVI, OScaR and KVLinC at 2 bits (`Method.int2_spec`).
+- `vq/`: codebook indices with per-layer or per-head codebooks, read by `vq/vq_decode.cu`; the layout
   of VecInfer (`Method.vq_books`).
 - `codebook/`: code rows read through codebooks (per position, shared, or affine levels), a norm per token and a
-  basis, read by `kernels_cupy/codebook_decode.cu`; the layout of TurboQuant, of KIVI and OScaR beyond 2 bits or with
+  basis, read by `codebook/codebook_decode.cu`; the layout of TurboQuant, of KIVI and OScaR beyond 2 bits or with
   sinks, and of a plan's groups of KV heads (`Method.codebook_spec`, `Method.codebook_groups`).
 
 Each folder holds `layout.py` (the tensors, how a method's flushed blocks are appended, and the float64

@@ -68,15 +68,15 @@ class KernelLayout:
     "no kernel layout, no decoding state", and the runtime decodes such a method with the torch reference
     (`Method.decode` over the dequantized blocks), which every method has. A method whose flushed blocks a
     fused kernel reads overrides one layout's pair, and the basis and state members it needs:
-    - `int2_spec`, `int2_parts`: its blocks in the INT2 layout (`kvcalib.formats.int2.layout`, which
-      `kernels_cupy/int2_decode.cu` reads); KIVI, OScaR, KVLinC. Read by `runtime/cache.py` (the kernel
-      choice, each flush, each decode step) and `runtime/static_cache.py` (its buffers, each flush).
-    - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq.layout`, which
-      `kernels_cupy/vq_decode.cu` reads); VecInfer. Read where the INT2 pair is.
-    - `codebook_spec`, `codebook_parts`: its blocks in the codebook layout (`kvcalib.formats.codebook.layout`,
-      which `kernels_cupy/codebook_decode.cu` reads); TurboQuant, VecInfer, KIVI and OScaR. The runtime reads them
-      through `codebook_groups` and `codebook_blocks`, which a method mixing formats per KV head (a plan) overrides
-      instead. Read where the INT2 pair is, after it and the VecInfer pair.
+    - `int2_spec`, `int2_parts`: its blocks in the INT2 layout (`kvcalib.formats.int2`, whose kernel is
+      `int2_decode.cu` in that folder); KIVI, OScaR, KVLinC. Read by that format (`formats/int2/format.py`), which
+      the caches hold (the kernel choice, each flush, each decode step, a static slot's buffers).
+    - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq`, kernel `vq_decode.cu`);
+      VecInfer. Read by `formats/vq/format.py`.
+    - `codebook_spec`, `codebook_parts`: its blocks in the codebook layout (`kvcalib.formats.codebook`, kernel
+      `codebook_decode.cu`); TurboQuant, VecInfer, KIVI and OScaR. Its format reads them through `codebook_groups`
+      and `codebook_blocks`, which a method mixing formats per KV head (a plan) overrides instead. The caches try
+      the formats in the registry's order (`formats/registry.py`): INT2, VecInfer, then the codebook layout.
     - `rotated_keys`, `rotated_values`: INT2 blocks stored in the Hadamard basis (OScaR; KVLinC's values, and
       its keys with `keys="oscar"`): both caches write them into `PackedLayer`, whose kernel rotates the
       query for them and their partial outputs back.

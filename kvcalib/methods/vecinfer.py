@@ -19,7 +19,7 @@ default, `--residual`), as for KIVI. The evaluation reads decompressed keys back
 space (undoing the rotation and smoothing), which is mathematically the same as rotating and scaling
 the queries; `VecInfer.key_scores` is the lookup-table form, q̃ · codebookᵀ indexed by the codes, and is
 tested against dequantize-then-dot. On CUDA the runtime decodes with the fused kernel
-(kernels_cupy/vq_decode.cu, `kvcalib.formats.vq.launch`), which the method declares by `vq_books` and
+(kvcalib/formats/vq/vq_decode.cu, `kvcalib.formats.vq.launch`), which the method declares by `vq_books` and
 `vq_parts`; the layout it reads, the float64 reference of its whole computation (sinks and residual
 included) and the transforms into and out of the codec basis (`keys_to_codec`, `keys_from_codec`,
 `queries_to_codec`, which this module uses) are `kvcalib.formats.vq.layout`.
@@ -160,7 +160,7 @@ class VecInfer(Method):
 
     def key_scores(self, layer: int, q: torch.Tensor, packed: VecInferPacked) -> torch.Tensor:
         """q · k̂ᵀ (B, Hq, Tq, Tk), unscaled, by table lookup: LUT[j, e] = q̃_j · codebook[e] per sub-vector j,
-        score = Σ_j LUT[j, code_j]: what the fused VecInfer kernel computes (kernels_cupy/vq_decode.cu, which
+        score = Σ_j LUT[j, code_j]: what the fused VecInfer kernel computes (kvcalib/formats/vq/vq_decode.cu, which
         takes the same sums on the tensor cores from the gathered centroids)."""
         books = self.books(layer, q.device)
         n = self.config.k.dim

@@ -1,2 +1,2 @@
-"""The codebook layout (`layout.py`) and the launch of its fused decode kernel, `kernels_cupy/codebook_decode.cu`
-(`launch.py`): TurboQuant's scalar and vector codes."""
+"""The codebook layout (`layout.py`) and the launch of its fused decode kernel
+(`launch.py`; the kernel, `codebook_decode.cu`, beside them): TurboQuant's scalar and vector codes."""

@@ -1,4 +1,4 @@
-"""The fused codebook decode kernel (kernels_cupy/codebook_decode.cu): what it can read, and its launch.
+"""The fused codebook decode kernel (`codebook_decode.cu`, in this folder): what it can read, and its launch.
 
 `supports` is the one statement of the kernel's input limits; the layout it reads and the float64 reference it is
 tested against are `kvcalib.formats.codebook.layout`. A layer of several groups of heads (a plan's) is one launch a
@@ -11,11 +11,14 @@ alone only with splits so short that copying the books into shared memory outwei
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ..waves import MAX_GQA, sm_count, splits
 from .layout import CodebookLayer, CodebookSpec, CodedPart
+
+KERNEL = str(Path(__file__).with_name("codebook_decode.cu"))  # this format's kernel, beside its launch
 
 HEAD_DIMS = (64, 128, 256)
 CH = 8  # channels a lane takes of each float16 row (the kernel's CH): D / 8 lanes a row
@@ -273,10 +276,10 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     heads = lambda t: i32(0 if t is None else t.shape[0])  # noqa: E731
     with torch_stream(q.device):
         # Block (query head of the layer's heads, batch row): q~ = scale log2(e) q B_K^T.
-        launch(kernel("codebook_decode.cu", defines, "rotate"), (h * gqa, b), (d * SLICES,),
+        launch(kernel(KERNEL, defines, "rotate"), (h * gqa, b), (d * SLICES,),
                (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
         # Block (part, KV head, batch row): split_len packed tokens (parts < num_splits) or ROWS float16 rows.
-        partial = kernel("codebook_decode.cu", defines, "partial")
+        partial = kernel(KERNEL, defines, "partial")
         if smem > 48 * 1024:
             partial.max_dynamic_shared_size_bytes = smem
         launch(partial, (parts, h, b), (32 * WARPS,),
@@ -287,6 +290,6 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                 i32(split_len), i32(num_splits), scale_log2, ptr(flushed), ptr(residual), ptr(part_acc),
                 ptr(part_ml)), checked, smem)
         # Block (query head, batch row): the parts merged, the coded values taken back by B_V, written to out.
-        launch(kernel("codebook_decode.cu", defines, "merge"), (h * gqa, b), (d * SLICES,),
+        launch(kernel(KERNEL, defines, "merge"), (h * gqa, b), (d * SLICES,),
                (ptr(part_acc), ptr(part_ml), i32(parts), i32(num_splits), ptr(vbasis), heads(vbasis),
                 ptr(head_map), i32(hq), ptr(out)), checked)

@@ -1,4 +1,4 @@
-"""The codebook layout a fused decode kernel reads (kernels_cupy/codebook_decode.cu), and its float64 reference.
+"""The codebook layout a fused decode kernel reads (`codebook_decode.cu`, in this folder), and its float64 reference.
 
 One layout for every format whose vectors are read back from codes through small tables: TurboQuant's scalar codes
 (one codebook for every coordinate, or one per coordinate) and vector codes of D coordinates, VecInfer's vector codes,

@@ -1,4 +1,4 @@
-"""The fused INT2 decode kernel (kernels_cupy/int2_decode.cu): what it can read, and its launch.
+"""The fused INT2 decode kernel (`int2_decode.cu`, in this folder): what it can read, and its launch.
 
 `supports` is the one statement of the kernel's input limits: the runtime asks it before it lays a
 method's flushed blocks out for the kernel, and `fused_decode` refuses what it refuses. The layout
@@ -8,10 +8,14 @@ it reads, and the torch reference it is tested against, are `kvcalib.formats.int
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
 import torch
 
 from ..waves import MAX_GQA, sm_count, splits
 from .layout import TILE, Int2Spec, PackedLayer
+
+KERNEL = str(Path(__file__).with_name("int2_decode.cu"))  # this format's kernel, beside its launch
 
 RESIDUAL_CHUNK = 16  # RT in int2_decode.cu: residual tokens per block
 MERGE_WARPS = 4  # MERGE_WARPS in int2_decode.cu: warps per block of `merge`
@@ -125,7 +129,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
     with torch_stream(q.device):
         # Block (part, kv head, batch): the first num_splits stream split_len packed tokens each for the
         # GQ heads of their KV head; the others take 16 tokens of the fp16 residual window.
-        launch(kernel("int2_decode.cu", defines, "packed_partial"), (parts, hkv, b), (128,),
+        launch(kernel(KERNEL, defines, "packed_partial"), (parts, hkv, b), (128,),
                (ptr(q), ptr(layer.kcodes), ptr(layer.kscale), ptr(layer.kzero), ptr(layer.knorm),
                 ptr(layer.vcodes), ptr(layer.vscale), ptr(layer.vzero), i32(layer.length),
                 i32(layer.kcodes.shape[2]), i32(layer.kscale.shape[2]), i32(layer.vcodes.shape[2]),
@@ -134,7 +138,7 @@ def _int2_decode(q: torch.Tensor, kcodes: torch.Tensor, kscale: torch.Tensor, kz
                 ptr(counts[0] if counts else None), ptr(counts[1] if counts else None)), checked)
         # Warp per (batch, query head, 32 channels), MERGE_WARPS per block: merge partials (+ KVLinC terms), normalise.
         warps = b * hq * d // 32
-        launch(kernel("int2_decode.cu", defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
+        launch(kernel(KERNEL, defines, "merge"), (-(-warps // MERGE_WARPS),), (32 * MERGE_WARPS,),
                (ptr(part_acc), ptr(part_ml), ptr(num), ptr(den), i32(parts), i32(b * hq), ptr(out)), checked)
     return out
 

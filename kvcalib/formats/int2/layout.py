@@ -1,4 +1,4 @@
-"""The INT2 cache layout the fused decode kernel reads (kernels_cupy/int2_decode.cu), and its torch reference.
+"""The INT2 cache layout the fused decode kernel reads (`int2_decode.cu`, in this folder), and its torch reference.
 
 Used by kivi, oscar and kvlinc (`Method.int2_spec`, `Kivi`'s, which the other two inherit; at 2 bits).
 
@@ -35,12 +35,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ...hadamard import rotate
 from ...quant import Quantized, dequantize_codes, quantize, unpack_bits
 from ..rows import grow
+
+KERNEL = str(Path(__file__).with_name("reorder.cu"))  # the layout's reorder kernel, beside it
 
 TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `pack` allocates
 
@@ -106,7 +109,7 @@ def _block_untranspose(x: torch.Tensor) -> torch.Tensor:
 
 def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
     """2-bit words of kvcalib.quant (keys (..., T/16, D) packed along tokens, values (..., T, D/16)
-    along channels) to the tensor-core order, as (..., T/16, D): `kernels_cupy/reorder.cu` on CUDA,
+    along channels) to the tensor-core order, as (..., T/16, D): `reorder.cu` (in this folder) on CUDA,
     `to_tensor_core_order` elsewhere and under `torch.compile` (the two are tested equal bit for bit)."""
     if which == "k":
         *lead, nb, d = words.shape
@@ -126,7 +129,7 @@ def reorder_packed(words: torch.Tensor, which: str) -> torch.Tensor:
     if total:
         with torch_stream(words.device):
             # Thread per destination word, 256 per block.
-            launch(kernel("reorder.cu", {"D": d, "VALUES": int(which == "v")}, "reorder"), (-(-total // 256),), (256,),
+            launch(kernel(KERNEL, {"D": d, "VALUES": int(which == "v")}, "reorder"), (-(-total // 256),), (256,),
                    (cupy.uint64(src.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(total)))
     return out
 

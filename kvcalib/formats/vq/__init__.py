@@ -1,2 +1,2 @@
-"""The VecInfer layout (`layout.py`) and the launch of its fused decode kernel, `kernels_cupy/vq_decode.cu`
-(`launch.py`)."""
+"""The VecInfer layout (`layout.py`) and the launch of its fused decode kernel
+(`launch.py`; the kernel, `vq_decode.cu`, beside them)."""

@@ -1,4 +1,4 @@
-"""The fused VecInfer decode kernel (kernels_cupy/vq_decode.cu): what it can read, and its launch.
+"""The fused VecInfer decode kernel (`vq_decode.cu`, in this folder): what it can read, and its launch.
 
 The layout it reads and the float64 reference it is tested against are `kvcalib.formats.vq.layout`
 (tests/test_vq_kernel_gpu.py). One launch: the last block of each (sequence, KV head) to finish merges its
@@ -9,12 +9,16 @@ are read on the device.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ...errors import SettingsError
 from ...vq import VQConfig
 from ..waves import MAX_GQA, sm_count, splits
 from .layout import VQBooks, VQLayer
+
+KERNEL = str(Path(__file__).with_name("vq_decode.cu"))  # this format's kernel, beside its launch
 
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
@@ -243,7 +247,7 @@ def _launch(q: torch.Tensor, layer: VQLayer, scaling: float, checked: bool, leng
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     i32 = cupy.int32
     with torch_stream(q.device):  # the device's own function: its shared-memory limit is set per device
-        partial = kernel("vq_decode.cu", defines, "vq_partial")
+        partial = kernel(KERNEL, defines, "vq_partial")
         partial.max_dynamic_shared_size_bytes = smem
         launch(partial, (parts, hkv, b), (32 * p["WARPS"],),
                (ptr(qc), ptr(kc), ptr(vc), ptr(kb), ptr(vb), i32(kb.shape[0]), i32(vb.shape[0]), ptr(smooth), ptr(ks),

@@ -2,7 +2,7 @@
 
 Used by vecinfer (`Method.vq_books`, `VecInfer`'s).
 
-The kernel (`kernels_cupy/vq_decode.cu`, launched by `kvcalib.formats.vq.launch`) reads this layout;
+The kernel (`vq_decode.cu` in this folder, launched by `kvcalib.formats.vq.launch`) reads this layout;
 this module fixes what it reads and computes, from the definition, what it must return, so that the
 kernel is tested against it (tests/test_vq_kernel_gpu.py) the way the INT2 kernel is tested against
 `kvcalib.formats.int2.layout.reference_decode`.
