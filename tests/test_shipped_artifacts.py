@@ -16,8 +16,11 @@ ART = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m"
 
 
 def _defaults(command) -> dict:
-    """A click command's option defaults by parameter name."""
-    return {p.name: p.default for p in command.params}
+    """A click command's option defaults by parameter name, as the command would take them (a flag's: False)."""
+    import click
+
+    ctx = click.Context(command)
+    return {p.name: p.get_default(ctx) for p in command.params}
 
 
 def _manifest(name: str) -> dict:
@@ -42,7 +45,8 @@ def plan_mismatches(manifest: dict, budget: float = 2.25) -> list[str]:
     """What a plan's manifest holds that `collect` + `plan --budget B` with default flags would not write."""
     s, extra, want = manifest["settings"], manifest["extra"], _defaults(cli.plan_cmd)
     expected = {"budget": budget, "items": PLAN_ITEM, "sink_tokens": PLAN_SINK_TOKENS, "residual": DEFAULTS["residual"],
-                "residual_mode": DEFAULTS["residual_mode"], "granularity": want["granularity"], "iters": want["iters"]}
+                "residual_mode": DEFAULTS["residual_mode"], "granularity": want["granularity"], "iters": want["iters"],
+                "sliding_layers": want["sliding_layers"], "float16_layers": []}  # the embedded Llama: no sliding layer
     out = [f"{k}: {s.get(k)!r}, default {v!r}" for k, v in expected.items() if s.get(k) != v]
     scalar = [c for c in PLAN_CANDIDATES if not parse_scheme(c).dim]
     keys = list(PLAN_CANDIDATES) if PLAN_VECTOR_KEYS else scalar
@@ -56,7 +60,8 @@ def vecinfer_mismatches(manifest: dict) -> list[str]:
     """What a VecInfer manifest holds that `fit-codebook` with default flags would not write."""
     s, want = manifest["settings"], _defaults(cli.fit_codebook_cmd)
     out = [f"{k}: {s.get(k)!r}, default {want[k]!r}"
-           for k in ("k_config", "v_config", "granularity", "iters", "max_points_per_centroid", "seed")
+           for k in ("k_config", "v_config", "granularity", "iters", "max_points_per_centroid", "seed", "sink_tokens",
+                     "exclude_sinks")
            if s.get(k) != want[k]]
     out += [f"{k}: {s.get(k)!r}, default {want[k]!r}" for k in ("smooth", "hadamard") if s.get(k) is not True]
     return out + _calibration_mismatches(manifest["extra"].get("calibration", {}))
@@ -82,8 +87,9 @@ def test_each_shipped_artifact_is_what_the_default_flags_make(name):
     assert CHECKS[name](_manifest(name)) == []
 
 
-@pytest.mark.parametrize("name,key,value", [("plan-2.25", "sink_tokens", 0), ("vecinfer-d4b8", "k_config", "d8b12"),
-                                            ("oscar", "group_size", 128)])
+@pytest.mark.parametrize("name,key,value", [("plan-2.25", "sink_tokens", 0), ("plan-3", "sliding_layers", "compress"),
+                                            ("vecinfer-d4b8", "k_config", "d8b12"),
+                                            ("vecinfer-d4b8", "sink_tokens", 1), ("oscar", "group_size", 128)])
 def test_a_manifest_one_setting_off_its_default_is_caught(name, key, value):
     manifest = _manifest(name)
     manifest["settings"][key] = value
