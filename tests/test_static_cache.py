@@ -45,6 +45,20 @@ def test_a_static_cache_refuses_what_it_cannot_hold_with_the_reason(name, settin
         check_static(method, SHAPE.head_dim, CUDA, 2)
 
 
+@pytest.mark.parametrize("name", ["kivi", "turboquant"])
+def test_a_static_cache_names_the_head_dim_or_query_groups_no_fused_kernel_reads(name):
+    """Phi-3's head_dim of 96 and a model of 16 query heads per KV head: the refusal names what is missing, not only
+    that no layout fits (a model users bring is refused in one line naming it)."""
+    phi = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=96)
+    with pytest.raises(SettingsError, match=r"its head_dim 96 is not one a fused kernel reads \(64, 128, 256\)"):
+        check_static(build_method(name, phi, MethodSettings()), 96, CUDA, 2)
+    wide = AttentionShape(num_layers=1, num_heads=32, num_kv_heads=2, head_dim=64)
+    with pytest.raises(SettingsError, match="its 16 query heads per KV head are more than a fused kernel reads"):
+        check_static(build_method(name, wide, MethodSettings()), 64, CUDA, 16)
+    check_static(build_method(name, SHAPE, MethodSettings(group_size=32) if name == "kivi" else MethodSettings()),
+                 SHAPE.head_dim, CUDA, 2)  # the same method at a shape the kernels read: no error
+
+
 @pytest.mark.parametrize("name,settings,family", [
     ("kivi", MethodSettings(bits=2, group_size=32), "INT2"),
     ("kivi", MethodSettings(bits=3, group_size=32), "codebook"),

@@ -24,6 +24,7 @@ class Format(ABC):
     name: str  # as `where_layers_run` says it
     holds_sinks = False  # a static cache's layout keeps float16 sink tokens
     holds_state = True  # a decoding state (KVLinC's) may live beside its blocks
+    head_dims: tuple[int, ...] = ()  # the head_dims its kernel reads (its launch's HEAD_DIMS)
 
     @abstractmethod
     def declaration(self, method, layer: int) -> Any:

@@ -42,6 +42,7 @@ from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_a
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
+from ..formats.waves import MAX_GQA
 from ..methods import Method, MethodSettings, build_method, keep_sinks, settle_float16_layers
 from ..models import LoadedModel, attention_shape, sliding_windows
 
@@ -349,6 +350,11 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
                                   if i not in kept} - {None}:
         why = (f"the model soft-caps its attention scores, which of the fused kernels only the codebook layout's "
                f"applies, and it does not read --method {method.name}'s blocks at these settings")
+    elif fmt is None and head_dim not in {d for f in FORMATS for d in f.head_dims}:
+        dims = sorted({d for f in FORMATS for d in f.head_dims})
+        why = f"its head_dim {head_dim} is not one a fused kernel reads ({', '.join(map(str, dims))})"
+    elif fmt is None and gqa > MAX_GQA:
+        why = f"its {gqa} query heads per KV head are more than a fused kernel reads ({MAX_GQA})"
     elif fmt is None:
         why = (f"--method {method.name} has no fused layout at these settings, or not the same in every layer "
                f"({', '.join(f.name for f in FORMATS)}: `formats.*.launch.supports`)")

@@ -9,12 +9,13 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
-from .launch import codebook_decode, supports
+from .launch import HEAD_DIMS, codebook_decode, supports
 from .layout import BUFFERS, CodebookLayer, append_block, flushed_kv, rows_like
 
 
 class CodebookFormat(Format):
     name = "codebook"
+    head_dims = HEAD_DIMS
     holds_sinks = True
     holds_state = False
 

@@ -8,7 +8,7 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
-from .launch import fused_decode, supports
+from .launch import HEAD_DIMS, fused_decode, supports
 from .layout import PackedLayer, append_block, kernel_parts
 
 SLOTS = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm")
@@ -16,6 +16,7 @@ SLOTS = ("kcodes", "kscale", "kzero", "vcodes", "vscale", "vzero", "knorm")
 
 class Int2Format(Format):
     name = "INT2"
+    head_dims = HEAD_DIMS
 
     def declaration(self, method, layer: int):
         return method.int2_spec()

@@ -6,12 +6,13 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
-from .launch import supports, vq_decode
+from .launch import HEAD_DIMS, supports, vq_decode
 from .layout import VQLayer, append_block, flushed_kv
 
 
 class VQFormat(Format):
     name = "VecInfer"
+    head_dims = HEAD_DIMS
     holds_state = False
 
     def declaration(self, method, layer: int):

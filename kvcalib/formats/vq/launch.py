@@ -20,6 +20,8 @@ from .layout import VQBooks, VQLayer
 
 KERNEL = str(Path(__file__).with_name("vq_decode.cu"))  # this format's kernel, beside its launch
 
+HEAD_DIMS = (64, 128)
+
 SHARED_LIMIT = 200 * 1024  # bytes of dynamic shared memory a block may take here (an H100 allows 227 KiB)
 SM_SHARED = 227 * 1024  # shared memory of one SM a kernel's blocks may share (H100)
 MIN_STAGES = 2  # a ring of fewer stages cannot overlap copies with compute (more measured no faster)
@@ -116,7 +118,7 @@ def supports(books: VQBooks | None, head_dim: int, device: torch.device, gqa: in
     head_dim 64 or 128, sub-vectors the kernel reads (`check`), books that fit a block's shared memory,
     at most 8 query heads per KV head; and, given the call's `kvcalib.attention.AttentionOptions`, plain
     softmax attention (no softcap, no sliding window)."""
-    if books is None or device.type != "cuda" or head_dim not in (64, 128) or gqa > MAX_GQA:
+    if books is None or device.type != "cuda" or head_dim not in HEAD_DIMS or gqa > MAX_GQA:
         return False
     if opts is not None and (opts.softcap or opts.sliding_window):
         return False
