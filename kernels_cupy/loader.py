@@ -1,7 +1,8 @@
-"""Compile `.cu` files of this folder with cupy.RawModule, once per (source, #defines, options).
+"""Compile `.cu` files with cupy.RawModule, once per (source, #defines, options): a file of this folder by name
+(the runtime's own kernels), or by path (a format's kernel, in its folder of `kvcalib/formats/`).
 
 Kernels are specialised by `#define`s prepended to the source (head_dim, group sizes, ...); a file's
-`#include "name"` of this folder (decode_common.cuh) is inlined first (`source_of`). CuPy
+`#include "name"` is inlined first, looked up beside the file, then in this folder (`source_of`). CuPy
 caches the compiled binary on disk as well; this cache keeps the loaded module per process.
 `launch` runs a kernel and, when `checked` (tests), synchronises and raises on any CUDA error;
 `torch_stream(device)` makes the tensors' GPU CuPy's current device and torch's current stream there

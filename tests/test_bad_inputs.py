@@ -392,7 +392,9 @@ EXPECT = {
     "seq-len beyond the context": "exceeds the model's context",
     "collect of zero samples": "must be positive",
     "collect of a model whose keys overflow float16": "layer 1's keys (sample 0) exceed float16's range",
-    "collect of a model that overflows its own dtype": "are infinite or NaN in the model's float16",
+    "collect of a model that overflows its own dtype": "are infinite or NaN in the model's float16: the model "
+                                                         "overflows its dtype; load it in one with more range "
+                                                         "(--dtype bfloat16 or float32)",
     "a GPU this machine does not have": "--device cuda:99",
     "a device that is no device": "--device must be auto, cpu, cuda or cuda:N",
     "train-adapters on a GPU this machine does not have": "--device cuda:99",

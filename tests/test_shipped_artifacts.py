@@ -6,6 +6,7 @@ CLI (a default changed without remaking the artifact fails here), and each artif
 import json
 from pathlib import Path
 
+import click
 import pytest
 
 from kvcalib import cli
@@ -17,8 +18,6 @@ ART = Path(__file__).resolve().parents[1] / "artifacts" / "smollm2-135m"
 
 def _defaults(command) -> dict:
     """A click command's option defaults by parameter name, as the command would take them (a flag's: False)."""
-    import click
-
     ctx = click.Context(command)
     return {p.name: p.get_default(ctx) for p in command.params}
 

@@ -95,7 +95,7 @@ def test_a_static_cache_takes_turboquant_of_every_width_with_sinks_in_the_first_
     are held beside them."""
     method = build_method("turboquant", SHAPE, MethodSettings(bits=bits, residual=64, sink_tokens=sinks))
     check_static(method, SHAPE.head_dim, CUDA, 2)  # no error
-    with pytest.raises(SettingsError, match="no fused layout at these settings"):
+    with pytest.raises(SettingsError, match="its 9 query heads per KV head are more than a fused kernel reads"):
         check_static(method, SHAPE.head_dim, CUDA, 9)  # more query heads per KV head than the kernel holds
 
 
