@@ -122,20 +122,19 @@ def nvcc_version() -> str:
     return subprocess.run(["nvcc", "--version"], capture_output=True, text=True, check=True).stdout
 
 
-KERNEL_DIRS = ("kernels_cupy", "kvcalib/formats/int2", "kvcalib/formats/vq", "kvcalib/formats/codebook")
-
-
 def snapshot(rev: str | None) -> dict[str, str]:
     """The kernels' .cu and .cuh files by name (kernels_cupy/'s shared ones and each format's own) at `rev` (None: the
     working tree); at a rev, each name where it lay then (the formats' kernels lived in kernels_cupy/ before)."""
-    here = {p.name: p for d in KERNEL_DIRS for p in (ROOT / d).iterdir() if p.suffix in (".cu", ".cuh")}
+    here = {p.name: p for p in [*(ROOT / "kernels_cupy").iterdir(), *(ROOT / "kvcalib" / "formats").glob("*/*.cu")]
+            if p.suffix in (".cu", ".cuh")}
     if rev is None:
         return {n: p.read_text() for n, p in here.items()}
     out = {}
-    for n in here:
-        for d in KERNEL_DIRS:
-            if subprocess.run(["git", "cat-file", "-e", f"{rev}:{d}/{n}"], cwd=ROOT).returncode == 0:
-                out[n] = subprocess.run(["git", "show", f"{rev}:{d}/{n}"], cwd=ROOT, capture_output=True, text=True,
+    for n, p in here.items():
+        for where in (p.relative_to(ROOT).as_posix(), f"kernels_cupy/{n}"):  # where it lies now, or lay then
+            if subprocess.run(["git", "cat-file", "-e", f"{rev}:{where}"], cwd=ROOT,
+                              stderr=subprocess.DEVNULL).returncode == 0:
+                out[n] = subprocess.run(["git", "show", f"{rev}:{where}"], cwd=ROOT, capture_output=True, text=True,
                                         check=True).stdout
                 break
     return out

@@ -341,6 +341,7 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
     cap = model_softcap(config)
     found = {kernel_format(method, i, head_dim, device, gqa, cap)[0] for i in range(layers) if i not in kept}
     fmt = found.pop() if len(found) == 1 else None
+    dims = sorted({d for f in FORMATS for d in f.head_dims})  # the head_dims some fused kernel reads
     why = None
     if device.type != "cuda":
         why = "it runs on CUDA only (the fused kernel reads the counts on the device)"
@@ -350,8 +351,7 @@ def check_static(method: Method, head_dim: int, device: torch.device, gqa: int, 
                                   if i not in kept} - {None}:
         why = (f"the model soft-caps its attention scores, which of the fused kernels only the codebook layout's "
                f"applies, and it does not read --method {method.name}'s blocks at these settings")
-    elif fmt is None and head_dim not in {d for f in FORMATS for d in f.head_dims}:
-        dims = sorted({d for f in FORMATS for d in f.head_dims})
+    elif fmt is None and head_dim not in dims:
         why = f"its head_dim {head_dim} is not one a fused kernel reads ({', '.join(map(str, dims))})"
     elif fmt is None and gqa > MAX_GQA:
         why = f"its {gqa} query heads per KV head are more than a fused kernel reads ({MAX_GQA})"
