@@ -91,22 +91,25 @@ def kvcalib_method(name: str, lm: LoadedModel):
 
 
 def prefilled_8b(context: int, cache: str, room: int, method=None, config=None,
-                 dtype: torch.dtype = torch.float16) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
-    """The 8B-shaped random model on the GPU (seed 0; or one of `config` in `dtype`), a B=1 StaticKvcalibCache of
-    cache `cache` (`CACHES`, `VECINFER`; or `method(config) -> (method, settings)` where one is given) with `room`
-    tokens past `context`, and a random prompt of `context` tokens prefilled into its slot 0: (model, cache, the
-    first decoded token (1,))."""
+                 dtype: torch.dtype = torch.float16, batch: int = 1) -> tuple[torch.nn.Module, StaticKvcalibCache, torch.Tensor]:
+    """The 8B-shaped random model on the GPU (seed 0; or one of `config` in `dtype`), a StaticKvcalibCache of `batch`
+    slots of cache `cache` (`CACHES`, `VECINFER`; or `method(config) -> (method, settings)` where one is given) with
+    `room` tokens past `context`, and random prompts prefilled into its slots, slot i's of context (B - i) / B tokens
+    (generate_calls.py's B=8 row's lengths; one of `context` at B=1): (model, cache, the first decoded tokens (B,))."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config or llama8b_config(context), dtype=dtype).eval()
     lm = LoadedModel(model=model, tokenizer=None, spec="llama-3.1-8b-shaped (random)")
     if method is None:
-        static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=1, max_length=context + room)
+        static = StaticKvcalibCache(lm, kvcalib_method(cache, lm), max_batch=batch, max_length=context + room)
     else:
         built, settings = method(model.config)
-        static = StaticKvcalibCache(lm, built, settings, max_batch=1, max_length=context + room)
-    prompt = torch.randint(0, model.config.vocab_size, (1, context), device="cuda")
-    return model, static, static.prefill(model, 0, prompt).argmax().view(1)
+        static = StaticKvcalibCache(lm, built, settings, max_batch=batch, max_length=context + room)
+    firsts = []
+    for i in range(batch):
+        prompt = torch.randint(0, model.config.vocab_size, (1, context * (batch - i) // batch), device="cuda")
+        firsts.append(static.prefill(model, i, prompt).argmax().view(1))
+    return model, static, torch.cat(firsts)
 
 
 def event_steps(decoder, token: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:

@@ -1,5 +1,5 @@
 """Where the compiled, captured decode step's time goes: the 8B-shaped random model of
-generate.py, B=1, a 2-bit cache of generate.py's `CACHES` (`--cache`), or TurboQuant or a mapped plan of
+generate.py, B=1 (or `--batch` slots of prompts from `--context` tokens down, as generate_calls.py's B=8 row), a 2-bit cache of generate.py's `CACHES` (`--cache`), or TurboQuant or a mapped plan of
 generate_calls.py's static paths (`turboquant2`, `turboquant3`, `plan225`, `plan3`), in a StaticKvcalibCache at
 `--context` tokens; torch.profiler over `--replays`
 graph replays, GPU kernel time per step by kind:
@@ -11,7 +11,8 @@ graph replays, GPU kernel time per step by kind:
   scatter/gather, the quantizer's min/max and rounding, or the packing's shifts);
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
-    python benchmarks/profile_step.py [--context 32768] [--cache kivi128] [--replays 20] [--out DIR] [--compile regions]
+    python benchmarks/profile_step.py [--context 32768] [--batch 1] [--cache kivi128] [--replays 20] [--out DIR]
+                                      [--compile regions]
                                       [--shape llama-3.1-8b | another make-model shape, in bfloat16]
 """
 
@@ -58,7 +59,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cache", default="kivi128", help="one of generate.py's CACHES")
-    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--replays", type=int, default=20, help="steps timed and profiled; at least a flush block "
+                        "(the cache's `block`) to count the flushes' share")
     parser.add_argument("--compile", default="step", help="the captured step's compile mode: step (the whole step, "
                         "by torch.compile), or regions (what model.generate's static cache compiles by default)")
     parser.add_argument("--out", default=".")
@@ -72,7 +75,7 @@ def main() -> None:
         method = lambda config: static_method(f"{args.cache}-static", config)  # noqa: E731
     room = 2 * args.replays + 64
     config, dtype = model_config(args.shape, args.context + room)
-    model, cache, token = prefilled_8b(args.context, args.cache, room, method, config, dtype)
+    model, cache, token = prefilled_8b(args.context, args.cache, room, method, config, dtype, args.batch)
     decoder = CapturedDecoder(model, cache, compile=args.compile)
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
@@ -83,7 +86,7 @@ def main() -> None:
         by_kind[kind(name)] += us
     step_ms = statistics.median(times)
     total = sum(by_kind.values())
-    lines = [f"{args.shape}, {args.cache}, {args.context} tokens, B=1, compiled {args.compile}: step {step_ms:.2f} ms (median of {args.replays} "
+    lines = [f"{args.shape}, {args.cache}, {args.context} tokens, B={args.batch}, compiled {args.compile}: step {step_ms:.2f} ms (median of {args.replays} "
              f"replays, events), GPU kernels {total / 1e3:.2f} ms, {sum(calls.values()):.0f} kernels per step", "",
              "| kind | ms per step | share of the step |", "|---|---:|---:|"]
     lines += [f"| {k} | {us / 1e3:.3f} | {us / 1e3 / step_ms:.0%} |" for k, us in by_kind.most_common()]
@@ -93,7 +96,7 @@ def main() -> None:
     lines += ["", "Kernels on side streams overlap: the kinds' sum may pass the step."]
     text = "\n".join(lines)
     print(text)
-    Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}_{args.compile}.md").write_text(text + "\n")
+    Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}_b{args.batch}_{args.compile}.md").write_text(text + "\n")
 
 
 if __name__ == "__main__":

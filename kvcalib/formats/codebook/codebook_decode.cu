@@ -61,6 +61,9 @@
 #define NT (32 * WARPS)
 #define KS (D / 16)  // 16-channel k-slices of a key, 16-row blocks of the output
 #define NEG_INF __int_as_float(0xff800000)
+#ifndef SPREAD
+#define SPREAD 1  // the grid's packed splits a row over those one wave holds for it (`balanced_split`)
+#endif
 #ifndef SOFTCAP_LOG2
 #define SOFTCAP_LOG2 0.f  // soft-capping (Gemma 2): the cap c times log2(e); 0: none
 #endif
@@ -104,14 +107,11 @@ static_assert(KTG % 16 == 0 && (VCG == 0 || (VGROUP % VCH == 0 && D % VGROUP == 
               "affine key groups of whole tiles, affine value groups of whole lane shares (and no norm beside them)");
 static_assert(D % CH == 0 && 32 % LPT == 0, "a row's channels fill whole lanes of a warp");
 
-// This lane's share of a row: NBITS bits from bit `start`, as NW words from bit 0 (the last one zero-padded past the
-// share). `here` false: zeros, nothing read (a token past the split's end may lie past the buffers).
+// This lane's share of a row: NBITS bits from bit `start`, as NW words from bit 0 (the bits past the share: the row's
+// next ones or zeros).
 template <int NBITS>
-__device__ __forceinline__ void share_words(const unsigned* __restrict__ row, int start, bool here, unsigned* f) {
+__device__ __forceinline__ void share_words(const unsigned* __restrict__ row, int start, unsigned* f) {
   constexpr int NW = (NBITS + 31) / 32;
-#pragma unroll
-  for (int i = 0; i < NW; ++i) f[i] = 0u;
-  if (!here) return;
   const unsigned* w = row + (start >> 5);
   const int off = start & 31;
   unsigned raw[NW + 1];
@@ -122,33 +122,61 @@ __device__ __forceinline__ void share_words(const unsigned* __restrict__ row, in
   for (int i = 0; i < NW; ++i) f[i] = off ? __funnelshift_r(raw[i], raw[i + 1], off) : raw[i];
 }
 
-// Code j of BITS bits of a share (`share_words`).
-template <int BITS>
-__device__ __forceinline__ unsigned code_at(const unsigned* f, int j) {
+// Code j of BITS bits of a share (`share_words`) times 2^SHIFT: the field moved to bit SHIFT and the rest cleared, one
+// shift (a funnel shift where it spans two words) and one mask, so that it is a byte offset into a book of
+// 2^SHIFT-byte entries.
+template <int BITS, int SHIFT>
+__device__ __forceinline__ unsigned code_scaled(const unsigned* f, int j) {
   const int at = j * BITS, wi = at / 32, off = at % 32;
-  const unsigned v = off + BITS <= 32 ? f[wi] >> off : __funnelshift_r(f[wi], f[wi + 1], off);
-  return v & ((1u << BITS) - 1);
+  constexpr unsigned MASK = ((1u << BITS) - 1) << SHIFT;
+  if (off + BITS > 32) return __funnelshift_r(f[wi], f[wi + 1], off - SHIFT) & MASK;  // off > 16 > SHIFT here
+  return (off >= SHIFT ? f[wi] >> (off - SHIFT) : f[wi] << (SHIFT - off)) & MASK;
+}
+
+// Loads from a shared-memory byte address (the books): `gather` adds a code's byte offset to a lane's book address,
+// and the position's offset folds into the instruction.
+__device__ __forceinline__ unsigned lds16(unsigned a) {
+  unsigned short x;
+  asm("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(a));
+  return x;
+}
+__device__ __forceinline__ unsigned lds32(unsigned a) {
+  unsigned x;
+  asm("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(a));
+  return x;
+}
+__device__ __forceinline__ uint2 lds64(unsigned a) {
+  uint2 x;
+  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x.x), "=r"(x.y) : "r"(a));
+  return x;
+}
+__device__ __forceinline__ uint4 lds128(unsigned a) {
+  uint4 x;
+  asm("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(a));
+  return x;
 }
 
 // The centroids of a share of CHANNELS channels (its first code the row's code `first`), as CHANNELS / 2 half2
-// words: channels 2i, 2i + 1 in word i. A book of DIM 1 takes two half loads a word, 2 one, 4 and 8 one load of
-// two or four words.
+// words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address. A book of DIM 1 takes two half
+// loads a word, 2 one, 4 and 8 one load of two or four words.
 template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE>
-__device__ __forceinline__ void gather(const __half* book, const unsigned* f, int first, unsigned* out) {
+__device__ __forceinline__ void gather(unsigned book, const unsigned* f, int first, unsigned* out) {
+  constexpr int SHIFT = DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;  // an entry's bytes, log2
+  const unsigned mine = book + (POS ? 2 * first * STRIDE : 0);
 #pragma unroll
   for (int j = 0; j < CHANNELS / DIM; ++j) {
-    const __half* e = book + (POS ? (first + j) * STRIDE : 0) + code_at<BITS>(f, j) * DIM;
+    const unsigned e = mine + (POS ? 2 * j * STRIDE : 0) + code_scaled<BITS, SHIFT>(f, j);
     if constexpr (DIM == 1) {
-      const unsigned short x = *reinterpret_cast<const unsigned short*>(e);
+      const unsigned x = lds16(e);
       if (j % 2 == 0) out[j / 2] = x;
-      else out[j / 2] |= (unsigned)x << 16;
+      else out[j / 2] |= x << 16;
     } else if constexpr (DIM == 2) {
-      out[j] = *reinterpret_cast<const unsigned*>(e);
+      out[j] = lds32(e);
     } else if constexpr (DIM == 4) {
-      const uint2 x = *reinterpret_cast<const uint2*>(e);
+      const uint2 x = lds64(e);
       out[2 * j] = x.x, out[2 * j + 1] = x.y;
     } else {
-      const uint4 x = *reinterpret_cast<const uint4*>(e);
+      const uint4 x = lds128(e);
       out[4 * j] = x.x, out[4 * j + 1] = x.y, out[4 * j + 2] = x.z, out[4 * j + 3] = x.w;
     }
   }
@@ -174,28 +202,30 @@ struct Tile {
 
 __device__ __forceinline__ int slot_token(int i, int t) { return 8 * (i / 2) + 2 * t + i % 2; }
 
-__device__ __forceinline__ void load_tile(Tile& x, int base, int t0, int t1, const unsigned* __restrict__ krow,
+__device__ __forceinline__ void load_tile(Tile& x, int base, int t1, const unsigned* __restrict__ krow,
                                           const unsigned* __restrict__ vrow, const __half* __restrict__ knorm,
                                           const __half* __restrict__ vnorm, const __half* __restrict__ vscale,
                                           const __half* __restrict__ vzero) {
+  // Without a branch: a token past the split's end reads its last token (base < t1 wherever a tile is loaded), so
+  // every load lies in a flushed token's row and every number read is finite; `tile_step` masks the tokens outside
+  // [t0, t1): their scores -inf, their weights 0.
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int tok = base + g + 8 * r;
-    share_words<KSHARE>(krow + (long)tok * KW, t * KSHARE, tok >= t0 && tok < t1, x.k[r]);
+    const int tok = min(base + g + 8 * r, t1 - 1);
+    share_words<KSHARE>(krow + (long)tok * KW, t * KSHARE, x.k[r]);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int tok = base + slot_token(i, t);
-    const bool here = tok >= t0 && tok < t1;
-    share_words<VSHARE>(vrow + (long)tok * VW, g * VSHARE, here, x.v[i]);
-    x.kn[i] = !here ? 0.f : KNORM ? __half2float(__ldcs(knorm + tok)) : 1.f;
+    const int tok = min(base + slot_token(i, t), t1 - 1);
+    share_words<VSHARE>(vrow + (long)tok * VW, g * VSHARE, x.v[i]);
+    x.kn[i] = KNORM ? __half2float(__ldcs(knorm + tok)) : 1.f;
     if constexpr (VCG > 0) {  // lane group g's channels lie in value group g VCH / VCG
       const long at = (long)tok * (D / VGROUP) + g * VCH / VGROUP;
-      x.vn[i] = here ? __half2float(__ldcs(vscale + at)) : 0.f;
-      x.vz[i] = here ? __half2float(__ldcs(vzero + at)) : 0.f;
+      x.vn[i] = __half2float(__ldcs(vscale + at));
+      x.vz[i] = __half2float(__ldcs(vzero + at));
     } else {
-      x.vn[i] = !here ? 0.f : VNORM ? __half2float(__ldcs(vnorm + tok)) : 1.f;
+      x.vn[i] = VNORM ? __half2float(__ldcs(vnorm + tok)) : 1.f;
       x.vz[i] = 0.f;
     }
   }
@@ -203,7 +233,7 @@ __device__ __forceinline__ void load_tile(Tile& x, int base, int t0, int t1, con
 
 // One tile on the tensor cores into the warp's running max m (head g), sum share l and accumulators acc.
 __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t1, const uint4* qa, float kbias,
-                                          const __half* kb, const __half* vb, float& m, float& l, float (*acc)[4]) {
+                                          unsigned kb, unsigned vb, float& m, float& l, float (*acc)[4]) {
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -224,13 +254,15 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     gather<VCH, VB, VDIM, VPOS, VSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
-    const __half2 n = __float2half2_rn(x.vn[i]);
-    const __half2 z = __float2half2_rn(x.vz[i]);
+    if constexpr (VNORM || VCG > 0) {  // else the centroids are the values (a masked token's weight is 0)
+      const __half2 n = __float2half2_rn(x.vn[i]);
+      const __half2 z = __float2half2_rn(x.vz[i]);
 #pragma unroll
-    for (int u = 0; u < VCH / 2; ++u) {
-      const __half2 c2 = *reinterpret_cast<const __half2*>(&vh[i][u]);
-      const __half2 y = VCG > 0 ? __hfma2(c2, n, z) : __hmul2(c2, n);
-      vh[i][u] = *reinterpret_cast<const unsigned*>(&y);
+      for (int u = 0; u < VCH / 2; ++u) {
+        const __half2 c2 = *reinterpret_cast<const __half2*>(&vh[i][u]);
+        const __half2 y = VCG > 0 ? __hfma2(c2, n, z) : __hmul2(c2, n);
+        vh[i][u] = *reinterpret_cast<const unsigned*>(&y);
+      }
     }
   }
   const unsigned pb0 = pack_half2(p[0][0], p[0][1]), pb1 = pack_half2(p[0][2], p[0][3]);
@@ -359,6 +391,22 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __rest
   }
 }
 
+// Tokens a split takes when the counts are read on the device (a captured step, whose grid was sized for the
+// capacity): the batch's flushed tokens spread evenly over the splits one wave holds for a KV head, num_splits /
+// SPREAD a row, so that rows of different lengths keep every block of the wave busy (a padded batch), and no row
+// needing more than the grid's num_splits; whole SPLIT_UNITs (16 WARPS tokens: a tile for each warp's quarter).
+__device__ __forceinline__ int balanced_split(const int* __restrict__ lengths, int capt, int num_splits) {
+  int total = 0, longest = 0;
+  for (int i = 0; i < gridDim.z; ++i) {
+    const int n = min(lengths[i], capt);
+    total += n, longest = max(longest, n);
+  }
+  const int slots = max(1, num_splits / SPREAD) * gridDim.z;
+  const int per = max((total + slots - 1) / slots, (longest + num_splits - 1) / num_splits);
+  constexpr int UNIT = 16 * WARPS;
+  return max(1, (per + UNIT - 1) / UNIT) * UNIT;
+}
+
 extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const float* __restrict__ qrot, const QT* __restrict__ q, int hq_model, const int* __restrict__ head_map,
     int row_heads, const unsigned* __restrict__ kcodes, const __half* __restrict__ knorm,
@@ -382,17 +430,20 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
   float* mine = smem + warp * GQ * (D + 2);  // this warp's state for `write_partial`: acc, then m, then l
   if (part < num_splits) {  // packed tokens [t0, t1) on the tensor cores, summed in V's basis
     const int g = lane / 4, t = lane % 4;
+    if (lengths) split_len = balanced_split(lengths, capt, num_splits);
+    const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
     __half* kb = reinterpret_cast<__half*>(smem);
     __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
-    copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0));
-    copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0));
     uint4 qa[KS];
     const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D);
-    if (!KTG) q_fragments(qrows, qa);
+    if (t0 < t1) {  // (block-uniform) an empty split writes an empty partial and reads nothing
+      copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0));
+      copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0));
+      if (!KTG) q_fragments(qrows, qa);
+    }
     float kbias = 0.f;
     int group = -1;  // the affine key group whose fragments qa holds
     __syncthreads();
-    const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
     const unsigned* krow = kcodes + bh * capt * KW;
     const unsigned* vrow = vcodes + bh * capt * VW;
     const __half* kn = KNORM ? knorm + bh * capt : nullptr;
@@ -404,17 +455,22 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     for (int u = 0; u < KS; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-    const int first = part * split_len + 16 * warp;  // tiles of 16 from the split's start (a multiple of 16)
+    // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
+    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles.
+    const int span = split_len / WARPS;
+    const int first = part * split_len + span * warp, last = min(t1, first + span);
     Tile cur, nxt;
-    load_tile(cur, first, t0, t1, krow, vrow, kn, vn, vs, vz);
-    for (int base = first; base < t1; base += 16 * WARPS) {
-      if (base + 16 * WARPS < t1) load_tile(nxt, base + 16 * WARPS, t0, t1, krow, vrow, kn, vn, vs, vz);
+    const unsigned kbs = static_cast<unsigned>(__cvta_generic_to_shared(kb));
+    const unsigned vbs = static_cast<unsigned>(__cvta_generic_to_shared(vb));
+    if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
+    for (int base = first; base < last; base += 16) {
+      if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);
       if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)
         group = base / (KTG ? KTG : 1);
         const long at = (bh * capg + group) * D;
         affine_fragments(qrows, kscale + at, kzero + at, qa, kbias);
       }
-      tile_step(cur, base, t0, t1, qa, kbias, kb, vb, m, l, acc);
+      tile_step(cur, base, t0, t1, qa, kbias, kbs, vbs, m, l, acc);
       cur = nxt;
     }
     for (int o = 1; o < 4; o *= 2) l += __shfl_xor_sync(0xffffffff, l, o);

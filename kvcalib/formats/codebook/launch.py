@@ -257,13 +257,17 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     row_parts = -(-rows // ROWS)
     wave = max(1, round(share * blocks_per_sm(gqa, d) * sm_count(q.device.index or 0)))
     num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
+    # With counts on the device the kernel spreads the batch's tokens over the wave (`balanced_split`): a batch's
+    # grid holds twice the splits a row of the capacity takes, so that a padded batch's long rows take more of them.
+    spread = 2 if device and b > 1 else 1
+    num_splits *= spread
     parts = max(1, num_splits + row_parts)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
                "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
                "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
-               "VW": vcodes.shape[-1], "VCG": vchannels}
+               "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
