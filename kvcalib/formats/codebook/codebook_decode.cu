@@ -34,7 +34,8 @@
 //   rotate   block (query head, batch), D SLICES threads: q~ = scale log2(e) q B_K^T (q times the scale without a
 //            basis)
 //   partial  block (part, launch head, batch), WARPS warps. Parts 0 .. num_splits - 1 take split_len packed
-//            tokens each, as 16-token tiles, warp w taking tiles w, w + WARPS, ..., on the tensor cores:
+//            tokens each (with counts on the device, the batch's tokens balanced over them: `balanced_split`), as
+//            16-token tiles, warp w taking the split's w-th quarter, on the tensor cores:
 //              scores  S (16 rows x 8 tokens, twice) = Q~ (16 x D) . K^T (D x 8)  mma.m16n8k16, f32 accumulate
 //              output  O^T (D x 8 heads)            += (norm V)^T (D x 16 tokens) . P^T
 //            Q~'s row h is head h's fp16 hi and row 8 + h its remainder lo (kernels_cupy/mma_tiles.cuh); the
@@ -50,9 +51,10 @@
 //   merge    block (query head, batch), D SLICES threads: the parts weighed by exp2(m_p - M); the packed parts' sum
 //            taken back by B_V, the rows' added, divided by the total weight; written as QT.
 //
-// Defines: SOFTCAP_LOG2 (optional: Gemma 2's cap on the scores, times log2(e)), D, GQ (<= 8), QT, CH (channels a
-// lane of a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES
-// (slices of D threads a `rotate` and `merge` block, D SLICES <= 1024), and per
+// Defines: SOFTCAP_LOG2 (optional: Gemma 2's cap on the scores, times log2(e)), SPREAD (optional, 1: the grid's
+// packed splits a row over those one wave holds for it, `balanced_split`), D, GQ (<= 8), QT, CH (channels a lane of
+// a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES (slices of D threads a `rotate` and `merge` block,
+// D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
 // group, 0: none).
