@@ -148,3 +148,37 @@ def test_a_stale_layout_table_is_caught(plant):
     else:
         rows["kivi"] = rows["kivi"].replace("methods/kivi.py", "methods/kivi_codec.py")
     assert _missing(rows)
+
+
+def _declarations(method) -> dict[str, bool]:
+    from kvcalib.formats.registry import FORMATS
+
+    return {fmt.name: fmt.declaration(method, 0) is not None for fmt in FORMATS}
+
+
+def test_a_format_reads_the_methods_whose_class_takes_its_declaration_class_and_no_other():
+    """Each kernel family is its folder: a method's class takes the family's `coded.py` class to be read by it, and
+    `Method` carries no member of any family (a new family adds none there)."""
+    from kvcalib.methods import KernelLayout, MethodSettings, build_method
+    from kvcalib.models import AttentionShape
+
+    shape = AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64)
+    family = ("int2_spec", "int2_parts", "vq_books", "vq_parts", "codebook_spec", "codebook_parts", "codebook_groups",
+              "codebook_blocks")
+    assert not [name for name in family if hasattr(KernelLayout, name)]
+    read = {name: _declarations(build_method(name, shape, MethodSettings())) for name in ("fp16", "kivi", "turboquant")}
+    assert read == {"fp16": {"INT2": False, "VecInfer": False, "codebook": False},
+                    "kivi": {"INT2": True, "VecInfer": False, "codebook": True},
+                    "turboquant": {"INT2": False, "VecInfer": False, "codebook": True}}
+
+
+def test_a_method_naming_a_family_member_without_its_class_is_not_read():
+    """Planted: fp16 given an `int2_spec` and a `codebook_groups` of its own is still read by no kernel (a format asks
+    the class, not the name)."""
+    from kvcalib.methods import MethodSettings, build_method
+    from kvcalib.models import AttentionShape
+
+    method = build_method("fp16", AttentionShape(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64), MethodSettings())
+    method.int2_spec = lambda: object()
+    method.codebook_groups = lambda layer: [object()]
+    assert not any(_declarations(method).values())

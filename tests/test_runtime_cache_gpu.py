@@ -8,6 +8,7 @@ from kvcalib.models import LoadedModel, attention_shape
 import kvcalib.runtime.cache as cache_module
 from kvcalib.runtime.cache import KvcalibCache
 import kvcalib.formats.codebook.format as codebook_format
+from kvcalib.formats.int2.coded import declared as int2_declared
 import kvcalib.formats.int2.format as int2_format
 import kvcalib.formats.vq.format as vq_format
 from test_runtime_cache import CASES, _greedy, _kvlinc_with_adapters, _method, _plan, _vecinfer_with_sinks
@@ -222,7 +223,7 @@ def test_a_left_padded_batch_decodes_each_sequence_as_alone_on_the_gpu(name, mon
         monkeypatch.setattr(module, name_, lambda *a, _real=real, **k: batches.append(a[0].shape[0]) or _real(*a, **k))
     tokens, logits, cache = _greedy(model, method, ids, mask, 40)
     together = max(batches, default=1) > 1
-    if method.int2_spec() is not None:  # methods the INT2 kernel reads (not fp16, VecInfer, TurboQuant)
+    if int2_declared(method) is not None:  # methods the INT2 kernel reads (not fp16, VecInfer, TurboQuant)
         assert any(row.format is not None for row in cache.layers[0].rows), "the fused kernel never ran"
     if base.startswith("vecinfer"):  # the VecInfer kernel's
         assert any(row.format is not None and row.format.name == "VecInfer" for row in cache.layers[0].rows), \

@@ -2,8 +2,8 @@
 registered once in `formats/registry.py`. The caches (`kvcalib.runtime.cache`, `kvcalib.runtime.static_cache`) hold
 a format and its layout and never name a family.
 
-A format reads a method's declaration of its flushed blocks (`declaration`: what the method's `KernelLayout` hooks
-give for this family, or None), says whether its kernel reads them (`supports`), and then, for `KvcalibCache`, appends
+A format reads a method's declaration of its flushed blocks (`declaration`: what the method gives through the
+format's declaration class, `coded.py` in the format's folder, or None where its class does not take it), says whether its kernel reads them (`supports`), and then, for `KvcalibCache`, appends
 each flushed block (`append`), reads the blocks back for the torch path (`flushed_kv`), lists its flushed buffers so
 that a padded batch's rows can stand side by side in one launch (`slots`, `side_by_side`), and launches (`attend`);
 for `StaticKvcalibCache`, allocates capacity-sized buffers (`allocate`), gives a flush's parts (`flush_parts`) in the
@@ -28,7 +28,7 @@ class Format(ABC):
 
     @abstractmethod
     def declaration(self, method, layer: int) -> Any:
-        """The method's declaration of its blocks in this format (its `KernelLayout` hooks), None for none."""
+        """The method's declaration of its blocks in this format (through the format's `coded.py`), None for none."""
 
     @abstractmethod
     def supports(self, declaration: Any, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:

@@ -17,8 +17,9 @@ A method may keep the first `sink` tokens of every sequence (attention sinks) in
 their compressed form (`keep_sinks`); they are counted at 16 bits on top of their codes.
 
 `Method` is two parts: the codec, whose members every method must define (abstract here), and
-`KernelLayout`, what the runtime reads of a method beyond its codec (a fused kernel's layout, the
-basis its blocks are stored in, a decoding state), whose defaults declare none of them.
+`KernelLayout`, what the runtime reads of a method beyond its codec (the basis its blocks are stored in, a
+decoding state), whose defaults declare none of them. A fused kernel's layout a method declares by taking the
+declaration class of that format (`KernelLayout`'s docstring).
 """
 
 from __future__ import annotations
@@ -32,10 +33,6 @@ import torch
 from ..attention import AttentionOptions, flushed_length, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES, SLIDING_LAYERS
 from ..errors import SettingsError
-from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
-from ..formats.int2.layout import Int2Spec
-from ..formats.vq.layout import VQBooks
-from ..quant import Quantized
 
 
 def kv_head_part(shape, start: int, stop: int):
@@ -65,18 +62,12 @@ class DeviceCopies:
 
 class KernelLayout:
     """What the runtime reads of a method beyond its codec: declarations, never its class. The defaults mean
-    "no kernel layout, no decoding state", and the runtime decodes such a method with the torch reference
-    (`Method.decode` over the dequantized blocks), which every method has. A method whose flushed blocks a
-    fused kernel reads overrides one layout's pair, and the basis and state members it needs:
-    - `int2_spec`, `int2_parts`: its blocks in the INT2 layout (`kvcalib.formats.int2`, whose kernel is
-      `int2_decode.cu` in that folder); KIVI, OScaR, KVLinC. Read by that format (`formats/int2/format.py`), which
-      the caches hold (the kernel choice, each flush, each decode step, a static slot's buffers).
-    - `vq_books`, `vq_parts`: its blocks in the VecInfer layout (`kvcalib.formats.vq`, kernel `vq_decode.cu`);
-      VecInfer. Read by `formats/vq/format.py`.
-    - `codebook_spec`, `codebook_parts`: its blocks in the codebook layout (`kvcalib.formats.codebook`, kernel
-      `codebook_decode.cu`); TurboQuant, VecInfer, KIVI and OScaR. Its format reads them through `codebook_groups`
-      and `codebook_blocks`, which a method mixing formats per KV head (a plan) overrides instead. The caches try
-      the formats in the registry's order (`formats/registry.py`): INT2, VecInfer, then the codebook layout.
+    "no basis, no decoding state". Which fused kernel reads a method's flushed blocks its class says by taking a
+    format's declaration class, each beside its format under `kvcalib/formats/`: `int2/coded.py`'s `Int2Coded`
+    (KIVI, OScaR, KVLinC), `vq/coded.py`'s `VQCoded` (VecInfer), `codebook/coded.py`'s `CodebookCoded` (TurboQuant,
+    VecInfer, KIVI and OScaR, a plan). A method taking none is decoded by the torch reference (`Method.decode` over
+    the dequantized blocks), which every method has. The caches try the formats in the registry's order
+    (`formats/registry.py`): INT2, VecInfer, then the codebook layout.
     - `rotated_keys`, `rotated_values`: INT2 blocks stored in the Hadamard basis (OScaR; KVLinC's values, and
       its keys with `keys="oscar"`): both caches write them into `PackedLayer`, whose kernel rotates the
       query for them and their partial outputs back.
@@ -89,42 +80,6 @@ class KernelLayout:
 
     rotated_keys = False  # flushed keys are stored in the Hadamard basis: the fused kernel rotates queries for them
     rotated_values = False  # flushed values are stored in the Hadamard basis: the kernel rotates their sums back
-
-    def int2_spec(self) -> Int2Spec | None:
-        """The flushed blocks as the INT2 kernel would read them (`kvcalib.formats.int2.layout`), or None."""
-        return None
-
-    def int2_parts(self, packed: Any) -> tuple[Quantized, Quantized, torch.Tensor | None]:
-        """(keys, values, per-token key norms or None) of a flushed block in the layout of kvcalib.quant."""
-        raise NotImplementedError(f"{self.name} has no INT2 layout")
-
-    def vq_books(self, layer: int) -> VQBooks | None:
-        """The flushed blocks as the VecInfer kernel would read them (`kvcalib.formats.vq.layout`): the layer's
-        codebooks and the keys' transform, with `vq_parts` giving a block's code rows; or None."""
-        return None
-
-    def vq_parts(self, packed: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key codes, value codes) of a flushed block, `kvcalib.vq`'s packed rows (B, Hkv, T, R) uint8."""
-        raise NotImplementedError(f"{self.name} has no VecInfer layout")
-
-    def codebook_spec(self, layer: int) -> CodebookSpec | None:
-        """The flushed blocks as the codebook kernel would read them (`kvcalib.formats.codebook.layout`): each
-        part's codes, books, norms and basis, with `codebook_parts` giving a block's code rows; or None."""
-        return None
-
-    def codebook_parts(self, packed: Any) -> CodedBlock:
-        """A flushed block's code rows, norms, and an affine part's scales and zeros (`CodedBlock`)."""
-        raise NotImplementedError(f"{self.name} has no codebook layout")
-
-    def codebook_groups(self, layer: int) -> list[HeadGroup] | None:
-        """The layer's groups of KV heads, each read by one launch of the codebook kernel, and their specs; None where
-        the method has no codebook layout. One group of every head unless a method mixes formats per head."""
-        spec = self.codebook_spec(layer)
-        return None if spec is None else [HeadGroup(None, spec)]
-
-    def codebook_blocks(self, packed: Any) -> list[CodedBlock]:
-        """A flushed block per group of `codebook_groups` (its heads in the group's order)."""
-        return [self.codebook_parts(packed)]
 
     # ---- decoding: a state kept beside the compressed blocks, None at first ----
     def empty_state(self, layer: int, batch: int, kv_heads: int, head_dim: int, device=None) -> Any:

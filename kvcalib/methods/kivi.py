@@ -14,7 +14,9 @@ import torch
 
 from ..defaults import DEFAULTS
 from ..errors import SettingsError
+from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, affine_part
+from ..formats.int2.coded import Int2Coded
 from ..formats.int2.layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
 from ..quant import Quantized, dequantize, pack_stream, quantize, unpack_bits
@@ -45,7 +47,7 @@ class KiviPacked:
     v: Quantized
 
 
-class Kivi(Method):
+class Kivi(Method, Int2Coded, CodebookCoded):
     name = "kivi"
 
     def __init__(self, config: KiviConfig, shape: AttentionShape):

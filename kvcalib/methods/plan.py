@@ -45,6 +45,7 @@ import torch
 
 from ..artifacts import load_artifact
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..models import AttentionShape, LoadedModel
 from .. import vq
@@ -171,7 +172,7 @@ class PlanPacked:
     v: list[Any]
 
 
-class Plan(Method):
+class Plan(Method, CodebookCoded):
     name = "plan"
     per_kv_head = True  # a scheme per KV head
 

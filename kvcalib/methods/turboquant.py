@@ -74,6 +74,7 @@ import torch
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
@@ -232,7 +233,7 @@ def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Te
     return (y.unsqueeze(-1) > bounds[:, None].to(y.device)).sum(-1)
 
 
-class TurboQuant(Method):
+class TurboQuant(Method, CodebookCoded):
     name = "turboquant"
 
     def __init__(self, config: TurboQuantConfig, shape: AttentionShape,

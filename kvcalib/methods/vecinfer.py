@@ -41,7 +41,9 @@ from .. import vq
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
+from ..formats.vq.coded import VQCoded
 from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
@@ -110,7 +112,7 @@ class LayerCodebooks:
         return LayerCodebooks(self.k.to(device), self.v.to(device), None if self.smooth is None else self.smooth.to(device))
 
 
-class VecInfer(Method):
+class VecInfer(Method, VQCoded, CodebookCoded):
     name = "vecinfer"
 
     def __init__(self, config: VecInferConfig, layers: list[LayerCodebooks], shape: AttentionShape,

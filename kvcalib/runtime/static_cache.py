@@ -52,8 +52,8 @@ while the others keep their state. A prompt is prefilled into its slot on its ow
 (as in `KvcalibCache`) and is compressed at once, so the float16 cache of one prompt exists at a time,
 never the whole batch's.
 
-Methods: those whose flushed blocks a fused kernel reads (`Method.int2_spec`: KIVI, OScaR and KVLinC
-at 2 bits with power-of-two key groups of >= 16 tokens; `Method.vq_books`: VecInfer; `Method.codebook_groups`:
+Methods: those whose flushed blocks a fused kernel reads (`Int2Coded.int2_spec`: KIVI, OScaR and KVLinC
+at 2 bits with power-of-two key groups of >= 16 tokens; `VQCoded.vq_books`: VecInfer; `CodebookCoded.codebook_groups`:
 TurboQuant, KIVI and OScaR at other widths, and a plan, one group of KV heads per pair of schemes, with float16
 sink tokens, written beside the codes at a sequence's first flush); others are refused with the reason. A sliding
 layer the method keeps uncompressed (`Method.float16_layers`: Gemma 3's, by default) is a ring of each slot's last

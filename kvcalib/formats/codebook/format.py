@@ -9,6 +9,7 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
+from .coded import declared
 from .launch import HEAD_DIMS, codebook_decode, supports
 from .layout import BUFFERS, CodebookLayer, append_block, flushed_kv, rows_like
 
@@ -20,8 +21,8 @@ class CodebookFormat(Format):
     holds_state = False
 
     def declaration(self, method, layer: int):
-        """The layer's groups of heads (`Method.codebook_groups`)."""
-        return method.codebook_groups(layer)
+        """The layer's groups of heads (`CodebookCoded.codebook_groups`)."""
+        return declared(method, layer)
 
     def supports(self, declaration, head_dim, device, gqa=1, opts=None) -> bool:
         return supports(None if declaration is None else [g.spec for g in declaration], head_dim, device, gqa, opts)

@@ -107,7 +107,7 @@ def affine_part(bits: int, *, token_group: int = 0, channel_group: int = 0, norm
 
 @dataclass(frozen=True)
 class CodebookSpec:
-    """A layer's flushed blocks as the codebook kernel reads them (`Method.codebook_spec`)."""
+    """A layer's flushed blocks as the codebook kernel reads them (`CodebookCoded.codebook_spec`, `coded.py`)."""
 
     key: CodedPart
     value: CodedPart
@@ -119,7 +119,7 @@ class CodebookSpec:
 @dataclass(frozen=True)
 class HeadGroup:
     """KV heads of a layer read by one launch (`heads`: the layer's heads in the group's order; None: all of them)
-    and how their blocks are coded (`Method.codebook_groups`)."""
+    and how their blocks are coded (`CodebookCoded.codebook_groups`)."""
 
     heads: tuple[int, ...] | None
     spec: CodebookSpec
@@ -133,7 +133,7 @@ BUFFERS = ("kcodes", "knorm", "kscale", "kzero", "vcodes", "vnorm", "vscale", "v
 
 @dataclass
 class CodedBlock:
-    """One group's flushed tokens as a method's flush codes them (`Method.codebook_parts`): code rows (B, Hg, T, W)
+    """One group's flushed tokens as a method's flush codes them (`CodebookCoded.codebook_parts`): code rows (B, Hg, T, W)
     int32, norms (B, Hg, T) float16, an affine part's scales and zeros (module docstring); None where the part has
     none."""
 

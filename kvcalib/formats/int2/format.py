@@ -8,6 +8,7 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
+from .coded import declared
 from .launch import HEAD_DIMS, fused_decode, supports
 from .layout import PackedLayer, append_block, kernel_parts
 
@@ -19,7 +20,7 @@ class Int2Format(Format):
     head_dims = HEAD_DIMS
 
     def declaration(self, method, layer: int):
-        return method.int2_spec()
+        return declared(method)
 
     def supports(self, declaration, head_dim, device, gqa=1, opts=None) -> bool:
         return supports(declaration, head_dim, device, gqa, opts)

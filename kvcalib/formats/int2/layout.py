@@ -1,6 +1,6 @@
 """The INT2 cache layout the fused decode kernel reads (`int2_decode.cu`, in this folder), and its torch reference.
 
-Used by kivi, oscar and kvlinc (`Method.int2_spec`, `Kivi`'s, which the other two inherit; at 2 bits).
+Used by kivi, oscar and kvlinc (`Int2Coded.int2_spec` in `coded.py`, `Kivi`'s, which the other two inherit; at 2 bits).
 
 `PackedLayer` holds the INT2 cache of `kvcalib.quant` (keys axis="tokens", values axis="channels":
 the same scales, zero points and buffer shapes), with optional per-token key norms (OScaR) and the
@@ -50,7 +50,7 @@ TILE = 128  # the kernel's split alignment in tokens, and the smallest buffer `p
 
 @dataclass(frozen=True)
 class Int2Spec:
-    """What a method's flushed blocks are, as the kernel sees them (`Method.int2_spec`)."""
+    """What a method's flushed blocks are, as the kernel sees them (`Int2Coded.int2_spec`)."""
 
     bits: int
     group_size: int  # key group, tokens

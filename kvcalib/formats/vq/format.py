@@ -6,6 +6,7 @@ import torch
 
 from ...attention import compute_dtype
 from ..base import Format, query_for_kernel
+from .coded import declared
 from .launch import HEAD_DIMS, supports, vq_decode
 from .layout import VQLayer, append_block, flushed_kv
 
@@ -16,8 +17,7 @@ class VQFormat(Format):
     holds_state = False
 
     def declaration(self, method, layer: int):
-        # a method declaring an INT2 layout is read by that kernel or by none of these two
-        return None if method.int2_spec() is not None else method.vq_books(layer)
+        return declared(method, layer)
 
     def supports(self, declaration, head_dim, device, gqa=1, opts=None) -> bool:
         return supports(declaration, head_dim, device, gqa, opts)

@@ -1,6 +1,6 @@
 """The VecInfer cache layout a fused decode kernel reads, and its float64 torch reference.
 
-Used by vecinfer (`Method.vq_books`, `VecInfer`'s).
+Used by vecinfer (`VQCoded.vq_books` in `coded.py`, `VecInfer`'s).
 
 The kernel (`vq_decode.cu` in this folder, launched by `kvcalib.formats.vq.launch`) reads this layout;
 this module fixes what it reads and computes, from the definition, what it must return, so that the
@@ -79,7 +79,7 @@ def queries_to_codec(q: torch.Tensor, smooth: torch.Tensor | None, hadamard: boo
 
 @dataclass(frozen=True)
 class VQBooks:
-    """What a method's flushed blocks are, as the VecInfer kernel sees them (`Method.vq_books`): one layer's
+    """What a method's flushed blocks are, as the VecInfer kernel sees them (`VQCoded.vq_books`): one layer's
     codebooks and the keys' transform."""
 
     kbook: torch.Tensor  # (G, 2^Mk, Nk) float16
