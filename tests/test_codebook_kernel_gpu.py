@@ -118,6 +118,21 @@ def test_codebook_kernel_matches_the_float64_reference_row_by_row(kind, bits, si
     assert torch.equal(codebook_decode(q, layer, 128**-0.5, checked=True), out)
 
 
+@pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("kivi-g128", 4), ("vecinfer-head", 8), ("plan-mixed", 0)])
+@pytest.mark.parametrize("t", [130, 300, 1037])
+def test_sinks_that_fill_whole_splits_leave_those_splits_empty(kind, bits, t):
+    """As many float16 sinks as a flush block (128, which a static cache allows): the first splits (64 tokens at these
+    lengths) hold sinks only, read from the float16 rows; their blocks copy no books and must run no tile over them
+    (a tile read through uncopied books gave whatever shared memory held: NaN where it held NaN's bits)."""
+    method = _on_device(any_method(kind, bits, d=128, sinks=128, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(2, h, t, 128, t)
+    layer, q, out = _check(method, k16, v16, torch.randn(2, 4 * h, 128, device=DEV, generator=g))
+    assert layer.sinks == 128 and layer.length >= 128
+    _poison(layer)
+    assert torch.equal(codebook_decode(q, layer, 128**-0.5, checked=True), out)
+
+
 @pytest.mark.parametrize("b,t", [(1, 131072), (8, 32768)])
 @pytest.mark.parametrize("kind,bits", [("oblivious", 3), ("head", 2), ("vector-layer", 6), ("plan-mixed", 0)])
 @pytest.mark.parametrize("peaked", [False, True])

@@ -136,25 +136,26 @@ __device__ __forceinline__ unsigned code_scaled(const unsigned* f, int j) {
 }
 
 // Loads from a shared-memory byte address (the books): `gather` adds a code's byte offset to a lane's book address,
-// and the position's offset folds into the instruction.
+// and the position's offset folds into the instruction. Volatile: the compiler keeps them after the barrier that
+// follows the books' copy (they read memory it does not see them read).
 __device__ __forceinline__ unsigned lds16(unsigned a) {
   unsigned short x;
-  asm("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(a));
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(a));
   return x;
 }
 __device__ __forceinline__ unsigned lds32(unsigned a) {
   unsigned x;
-  asm("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(a));
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(a));
   return x;
 }
 __device__ __forceinline__ uint2 lds64(unsigned a) {
   uint2 x;
-  asm("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x.x), "=r"(x.y) : "r"(a));
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x.x), "=r"(x.y) : "r"(a));
   return x;
 }
 __device__ __forceinline__ uint4 lds128(unsigned a) {
   uint4 x;
-  asm("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(a));
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(a));
   return x;
 }
 
@@ -458,9 +459,11 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
     // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
-    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles.
-    const int span = split_len / WARPS;
-    const int first = part * split_len + span * warp, last = min(t1, first + span);
+    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles. Its tiles start at the
+    // tile of t0 (the split's first token not among the float16 sinks); a split of sinks alone runs none (its books
+    // were not copied).
+    const int span = split_len / WARPS, begin = part * split_len + span * warp;
+    const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
     Tile cur, nxt;
     const unsigned kbs = static_cast<unsigned>(__cvta_generic_to_shared(kb));
     const unsigned vbs = static_cast<unsigned>(__cvta_generic_to_shared(vb));
