@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from decode import D, HKV, HQ, RESIDUAL, copy_bandwidth, plan_layer, read_floor, timed, tq_bytes, worst_row
+from decode import D, HKV, HQ, RESIDUAL, copy_bandwidth, layer_bytes, plan_layer, read_floor, timed, tq_bytes, worst_row
 from kvcalib.formats.codebook.launch import codebook_decode
 from kvcalib.formats.codebook.layout import reference_decode
 from kvcalib.formats.int2.launch import fused_decode
@@ -30,20 +30,27 @@ from kvcalib.formats.int2.layout import pack
 from results import RESULTS, record
 
 
-def pair_plans(plan_dir: str, top: int, root: Path) -> list[tuple[str, str, int, str]]:
-    """The plan's `top` most common (key scheme, value scheme) pairs, each as a plan directory under `root` whose
-    every item takes that pair (its manifest's settings otherwise the plan's): (key, value, items, directory)."""
-    settings = json.loads((Path(plan_dir) / "manifest.json").read_text())["settings"]
+def plan_settings(plan_dir: str) -> dict:
+    """A shipped plan's settings (its manifest's): per layer, each KV head's key and value scheme, and the rest."""
+    return json.loads((Path(plan_dir) / "manifest.json").read_text())["settings"]
+
+
+def one_pair_plan(settings: dict, key: str, value: str, root: Path) -> str:
+    """A plan directory under `root` whose every item takes the pair (key, value), its settings otherwise
+    `settings` (what `mapped_plan` reads of a manifest)."""
+    d = root / f"{key}+{value}"
+    d.mkdir(parents=True, exist_ok=True)
+    rows = [len(x) for x in settings["k"]]
+    one = dict(settings, k=[[key] * r for r in rows], v=[[value] * r for r in rows])
+    (d / "manifest.json").write_text(json.dumps({"settings": one}))
+    return str(d)
+
+
+def pair_plans(settings: dict, top: int, root: Path) -> list[tuple[str, str, int, str]]:
+    """The plan's `top` most common (key scheme, value scheme) pairs, each as `one_pair_plan`: (key, value, items,
+    directory)."""
     pairs = collections.Counter((k, v) for ks, vs in zip(settings["k"], settings["v"]) for k, v in zip(ks, vs))
-    out = []
-    for (k, v), n in pairs.most_common(top):
-        d = root / f"{k}+{v}"
-        d.mkdir(parents=True, exist_ok=True)
-        rows = [len(x) for x in settings["k"]]
-        one = dict(settings, k=[[k] * r for r in rows], v=[[v] * r for r in rows])
-        (d / "manifest.json").write_text(json.dumps({"settings": one}))
-        out.append((k, v, n, str(d)))
-    return out
+    return [(k, v, n, one_pair_plan(settings, k, v, root)) for (k, v), n in pairs.most_common(top)]
 
 
 def main() -> None:
@@ -56,9 +63,9 @@ def main() -> None:
     args = parser.parse_args()
     bw = copy_bandwidth()
     root = Path(tempfile.mkdtemp(prefix="pairs"))
-    settings = json.loads((Path(args.plan) / "manifest.json").read_text())["settings"]
+    settings = plan_settings(args.plan)
     total_items = sum(len(x) for x in settings["k"])
-    pairs = pair_plans(args.plan, args.top, root)
+    pairs = pair_plans(settings, args.top, root)
     rows = []  # (b, length, name, items, µs, bytes, err)
     for b in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
@@ -74,9 +81,7 @@ def main() -> None:
                 kivi.append(pack(kf, torch.randn_like(kf), kr, vr, 128, 128))
                 del kf
             us = timed(lambda i: fused_decode(q[i], kivi[i], D**-0.5), copies)
-            nbytes = sum(x.numel() * x.element_size() for x in (kivi[0].kcodes, kivi[0].kscale, kivi[0].kzero,
-                                                                kivi[0].vcodes, kivi[0].vscale, kivi[0].vzero))
-            rows.append((b, length, "KIVI-2 G=128 (INT2 kernel)", None, us, nbytes, None))
+            rows.append((b, length, "KIVI-2 G=128 (INT2 kernel)", None, us, layer_bytes(kivi[0], q[0]), None))
             del kivi
             torch.cuda.empty_cache()
             for k, v, n, d in [(None, None, None, args.plan)] + pairs:

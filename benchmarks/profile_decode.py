@@ -8,7 +8,6 @@ unless given.
 """
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -31,16 +30,12 @@ for length in args.lengths:
     res = [torch.randn(b, 8, 100, 128, device="cuda").half() for _ in "kv"]
     q = torch.randn(b, 32, 128, device="cuda").half()
     if args.pair:
+        from codebook_pairs import one_pair_plan, plan_settings
         from decode import plan_layer
         from kvcalib.formats.codebook.launch import codebook_decode
 
-        key, value = args.pair.split("+")
-        settings = json.loads((Path(args.plan) / "manifest.json").read_text())["settings"]
-        d = Path(tempfile.mkdtemp(prefix="pair"))
-        rows = [len(x) for x in settings["k"]]
-        (d / "manifest.json").write_text(json.dumps({"settings": dict(settings, k=[[key] * r for r in rows],
-                                                                      v=[[value] * r for r in rows])}))
-        layer = plan_layer(b, length, str(d), *res)[0]
+        d = one_pair_plan(plan_settings(args.plan), *args.pair.split("+"), Path(tempfile.mkdtemp(prefix="pair")))
+        layer = plan_layer(b, length, d, *res)[0]
         call = lambda: codebook_decode(q, layer, 128**-0.5)  # noqa: E731
     else:
         from kvcalib.formats.int2.launch import fused_decode

@@ -61,8 +61,8 @@ class DeviceCopies:
 
 
 class KernelLayout:
-    """What the runtime reads of a method beyond its codec: declarations, never its class. The defaults mean
-    "no basis, no decoding state". Which fused kernel reads a method's flushed blocks its class says by taking a
+    """What the runtime reads of a method beyond its codec and the kernel layouts its class declares. The defaults
+    mean "no basis, no decoding state". Which fused kernel reads a method's flushed blocks its class says by taking a
     format's declaration class, each beside its format under `kvcalib/formats/`: `int2/coded.py`'s `Int2Coded`
     (KIVI, OScaR, KVLinC), `vq/coded.py`'s `VQCoded` (VecInfer), `codebook/coded.py`'s `CodebookCoded` (TurboQuant,
     VecInfer, KIVI and OScaR, a plan). A method taking none is decoded by the torch reference (`Method.decode` over
