@@ -194,8 +194,9 @@ def test_reference_decode_reads_nothing_past_its_counts(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits):
-    """`kernel_book`: scalar codes read in pairs (one code of twice the bits, its centroid the pair of theirs) or
-    one by one; every coordinate's centroid from the same code row is the layout's, rounded to fp16 once."""
+    """`kernel_book`: scalar codes read four at a time or in pairs (one code of four or twice the bits, its centroid
+    theirs) or one by one; every coordinate's centroid from the same code row is the layout's, rounded to fp16
+    once."""
     from kvcalib.formats.codebook.launch import kernel_book
     from kvcalib.quant import unpack_stream
 
@@ -209,7 +210,11 @@ def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits
         book = kb.book.float().expand(2, *kb.book.shape[1:]) if kb.book.shape[0] == 1 else kb.book.float()
         pos = torch.arange(codes.shape[-1]) if book.shape[1] > 1 else torch.zeros(codes.shape[-1], dtype=torch.long)
         got = book[torch.arange(2).view(1, 2, 1, 1), pos.view(1, 1, 1, -1), codes].reshape(2, 2, 5, 32)
-        assert kb.dim == (2 if part.dim == 1 and (bits <= 3 or part.book.shape[1] == 1) else part.dim)
+        shared = part.book.shape[1] == 1
+        # fours where a book per position stays at most 8 KiB (1 bit), pairs up to 3 bits a position and 4 of a
+        # shared book
+        together = 4 if bits == 1 and not shared else 2 if bits <= 3 or shared else 1
+        assert kb.dim == (together if part.dim == 1 else part.dim)
         assert torch.equal(got, want.half().float())
 
 

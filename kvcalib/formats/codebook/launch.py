@@ -27,19 +27,33 @@ ROWS = 64  # float16 rows (sinks, residual) a rows part takes
 SLICES = 4  # slices of head_dim threads of a `rotate` and a `merge` block (each slice's loads in flight at once)
 SPLIT_UNIT = 16 * WARPS  # packed tokens a split is a whole number of: a tile for each warp
 SHARED_LIMIT = 200 * 1024
-# Scalar codes are read in pairs (one shared-memory load a half2) where the pairs' book stays small: books per position
-# up to 3 bits (2^6 half2 a position), a shared book up to 4 bits (2^8 half2).
+# Scalar codes with a book per position are read four at a time (one code of four times the bits, its centroid the
+# four of theirs: one 8-byte shared-memory load) where that book stays small (`QUAD_BOOK_BYTES`: 1-bit codes, as
+# TurboQuant-1's), else in pairs (one load a half2) where the pairs' book stays small: books per position up to 3 bits
+# (2^6 half2 a position), a shared book up to 4 bits (2^8 half2). A tuple's code is the bit stream's next codes, the
+# first least significant, so the codes' words are read as they are. Measured (benchmarks/codebook_pairs.py, B=8 at
+# 32k): fours made TurboQuant-1's values 2-6% faster, but a shared book's 2-bit levels (KIVI's and OScaR's keys) 5-9%
+# slower than pairs: every lane reads the one 2 KiB book, and its 8-byte loads meet more bank conflicts.
+QUAD_BOOK_BYTES = 8 * 1024
 PAIR_BITS = {"per position": 3, "shared": 4}
 
 
 @dataclass(frozen=True)
 class KernelBook:
-    """A part's codebook as the kernel reads it: fp16 (G, P, 2^bits, dim), codes of `bits` (a pair of scalar codes
-    read as one code of twice the bits, its centroid the pair of theirs: one shared-memory load a half2)."""
+    """A part's codebook as the kernel reads it: fp16 (G, P, 2^bits, dim), codes of `bits` (k scalar codes read as
+    one code of k times the bits, its centroid the k of theirs)."""
 
     book: torch.Tensor
     bits: int
     dim: int
+
+
+def codes_read_together(bits: int, positions: int, shared: bool) -> int:
+    """How many scalar codes of `bits` the kernel reads as one (`kernel_book`): 4, 2 or 1, for a book of `positions`
+    coordinates each with a book of its own, or one book `shared` by them."""
+    if not shared and positions % 4 == 0 and positions // 4 * (1 << 4 * bits) * 4 * 2 <= QUAD_BOOK_BYTES:
+        return 4
+    return 2 if bits <= PAIR_BITS["shared" if shared else "per position"] else 1
 
 
 def kernel_book(part: CodedPart) -> KernelBook:
@@ -48,13 +62,14 @@ def kernel_book(part: CodedPart) -> KernelBook:
     if held is None:
         book, bits, dim = part.book, part.bits, part.dim
         shared = book.shape[1] == 1
-        if dim == 1 and bits <= PAIR_BITS["shared" if shared else "per position"]:
-            # pairs: code c0 + 2^bits c1 of positions 2i, 2i + 1 -> (book[2i][c0], book[2i + 1][c1])
+        k = codes_read_together(bits, book.shape[1], shared) if dim == 1 else 1
+        if k > 1:
+            # code c_0 + 2^bits c_1 + ... of positions k i .. k i + k - 1 -> (book[k i][c_0], .., book[k i + k - 1][c_k-1])
             n = 1 << bits
-            first, second = (book[:, :, :, 0],) * 2 if shared else (book[:, 0::2, :, 0], book[:, 1::2, :, 0])
-            e = torch.arange(n * n, device=book.device)
-            book = torch.stack([first[:, :, e % n], second[:, :, e // n]], -1)
-            bits, dim = 2 * bits, 2
+            e = torch.arange(n**k, device=book.device)
+            column = lambda j: book[:, :, :, 0] if shared else book[:, j::k, :, 0]  # noqa: E731
+            book = torch.stack([column(j)[:, :, e // n**j % n] for j in range(k)], -1)
+            bits, dim = k * bits, k
         held = KernelBook(book.half().contiguous(), bits, dim)
         object.__setattr__(part, "_kernel_book", held)
     return held
