@@ -89,6 +89,21 @@ def flushed_counts(num_queries: int, num_keys: int, block: int, device=None, win
     return flushed_length(torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device), block, window)
 
 
+FLOAT16_MAX = 65504.0  # float16's largest finite number
+# ... as a bound in another dtype: bfloat16's largest number float16 holds (65504 rounds to 65536 in bfloat16)
+_FLOAT16_MAX_IN = {torch.bfloat16: 65280.0}
+
+
+def as_float16(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values as a cache holds them in float16: a bfloat16 or float32 number past float16's range held at its
+    edge (+-65504; +-65280 from bfloat16), where a plain cast gives inf (and one inf key or value makes its row's
+    scores or outputs NaN); float16 as it is. Every number in range is the plain cast's."""
+    if x.dtype == torch.float16:
+        return x
+    limit = _FLOAT16_MAX_IN.get(x.dtype, FLOAT16_MAX)
+    return x.clamp(-limit, limit).half()
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The precision attention is computed in: float32, or float64 for float64 inputs (which the tests
     use to check the cache's logic free of float32 round-off)."""

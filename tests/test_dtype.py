@@ -114,3 +114,71 @@ def test_every_command_that_loads_a_model_passes_its_dtype_down(command, dtype, 
 def test_a_bad_dtype_is_refused_in_one_line_with_exit_code_2():
     result = CliRunner().invoke(cli, ["eval", "--method", "fp16", "--dtype", "float64"])
     assert result.exit_code == 2 and "float64" in result.output and "Traceback" not in result.output
+
+
+def _decode_a_bfloat16_model_past_float16s_range(steps: int = 6):
+    """A tiny bfloat16 Llama whose first layer's keys and values pass float16's range, decoded greedily through
+    `KvcalibCache` (KIVI-2, blocks of 16: the prompt's first 32 tokens flushed): (the largest |key| the layer
+    computed, the logits, eval's cache of that layer's keys)."""
+    import copy
+
+    from conftest import tiny_model
+    from kvcalib.methods import MethodSettings, build_method, hold
+    from kvcalib.models import LoadedModel, attention_shape
+    from kvcalib.runtime.cache import KvcalibCache
+
+    model = tiny_model("llama", seed=7).to(torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    seen = []
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(1e5)  # keys and values of about 1e5: bfloat16 holds them, float16 does not
+        attn.v_proj.weight.mul_(1e5)
+    attn.k_proj.register_forward_hook(lambda m, i, out: seen.append(out.detach()))
+    method = build_method("kivi", attention_shape(model.config), MethodSettings(bits=2, group_size=8, residual=16))
+    cache = KvcalibCache(LoadedModel(model=model, tokenizer=None, spec="tiny"), copy.copy(method))
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
+    k = seen[0].view(1, 40, -1, 16).transpose(1, 2)  # the prompt's keys before rotary: the magnitude that matters
+    held = hold(method, 0, k.float(), k.float())
+    return float(torch.cat(seen, 1).abs().max()), torch.stack(out.logits, 1), held
+
+
+def test_keys_and_values_past_float16s_range_are_held_at_its_largest_number_and_decode_finite(monkeypatch):
+    """A bfloat16 (or float32) model's keys and values may pass 65504, where float16, which the caches hold (the
+    residual window, the sinks, the rows the kernels read), has only inf, and one inf makes its row's scores or
+    outputs NaN. The caches and eval's `hold` cast through `as_float16`, which holds such numbers at +-65504: the
+    decode stays finite, and eval's cache of the layer is too. Planted: a plain cast in the cache and in `hold`,
+    and the same decode's logits go NaN (so this test can fail)."""
+    import kvcalib.methods.base as method_base
+    import kvcalib.runtime.cache as runtime_cache
+
+    largest, logits, held = _decode_a_bfloat16_model_past_float16s_range()
+    assert largest > 65504  # the case is real: the layer computed keys float16 cannot hold
+    assert torch.isfinite(logits).all() and torch.isfinite(held.k).all()
+    assert float(held.k16.abs().max()) == 65504.0  # float32 keys held at float16's edge
+
+    plain = lambda x: x.half()  # noqa: E731
+    monkeypatch.setattr(runtime_cache, "as_float16", plain)
+    monkeypatch.setattr(method_base, "as_float16", plain)
+    _, planted, planted_held = _decode_a_bfloat16_model_past_float16s_range()
+    assert not torch.isfinite(planted).all() and not torch.isfinite(planted_held.k).all()
+
+
+def test_as_float16_holds_what_float16_cannot_at_its_edge_and_casts_the_rest_as_is():
+    """`as_float16` against a plain cast: numbers float16 holds are the cast's, bit for bit; past its range, +-65504
+    (float32) or +-65280 (bfloat16's largest number below 65504: 65504 itself rounds to 65536 there, whose cast is
+    inf); NaN stays NaN; float16 is returned as it is."""
+    from kvcalib.attention import as_float16
+
+    x = torch.tensor([0.0, -1.5, 1e-6, 3e4, 65504.0, 65519.0, 7e4, -1e9, float("inf"), float("nan")])
+    got = as_float16(x)
+    want = torch.tensor([0.0, -1.5, 1e-6, 3e4, 65504.0, 65504.0, 65504.0, -65504.0, 65504.0, float("nan")]).half()
+    assert torch.equal(got[:-1], want[:-1]) and got[-1].isnan() and got.dtype == torch.float16
+    assert torch.equal(got[:6], x[:6].half())  # in range: the plain cast's
+    b = torch.tensor([65280.0, 65536.0, -3e5, 2.0], dtype=torch.bfloat16)
+    assert as_float16(b).tolist() == [65280.0, 65280.0, -65280.0, 2.0] and torch.isinf(b.half()[1])
+    h = torch.tensor([1.0, 65504.0]).half()
+    assert as_float16(h) is h

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import as_float16
 from ..errors import SettingsError
 from ..models import AttentionShape, LoadedModel
 from .base import Method, MethodSettings
@@ -14,7 +15,7 @@ class Fp16(Method):
     block = 1
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k.half(), v.half()
+        return as_float16(k), as_float16(v)
 
     def decompress(self, layer: int, packed: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return packed

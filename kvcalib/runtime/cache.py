@@ -38,7 +38,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..attention import AttentionOptions, compute_dtype, flushed_length, mixed_attention
+from ..attention import AttentionOptions, as_float16, compute_dtype, flushed_length, mixed_attention
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
@@ -125,8 +125,8 @@ class CompressedLayer(CacheLayerMixin):
         """Hold these tokens: into the float16 residual, then every block that fills is compressed."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.k_res = torch.cat([self.k_res, key_states.half()], dim=-2)
-        self.v_res = torch.cat([self.v_res, value_states.half()], dim=-2)
+        self.k_res = torch.cat([self.k_res, as_float16(key_states)], dim=-2)
+        self.v_res = torch.cat([self.v_res, as_float16(value_states)], dim=-2)
         self.length += key_states.shape[-2]
         flush = flushed_length(self.k_res.shape[-2], self.method.block, self.method.window)  # it starts on a block boundary
         if flush:  # every full block at once: blocks are compressed independently of each other
@@ -563,7 +563,7 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
     """Attention of the newest positions of one layer (or one sequence's row) that held `before` tokens."""
     if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
-        k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+        k16, v16 = as_float16(key).to(key.dtype), as_float16(value).to(value.dtype)
         if not opts.softcap and not opts.sliding_window:  # SDPA's fused kernels: no score matrix in memory
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import capped_attention
+from ..attention import as_float16, capped_attention
 
 
 def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -37,7 +37,7 @@ def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, 
     rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
             residual.long().view(b, 1))
     for buf, x in ((kres, k), (vres, v)):
-        buf.index_put_(rows, x[:, :, 0].half())  # in place under Inductor too (`masked_write`)
+        buf.index_put_(rows, as_float16(x[:, :, 0]))  # in place under Inductor too (`masked_write`)
     residual += 1
 
 

@@ -77,7 +77,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..attention import AttentionOptions, capped_attention
+from ..attention import AttentionOptions, as_float16, capped_attention
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
@@ -207,7 +207,7 @@ class StaticLayer(SlotLayer):
         """A whole prompt (1, H, T, D) into `slot`: its full blocks packed, the rest in the residual."""
         t, r = k.shape[2], self.layout.residual
         n = t // r * r
-        k16, v16 = k.half(), v.half()
+        k16, v16 = as_float16(k), as_float16(v)
         for mine in _tensors(self.state):
             mine[slot] = 0
         if n:
@@ -256,7 +256,7 @@ class StaticLayer(SlotLayer):
         if opts.sliding_window:  # `check_static` refuses such models before a cache is made
             raise SettingsError("a static cache attends over every token of a compressed layer: this layer slides")
         if prefill:
-            k16, v16 = key.half().to(key.dtype), value.half().to(value.dtype)
+            k16, v16 = as_float16(key).to(key.dtype), as_float16(value).to(value.dtype)
             if opts.softcap:
                 return chunked_prefill_attention(query, k16, v16, opts.scaling, softcap=opts.softcap)
             return torch.nn.functional.scaled_dot_product_attention(
