@@ -4,7 +4,7 @@
 // x (N, T, C) float32, groups of G elements along the quantized axis:
 //   AXIS_TOKENS 1: G tokens of one channel; codes (N, ceil(T/PER_WORD), C), scale/zero (N, T/G, C)
 //   AXIS_TOKENS 0: G channels of one token; codes (N, T, ceil(C/PER_WORD)), scale/zero (N, T, C/G)
-// scale = half((max - min) / (2^BITS - 1)), zero = half(min), code = clamp(rint((x - zero) / scale))
+// scale = half(min((max - min) / (2^BITS - 1), 65504)), zero = half(min), code = clamp(rint((x - zero) / scale))
 // (0 where scale is 0), in float32 exactly as torch on CUDA computes it: a division by a Python
 // number is a multiplication by its float32 reciprocal there, a division by a tensor is IEEE
 // division (__fdiv_rn here, which --use_fast_math does not touch); rintf rounds half to even like
@@ -44,7 +44,10 @@ extern "C" __global__ void group_stats(const float* __restrict__ x, __half* __re
     hi = fmaxf(hi, v);
   }
 #endif
-  scale[idx] = __float2half_rn(__fmul_rn(__fsub_rn(hi, lo), __frcp_rn((float)LEVELS)));
+  // at most float16's largest number, as kvcalib.quant._codes clamps it (NaN kept): an inf scale would decode its
+  // codes of 0 as NaN
+  const float s = __fmul_rn(__fsub_rn(hi, lo), __frcp_rn((float)LEVELS));
+  scale[idx] = __float2half_rn(s > 65504.f ? 65504.f : s);
   zero[idx] = __float2half_rn(lo);
 }
 

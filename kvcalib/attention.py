@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import SettingsError
+from .quant import FLOAT16_MAX
 
 IMPLEMENTATION = "kvcalib"
 _HANDLER: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("kvcalib_attention", default=None)
@@ -89,9 +90,7 @@ def flushed_counts(num_queries: int, num_keys: int, block: int, device=None, win
     return flushed_length(torch.arange(num_keys - num_queries + 1, num_keys + 1, device=device), block, window)
 
 
-FLOAT16_MAX = 65504.0  # float16's largest finite number
-# ... as a bound in another dtype: bfloat16's largest number float16 holds (65504 rounds to 65536 in bfloat16)
-_FLOAT16_MAX_IN = {torch.bfloat16: 65280.0}
+BFLOAT16_BELOW_FLOAT16_MAX = 65280.0  # bfloat16's largest number float16 holds (65504 rounds to 65536 there)
 
 
 def as_float16(x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +99,7 @@ def as_float16(x: torch.Tensor) -> torch.Tensor:
     scores or outputs NaN); float16 as it is. Every number in range is the plain cast's."""
     if x.dtype == torch.float16:
         return x
-    limit = _FLOAT16_MAX_IN.get(x.dtype, FLOAT16_MAX)
+    limit = BFLOAT16_BELOW_FLOAT16_MAX if x.dtype == torch.bfloat16 else FLOAT16_MAX
     return x.clamp(-limit, limit).half()
 
 

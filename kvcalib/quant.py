@@ -36,6 +36,8 @@ from typing import Literal
 
 import torch
 
+FLOAT16_MAX = 65504.0  # float16's largest finite number
+
 Axis = Literal["tokens", "channels"]
 WORD_BITS = 32
 
@@ -142,7 +144,9 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
 def _codes(g: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor):
     """Codes of the grouped g for each group's range [lo, hi], with the float16 scale and zero stored."""
     levels = (1 << bits) - 1
-    scale = ((hi - lo) / levels).half()
+    # at most float16's largest number: a 1-bit group spanning more than it (keys past +-32752) would store an inf
+    # scale, and its codes of 0 would decode as 0 * inf = NaN; held there, they decode finite, their range cut short
+    scale = ((hi - lo) / levels).clamp(max=FLOAT16_MAX).half()
     zero = lo.half()
     s = scale.float()
     # A constant group has scale 0: every code is 0 and zero alone reconstructs it.

@@ -191,6 +191,19 @@ def test_head_dims_query_groups_and_bfloat16(d, heads, kv_heads, dtype):
 
 
 @pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_bit_codes_read_four_at_a_time_at_every_head_dim(d, dtype):
+    """1-bit codes with a book per position are read four at a time (`kernel_book`: one 8-byte entry of four
+    coordinates' centroids, its book 2 KiB at d=64, 8 KiB at d=256); the other head dims than 128 above."""
+    from kvcalib.formats.codebook.launch import kernel_book
+
+    method = _on_device(turboquant("head", 1, d=d, kv_heads=2, sinks=1, residual=64))
+    assert kernel_book(method.codebook_spec(0).key).dim == 4 and kernel_book(method.codebook_spec(0).value).dim == 4
+    k16, v16, g = _inputs(2, 2, 700, d, d + 1)
+    _check(method, k16, v16, torch.randn(2, 8, d, device=DEV, generator=g), dtype)
+
+
+@pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("kind", ["plan-mixed", "plan-vector keys"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_plans_at_every_head_dim_and_dtype(d, kind, dtype):

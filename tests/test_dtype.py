@@ -149,8 +149,9 @@ def _decode_a_bfloat16_model_past_float16s_range(steps: int = 6):
 def test_keys_and_values_past_float16s_range_are_held_at_its_largest_number_and_decode_finite(monkeypatch):
     """A bfloat16 (or float32) model's keys and values may pass 65504, where float16, which the caches hold (the
     residual window, the sinks, the rows the kernels read), has only inf, and one inf makes its row's scores or
-    outputs NaN. The caches and eval's `hold` cast through `as_float16`, which holds such numbers at +-65504: the
-    decode stays finite, and eval's cache of the layer is too. Planted: a plain cast in the cache and in `hold`,
+    outputs NaN. The caches and eval's `hold` cast through `as_float16`, which holds such numbers at float16's edge
+    (+-65280 from this bfloat16 model, +-65504 from float32): the decode stays finite, and eval's cache of the layer
+    is too. Planted: a plain cast in the cache and in `hold`,
     and the same decode's logits go NaN (so this test can fail)."""
     import kvcalib.methods.base as method_base
     import kvcalib.runtime.cache as runtime_cache

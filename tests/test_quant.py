@@ -120,3 +120,18 @@ def test_grouping_isolates_an_outlier_channel_for_per_channel_keys():
     # Each channel's min, max, codes and read-back are elementwise float operations on that channel
     # alone, so the other channels' results are identical to the bit.
     assert torch.equal(err[..., :3], clean)
+
+
+@pytest.mark.parametrize("bits", [1, 2])
+def test_a_group_spanning_float16s_whole_range_stores_a_finite_scale_and_decodes_finite(bits):
+    """Keys held at float16's edges (`kvcalib.attention.as_float16`) can span 131008 in one group: at 1 bit that is
+    the scale itself, past float16 (a plain cast stores inf, and the codes of 0 decode as 0 * inf = NaN). The scale
+    is held at 65504: every number decodes finite, the group's ends within one scale of themselves (at 2 bits the
+    scale, 43669, fits and the half-step bound holds as always)."""
+    x = torch.tensor([[-65504.0, 65504.0, 0.0, 1000.0] * 4]).T.reshape(1, 16, 1)  # 16 tokens of one channel
+    assert torch.tensor((65504.0 * 2) / ((1 << bits) - 1)).half().isinf() == (bits == 1)  # the case is real at 1 bit
+    q = quantize(x, bits, 16, "tokens")
+    assert torch.isfinite(q.scale.float()).all() and float(q.scale.float().max()) <= 65504.0
+    y = dequantize(q)
+    assert torch.isfinite(y).all()
+    assert float((y - x).abs().max()) <= float(q.scale.float().max()) * (1.0 if bits == 1 else 0.5 + 2**-10)

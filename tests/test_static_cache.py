@@ -700,3 +700,32 @@ def test_a_prompt_attends_within_the_window_chunk_by_chunk_as_over_the_whole_mas
         assert (got.double() - want).abs().max().item() <= 1e-5, chunk
     wider = torch.softmax(s.masked_fill(~((i >= j) & (i - j < w + 1)), float("-inf")), -1) @ vv  # planted: W + 1
     assert (chunked_prefill_attention(q, k, v, d**-0.5, window=w, chunk=16).double() - wider).abs().max().item() > 1e-2
+
+
+def _static_layer_fed_past_float16s_range():
+    """A KIVI-2 static layer (R = 32) given, in bfloat16, a 40-token prompt and a step whose keys and values reach
+    about 1e5, past float16: its residual window, its flushed block's scales and zeros."""
+    layer = StaticLayer(_method("kivi"), 0, 1, capacity=96, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    k = (1e5 * torch.randn(1, 2, 41, 64, generator=g)).bfloat16()
+    layer.prefill(0, k[:, :, :40], k[:, :, :40])
+    layer.append(k[:, :, 40:], k[:, :, 40:], flush=False)
+    p = layer.layout
+    return torch.cat([p.kres[0, :, :9].flatten(), p.vres[0, :, :9].flatten(), p.kscale[0, :, :2].flatten(),
+                      p.kzero[0, :, :2].flatten()]).float()
+
+
+def test_a_static_layer_holds_keys_and_values_past_float16s_range_at_its_edge(monkeypatch):
+    """The static cache's prompt write, flush and step write take a bfloat16 model's keys and values through
+    `as_float16`: past float16's range they are held at +-65280 (bfloat16's largest number below 65504), every
+    number stored finite. Planted: a plain cast in `static_cache` and `slots`, and the stored rows hold inf."""
+    import kvcalib.runtime.slots as slots_module
+    import kvcalib.runtime.static_cache as static_module
+
+    held = _static_layer_fed_past_float16s_range()
+    assert torch.isfinite(held).all() and float(held.abs().max()) == 65280.0
+
+    plain = lambda x: x.half()  # noqa: E731
+    monkeypatch.setattr(static_module, "as_float16", plain)
+    monkeypatch.setattr(slots_module, "as_float16", plain)
+    assert not torch.isfinite(_static_layer_fed_past_float16s_range()).all()

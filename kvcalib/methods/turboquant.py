@@ -79,14 +79,13 @@ from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
 from .. import vq
-from ..quant import pack_stream, unpack_stream
+from ..quant import FLOAT16_MAX, pack_stream, unpack_stream
 from .base import DeviceCopies, Method, MethodSettings
 
 ROTATION_SEED = 0
 BITS = (1, 2, 3, 4)
 LLOYD_STOP = 1e-12  # the codebook's fixed-point residual max_i |T(c)_i − c_i|, in units of t (float64 floor ~1e-14)
 _LLOYD_MAX_ITERATIONS = 100_000  # 4 bits converge in ~700
-_FP16_MAX = 65504.0
 
 
 # ---- the density of one coordinate of a random rotation of a unit vector, and its Lloyd-Max codebook ----
@@ -271,7 +270,7 @@ class TurboQuant(Method, CodebookCoded):
             codes = torch.bucketize(y, self._tables(x.device)[0])
         else:
             codes = nearest_per_coordinate(y, centroids)
-        return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=bits)
+        return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=FLOAT16_MAX).half(), bits=bits)
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim
@@ -352,7 +351,7 @@ class TurboQuantVQ(TurboQuant):
         """Codes of x (B, H, T, d) against `centroids` (G, 2^B, D): head h reads codebook h // (H / G)."""
         y, norm = unit_rotated(x)
         codes = vq.encode(y, centroids)
-        return Coded(codes=pack_stream(codes, self.vector.bits), norm=norm.clamp(max=_FP16_MAX).half(), bits=self.vector.bits)
+        return Coded(codes=pack_stream(codes, self.vector.bits), norm=norm.clamp(max=FLOAT16_MAX).half(), bits=self.vector.bits)
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim

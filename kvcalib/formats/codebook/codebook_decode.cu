@@ -196,8 +196,9 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict_
 }
 
 // What a lane loads of one 16-token tile: its key shares (tokens g, g + 8), its value shares and the norms of its four
-// slots (2t, 2t+1, 2t+8, 2t+9). The norms stay float16 until `tile_step` reads them, a tile after their loads: made
-// float32 where loaded, each waited for its load there (about a fifth of the warps' stalls, Nsight Compute).
+// slots (2t, 2t+1, 2t+8, 2t+9). The norms stay float16 until `tile_step` reads them, a tile after their loads
+// (converted where loaded, each conversion had waited for its load: about a fifth of the warps' stalls, Nsight
+// Compute).
 struct Tile {
   unsigned k[2][KNW];
   unsigned v[4][VNW];
@@ -252,7 +253,8 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tok = base + slot_token(i, t);
-    sc[0][i] = tok >= t0 && tok < t1 ? softcapped((c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias) * __half2float(x.kn[i])) : NEG_INF;
+    const float s = c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias;
+    sc[0][i] = tok >= t0 && tok < t1 ? softcapped(KNORM ? s * __half2float(x.kn[i]) : s) : NEG_INF;
   }
   softmax_tiles<1>(sc, m, l, p, acc);
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm

@@ -64,7 +64,8 @@ def kernel_book(part: CodedPart) -> KernelBook:
         shared = book.shape[1] == 1
         k = codes_read_together(bits, book.shape[1], shared) if dim == 1 else 1
         if k > 1:
-            # code c_0 + 2^bits c_1 + ... of positions k i .. k i + k - 1 -> (book[k i][c_0], .., book[k i + k - 1][c_k-1])
+            # code c_0 + 2^bits c_1 + ... of positions k i .. k i + k - 1
+            #   -> (book[k i][c_0], .., book[k i + k - 1][c_k-1])
             n = 1 << bits
             e = torch.arange(n**k, device=book.device)
             column = lambda j: book[:, :, :, 0] if shared else book[:, j::k, :, 0]  # noqa: E731
