@@ -103,6 +103,12 @@ def as_float16(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-limit, limit).half()
 
 
+def held_in_float16(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a float16 cache holds them (`as_float16`), back in their own dtype: what a prompt attends
+    over and what eval's and the plan's caches compute from."""
+    return as_float16(k).to(k.dtype), as_float16(v).to(v.dtype)
+
+
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The precision attention is computed in: float32, or float64 for float64 inputs (which the tests
     use to check the cache's logic free of float32 round-off)."""

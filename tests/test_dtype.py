@@ -153,7 +153,7 @@ def test_keys_and_values_past_float16s_range_are_held_at_its_largest_number_and_
     (+-65280 from this bfloat16 model, +-65504 from float32): the decode stays finite, and eval's cache of the layer
     is too. Planted: a plain cast in the cache and in `hold`,
     and the same decode's logits go NaN (so this test can fail)."""
-    import kvcalib.methods.base as method_base
+    import kvcalib.attention as attention
     import kvcalib.runtime.cache as runtime_cache
 
     largest, logits, held = _decode_a_bfloat16_model_past_float16s_range()
@@ -162,8 +162,8 @@ def test_keys_and_values_past_float16s_range_are_held_at_its_largest_number_and_
     assert float(held.k16.abs().max()) == 65504.0  # float32 keys held at float16's edge
 
     plain = lambda x: x.half()  # noqa: E731
-    monkeypatch.setattr(runtime_cache, "as_float16", plain)
-    monkeypatch.setattr(method_base, "as_float16", plain)
+    monkeypatch.setattr(runtime_cache, "as_float16", plain)  # the residual window
+    monkeypatch.setattr(attention, "as_float16", plain)  # `held_in_float16`: the prompt's attention, `hold`
     _, planted, planted_held = _decode_a_bfloat16_model_past_float16s_range()
     assert not torch.isfinite(planted).all() and not torch.isfinite(planted_held.k).all()
 

@@ -2,14 +2,14 @@
 registered once in `formats/registry.py`. The caches (`kvcalib.runtime.cache`, `kvcalib.runtime.static_cache`) hold
 a format and its layout and never name a family.
 
-A format reads a method's declaration of its flushed blocks (`declaration`: what the method gives through the
-format's declaration class, `coded.py` in the format's folder, or None where its class does not take it), says whether its kernel reads them (`supports`), and then, for `KvcalibCache`, appends
-each flushed block (`append`), reads the blocks back for the torch path (`flushed_kv`), lists its flushed buffers so
-that a padded batch's rows can stand side by side in one launch (`slots`, `side_by_side`), and launches (`attend`);
-for `StaticKvcalibCache`, allocates capacity-sized buffers (`allocate`), gives a flush's parts (`flush_parts`) in the
-order of its buffers (`buffers`). Each layout keeps its residual window as `kres`, `vres`, `residual` and, where it
-holds float16 sink tokens, `ksink`, `vsink`, `sinks`. The float64 reference of each kernel is its layout module's
-`reference_decode`.
+A format reads a method's declaration of its flushed blocks (`declaration`: what the method gives through the format's
+declaration class, `coded.py` in the format's folder, or None where its class does not take it), says whether its kernel
+reads them (`supports`), and then, for `KvcalibCache`, appends each flushed block (`append`), reads the blocks back for
+the torch path (`flushed_kv`), lists its flushed buffers so that a padded batch's rows can stand side by side in one
+launch (`slots`, `side_by_side`), and launches (`attend`); for `StaticKvcalibCache`, allocates capacity-sized buffers
+(`allocate`), gives a flush's parts (`flush_parts`) in the order of its buffers (`buffers`). Each layout keeps its
+residual window as `kres`, `vres`, `residual` and, where it holds float16 sink tokens, `ksink`, `vsink`, `sinks`. The
+float64 reference of each kernel is its layout module's `reference_decode`.
 """
 
 from __future__ import annotations

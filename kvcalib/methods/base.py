@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..attention import AttentionOptions, as_float16, flushed_length, mixed_attention
+from ..attention import AttentionOptions, flushed_length, held_in_float16, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES, SLIDING_LAYERS
 from ..errors import SettingsError
 
@@ -206,7 +206,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
     """The cache a decoder holds after these T tokens: floor(T/block)*block compressed, rest float16; a layer the
     method keeps uncompressed (`float16_layers`) holds its window's last tokens as they came.
 
-    The cache receives float16 keys and values (`as_float16`); blocks are compressed from those.
+    The cache receives float16 keys and values (`held_in_float16`); blocks are compressed from those.
     """
     t = k.shape[-2]
     window = float16_window(method, layer)
@@ -215,7 +215,7 @@ def hold(method: Method, layer: int, k: torch.Tensor, v: torch.Tensor) -> Held:
         bits = 16 * (k[..., t - held :, :].numel() + v[..., t - held :, :].numel())
         return Held(k=k, v=v, k16=k, v16=v, flushed=0, stored_bits=bits)
     flushed = flushed_length(t, method.block, method.window)
-    k16, v16 = as_float16(k).to(k.dtype), as_float16(v).to(v.dtype)
+    k16, v16 = held_in_float16(k, v)
     bits = 16 * (k16[..., flushed:, :].numel() + v16[..., flushed:, :].numel())
     k_held, v_held = k16, v16
     if flushed:

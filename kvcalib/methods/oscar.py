@@ -34,7 +34,7 @@ from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel, attention_shape
-from ..quant import Quantized
+from ..quant import FLOAT16_MAX, Quantized
 from .base import MethodSettings
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, affine_part
 from .kivi import Kivi, KiviConfig, KiviPacked, affine_block
@@ -58,7 +58,7 @@ def token_scale(x: torch.Tensor, scaling: str) -> torch.Tensor | None:
         s = x.abs().mean(-1, keepdim=True)
     else:
         raise SettingsError(f"--scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
-    return s.clamp(_FP16_TINY, 65504.0).half()
+    return s.clamp(_FP16_TINY, FLOAT16_MAX).half()
 
 
 def encode_keys(k: torch.Tensor, rotation: bool, scaling: str) -> tuple[torch.Tensor, torch.Tensor | None]:

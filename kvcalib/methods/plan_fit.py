@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 
 from ..artifacts import save_artifact
 from ..atomic import ensure_writable_dir
-from ..attention import AttentionOptions, as_float16, flushed_counts, intercept, mixed_attention
+from ..attention import AttentionOptions, flushed_counts, held_in_float16, intercept, mixed_attention
 from ..collect import Activations
 from ..data import token_windows
 from ..errors import SettingsError
@@ -215,7 +215,7 @@ def measure_sensitivity(lm: LoadedModel, coders: dict[str, Method], windows: tor
 
     def cache_of(k, v, q, opts):
         """The float16 cache, and when each query's keys were flushed, in `eval`'s arithmetic."""
-        k16, v16 = as_float16(k).to(k.dtype), as_float16(v).to(v.dtype)
+        k16, v16 = held_in_float16(k, v)
         flushed = flushed_counts(q.shape[-2], k.shape[-2], block, device=q.device, window=window)
         return k16, v16, flushed, mixed_attention(q, k16, v16, opts, k16, v16, flushed)
 

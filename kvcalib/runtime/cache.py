@@ -38,7 +38,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..attention import AttentionOptions, as_float16, compute_dtype, flushed_length, mixed_attention
+from ..attention import (AttentionOptions, as_float16, compute_dtype, flushed_length, held_in_float16,
+                         mixed_attention)
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
@@ -563,7 +564,7 @@ def _fused_rows(layer: CompressedLayer, query: torch.Tensor, opts: AttentionOpti
 def _attend(layer: "CompressedLayer", before: int, query, key, value, opts: AttentionOptions) -> torch.Tensor:
     """Attention of the newest positions of one layer (or one sequence's row) that held `before` tokens."""
     if before == 0:  # a prompt into an empty cache attends in full precision (the float16 it holds)
-        k16, v16 = as_float16(key).to(key.dtype), as_float16(value).to(value.dtype)
+        k16, v16 = held_in_float16(key, value)
         if not opts.softcap and not opts.sliding_window:  # SDPA's fused kernels: no score matrix in memory
             return torch.nn.functional.scaled_dot_product_attention(
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)

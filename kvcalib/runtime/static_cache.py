@@ -77,7 +77,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..attention import AttentionOptions, as_float16, capped_attention
+from ..attention import AttentionOptions, as_float16, capped_attention, held_in_float16
 from ..errors import SettingsError
 from ..formats.base import Format
 from ..formats.registry import FORMATS
@@ -256,7 +256,7 @@ class StaticLayer(SlotLayer):
         if opts.sliding_window:  # `check_static` refuses such models before a cache is made
             raise SettingsError("a static cache attends over every token of a compressed layer: this layer slides")
         if prefill:
-            k16, v16 = as_float16(key).to(key.dtype), as_float16(value).to(value.dtype)
+            k16, v16 = held_in_float16(key, value)
             if opts.softcap:
                 return chunked_prefill_attention(query, k16, v16, opts.scaling, softcap=opts.softcap)
             return torch.nn.functional.scaled_dot_product_attention(
