@@ -203,6 +203,26 @@ def test_one_bit_codes_read_four_at_a_time_at_every_head_dim(d, dtype):
     _check(method, k16, v16, torch.randn(2, 8, d, device=DEV, generator=g), dtype)
 
 
+@pytest.mark.parametrize("kind,bits", [("oblivious", 2), ("kivi-g128", 2), ("kivi-g128", 4), ("oscar-g32", 2),
+                                       ("vecinfer-head", 8), ("vector-layer", 6), ("plan-mixed", 0)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_copied_books_read_the_centroids_of_the_book_itself(monkeypatch, kind, bits, d):
+    """A shared book held in copies (`book_copies`: lane L reads copy L % copies) gives the output of the book held
+    once, bit for bit: the same centroids, summed in the same order. The planted error is the book held once, with
+    which the copies are compared: a copy of a wrong entry, or a lane reading past its entry's 128 bytes, moves the
+    output."""
+    from kvcalib.formats.codebook import launch
+
+    method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(2, h, 1500, d, d + bits)
+    layer, q, copied = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
+    held = [launch.book_copies(launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value)) for r in layer.groups]
+    assert any(max(c) > 1 for c in held), f"no book of {kind} is copied: {held}"
+    monkeypatch.setattr(launch, "book_copies", lambda key, value: (1, 1))
+    assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), copied)
+
+
 @pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("kind", ["plan-mixed", "plan-vector keys"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -218,6 +218,34 @@ def test_the_kernels_books_read_the_same_centroids_from_the_same_bits(kind, bits
         assert torch.equal(got, want.half().float())
 
 
+def _kernel_book(positions: int, entries: int, dim: int):
+    from kvcalib.formats.codebook.launch import KernelBook
+
+    return KernelBook(torch.zeros(1, positions, entries, dim, dtype=torch.float16), entries.bit_length() - 1, dim)
+
+
+def test_shared_books_are_copied_where_a_block_holds_both_books_in_52_kib():
+    """`book_copies`: a book shared by every position, of 4- to 16-byte entries, is held in 128 / entry bytes copies
+    (128 bytes an entry); books per position and 2-byte entries never; both books within COPIED_BOOKS_BYTES, else
+    the value book's copies first, else the key's, else none; `shared_bytes` counts what the block holds."""
+    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, shared_bytes
+
+    levels, vec6, vec8 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 4), _kernel_book(1, 256, 4)
+    per_position, halves = _kernel_book(64, 64, 2), _kernel_book(1, 16, 1)
+    assert book_copies(levels, vec6) == (32, 16)  # KIVI-2's levels in pairs, VecInfer d4b6
+    assert shared_bytes(levels, vec6, 4, 128) == 16 * 128 + 64 * 128
+    assert book_copies(per_position, vec8) == (1, 16)  # TurboQuant-3's pairs per position, VecInfer d4b8
+    assert book_copies(per_position, halves) == (1, 1)
+    wide = _kernel_book(1, 256, 2)  # 4-bit levels in pairs: 32 KiB copied
+    assert book_copies(wide, vec8) == (1, 16)  # 64 KiB both: the value's copies
+    assert book_copies(wide, per_position) == (32, 1)  # 32 KiB + 16.3 KiB held once
+    assert book_copies(wide, _kernel_book(128, 64, 2)) == (1, 1)  # 32 KiB + 32.5 KiB: over 52 KiB
+    for key in (levels, wide, per_position, halves, vec8):
+        for value in (vec6, vec8, per_position, halves, levels):
+            if max(book_copies(key, value)) > 1:
+                assert shared_bytes(key, value, 1, 64) <= COPIED_BOOKS_BYTES
+
+
 NVCC = shutil.which("nvcc")
 
 
@@ -252,3 +280,21 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     spilled = re.search(r"(\d+) bytes spill stores", usage)
     assert spilled and int(spilled.group(1)) == 0, usage
     assert defines["PARTIAL_BLOCKS"] == 2
+
+
+def test_every_partial_kernel_takes_the_largest_shared_memory_carveout():
+    """`_configure`: each compiled `partial` asks for the SM's largest shared-memory carveout, so that a layer's groups
+    of heads, whose blocks take different shared memory (copied books or not), fit SMs of one configuration and run
+    side by side; the dynamic shared memory past 48 KiB is allowed; each once per kernel and size."""
+    from types import SimpleNamespace
+
+    from kvcalib.formats.codebook.launch import _configure
+
+    small, large = SimpleNamespace(), SimpleNamespace()
+    _configure(small, 12 * 1024)
+    _configure(large, 52 * 1024)
+    assert vars(small) == {"preferred_shared_memory_carveout": 100}
+    assert vars(large) == {"preferred_shared_memory_carveout": 100, "max_dynamic_shared_size_bytes": 52 * 1024}
+    large.preferred_shared_memory_carveout = 0
+    _configure(large, 52 * 1024)  # configured once: the attribute is not set again
+    assert large.preferred_shared_memory_carveout == 0

@@ -56,8 +56,8 @@
 // a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES (slices of D threads a `rotate` and `merge` block,
 // D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
-// XNORM (1: norms), XW (words a row); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value
-// group, 0: none).
+// XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
+// `copied_book`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0: none).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -96,8 +96,23 @@ __device__ __forceinline__ float softcapped(float s) {
 // positions have books of their own, so that neighbouring positions start in other banks.
 #define KSTRIDE (KENTRIES * KDIM + (KPOS ? (KDIM > 2 ? KDIM : 2) : 0))
 #define VSTRIDE (VENTRIES * VDIM + (VPOS ? (VDIM > 2 ? VDIM : 2) : 0))
-#define KBOOK_HALVES (KP * KSTRIDE)
-#define VBOOK_HALVES (VP * VSTRIDE)
+#ifndef KREPL
+#define KREPL 1
+#endif
+#ifndef VREPL
+#define VREPL 1
+#endif
+// A book shared by every position may be held in XREPL = 128 / (2 XDIM) copies (launch.py `book_copies`): entry e's
+// copies side by side in the 128 bytes at 128 e, lane L reading copy L % XREPL. A warp's gather then meets no bank
+// conflict whatever codes its lanes hold (each quarter, half or whole warp of a 16-, 8- or 4-byte load reads 128
+// bytes of distinct banks), where the codes' random entries otherwise share banks: a key's 4-byte gather cost 2.0
+// wavefronts and a value's 8-byte one 4.9, against 1 and 2 (Nsight Compute, turboquant-2 + vecinfer-d4b6 at B=8).
+#define COPIED_ENTRY_BYTES 128
+#define KBOOK_HALVES (KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2 : KP * KSTRIDE)
+#define VBOOK_HALVES (VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE)
+static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) &&
+              (VREPL == 1 || (!VPOS && VREPL * 2 * VDIM == COPIED_ENTRY_BYTES)),
+              "copies of shared books only, filling an entry's 128 bytes");
 
 // Float16 rows (CUDA cores).
 #define LPT (D / CH)  // lanes a row
@@ -160,11 +175,14 @@ __device__ __forceinline__ uint4 lds128(unsigned a) {
 }
 
 // The centroids of a share of CHANNELS channels (its first code the row's code `first`), as CHANNELS / 2 half2
-// words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address. A book of DIM 1 takes two half
-// loads a word, 2 one, 4 and 8 one load of two or four words.
-template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE>
+// words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address (of a copied book, this lane's
+// copy of entry 0: `book_address`). A book of DIM 1 takes two half loads a word, 2 one, 4 and 8 one load of two or
+// four words.
+template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL>
 __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int first, unsigned* out) {
-  constexpr int SHIFT = DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;  // an entry's bytes, log2
+  // an entry's bytes (of a copied book, its copies'), log2
+  constexpr int SHIFT = REPL > 1 ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
+  static_assert(REPL == 1 || (1 << SHIFT) == COPIED_ENTRY_BYTES, "a copied entry spans 128 bytes");
   const unsigned mine = book + (POS ? 2 * first * STRIDE : 0);
 #pragma unroll
   for (int j = 0; j < CHANNELS / DIM; ++j) {
@@ -193,6 +211,27 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict_
   const unsigned* s = reinterpret_cast<const unsigned*>(src);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
   for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) d[i / (ROWLEN / 2) * (STRIDE / 2) + i % (ROWLEN / 2)] = s[i];
+}
+
+// A shared book (E, DIM) fp16 into shared memory as its copies (`KREPL`): word w of entry e's 128 bytes is word
+// w % (DIM / 2) of the entry. Consecutive threads store consecutive words (no bank conflict); a warp's 32 words are
+// one entry's, its loads one or a few words of L1.
+template <int E, int DIM>
+__device__ __forceinline__ void copy_book_copies(__half* dst, const __half* __restrict__ src) {
+  static_assert(DIM % 2 == 0, "copied entries are whole words");
+  constexpr int WORDS = COPIED_ENTRY_BYTES / 4;
+  const unsigned* s = reinterpret_cast<const unsigned*>(src);
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll 8
+  for (int i = threadIdx.x; i < E * WORDS; i += NT) d[i] = __ldg(s + i / WORDS * (DIM / 2) + i % (DIM / 2));
+}
+
+// A lane's address of a book in shared memory: of a copied book, its copy of entry 0 (lane % REPL), which `gather`
+// offsets by the code times 128 bytes.
+template <int DIM, int REPL>
+__device__ __forceinline__ unsigned book_address(const __half* book) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(book));
+  return REPL > 1 ? at + (threadIdx.x % 32 % REPL) * 2 * DIM : at;
 }
 
 // What a lane loads of one 16-token tile: its key shares (tokens g, g + 8), its value shares and the norms of its four
@@ -245,7 +284,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
-    gather<KCH, KB, KDIM, KPOS, KSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
+    gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL>(kb, x.k[r], t * (KCH / KDIM), kh);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
   }
@@ -260,7 +299,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    gather<VCH, VB, VDIM, VPOS, VSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
+    gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
     if constexpr (VNORM || VCG > 0) {  // else the centroids are the values (a masked token's weight is 0)
       const __half2 n = __half2half2(x.vn[i]);
       const __half2 z = __half2half2(x.vz[i]);
@@ -444,8 +483,12 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     uint4 qa[KS];
     const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D);
     if (t0 < t1) {  // (block-uniform) an empty split writes an empty partial and reads nothing
-      copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0));
-      copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0));
+      const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
+      const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
+      if constexpr (KREPL > 1) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
+      else copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
+      if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
+      else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
       if (!KTG) q_fragments(qrows, qa);
     }
     float kbias = 0.f;
@@ -469,8 +512,7 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const int span = split_len / WARPS, begin = part * split_len + span * warp;
     const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
     Tile cur, nxt;
-    const unsigned kbs = static_cast<unsigned>(__cvta_generic_to_shared(kb));
-    const unsigned vbs = static_cast<unsigned>(__cvta_generic_to_shared(vb));
+    const unsigned kbs = book_address<KDIM, KREPL>(kb), vbs = book_address<VDIM, VREPL>(vb);
     if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     for (int base = first; base < last; base += 16) {
       if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);

@@ -103,15 +103,48 @@ def _affine_reads(key: CodedPart, value: CodedPart, head_dim: int) -> bool:
                                              and head_dim % value.channel_group == 0)))
 
 
-def _book_bytes(part: KernelBook) -> int:
+# A book shared by every position, of entries of 4, 8 or 16 bytes, may be held in 128 / entry bytes copies, entry e's
+# side by side in the 128 bytes at 128 e, lane L reading copy L % copies (the kernel's XREPL, as `vq_decode.cu` holds
+# its books): its gathers then meet no bank conflict, where 32 lanes' random codes otherwise do (Nsight Compute,
+# turboquant-2 + vecinfer-d4b6 at B=8: 2.0 wavefronts a key's gather and 4.9 a value's, against 1 and 2). The copies
+# cost 128 bytes an entry; a block's books stay within `COPIED_BOOKS_BYTES`, so that PARTIAL_BLOCKS blocks still fit
+# an SM (4 x (52 + 1 reserved) KiB of its 228: TurboQuant-3's keys, 16.3 KiB, beside VecInfer d4b8's copies, 32), the
+# value book's copies first (a tile gathers 4 values a lane to 2 keys).
+COPIED_ENTRY_BYTES = 128
+COPIED_BOOKS_BYTES = 52 * 1024
+
+
+def _copies(part: KernelBook) -> int:
+    """The copies of each entry a copied book holds: 128 / entry bytes for a shared book of 4- to 16-byte entries, else
+    1 (a book per position, or 2-byte entries: two lanes would share a bank)."""
     p, e, dim = part.book.shape[1:]
+    return COPIED_ENTRY_BYTES // (2 * dim) if p == 1 and dim >= 2 else 1
+
+
+def _book_bytes(part: KernelBook, copies: int = 1) -> int:
+    p, e, dim = part.book.shape[1:]
+    if copies > 1:
+        return e * COPIED_ENTRY_BYTES
     pad = max(2, dim) if p > 1 else 0
     return 2 * (-(-p * (e * dim + pad) // 8) * 8)
 
 
+def book_copies(key: KernelBook, value: KernelBook) -> tuple[int, int]:
+    """(key copies, value copies) of each book entry a `partial` block holds (the kernel's KREPL, VREPL; 1: the book
+    as it is): both books copied where both fit `COPIED_BOOKS_BYTES`, else the value book, else the key book, else
+    neither."""
+    kc, vc = _copies(key), _copies(value)
+    for k, v in ((kc, vc), (1, vc), (kc, 1)):
+        if max(k, v) > 1 and _book_bytes(key, k) + _book_bytes(value, v) <= COPIED_BOOKS_BYTES:
+            return k, v
+    return 1, 1
+
+
 def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int) -> int:
-    """Dynamic shared memory of a `partial` block: both books, later the warps' states."""
-    return max(_book_bytes(key) + _book_bytes(value), 4 * WARPS * gqa * (head_dim + 2))
+    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them), later the warps'
+    states."""
+    k, v = book_copies(key, value)
+    return max(_book_bytes(key, k) + _book_bytes(value, v), 4 * WARPS * gqa * (head_dim + 2))
 
 
 def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
@@ -173,6 +206,20 @@ def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
 
 
 _SIDE_STREAMS: dict[torch.device, list] = {}
+_CONFIGURED: dict[int, int] = {}  # id of a `partial` function (kept by the loader for the process) -> its smem
+
+
+def _configure(partial, smem: int) -> None:
+    """Once per compiled `partial`: the dynamic shared memory it takes, and the SM's largest shared-memory carveout.
+    A layer's groups of heads run side by side, and an SM configured for one kernel's carveout holds another's blocks
+    only where that carveout fits them: left to the driver, groups whose books differ in size (copied or not) took
+    SMs of different configurations and ran in turn, not together (a mapped plan's layer at B=8: 237 us, against
+    159 us with every group at the largest carveout and 180 us before the copies; benchmarks/codebook_pairs.py)."""
+    if _CONFIGURED.get(id(partial)) != smem:
+        if smem > 48 * 1024:
+            partial.max_dynamic_shared_size_bytes = smem
+        partial.preferred_shared_memory_carveout = 100
+        _CONFIGURED[id(partial)] = smem
 
 
 def side_streams(device: torch.device, n: int) -> list:
@@ -278,12 +325,13 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     spread = 2 if device and b > 1 else 1
     num_splits *= spread
     parts = max(1, num_splits + row_parts)
+    krepl, vrepl = book_copies(key, value)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
                "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
                "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
-               "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread}
+               "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread, "KREPL": krepl, "VREPL": vrepl}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
@@ -300,8 +348,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
         # Block (part, KV head, batch row): split_len packed tokens (parts < num_splits) or ROWS float16 rows.
         partial = kernel(KERNEL, defines, "partial")
-        if smem > 48 * 1024:
-            partial.max_dynamic_shared_size_bytes = smem
+        _configure(partial, smem)
         launch(partial, (parts, h, b), (32 * WARPS,),
                (ptr(qrot), ptr(q), i32(hq), ptr(head_map), i32(hr), ptr(kcodes), ptr(knorm), ptr(kscale),
                 ptr(kzero), i32(0 if kscale is None else kscale.shape[2]), ptr(vcodes), ptr(vnorm), ptr(vscale),
