@@ -282,14 +282,16 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     assert defines["PARTIAL_BLOCKS"] == 2
 
 
-def test_every_partial_kernel_takes_the_largest_shared_memory_carveout():
+def test_every_partial_kernel_takes_the_largest_shared_memory_carveout(monkeypatch):
     """`_configure`: each compiled `partial` asks for the SM's largest shared-memory carveout, so that a layer's groups
     of heads, whose blocks take different shared memory (copied books or not), fit SMs of one configuration and run
     side by side; the dynamic shared memory past 48 KiB is allowed; each once per kernel and size."""
     from types import SimpleNamespace
 
+    from kvcalib.formats.codebook import launch
     from kvcalib.formats.codebook.launch import _configure
 
+    monkeypatch.setattr(launch, "_CONFIGURED", {})  # the process's own kernels are not these
     small, large = SimpleNamespace(), SimpleNamespace()
     _configure(small, 12 * 1024)
     _configure(large, 52 * 1024)
@@ -298,3 +300,31 @@ def test_every_partial_kernel_takes_the_largest_shared_memory_carveout():
     large.preferred_shared_memory_carveout = 0
     _configure(large, 52 * 1024)  # configured once: the attribute is not set again
     assert large.preferred_shared_memory_carveout == 0
+
+
+def test_copies_stay_within_what_an_sm_holds_for_its_resident_blocks(monkeypatch):
+    """`copies_budget`: 52 KiB a block where the SM holds 228 KiB (H100, H200: 4 blocks, 1 KiB each reserved), an
+    A100's 164 KiB 40 KiB, an sm_89's 100 KiB 24 KiB, so that copies never take a resident block away."""
+    from types import SimpleNamespace
+
+    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, copies_budget
+
+    for per_sm, budget in ((228, 52), (164, 40), (100, 24)):
+        copies_budget.cache_clear()
+        props = SimpleNamespace(shared_memory_per_multiprocessor=per_sm * 1024)
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
+        assert copies_budget(0, 4) == min(COPIED_BOOKS_BYTES, budget * 1024)
+    copies_budget.cache_clear()
+    vec8 = _kernel_book(1, 256, 4)  # 32 KiB copied
+    assert book_copies(_kernel_book(1, 16, 2), vec8, 24 * 1024) == (32, 1)
+    assert book_copies(_kernel_book(1, 16, 2), vec8, 40 * 1024) == (32, 16)
+
+
+def test_books_whose_centroids_take_more_than_one_load_are_refused():
+    """`gather` reads a centroid in one load of at most 16 bytes (8 coordinates): books of 16 coordinates a code
+    (VecInfer d16) are not the kernel's, though their codes tile a lane's share at head_dim 128."""
+    from kvcalib.formats.codebook.launch import _copies, _reads
+
+    assert _reads(_kernel_book(1, 256, 8), 128)
+    assert not _reads(_kernel_book(1, 256, 16), 128)
+    assert _copies(_kernel_book(1, 256, 16)) == 1

@@ -57,7 +57,7 @@
 // D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
-// `copied_book`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0: none).
+// launch.py `book_copies`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0: none).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -144,6 +144,7 @@ __device__ __forceinline__ void share_words(const unsigned* __restrict__ row, in
 // 2^SHIFT-byte entries.
 template <int BITS, int SHIFT>
 __device__ __forceinline__ unsigned code_scaled(const unsigned* f, int j) {
+  static_assert(BITS + SHIFT <= 32, "a code's byte offset fits a word");
   const int at = j * BITS, wi = at / 32, off = at % 32;
   constexpr unsigned MASK = ((1u << BITS) - 1) << SHIFT;
   if (off + BITS > 32) return __funnelshift_r(f[wi], f[wi + 1], off - SHIFT) & MASK;  // off > 16 > SHIFT here
@@ -180,9 +181,9 @@ __device__ __forceinline__ uint4 lds128(unsigned a) {
 // four words.
 template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL>
 __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int first, unsigned* out) {
-  // an entry's bytes (of a copied book, its copies'), log2
+  static_assert(DIM == 1 || DIM == 2 || DIM == 4 || DIM == 8, "a centroid is one load of at most 16 bytes");
+  // an entry's bytes (of a copied book, its copies': 128), log2
   constexpr int SHIFT = REPL > 1 ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
-  static_assert(REPL == 1 || (1 << SHIFT) == COPIED_ENTRY_BYTES, "a copied entry spans 128 bytes");
   const unsigned mine = book + (POS ? 2 * first * STRIDE : 0);
 #pragma unroll
   for (int j = 0; j < CHANNELS / DIM; ++j) {

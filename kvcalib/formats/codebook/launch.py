@@ -10,6 +10,7 @@ alone only with splits so short that copying the books into shared memory outwei
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,11 +88,11 @@ def blocks_per_sm(gqa: int, head_dim: int) -> int:
 
 
 def _reads(part: KernelBook, head_dim: int) -> bool:
-    """A lane's share of a key (head_dim / 4 channels) and of a value (head_dim / 8) is whole codes; books tile the
-    head."""
+    """A lane's share of a key (head_dim / 4 channels) and of a value (head_dim / 8) is whole codes of 1, 2, 4 or 8
+    coordinates (a centroid one load of at most 16 bytes: `gather`); books tile the head."""
     p, e, dim = part.book.shape[1:]
-    return (head_dim // 8 % part.dim == 0 and e == 1 << part.bits and dim == part.dim and p in (1, head_dim // dim)
-            and part.bits <= 16)
+    return (part.dim in (1, 2, 4, 8) and head_dim // 8 % part.dim == 0 and e == 1 << part.bits and dim == part.dim
+            and p in (1, head_dim // dim) and part.bits <= 16)
 
 
 def _affine_reads(key: CodedPart, value: CodedPart, head_dim: int) -> bool:
@@ -108,17 +109,28 @@ def _affine_reads(key: CodedPart, value: CodedPart, head_dim: int) -> bool:
 # its books): its gathers then meet no bank conflict, where 32 lanes' random codes otherwise do (Nsight Compute,
 # turboquant-2 + vecinfer-d4b6 at B=8: 2.0 wavefronts a key's gather and 4.9 a value's, against 1 and 2). The copies
 # cost 128 bytes an entry; a block's books stay within `COPIED_BOOKS_BYTES`, so that PARTIAL_BLOCKS blocks still fit
-# an SM (4 x (52 + 1 reserved) KiB of its 228: TurboQuant-3's keys, 16.3 KiB, beside VecInfer d4b8's copies, 32), the
-# value book's copies first (a tile gathers 4 values a lane to 2 keys).
+# an SM (4 x (52 + 1 reserved) KiB of the H100's and H200's 228: TurboQuant-3's keys, 16.3 KiB, beside VecInfer d4b8's
+# copies, 32), or less where an SM holds less (`copies_budget`), the value book's copies first (a tile gathers 4
+# values a lane to 2 keys).
 COPIED_ENTRY_BYTES = 128
 COPIED_BOOKS_BYTES = 52 * 1024
+RESERVED_BYTES = 1024  # shared memory the hardware keeps for each resident block
 
 
 def _copies(part: KernelBook) -> int:
     """The copies of each entry a copied book holds: 128 / entry bytes for a shared book of 4- to 16-byte entries, else
     1 (a book per position, or 2-byte entries: two lanes would share a bank)."""
     p, e, dim = part.book.shape[1:]
-    return COPIED_ENTRY_BYTES // (2 * dim) if p == 1 and dim >= 2 else 1
+    return COPIED_ENTRY_BYTES // (2 * dim) if p == 1 and dim in (2, 4, 8) else 1
+
+
+@functools.lru_cache(maxsize=None)
+def copies_budget(device_index: int, blocks: int) -> int:
+    """The shared memory a `partial` block's books may take where they are copied, on this device with `blocks`
+    resident blocks an SM: `COPIED_BOOKS_BYTES`, or less where an SM holds less (an A100's 164 KiB: 40 KiB)."""
+    props = torch.cuda.get_device_properties(device_index)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+    return min(COPIED_BOOKS_BYTES, per_sm // blocks - RESERVED_BYTES)
 
 
 def _book_bytes(part: KernelBook, copies: int = 1) -> int:
@@ -129,21 +141,21 @@ def _book_bytes(part: KernelBook, copies: int = 1) -> int:
     return 2 * (-(-p * (e * dim + pad) // 8) * 8)
 
 
-def book_copies(key: KernelBook, value: KernelBook) -> tuple[int, int]:
+def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_BYTES) -> tuple[int, int]:
     """(key copies, value copies) of each book entry a `partial` block holds (the kernel's KREPL, VREPL; 1: the book
-    as it is): both books copied where both fit `COPIED_BOOKS_BYTES`, else the value book, else the key book, else
-    neither."""
+    as it is): both books copied where both fit `budget` bytes (`copies_budget`), else the value book, else the key
+    book, else neither."""
     kc, vc = _copies(key), _copies(value)
     for k, v in ((kc, vc), (1, vc), (kc, 1)):
-        if max(k, v) > 1 and _book_bytes(key, k) + _book_bytes(value, v) <= COPIED_BOOKS_BYTES:
+        if max(k, v) > 1 and _book_bytes(key, k) + _book_bytes(value, v) <= budget:
             return k, v
     return 1, 1
 
 
-def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int) -> int:
-    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them), later the warps'
-    states."""
-    k, v = book_copies(key, value)
+def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, budget: int = COPIED_BOOKS_BYTES) -> int:
+    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them within `budget`), later
+    the warps' states."""
+    k, v = book_copies(key, value, budget)
     return max(_book_bytes(key, k) + _book_bytes(value, v), 4 * WARPS * gqa * (head_dim + 2))
 
 
@@ -157,10 +169,11 @@ def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.devi
         return False
     if opts is not None and opts.sliding_window:
         return False
+    budget = copies_budget(device.index or 0, blocks_per_sm(gqa, head_dim))
     for spec in specs:
         key, value = kernel_book(spec.key), kernel_book(spec.value)
         if not (_reads(key, head_dim) and _reads(value, head_dim) and _affine_reads(spec.key, spec.value, head_dim)
-                and shared_bytes(key, value, gqa, head_dim) <= SHARED_LIMIT):
+                and shared_bytes(key, value, gqa, head_dim, budget) <= SHARED_LIMIT):
             return False
     return True
 
@@ -206,7 +219,7 @@ def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
 
 
 _SIDE_STREAMS: dict[torch.device, list] = {}
-_CONFIGURED: dict[int, int] = {}  # id of a `partial` function (kept by the loader for the process) -> its smem
+_CONFIGURED: dict[int, tuple] = {}  # id of a `partial` function -> (the function, kept alive, its shared memory)
 
 
 def _configure(partial, smem: int) -> None:
@@ -215,11 +228,12 @@ def _configure(partial, smem: int) -> None:
     only where that carveout fits them: left to the driver, groups whose books differ in size (copied or not) took
     SMs of different configurations and ran in turn, not together (a mapped plan's layer at B=8: 237 us, against
     159 us with every group at the largest carveout and 180 us before the copies; benchmarks/codebook_pairs.py)."""
-    if _CONFIGURED.get(id(partial)) != smem:
+    held = _CONFIGURED.get(id(partial))
+    if held is None or held[0] is not partial or held[1] != smem:
         if smem > 48 * 1024:
             partial.max_dynamic_shared_size_bytes = smem
         partial.preferred_shared_memory_carveout = 100
-        _CONFIGURED[id(partial)] = smem
+        _CONFIGURED[id(partial)] = (partial, smem)
 
 
 def side_streams(device: torch.device, n: int) -> list:
@@ -290,11 +304,12 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                          "heads are not named by its head map")
     gqa = hq // hr
     key, value = KernelBook(kbook, kbits, kdim), KernelBook(vbook, vbits, vdim)
+    budget = copies_budget(q.device.index or 0, blocks_per_sm(gqa, d)) if q.is_cuda else COPIED_BOOKS_BYTES
     if (q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not q.is_cuda or d not in HEAD_DIMS
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
             or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
-            or shared_bytes(key, value, gqa, d) > SHARED_LIMIT):
+            or shared_bytes(key, value, gqa, d, budget) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
@@ -325,7 +340,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     spread = 2 if device and b > 1 else 1
     num_splits *= spread
     parts = max(1, num_splits + row_parts)
-    krepl, vrepl = book_copies(key, value)
+    krepl, vrepl = book_copies(key, value, budget)
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
                "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
                "KDIM": kdim,
@@ -337,7 +352,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
-    smem = shared_bytes(key, value, gqa, d)
+    smem = shared_bytes(key, value, gqa, d, budget)
     scale_log2 = cupy.float32(scaling * LOG2E)  # softmax in base 2
     i32 = cupy.int32
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
