@@ -41,7 +41,9 @@ A path named again with `-warm` runs after its first run, in a new process that 
 (Inductor's FX graph cache, CuPy's kernel cache) that run left: a user's second process.
 
 Rows: B=1 at each of `--contexts`, and B=8 left-padded prompts of 8 lengths spread evenly up to `--batch8`
-tokens. Per row: `first call` is the first `generate` of the process at that shape (9 new tokens);
+tokens, row i's shortened by `PHASE` i tokens (`batch8_lengths`): each row's residual window then fills at its own
+step of every 128, as a user's batch's rows do, and the step that compresses them (the flush) runs 8 times in 128
+steps, not once (lengths of whole windows, as before 2026-11-30, filled them all at one step). Per row: `first call` is the first `generate` of the process at that shape (9 new tokens);
 `TTFT` a warm `generate` of one new token (the prefill and the first token); `ms/token` the cost of one more
 token, (t(137 new tokens) - t(9)) / 128 from warm calls, greedy and with sampling (`do_sample`, top-p 0.9,
 top-k 50, temperature 0.8: transformers' own processors), each the faster of two calls; tokens/s = B / ms
@@ -131,6 +133,14 @@ def static_method(base: str, config=None, plan3: str | None = None):
     if base.startswith("turboquant"):
         return "turboquant", MethodSettings(bits=int(base[len("turboquant")]), residual=128)
     return "kivi", MethodSettings(2, 128, 128)
+
+
+PHASE = 37  # tokens row i of the B=8 row is shortened by, i times: 8 different steps of every 128 fill its windows
+
+
+def batch8_lengths(longest: int) -> list[int]:
+    """The B=8 row's prompt lengths: 8 spread evenly up to `longest`, row i shortened by PHASE i tokens."""
+    return [longest * (8 - i) // 8 - PHASE * i for i in range(8)]
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,7 +282,7 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [[int(c)] for c in args.contexts.split(",") if c]
     if args.batch8:
-        shapes.append([args.batch8 * (8 - i) // 8 for i in range(8)])
+        shapes.append(batch8_lengths(args.batch8))
     if args.one_path:
         print(json.dumps(one_path(args.one_path, shapes, args.plan3, args.shape)))
         return
