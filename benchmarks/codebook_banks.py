@@ -92,7 +92,8 @@ def lane_rows_bytes(part: str, entries: int, dim: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plans", default=",".join(str(ROOT / "artifacts/smollm2-135m" / p) for p in ("plan-2.25", "plan-3")))
+    shipped = ",".join(str(ROOT / "artifacts/smollm2-135m" / p) for p in ("plan-2.25", "plan-3"))
+    parser.add_argument("--plans", default=shipped)
     parser.add_argument("--tiles", type=int, default=200)
     args = parser.parse_args()
     rng = random.Random(0)

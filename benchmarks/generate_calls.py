@@ -43,7 +43,8 @@ A path named again with `-warm` runs after its first run, in a new process that 
 Rows: B=1 at each of `--contexts`, and B=8 left-padded prompts of 8 lengths spread evenly up to `--batch8`
 tokens, row i's shortened by `PHASE` i tokens (`batch8_lengths`): each row's residual window then fills at its own
 step of every 128, as a user's batch's rows do, and the step that compresses them (the flush) runs 8 times in 128
-steps, not once (lengths of whole windows, as before 2026-11-30, filled them all at one step). Per row: `first call` is the first `generate` of the process at that shape (9 new tokens);
+steps, not once (lengths of whole windows, as before 2026-11-30, filled them all at one step). Per row: `first call`
+is the first `generate` of the process at that shape (9 new tokens);
 `TTFT` a warm `generate` of one new token (the prefill and the first token); `ms/token` the cost of one more
 token, (t(137 new tokens) - t(9)) / 128 from warm calls, greedy and with sampling (`do_sample`, top-p 0.9,
 top-k 50, temperature 0.8: transformers' own processors), each the faster of two calls; tokens/s = B / ms

@@ -204,8 +204,8 @@ def test_one_bit_codes_read_four_at_a_time_at_every_head_dim(d, dtype):
 
 
 @pytest.mark.parametrize("kind,bits", [("oblivious", 2), ("kivi-g128", 2), ("kivi-g128", 4), ("oscar-g32", 2),
-                                       ("vecinfer-head", 8), ("vecinfer-head", 6), ("vector-layer", 6), ("plan-mixed", 0),
-                                       ("plan-vector keys", 0)])
+                                       ("vecinfer-head", 8), ("vecinfer-head", 6), ("vector-layer", 6),
+                                       ("plan-mixed", 0), ("plan-vector keys", 0)])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_copied_books_read_the_centroids_of_the_book_itself(monkeypatch, kind, bits, d):
     """A shared book held in copies (`book_copies`: lane L reads copy L % copies) gives the output of the book held

@@ -57,7 +57,8 @@
 // D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
-// launch.py `book_copies`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0: none).
+// launch.py `book_copies`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0:
+// none).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
