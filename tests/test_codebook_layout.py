@@ -313,7 +313,11 @@ def test_copies_stay_within_what_an_sm_holds_for_its_resident_blocks(monkeypatch
         copies_budget.cache_clear()
         props = SimpleNamespace(shared_memory_per_multiprocessor=per_sm * 1024)
         monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
+        monkeypatch.setattr("torch.cuda.is_available", lambda: True)
         assert copies_budget(0, 4) == min(COPIED_BOOKS_BYTES, budget * 1024)
+    copies_budget.cache_clear()
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # no device answers: the H100's and H200's budget
+    assert copies_budget(0, 4) == COPIED_BOOKS_BYTES
     copies_budget.cache_clear()
     vec8 = _kernel_book(1, 256, 4)  # 32 KiB copied
     assert book_copies(_kernel_book(1, 16, 2), vec8, 24 * 1024) == (32, 1)
