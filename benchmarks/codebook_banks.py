@@ -13,8 +13,8 @@ Layouts:
 - `copies` (the kernel's, `book_copies`): a book shared by every position, entry e's 128 / S copies side by side in
   the 128 bytes at 128 e, lane L reading copy L % (128 / S);
 - `lane rows` (not built): a book per position, entry e of code j of every lane in one 128-byte row per (j, pass,
-  e), lane L's copy at slot L % (128 / S) of it: each pass's lanes read distinct banks; costs (codes a share) x (S /
-  4) x entries x 128 bytes.
+  e), lane L's entry in slot L % (128 / slot) of it (slots of max(4, S) bytes): each pass's lanes read distinct
+  banks; costs (codes a share) x (slot / 4) x entries x 128 bytes.
 
     cd benchmarks && python codebook_banks.py [--plans ../artifacts/smollm2-135m/plan-2.25,...] [--tiles 200]
 """
@@ -60,9 +60,10 @@ def address(layout: str, lane: int, j: int, codes: int, part: str, code: int, po
             size: int) -> int:
     if layout == "copies":
         return code * 128 + lane % (128 // size) * size
-    if layout == "lane rows":
-        per = 128 // size if size >= 4 else 32
-        return ((j * (32 // per) + lane // per) * entries + code) * 128 + lane % per * size
+    if layout == "lane rows":  # slots of 4 bytes at least (2-byte entries: two lanes would share a word's bank)
+        slot = max(4, size)
+        per = 128 // slot
+        return ((j * (32 // per) + lane // per) * entries + code) * 128 + lane % per * slot
     pos = lane_position(lane, j, codes, part) if positions > 1 else 0
     dim = size // 2
     stride = entries * dim + (max(2, dim) if positions > 1 else 0)  # the kernel's KSTRIDE, in halves
@@ -85,9 +86,9 @@ def gathers(layout: str, part: str, positions: int, entries: int, dim: int, tile
 
 
 def lane_rows_bytes(part: str, entries: int, dim: int) -> int:
-    size = 2 * dim
+    slot = max(4, 2 * dim)
     codes = (D // 4 if part == "key" else D // 8) // dim
-    return codes * max(1, size // 4) * entries * 128
+    return codes * (slot // 4) * entries * 128
 
 
 def main() -> None:
@@ -119,8 +120,7 @@ def main() -> None:
         positions, entries, dim = book.book.shape[1:]
         once = gathers("held once", part, positions, entries, dim, args.tiles, rng)
         copies = gathers("copies", part, positions, entries, dim, args.tiles, rng) if _copies(book) > 1 else None
-        rows = (gathers("lane rows", part, positions, entries, dim, args.tiles, rng)
-                if positions > 1 and dim >= 2 else None)
+        rows = gathers("lane rows", part, positions, entries, dim, args.tiles, rng) if positions > 1 else None
         kib = f"{lane_rows_bytes(part, entries, dim) / 1024:.0f}" if rows is not None else ""
         print(f"| {part} | {name} | {n} | {positions} x {entries} x {2 * dim} | {once:.2f} | "
               f"{'' if copies is None else f'{copies:.2f}'} | {'' if rows is None else f'{rows:.2f}'} | {kib} |")
