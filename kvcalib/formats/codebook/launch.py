@@ -158,8 +158,12 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
 def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, budget: int = COPIED_BOOKS_BYTES) -> int:
     """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them within `budget`), later
     the warps' states."""
-    k, v = book_copies(key, value, budget)
-    return max(_book_bytes(key, k) + _book_bytes(value, v), 4 * WARPS * gqa * (head_dim + 2))
+    return _block_bytes(key, value, book_copies(key, value, budget), gqa, head_dim)
+
+
+def _block_bytes(key: KernelBook, value: KernelBook, copies: tuple[int, int], gqa: int, head_dim: int) -> int:
+    """`shared_bytes` of books held in these (key, value) copies."""
+    return max(_book_bytes(key, copies[0]) + _book_bytes(value, copies[1]), 4 * WARPS * gqa * (head_dim + 2))
 
 
 def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
@@ -312,7 +316,8 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
             or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
-            or shared_bytes(key, value, gqa, d, budget) > SHARED_LIMIT):
+            # the books as the launch holds them, worked out once for the check, the defines and the launch
+            or (smem := _block_bytes(key, value, (copies := book_copies(key, value, budget)), gqa, d)) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
@@ -343,7 +348,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     spread = 2 if device and b > 1 else 1
     num_splits *= spread
     parts = max(1, num_splits + row_parts)
-    krepl, vrepl = book_copies(key, value, budget)
+    krepl, vrepl = copies
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
                "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
                "KDIM": kdim,
@@ -355,7 +360,6 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
-    smem = shared_bytes(key, value, gqa, d, budget)
     scale_log2 = cupy.float32(scaling * LOG2E)  # softmax in base 2
     i32 = cupy.int32
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
