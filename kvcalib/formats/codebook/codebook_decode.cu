@@ -125,13 +125,16 @@ static_assert(KTG % 16 == 0 && (VCG == 0 || (VGROUP % VCH == 0 && D % VGROUP == 
               "affine key groups of whole tiles, affine value groups of whole lane shares (and no norm beside them)");
 static_assert(D % CH == 0 && 32 % LPT == 0, "a row's channels fill whole lanes of a warp");
 
-// This lane's share of a row: NBITS bits from bit `start`, as NW words from bit 0 (the bits past the share: the row's
-// next ones or zeros).
-template <int NBITS>
-__device__ __forceinline__ void share_words(const unsigned* __restrict__ row, int start, unsigned* f) {
+// This lane's share of a row: NBITS bits from bit `start` of token `tok`'s row (rows of W words from `rows`), as NW
+// words from bit 0 (the bits past the share: the row's next ones or zeros). The word's index within the (batch, head)
+// rows is taken in 32 bits (tok W + start / 32 < 2^32 for every capacity the launch allows), one multiply-add to
+// the address: a 64-bit product took a tile's loads some 80 instructions of its ~440 (cuobjdump, sm_90).
+template <int NBITS, int W>
+__device__ __forceinline__ void share_words(const unsigned* __restrict__ rows, unsigned tok, unsigned start,
+                                            unsigned* f) {
   constexpr int NW = (NBITS + 31) / 32;
-  const unsigned* w = row + (start >> 5);
-  const int off = start & 31;
+  const unsigned* w = rows + (tok * W + (start >> 5));
+  const unsigned off = start & 31;
   unsigned raw[NW + 1];
 #pragma unroll
   for (int i = 0; i < NW; ++i) raw[i] = __ldcs(w + i);
@@ -140,41 +143,65 @@ __device__ __forceinline__ void share_words(const unsigned* __restrict__ row, in
   for (int i = 0; i < NW; ++i) f[i] = off ? __funnelshift_r(raw[i], raw[i + 1], off) : raw[i];
 }
 
-// Code j of BITS bits of a share (`share_words`) times 2^SHIFT: the field moved to bit SHIFT and the rest cleared, one
-// shift (a funnel shift where it spans two words) and one mask, so that it is a byte offset into a book of
-// 2^SHIFT-byte entries.
+// Code j of BITS bits of a share (`share_words`) times 2^SHIFT: the field moved to bit SHIFT and the rest cleared, so
+// that it is a byte offset into a book of 2^SHIFT-byte entries. Masked where it lies, then shifted: the shift and
+// the book address's add are then one instruction (LEA.HI or LEA, where a shift of the masked field took SHF, LOP3
+// and IADD3: 3 of a gather's 4); a field across two words takes a funnel shift and the mask.
 template <int BITS, int SHIFT>
 __device__ __forceinline__ unsigned code_scaled(const unsigned* f, int j) {
   static_assert(BITS + SHIFT <= 32, "a code's byte offset fits a word");
   const int at = j * BITS, wi = at / 32, off = at % 32;
   constexpr unsigned MASK = ((1u << BITS) - 1) << SHIFT;
   if (off + BITS > 32) return __funnelshift_r(f[wi], f[wi + 1], off - SHIFT) & MASK;  // off > 16 > SHIFT here
-  return (off >= SHIFT ? f[wi] >> (off - SHIFT) : f[wi] << (SHIFT - off)) & MASK;
+  constexpr unsigned FIELD = (1u << BITS) - 1;
+  return off >= SHIFT ? (f[wi] & (FIELD << off)) >> (off - SHIFT) : (f[wi] & (FIELD << off)) << (SHIFT - off);
 }
 
-// Loads from a shared-memory byte address (the books): `gather` adds a code's byte offset to a lane's book address,
-// and the position's offset folds into the instruction. Volatile: the compiler keeps them after the barrier that
-// follows the books' copy (they read memory it does not see them read).
+// Loads from a shared-memory byte address (the books) plus a constant: `gather` adds a code's byte offset to a lane's
+// book address (one LEA.HI with the code's shift), and the position's offset is the instruction's own (OFF), not an
+// add the compiler would otherwise hoist into one register a position. Volatile: the compiler keeps them after the
+// barrier that follows the books' copy (they read memory it does not see them read).
+template <int OFF>
 __device__ __forceinline__ unsigned lds16(unsigned a) {
   unsigned short x;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(x) : "r"(a));
+  asm volatile("ld.shared.u16 %0, [%1+%2];" : "=h"(x) : "r"(a), "n"(OFF));
   return x;
 }
+template <int OFF>
 __device__ __forceinline__ unsigned lds32(unsigned a) {
   unsigned x;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(a));
+  asm volatile("ld.shared.b32 %0, [%1+%2];" : "=r"(x) : "r"(a), "n"(OFF));
   return x;
 }
+template <int OFF>
 __device__ __forceinline__ uint2 lds64(unsigned a) {
   uint2 x;
-  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(x.x), "=r"(x.y) : "r"(a));
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2+%3];" : "=r"(x.x), "=r"(x.y) : "r"(a), "n"(OFF));
   return x;
 }
+template <int OFF>
 __device__ __forceinline__ uint4 lds128(unsigned a) {
   uint4 x;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w) : "r"(a));
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4+%5];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+               : "r"(a), "n"(OFF));
   return x;
 }
+
+// f(Index<0>{}) .. f(Index<N - 1>{}): an unrolled loop whose index is a compile-time constant (no standard header:
+// NVRTC compiles this).
+template <int I>
+struct Index {
+  static constexpr int value = I;
+};
+template <int I, int N, typename F>
+__device__ __forceinline__ void constexpr_for_from(F&& f) {
+  if constexpr (I < N) {
+    f(Index<I>{});
+    constexpr_for_from<I + 1, N>(f);
+  }
+}
+template <int N, typename F>
+__device__ __forceinline__ void constexpr_for(F&& f) { constexpr_for_from<0, N>(f); }
 
 // The centroids of a share of CHANNELS channels (its first code the row's code `first`), as CHANNELS / 2 half2
 // words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address (of a copied book, this lane's
@@ -186,23 +213,23 @@ __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int fir
   // an entry's bytes (of a copied book, its copies': 128), log2
   constexpr int SHIFT = REPL > 1 ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
   const unsigned mine = book + (POS ? 2 * first * STRIDE : 0);
-#pragma unroll
-  for (int j = 0; j < CHANNELS / DIM; ++j) {
-    const unsigned e = mine + (POS ? 2 * j * STRIDE : 0) + code_scaled<BITS, SHIFT>(f, j);
+  constexpr_for<CHANNELS / DIM>([&](auto jc) {
+    constexpr int j = decltype(jc)::value, OFF = POS ? 2 * j * STRIDE : 0;
+    const unsigned e = mine + code_scaled<BITS, SHIFT>(f, j);
     if constexpr (DIM == 1) {
-      const unsigned x = lds16(e);
+      const unsigned x = lds16<OFF>(e);
       if (j % 2 == 0) out[j / 2] = x;
       else out[j / 2] |= x << 16;
     } else if constexpr (DIM == 2) {
-      out[j] = lds32(e);
+      out[j] = lds32<OFF>(e);
     } else if constexpr (DIM == 4) {
-      const uint2 x = lds64(e);
+      const uint2 x = lds64<OFF>(e);
       out[2 * j] = x.x, out[2 * j + 1] = x.y;
     } else {
-      const uint4 x = lds128(e);
+      const uint4 x = lds128<OFF>(e);
       out[4 * j] = x.x, out[4 * j + 1] = x.y, out[4 * j + 2] = x.z, out[4 * j + 3] = x.w;
     }
-  }
+  });
 }
 
 // A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart (words copied: E DIM
@@ -236,6 +263,14 @@ __device__ __forceinline__ unsigned book_address(const __half* book) {
   return REPL > 1 ? at + (threadIdx.x % 32 % REPL) * 2 * DIM : at;
 }
 
+// An address the compiler holds as it is: without it, it folds a row's start into each load's 64-bit index from
+// the parameter (two adds with carry and two LEAs a load, where one IMAD.WIDE.U32 offsets an address held).
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+  asm("mov.b64 %0, %0;" : "+l"(p));
+  return p;
+}
+
 // What a lane loads of one 16-token tile: its key shares (tokens g, g + 8), its value shares and the norms of its four
 // slots (2t, 2t+1, 2t+8, 2t+9). The norms stay float16 until `tile_step` reads them, a tile after their loads
 // (converted where loaded, each conversion had waited for its load: about a fifth of the warps' stalls, Nsight
@@ -248,27 +283,24 @@ struct Tile {
 
 __device__ __forceinline__ int slot_token(int i, int t) { return 8 * (i / 2) + 2 * t + i % 2; }
 
-__device__ __forceinline__ void load_tile(Tile& x, int base, int t1, const unsigned* __restrict__ krow,
+__device__ __forceinline__ void load_tile(Tile& x, unsigned base, unsigned t1, const unsigned* __restrict__ krow,
                                           const unsigned* __restrict__ vrow, const __half* __restrict__ knorm,
                                           const __half* __restrict__ vnorm, const __half* __restrict__ vscale,
                                           const __half* __restrict__ vzero) {
   // Without a branch: a token past the split's end reads its last token (base < t1 wherever a tile is loaded), so
   // every load lies in a flushed token's row and every number read is finite; `tile_step` masks the tokens outside
   // [t0, t1): their scores -inf, their weights 0.
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const unsigned lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, last = t1 - 1;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int tok = min(base + g + 8 * r, t1 - 1);
-    share_words<KSHARE>(krow + (long)tok * KW, t * KSHARE, x.k[r]);
-  }
+  for (int r = 0; r < 2; ++r) share_words<KSHARE, KW>(krow, min(base + g + 8 * r, last), t * KSHARE, x.k[r]);
   const __half one = __ushort_as_half(0x3c00), zero = __ushort_as_half(0);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int tok = min(base + slot_token(i, t), t1 - 1);
-    share_words<VSHARE>(vrow + (long)tok * VW, g * VSHARE, x.v[i]);
+    const unsigned tok = min(base + slot_token(i, t), last);
+    share_words<VSHARE, VW>(vrow, tok, g * VSHARE, x.v[i]);
     x.kn[i] = KNORM ? __ldcs(knorm + tok) : one;
     if constexpr (VCG > 0) {  // lane group g's channels lie in value group g VCH / VCG
-      const long at = (long)tok * (D / VGROUP) + g * VCH / VGROUP;
+      const unsigned at = tok * (D / VGROUP) + g * VCH / VGROUP;
       x.vn[i] = __ldcs(vscale + at);
       x.vz[i] = __ldcs(vzero + at);
     } else {
@@ -496,12 +528,14 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     float kbias = 0.f;
     int group = -1;  // the affine key group whose fragments qa holds
     __syncthreads();
-    const unsigned* krow = kcodes + bh * capt * KW;
-    const unsigned* vrow = vcodes + bh * capt * VW;
-    const __half* kn = KNORM ? knorm + bh * capt : nullptr;
-    const __half* vn = VNORM ? vnorm + bh * capt : nullptr;
-    const __half* vs = VCG ? vscale + bh * capt * (D / VGROUP) : nullptr;
-    const __half* vz = VCG ? vzero + bh * capt * (D / VGROUP) : nullptr;
+    // The (batch, head)'s rows, each held as an address of its own (`opaque`), which a tile's loads offset by their
+    // 32-bit token index in one instruction.
+    const unsigned* krow = opaque(kcodes + bh * capt * KW);
+    const unsigned* vrow = opaque(vcodes + bh * capt * VW);
+    const __half* kn = KNORM ? opaque(knorm + bh * capt) : nullptr;
+    const __half* vn = VNORM ? opaque(vnorm + bh * capt) : nullptr;
+    const __half* vs = VCG ? opaque(vscale + bh * capt * (D / VGROUP)) : nullptr;
+    const __half* vz = VCG ? opaque(vzero + bh * capt * (D / VGROUP)) : nullptr;
     float m = NEG_INF, l = 0.f, acc[KS][4];
 #pragma unroll
     for (int u = 0; u < KS; ++u)

@@ -328,6 +328,8 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     per_token = [t for t in (vcodes, knorm, vnorm, vscale, vzero) if t is not None]
     if any(t.shape[2] != capt for t in per_token) or (ktokens and min(kscale.shape[2], kzero.shape[2]) * ktokens < capt):
         raise ValueError("the group's buffers must hold its codes' capacity of tokens (key scales: of key groups)")
+    if capt * max(kcodes.shape[-1], vcodes.shape[-1], d) >= 1 << 32:  # `share_words`: a row's index in 32 bits
+        raise ValueError(f"codebook decode indexes a head's rows in 32 bits: {capt} tokens are too many")
     if any(t.dtype != torch.float16 for t in (knorm, vnorm, kscale, kzero, vscale, vzero) if t is not None):
         raise ValueError("norms, scales and zeros are float16")
     if kbook.dtype != torch.float16 or vbook.dtype != torch.float16 or any(
