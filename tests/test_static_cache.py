@@ -12,7 +12,7 @@ from kvcalib.models import AttentionShape
 from kvcalib.formats.int2.layout import kernel_parts
 from kvcalib.methods.kvlinc import Adapter, features
 from kvcalib.runtime.cache import check_static
-from kvcalib.runtime.slots import masked_write
+from kvcalib.runtime.slots import flush_writes, masked_write
 from kvcalib.runtime.static_cache import StaticLayer
 from test_runtime_cache import _vecinfer_with_sinks
 
@@ -30,6 +30,43 @@ def test_masked_write_writes_each_taken_row_at_its_own_offset_and_the_others_onl
     want[1, :, 10:13] = new[1]
     want[2, :, 7:10] = new[2]
     assert torch.equal(buf, want)
+
+
+def test_flush_writes_write_what_masked_write_writes_buffer_by_buffer_with_each_index_made_once():
+    """A flush's buffers of different units, lengths and head counts (a plan's groups: codes per token, scales per
+    group of 4 tokens, one group of 1 head): the same bits as `masked_write` of each at flushed // unit, in fewer
+    launches (each index once for the writes sharing it, then one `index_put_` a buffer: 8 launches a buffer before)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Launches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket not in (torch.ops.aten.view, torch.ops.aten.empty):
+                self.ops.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    flushed, take = torch.tensor([0, 8, 16], dtype=torch.int32), torch.tensor([True, False, True])
+    specs = [(2, 24 + 8, 8, 1, 5), (2, 24 + 8, 8, 1, 3), (2, 6 + 2, 2, 4, 4), (1, 24 + 8, 8, 1, 5)]  # h, N, n, unit, last
+    bufs = [torch.randint(-9, 9, (3, h, big, last), generator=g) for h, big, _, _, last in specs]
+    news = [torch.randint(100, 200, (3, h, n, last), generator=g) for h, _, n, _, last in specs]
+    want = [b.clone() for b in bufs]
+    for buf, new, (_, _, _, unit, _) in zip(want, news, specs):
+        masked_write(buf, new, torch.div(flushed, unit, rounding_mode="floor"), take)
+    with Launches() as launched:
+        flush_writes([(b, n, spec[3]) for b, n, spec in zip(bufs, news, specs)], flushed, take)
+    assert all(torch.equal(b, w) for b, w in zip(bufs, want))
+    # where the rows went: row 0 at its start, row 1 (not taken) into the slack, row 2 at 16 // 4 for the 4-token unit
+    assert torch.equal(bufs[0][0, :, :8], news[0][0]) and torch.equal(bufs[0][1, :, 24:], news[0][1])
+    assert torch.equal(bufs[2][2, :, 4:6], news[2][2])
+    puts = launched.ops.count(torch.ops.aten.index_put_)
+    assert puts == len(specs)
+    # indices: the batch (1 arange), a start per unit (2 divisions), positions per (unit, length, rows) (2: a cast, a
+    # scalar, where, arange, add each), heads per count (2 aranges); buffer by buffer it was 9 launches a buffer
+    assert len(launched.ops) - puts == 1 + 2 + 2 * 5 + 2
 
 
 @pytest.mark.parametrize("name,settings,reason", [

@@ -1,9 +1,9 @@
 """The static cache's writes into its slots, on the device and in place: a decode step's new token into each
 sequence's residual window (`write_token`, which the captured step swaps for its compiled form:
 `kvcalib.runtime.captured`), a flush's rows into each sequence's packed buffers where its window filled
-(`masked_write`), a sliding layer's new token into its ring of the window's last tokens (`write_ring`), and the
-step's attention over that ring (`ring_attention`). Functions of tensors alone, so that one compiled region serves
-every layer."""
+(`masked_write`, `flush_writes`), a sliding layer's new token into its ring of the window's last tokens
+(`write_ring`), and the step's attention over that ring (`ring_attention`). Functions of tensors alone, so that one
+compiled region serves every layer."""
 
 from __future__ import annotations
 
@@ -20,10 +20,43 @@ def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take
     Through `index_put_`, which Inductor lowers to a write into `buf` itself: its `scatter_` (and a
     gather of the old rows) makes a copy of the whole buffer, every packed buffer at every step."""
     b, h, n = new.shape[:3]
+    buf.index_put_((_batch_rows(b, buf.device), _head_rows(h, buf.device), _rows(buf, n, start, take)), new)
+
+
+def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: torch.Tensor,
+                 take: torch.Tensor) -> None:
+    """`masked_write` of a flush's buffers, each (buf, new, unit): new's rows stand for `unit` tokens each and go
+    to row flushed[b] // unit. Each index is made once for the writes that share it (a start per unit, positions per
+    (unit, buffer length, rows), heads per count): a flushing step runs eagerly inside the captured step, where
+    each of a layer's 6 (KIVI-2) to 16 (a plan's groups) buffers written alone took 8 launches, 1 here and the
+    indices' few (benchmarks/flush_cost.py counts them)."""
+    starts: dict[int, torch.Tensor] = {}
+    rows: dict[tuple[int, int, int], torch.Tensor] = {}
+    heads: dict[int, torch.Tensor] = {}
+    batch = _batch_rows(flushed.shape[0], flushed.device)
+    for buf, new, unit in writes:
+        h, n = new.shape[1], new.shape[2]
+        if unit not in starts:
+            starts[unit] = torch.div(flushed, unit, rounding_mode="floor")
+        if (unit, buf.shape[2], n) not in rows:
+            rows[unit, buf.shape[2], n] = _rows(buf, n, starts[unit], take)
+        if h not in heads:
+            heads[h] = _head_rows(h, buf.device)
+        buf.index_put_((batch, heads[h], rows[unit, buf.shape[2], n]), new)
+
+
+def _rows(buf: torch.Tensor, n: int, start: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """(B, 1, n) positions along buf's dim 2 of each row's n new rows: from start[b] where take[b], else the slack."""
     at = torch.where(take, start.long(), buf.shape[2] - n)
-    rows = at.view(b, 1, 1) + torch.arange(n, device=buf.device)
-    buf.index_put_((torch.arange(b, device=buf.device).view(b, 1, 1),
-                    torch.arange(h, device=buf.device).view(1, h, 1), rows), new)
+    return at.view(-1, 1, 1) + torch.arange(n, device=buf.device)
+
+
+def _batch_rows(b: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(b, device=device).view(b, 1, 1)
+
+
+def _head_rows(h: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(h, device=device).view(1, h, 1)
 
 
 def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, k: torch.Tensor,

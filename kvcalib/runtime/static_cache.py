@@ -232,8 +232,8 @@ class StaticLayer(SlotLayer):
             return
         full = self.residual == r
         parts, state = self._flush(self.layout.kres, self.layout.vres, self.state)
-        for (buf, unit), part in zip(self._buffers(), parts):
-            slots.masked_write(buf, part, torch.div(self.flushed, unit, rounding_mode="floor"), full)
+        slots.flush_writes([(buf, part, unit) for (buf, unit), part in zip(self._buffers(), parts)], self.flushed,
+                           full)
         if state is not None:
             for mine, new in self._state_fields(state):
                 mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))

@@ -1,0 +1,144 @@
+"""What a flushing step costs a static cache, layer by layer: the cache layer's own `append` of one token per row at
+B rows whose windows are full, the flush included (`StaticLayer.append`), run as `model.generate`'s default compile
+(`regions`) runs it: eagerly, inside the captured step. Counted on any device (the ops that launch a kernel: every
+aten op but views and allocations), and on a GPU captured in a CUDA graph of its own and replayed (µs a layer).
+
+A step where any row's window fills flushes every layer (`StaticKvcalibCache.advance`), so a flushing step costs the
+layers' sum more than a step that appends only; a user's batch, whose windows fill at different steps, pays it at up to
+B steps of every R (`generate_calls.py`'s B=8 prompts: 8 of 128). Paths: generate_calls.py's KIVI-2 G=128, TurboQuant,
+and the shipped plans mapped onto the 8B shape (a plan's layers differ in their groups of heads: `--layers`).
+
+    cd benchmarks && python flush_cost.py [--paths kivi128-static,plan225-static,plan3-static] [--batch 8]
+                                          [--layers 0,1,2,3] [--results FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from generate_calls import model_config, static_method
+
+# aten ops that launch no kernel: views, allocations, metadata
+NO_KERNEL = {"view", "slice", "select", "unsqueeze", "squeeze", "permute", "alias", "_unsafe_view", "empty",
+             "empty_strided", "expand", "t", "transpose", "split", "split_with_sizes", "unbind", "detach", "lift_fresh",
+             "as_strided", "_reshape_alias", "reshape", "unflatten", "flatten", "narrow", "chunk", "movedim",
+             "view_as", "expand_as", "is_nonzero", "item", "_local_scalar_dense", "sym_size", "sym_stride", "dim",
+             "is_same_size"}
+
+
+class LaunchCount(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel (on an empty tensor none does: not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket).removeprefix("aten.")
+        results = out if isinstance(out, (tuple, list)) else [out]
+        if name not in NO_KERNEL and not all(isinstance(r, torch.Tensor) and r.numel() == 0 for r in results):
+            self.ops[name] += 1
+        return out
+
+
+def full_layer(method, layer: int, batch: int, config, device: torch.device):
+    """A static layer of `method` whose every row holds R - 1 tokens in its window (the next append flushes)."""
+    from kvcalib.models import attention_shape
+    from kvcalib.runtime.static_cache import StaticLayer
+
+    shape = attention_shape(config)
+    r = method.block
+    gqa = shape.num_heads // shape.num_kv_heads
+    static = StaticLayer(method, layer, batch, 4 * r, shape.num_kv_heads, shape.head_dim, device, gqa)
+    g = torch.Generator(device="cpu").manual_seed(layer)
+    for buf in (static.layout.kres, static.layout.vres):
+        buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+    static.flushed.fill_(r)  # past the first block: sinks already held
+    static.residual.fill_(r - 1)
+    k = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, generator=g).half().to(device)
+    return static, k, k.clone()
+
+
+def timed_flush(static, k, v, replays: int = 50) -> float:
+    """µs of one `append` with the flush, captured in a CUDA graph and replayed (the counts move as replays run: the
+    kernels, not the data, set the time)."""
+    saved = [t.clone() for t in static.mutable()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            static.append(k, v, True)
+            for t, old in zip(static.mutable(), saved):
+                t.copy_(old)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static.append(k, v, True)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paths", default="kivi128-static,plan225-static,plan3-static")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--layers", default="0,1,2,3", help="the layers measured (their mean stands for every layer)")
+    parser.add_argument("--phases", type=int, default=8, help="flushing steps of every R a batch pays (its rows' "
+                        "windows filling at that many different steps)")
+    parser.add_argument("--results", default=None, help="record into this file (default: print only)")
+    args = parser.parse_args()
+    from kvcalib.methods.registry import build_method
+    from kvcalib.models import attention_shape
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config, _ = model_config("llama-3.1-8b", 4096)
+    layers = [int(x) for x in args.layers.split(",")]
+    lines = [f"| path | kernels a layer (eager, layers {args.layers}) | µs a layer | a flushing step, "
+             f"{config.num_hidden_layers} layers, ms | ms a token at {args.phases} flushing steps of R |",
+             "|---|---|---:|---:|---:|"]
+    for path in args.paths.split(","):
+        method, settings = static_method(path, config)
+        if isinstance(method, str):
+            method = build_method(method, attention_shape(config), settings)
+        counts, times = [], []
+        for layer in layers:
+            static, k, v = full_layer(method, layer, args.batch, config, device)
+            with LaunchCount() as c:
+                static.append(k, v, True)
+            counts.append(sum(c.ops.values()))
+            if device.type == "cuda":
+                static, k, v = full_layer(method, layer, args.batch, config, device)
+                times.append(timed_flush(static, k, v))
+        us = statistics.mean(times) if times else float("nan")
+        step_ms = us * config.num_hidden_layers / 1e3
+        lines.append(f"| {path} | {', '.join(map(str, counts))} | {us:.0f} | {step_ms:.1f} | "
+                     f"{step_ms * args.phases / method.block:.2f} |")
+        print(lines[-1], file=sys.stderr)
+    table = "\n".join(lines)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (kernels counted only)"
+    title = f"A flushing step's cost, layer by layer, B={args.batch}, {where}, Llama-3.1-8B shape"
+    print(f"\n{title}\n\n{table}")
+    if args.results:
+        from results import record
+
+        record(title, table, sys.argv, args.results)
+
+
+if __name__ == "__main__":
+    main()
