@@ -42,6 +42,30 @@ Axis = Literal["tokens", "channels"]
 WORD_BITS = 32
 
 
+_HELD: dict[tuple, torch.Tensor] = {}
+
+
+def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """arange(n) * step (int64) on `device`: the packers' shifts, made once a (n, step, device) where a tensor may be
+    kept. A static cache's flush runs them eagerly inside the captured step, where each made anew is a launch (about
+    30 a plan's layer: benchmarks/flush_cost.py). Made afresh under torch.compile (traced as any op) and while a
+    CUDA graph captures (made there, it would live in the graph's memory, freed with it)."""
+    if torch.compiler.is_compiling():
+        return torch.arange(n, device=device, dtype=torch.int64) * step
+    key = (n, step, torch.device(device))
+    held = _HELD.get(key)
+    if held is None:
+        held = torch.arange(n, device=device, dtype=torch.int64) * step
+        if not capturing():
+            _HELD[key] = held
+    return held
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (never, where CUDA has not started)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def per_word(bits: int) -> int:
     return WORD_BITS // bits
 
@@ -55,8 +79,7 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     codes = codes.movedim(dim, -1).to(torch.int64)
     codes = torch.nn.functional.pad(codes, (0, words * k - n))
     codes = codes.reshape(*codes.shape[:-1], words, k)
-    shifts = torch.arange(k, device=codes.device, dtype=torch.int64) * bits
-    packed = (codes << shifts).sum(-1)
+    packed = (codes << steps(k, bits, codes.device)).sum(-1)
     # Reinterpret the low 32 bits as signed int32 (torch has no uint32 arithmetic on every device).
     packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
     return packed.movedim(-1, dim)
@@ -67,8 +90,7 @@ def unpack_bits(words: torch.Tensor, bits: int, dim: int, length: int) -> torch.
     dim = dim % words.dim()
     k = per_word(bits)
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(k, device=w.device, dtype=torch.int64) * bits
-    codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    codes = (w.unsqueeze(-1) >> steps(k, bits, w.device)) & ((1 << bits) - 1)
     codes = codes.reshape(*codes.shape[:-2], codes.shape[-2] * k)[..., :length]
     return codes.movedim(-1, dim)
 
@@ -80,20 +102,17 @@ def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     `pack_bits`' layout exactly; otherwise it wastes no bits (the last word zero-padded)."""
     n = codes.shape[-1]
     words = -(-n * bits // WORD_BITS)
-    place = torch.arange(bits, device=codes.device, dtype=torch.int64)
-    stream = ((codes.to(torch.int64).unsqueeze(-1) >> place) & 1).flatten(-2)  # (..., n * bits)
+    stream = ((codes.to(torch.int64).unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)  # (..., n bits)
     stream = torch.nn.functional.pad(stream, (0, words * WORD_BITS - n * bits))
-    shifts = torch.arange(WORD_BITS, device=codes.device, dtype=torch.int64)
-    packed = (stream.reshape(*stream.shape[:-1], words, WORD_BITS) << shifts).sum(-1)
+    packed = (stream.reshape(*stream.shape[:-1], words, WORD_BITS) << steps(WORD_BITS, 1, codes.device)).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def unpack_stream(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:
     """Inverse of `pack_stream`: int32 words along the last axis to `length` codes (int64)."""
-    shifts = torch.arange(WORD_BITS, device=words.device, dtype=torch.int64)
+    shifts = steps(WORD_BITS, 1, words.device)
     stream = ((words.to(torch.int64).unsqueeze(-1) & 0xFFFFFFFF) >> shifts & 1).flatten(-2)[..., : length * bits]
-    place = torch.arange(bits, device=words.device, dtype=torch.int64)
-    return (stream.reshape(*stream.shape[:-1], length, bits) << place).sum(-1)
+    return (stream.reshape(*stream.shape[:-1], length, bits) << steps(bits, 1, words.device)).sum(-1)
 
 
 @dataclass

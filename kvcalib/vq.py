@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .errors import SettingsError
+from .quant import steps
 
 log = logging.getLogger(__name__)
 
@@ -232,15 +233,34 @@ def _split_into_empty(centroids: torch.Tensor, counts: torch.Tensor) -> None:
 
 
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
-    """Codes (B, H, T, c) of x (B, H, T, d) against codebooks (G, 2^M, N), head h using h // (H / G)."""
+    """Codes (B, H, T, c) of x (B, H, T, d) against codebooks (G, 2^M, N), head h using h // (H / G).
+
+    Every head at once (`nearest_heads`): a static cache's flush encodes a layer's window inside the captured step,
+    eagerly, where a loop over heads took some 11 launches a head."""
     b, h, t, d = x.shape
     n = codebooks.shape[-1]
-    per_group = h // codebooks.shape[0]
-    sub = x.unflatten(-1, (d // n, n))
-    codes = torch.empty(b, h, t, d // n, dtype=torch.int64, device=x.device)
-    for head in range(h):
-        codes[:, head] = nearest(sub[:, head].reshape(-1, n), codebooks[head // per_group]).reshape(b, t, d // n)
-    return codes
+    books = codebooks.float()
+    if books.shape[0] != h:
+        books = books.repeat_interleave(h // books.shape[0], dim=0)
+    points = x.unflatten(-1, (d // n, n)).transpose(0, 1).reshape(h, b * t * (d // n), n)
+    return nearest_heads(points, books).view(h, b, t, d // n).transpose(0, 1).contiguous()
+
+
+def nearest_heads(points: torch.Tensor, books: torch.Tensor) -> torch.Tensor:
+    """(H, P) int64: for each head h, the index of the nearest centroid (squared Euclidean) of books[h] (E, N) to
+    every row of points[h] (P, N); `nearest` for H codebooks in one batched product, chunked over points so that a
+    chunk's distances hold at most _DISTANCE_ENTRIES numbers."""
+    books = books.float()
+    norms = books.pow(2).sum(-1).unsqueeze(1)  # (H, 1, E); |x|^2 does not change the argmin
+    rows = max(1, _DISTANCE_ENTRIES // (books.shape[0] * books.shape[1]))
+    total = points.shape[1]
+    if total <= rows:
+        return torch.baddbmm(norms, points.float(), books.transpose(1, 2), alpha=-2).argmin(-1)
+    out = torch.empty(points.shape[:2], dtype=torch.int64, device=points.device)
+    for start in range(0, total, rows):
+        chunk = points[:, start : start + rows].float()
+        out[:, start : start + rows] = torch.baddbmm(norms, chunk, books.transpose(1, 2), alpha=-2).argmin(-1)
+    return out
 
 
 def decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from kvcalib.evaluate import evaluate
 from kvcalib.methods import MethodSettings, build_method, hold, turboquant
 from kvcalib.methods.turboquant import LLOYD_STOP, TurboQuantConfig, codebook, expected_distortion, midpoints, rotation
 from kvcalib.models import AttentionShape
-from kvcalib.quant import pack_bits, unpack_bits
+from kvcalib.quant import pack_bits, pack_stream, unpack_bits
 
 from test_methods import _moved_beyond_float16_rounding
 from tolerances import U16, U32, U64, gamma
@@ -381,3 +381,41 @@ def test_against_the_turboquant_package_on_the_same_vectors(bits, monkeypatch):
         assert abs(expected_theirs - expected_ours) <= 1e-4 * expected_ours
     else:
         assert errors_ours.mean() < errors_theirs.mean()
+
+
+def test_unit_rotation_divides_a_zero_vector_to_zero_and_any_other_by_its_norm_bit_for_bit():
+    """`unit_rotated` divides by the norm clamped at float64's least normal number: the same bits as dividing a zero
+    vector by 1 and any other by its norm (float32 and float16 inputs: their norms all lie above that number)."""
+    from kvcalib.methods.turboquant import unit_rotated
+
+    x = torch.randn(5, 3, 64)
+    x[1, 2] = 0.0
+    x[3, 0] = 1e-30
+    y, norm = unit_rotated(x)
+    x64 = x.double()
+    n64 = x64.norm(dim=-1, keepdim=True)
+    want = ((x64 / torch.where(n64 > 0, n64, 1.0)) @ rotation(64, torch.float64).T).float()
+    assert torch.equal(y, want) and torch.equal(norm, n64.float())
+    assert torch.equal(y[1, 2], torch.zeros(64)) and norm[1, 2].item() == 0.0
+
+
+def test_calibrated_thresholds_are_held_for_the_book_a_flush_reads_and_made_anew_for_a_replaced_one():
+    """`TurboQuant._bounds`: the midpoints of a layer's calibrated book, made once for the book object the flushes
+    read (its device copy), not per flush; the codes equal those of thresholds made each call; a new book object
+    (the layer's books replaced) gets its own."""
+    shape = AttentionShape(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=64)
+    gen = torch.Generator().manual_seed(3)
+    books = [(torch.randn(1, 64, 4, generator=gen).sort(-1).values, torch.randn(1, 64, 4, generator=gen).sort(-1).values)]
+    method = turboquant.TurboQuant(TurboQuantConfig(bits=2, residual=16), shape, books=books)
+    k = torch.randn(1, 1, 16, 64, generator=gen)
+    book = method._layer_books(0, k.device)[0]
+    first = method._bounds(book)
+    assert method._bounds(book) is first and torch.equal(first, midpoints(book))
+    packed = method.compress(0, k, k)
+    y, _ = turboquant.unit_rotated(k)
+    fresh = turboquant.nearest_per_coordinate(y, book)  # thresholds made in the call
+    assert torch.equal(packed.k.codes, pack_stream(fresh, 2))
+    other = book.clone()
+    other[..., 0] -= 1.0
+    assert not torch.equal(method._bounds(other), first) and torch.equal(method._bounds(other), midpoints(other))
+

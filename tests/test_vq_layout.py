@@ -154,3 +154,24 @@ def test_no_block_has_fewer_threads_than_the_merge_writes_channels():
             assert p["WARPS"] == 8 and p["SMEM"] > SHARED_LIMIT and not offered
             with pytest.raises(SettingsError, match="KiB of shared memory per block"):
                 check(torch.zeros(1, heads, 128), layer)
+
+
+@pytest.mark.parametrize("b,h,t,d,n,e,g", [(8, 6, 128, 128, 4, 64, 6), (2, 4, 33, 64, 8, 16, 1), (1, 8, 700, 128, 4, 256, 2)])
+def test_encode_takes_every_head_at_once_and_names_the_nearest_centroid_of_its_own_book(monkeypatch, b, h, t, d, n,
+                                                                                      e, g):
+    """`vq.encode` over all heads in one batched product (`nearest_heads`), chunked (the budget lowered here so that
+    the last case takes several chunks) or not: the codes `nearest` gives head by head against the head's own book,
+    and each the argmin of the float64 distances but for near-ties (within float32's rounding of them)."""
+    monkeypatch.setattr(vq, "_DISTANCE_ENTRIES", 1 << 16)
+    gen = torch.Generator().manual_seed(b * h + t)
+    x, books = torch.randn(b, h, t, d, generator=gen), torch.randn(g, e, n, generator=gen).half()
+    codes = vq.encode(x, books)
+    assert codes.shape == (b, h, t, d // n) and codes.is_contiguous()
+    sub = x.unflatten(-1, (d // n, n))
+    for head in range(h):
+        book = books[head // (h // g)]
+        assert torch.equal(codes[:, head], vq.nearest(sub[:, head].reshape(-1, n), book).reshape(b, t, d // n))
+        dist = (sub[:, head].double().unsqueeze(-2) - book.double()).pow(2).sum(-1)  # (b, t, c, e)
+        best = dist.min(-1).values
+        taken = dist.gather(-1, codes[:, head].unsqueeze(-1)).squeeze(-1)
+        assert (taken - best <= 1e-5 * (1 + best)).all()  # float32 distances: a few ulps of |x|^2 + |c|^2

@@ -79,7 +79,7 @@ from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
 from .. import vq
-from ..quant import FLOAT16_MAX, pack_stream, unpack_stream
+from ..quant import FLOAT16_MAX, capturing, pack_stream, unpack_stream
 from .base import DeviceCopies, Method, MethodSettings
 
 ROTATION_SEED = 0
@@ -221,14 +221,18 @@ def unit_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     that Triton takes to 2 ulps in float32) then codes the same bits as an eager one."""
     x64 = x.double()
     norm = x64.norm(dim=-1, keepdim=True)
-    unit = x64 / torch.where(norm > 0, norm, 1.0)
+    # a zero norm divides by float64's least normal number instead (0 / it is 0; every norm of float32 or float16
+    # numbers is larger): the same bits as dividing it by 1, one launch where the test and the choice took three
+    unit = x64 / norm.clamp_min(torch.finfo(torch.float64).tiny)
     return (unit @ rotation(x.shape[-1], torch.float64, x.device).T).float(), norm.float()  # y = Π u, row form
 
 
-def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+def nearest_per_coordinate(y: torch.Tensor, centroids: torch.Tensor, bounds: torch.Tensor | None = None) -> torch.Tensor:
     """Codes of y (..., G or H, T, d) for per-coordinate codebooks (G, d, L) ascending: the number of
-    cell boundaries (midpoints of neighbouring centroids) below each y_i, as `torch.bucketize` counts."""
-    bounds = midpoints(centroids)  # (G, d, L - 1)
+    cell boundaries (midpoints of neighbouring centroids, `bounds` (G, d, L - 1) where held) below each y_i, as
+    `torch.bucketize` counts."""
+    if bounds is None:
+        bounds = midpoints(centroids)
     return (y.unsqueeze(-1) > bounds[:, None].to(y.device)).sum(-1)
 
 
@@ -251,6 +255,7 @@ class TurboQuant(Method, CodebookCoded):
         self.granularity = granularity
         self._on_devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copies = DeviceCopies()
+        self._held_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(book) -> (book, its midpoints)
 
     @property
     def per_kv_head(self) -> bool:
@@ -269,8 +274,21 @@ class TurboQuant(Method, CodebookCoded):
         if centroids is None:  # the oblivious codebook: cells split at the midpoints of its centroids
             codes = torch.bucketize(y, self._tables(x.device)[0])
         else:
-            codes = nearest_per_coordinate(y, centroids)
+            codes = nearest_per_coordinate(y, centroids, self._bounds(centroids))
         return Coded(codes=pack_stream(codes, bits), norm=norm.clamp(max=FLOAT16_MAX).half(), bits=bits)
+
+    def _bounds(self, centroids: torch.Tensor) -> torch.Tensor:
+        """`midpoints` of a calibrated book as the layer's flushes read it (the device copy `_layer_books` holds),
+        made once a book where a tensor may be kept (`quant.steps`' rule): a flush runs eagerly inside the captured
+        step, where each made anew took two launches."""
+        if torch.compiler.is_compiling():
+            return midpoints(centroids)
+        held = self._held_bounds.get(id(centroids))
+        if held is None or held[0] is not centroids:
+            held = (centroids, midpoints(centroids))
+            if not capturing():
+                self._held_bounds[id(centroids)] = held
+        return held[1]
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim
