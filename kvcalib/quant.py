@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -61,6 +62,16 @@ def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
     return held
 
 
+def low_words(x: torch.Tensor) -> torch.Tensor:
+    """The low 32 bits of int64 words x (each < 2^32) as int32, the high bit the sign (torch has no uint32
+    arithmetic on every device): x's memory read a 32-bit word at a time, low word first as on every little-endian
+    device (x86, Arm, CUDA), then one copy, where comparing, subtracting 2^32, choosing and casting took four
+    launches (a flush runs them eagerly inside the captured step)."""
+    if sys.byteorder != "little":
+        return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
+    return x.contiguous().view(torch.int32)[..., 0::2].contiguous()
+
+
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph (never, where CUDA has not started)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
@@ -81,7 +92,7 @@ def pack_bits(codes: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     codes = codes.reshape(*codes.shape[:-1], words, k)
     packed = (codes << steps(k, bits, codes.device)).sum(-1)
     # Reinterpret the low 32 bits as signed int32 (torch has no uint32 arithmetic on every device).
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    packed = low_words(packed)
     return packed.movedim(-1, dim)
 
 
@@ -105,7 +116,7 @@ def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     stream = ((codes.to(torch.int64).unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)  # (..., n bits)
     stream = torch.nn.functional.pad(stream, (0, words * WORD_BITS - n * bits))
     packed = (stream.reshape(*stream.shape[:-1], words, WORD_BITS) << steps(WORD_BITS, 1, codes.device)).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return low_words(packed)
 
 
 def unpack_stream(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:

@@ -83,17 +83,16 @@ class VQConfig:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes (..., c) < 2^bits to the bitstream rows (..., ceil(c * bits / 8)) uint8 of the layout."""
-    shifts = torch.arange(bits, device=codes.device)
-    stream = ((codes.to(torch.int64).unsqueeze(-1) >> shifts) & 1).flatten(-2)
+    stream = ((codes.to(torch.int64).unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)
     stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).unflatten(-1, (-1, 8))
-    return (stream << torch.arange(8, device=codes.device)).sum(-1).to(torch.uint8)
+    return (stream << steps(8, 1, codes.device)).sum(-1).to(torch.uint8)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of `pack_codes`: rows (..., bytes) uint8 to `count` codes (..., count) int64."""
-    stream = ((packed.to(torch.int64).unsqueeze(-1) >> torch.arange(8, device=packed.device)) & 1).flatten(-2)
+    stream = ((packed.to(torch.int64).unsqueeze(-1) >> steps(8, 1, packed.device)) & 1).flatten(-2)
     stream = stream[..., : count * bits].unflatten(-1, (count, bits))
-    return (stream << torch.arange(bits, device=packed.device)).sum(-1)
+    return (stream << steps(bits, 1, packed.device)).sum(-1)
 
 
 def nearest(points: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:

@@ -151,3 +151,17 @@ def test_the_packers_shifts_are_made_once_a_device_and_afresh_under_torch_compil
     compiled = torch.compile(lambda c: pack_stream(c, 3), fullgraph=True, dynamic=False)(codes)
     assert torch.equal(compiled, eager) and torch.equal(unpack_stream(eager, 3, 37), codes)
     assert torch.equal(unpack_bits(pack_bits(codes % 4, 2, -1), 2, -1, 37), codes % 4)
+
+
+def test_low_words_are_the_words_as_int32_with_the_high_bit_the_sign():
+    """`low_words`: int64 words below 2^32 as int32 by reading their low halves (one copy): the same numbers as
+    subtracting 2^32 from those at or past 2^31, for a strided input too."""
+    from kvcalib.quant import low_words
+
+    x = torch.randint(0, 2**32, (4, 6, 5), dtype=torch.int64, generator=torch.Generator().manual_seed(1))
+    x[0, 0, :4] = torch.tensor([0, 2**31 - 1, 2**31, 2**32 - 1])
+    for words in (x, x.transpose(0, 2)):
+        got = low_words(words)
+        assert got.dtype == torch.int32 and got.is_contiguous() and got.shape == words.shape
+        assert torch.equal(got.long(), torch.where(words >= 2**31, words - 2**32, words))
+    assert low_words(x)[0, 0, :4].tolist() == [0, 2**31 - 1, -(2**31), -1]

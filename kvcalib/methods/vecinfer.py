@@ -47,6 +47,7 @@ from ..formats.vq.coded import VQCoded
 from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
+from ..quant import low_words
 from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def byte_rows_as_words(rows: torch.Tensor) -> torch.Tensor:
     rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4))
     b = rows.to(torch.int64)
     words = b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return low_words(words)
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:

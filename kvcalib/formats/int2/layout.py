@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from ...hadamard import rotate
-from ...quant import Quantized, dequantize_codes, quantize, unpack_bits
+from ...quant import Quantized, dequantize_codes, low_words, quantize, unpack_bits
 from ..rows import grow
 
 KERNEL = str(Path(__file__).with_name("reorder.cu"))  # the layout's reorder kernel, beside it
@@ -81,7 +81,7 @@ def to_tensor_core_order(codes: torch.Tensor, which: str) -> torch.Tensor:
     tok, ch = (ktok, kch) if which == "k" else (vtok, vch)
     blocks = codes.reshape(*lead, t // 16, 16, d).to(torch.int64)
     words = (blocks[..., tok, ch] << shift).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return low_words(words)
 
 
 def from_tensor_core_order(words: torch.Tensor, which: str) -> torch.Tensor:
