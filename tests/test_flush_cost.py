@@ -3,19 +3,13 @@ allocations, not ops on empty tensors (a plan's coder packs its unread part over
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_scripts import load_script
 
 
 def test_the_launch_count_takes_kernels_only(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_flush_cost", BENCHMARKS / "flush_cost.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("flush_cost", monkeypatch)
     a, empty = torch.ones(4, 3), torch.ones(4, 0)
     with module.LaunchCount() as counted:
         b = a.view(3, 4).t()  # views: none

@@ -3,17 +3,11 @@ batch's rows do, so that the step that compresses them is measured as often as u
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_scripts import load_script
 
 
 def test_the_batch_rows_fill_their_windows_at_eight_different_steps(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("bench_generate_calls", BENCHMARKS / "generate_calls.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("generate_calls", monkeypatch)
     lengths = module.batch8_lengths(32768)
     assert len(lengths) == 8 and max(lengths) == 32768 and min(lengths) > 0
     assert len({n % 128 for n in lengths}) == 8  # the windows of 128 tokens: 8 phases (multiples of 4096: one)
