@@ -474,3 +474,24 @@ def test_lut_scores_read_the_heads_the_codes_hold():
     for rank in range(2):
         own = method.compress(0, k[:, 2 * rank : 2 * rank + 2], v[:, 2 * rank : 2 * rank + 2])
         assert torch.equal(method.key_scores(0, q[:, 4 * rank : 4 * rank + 4], own), full[:, 4 * rank : 4 * rank + 4])
+
+
+def test_code_rows_read_as_words_are_the_stream_the_codebook_kernel_reads():
+    """`byte_rows_as_words`: VecInfer's byte rows read as int32 words (padded to whole words) are the words built
+    from their bytes, least significant first, for whole and partial words and strided rows; the same stream
+    `pack_stream` writes for the codes (the codebook kernel's layout)."""
+    from kvcalib.methods.vecinfer import byte_rows_as_words
+    from kvcalib.quant import pack_stream
+
+    g = torch.Generator().manual_seed(5)
+    for shape in [(3, 5, 24), (2, 4, 7, 13), (2, 3, 1)]:
+        rows = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        rows[..., 0] = 255  # a word whose top byte is 255 too where whole: its sign bit set
+        words = byte_rows_as_words(rows)
+        padded = torch.nn.functional.pad(rows, (0, -shape[-1] % 4)).long()
+        built = padded[..., 0::4] | padded[..., 1::4] << 8 | padded[..., 2::4] << 16 | padded[..., 3::4] << 24
+        assert words.dtype == torch.int32 and torch.equal(words.long() & 0xFFFFFFFF, built)
+    strided = torch.randint(0, 256, (4, 16, 8), dtype=torch.uint8, generator=g).transpose(0, 1)
+    assert torch.equal(byte_rows_as_words(strided), byte_rows_as_words(strided.contiguous()))
+    codes = torch.randint(0, 64, (3, 32), generator=g)  # d4b6's 32 codes of 6 bits a row
+    assert torch.equal(byte_rows_as_words(vq.pack_codes(codes, 6)), pack_stream(codes, 6))

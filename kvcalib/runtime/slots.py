@@ -37,7 +37,7 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
     for buf, new, unit in writes:
         h, n = new.shape[1], new.shape[2]
         if unit not in starts:
-            starts[unit] = torch.div(flushed, unit, rounding_mode="floor")
+            starts[unit] = torch.div(flushed, unit, rounding_mode="floor").long()  # `_rows` takes it as it is
         if (unit, buf.shape[2], n) not in rows:
             rows[unit, buf.shape[2], n] = _rows(buf, n, starts[unit], take)
         if h not in heads:
