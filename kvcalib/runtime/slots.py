@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import as_float16, capped_attention
+from ..quant import steps
 
 
 def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
@@ -48,15 +49,17 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
 def _rows(buf: torch.Tensor, n: int, start: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
     """(B, 1, n) positions along buf's dim 2 of each row's n new rows: from start[b] where take[b], else the slack."""
     at = torch.where(take, start.long(), buf.shape[2] - n)
-    return at.view(-1, 1, 1) + torch.arange(n, device=buf.device)
+    return at.view(-1, 1, 1) + steps(n, 1, buf.device)
 
 
+# The index ranges, held once a device where a tensor may be kept (`quant.steps`): an eager flush inside the
+# captured step then launches nothing to make them.
 def _batch_rows(b: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(b, device=device).view(b, 1, 1)
+    return steps(b, 1, device).view(b, 1, 1)
 
 
 def _head_rows(h: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(h, device=device).view(1, h, 1)
+    return steps(h, 1, device).view(1, h, 1)
 
 
 def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, k: torch.Tensor,
@@ -67,8 +70,7 @@ def write_token(kres: torch.Tensor, vres: torch.Tensor, residual: torch.Tensor, 
     in 128 append with this write alone; compiled by default, it took 7 kernels a layer off the step (8B shape,
     benchmarks/RESULTS.md)."""
     b, h = k.shape[:2]
-    rows = (torch.arange(b, device=k.device).view(b, 1), torch.arange(h, device=k.device).view(1, h),
-            residual.long().view(b, 1))
+    rows = (steps(b, 1, k.device).view(b, 1), steps(h, 1, k.device).view(1, h), residual.long().view(b, 1))
     for buf, x in ((kres, k), (vres, v)):
         buf.index_put_(rows, as_float16(x[:, :, 0]))  # in place under Inductor too (`masked_write`)
     residual += 1
