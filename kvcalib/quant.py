@@ -43,7 +43,7 @@ Axis = Literal["tokens", "channels"]
 WORD_BITS = 32
 
 
-_HELD: dict[tuple, torch.Tensor] = {}
+_HELD: dict[tuple, torch.Tensor] = {}  # (n, step, device) -> arange(n) * step: a few small int64 ranges a device
 
 
 def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
@@ -69,7 +69,7 @@ def low_words(x: torch.Tensor) -> torch.Tensor:
     launches (a flush runs them eagerly inside the captured step)."""
     if sys.byteorder != "little":
         return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
-    return x.contiguous().view(torch.int32)[..., 0::2].contiguous()
+    return x.contiguous().view(torch.int32)[..., 0::2].clone()  # a tensor of its own, never a view of x
 
 
 def capturing() -> bool:

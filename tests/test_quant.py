@@ -137,10 +137,11 @@ def test_a_group_spanning_float16s_whole_range_stores_a_finite_scale_and_decodes
     assert float((y - x).abs().max()) <= float(q.scale.float().max()) * (1.0 if bits == 1 else 0.5 + 2**-10)
 
 
-def test_the_packers_shifts_are_made_once_a_device_and_afresh_under_torch_compile():
+def test_the_packers_shifts_are_made_once_a_device_and_afresh_under_torch_compile(monkeypatch):
     """`steps`: arange(n) * step held per (n, step, device), so that an eager flush inside a captured step launches
     nothing to make its shifts; under torch.compile (a traced flush) it is made as any op, and the packers give the
     same words either way."""
+    from kvcalib import quant
     from kvcalib.quant import steps
 
     a, b = steps(11, 3, torch.device("cpu")), steps(11, 3, torch.device("cpu"))
@@ -148,7 +149,9 @@ def test_the_packers_shifts_are_made_once_a_device_and_afresh_under_torch_compil
     assert steps(11, 2, torch.device("cpu")) is not a  # another step: another tensor
     codes = torch.randint(0, 8, (5, 37))
     eager = pack_stream(codes, 3)
+    monkeypatch.setattr(quant, "_HELD", {})
     compiled = torch.compile(lambda c: pack_stream(c, 3), fullgraph=True, dynamic=False)(codes)
+    assert quant._HELD == {}  # traced as made: nothing held from inside the compiled code
     assert torch.equal(compiled, eager) and torch.equal(unpack_stream(eager, 3, 37), codes)
     assert torch.equal(unpack_bits(pack_bits(codes % 4, 2, -1), 2, -1, 37), codes % 4)
 

@@ -54,3 +54,28 @@ def test_empty_and_refused_inputs():
     _same(torch.randn(0, 32, 16, device="cuda"), 2, 16, "tokens")
     with pytest.raises(ValueError, match="multiple of group size"):
         quantize(torch.randn(1, 40, 16, device="cuda"), 2, 16, "tokens")
+
+
+def test_a_range_first_made_while_a_graph_captures_is_not_held(monkeypatch):
+    """`quant.steps` holds a range made outside a capture (the warm-up of a captured step) and not one made while a
+    CUDA graph captures: that tensor lives in the graph's memory, freed with it, and a later caller would read freed
+    memory. Made again after the capture, it is held."""
+    from kvcalib import quant
+
+    monkeypatch.setattr(quant, "_HELD", {})
+    device = torch.device("cuda", torch.cuda.current_device())
+    warm = quant.steps(5, 2, device)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        with torch.cuda.graph(graph):
+            assert quant.steps(5, 2, device) is warm  # held: read from the graph too
+            inside = quant.steps(7, 3, device)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert set(quant._HELD) == {(5, 2, device)}
+    assert torch.equal(inside, torch.arange(7, device=device) * 3)
+    assert quant.steps(7, 3, device) is not inside and (7, 3, device) in quant._HELD
+    del graph

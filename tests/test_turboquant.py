@@ -418,4 +418,7 @@ def test_calibrated_thresholds_are_held_for_the_book_a_flush_reads_and_made_anew
     other = book.clone()
     other[..., 0] -= 1.0
     assert not torch.equal(method._bounds(other), first) and torch.equal(method._bounds(other), midpoints(other))
+    held = len(method._held_bounds)
+    del other
+    assert len(method._held_bounds) == held - 1  # a book no longer alive is not kept by its thresholds
 

@@ -493,5 +493,8 @@ def test_code_rows_read_as_words_are_the_stream_the_codebook_kernel_reads():
         assert words.dtype == torch.int32 and torch.equal(words.long() & 0xFFFFFFFF, built)
     strided = torch.randint(0, 256, (4, 16, 8), dtype=torch.uint8, generator=g).transpose(0, 1)
     assert torch.equal(byte_rows_as_words(strided), byte_rows_as_words(strided.contiguous()))
+    rows = torch.randint(0, 256, (2, 9), dtype=torch.uint8, generator=g)[:, 1:]  # 8 bytes a row, at offset 1
+    words = byte_rows_as_words(rows)
+    assert torch.equal(words, byte_rows_as_words(rows.clone())) and words.data_ptr() != rows.data_ptr()
     codes = torch.randint(0, 64, (3, 32), generator=g)  # d4b6's 32 codes of 6 bits a row
     assert torch.equal(byte_rows_as_words(vq.pack_codes(codes, 6)), pack_stream(codes, 6))

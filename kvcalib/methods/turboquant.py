@@ -70,6 +70,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
@@ -255,7 +256,7 @@ class TurboQuant(Method, CodebookCoded):
         self.granularity = granularity
         self._on_devices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self._copies = DeviceCopies()
-        self._held_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(book) -> (book, its midpoints)
+        self._held_bounds = WeakTensorKeyDictionary()  # a book (its device copy) -> its midpoints, while it lives
 
     @property
     def per_kv_head(self) -> bool:
@@ -283,12 +284,12 @@ class TurboQuant(Method, CodebookCoded):
         step, where each made anew took two launches."""
         if torch.compiler.is_compiling():
             return midpoints(centroids)
-        held = self._held_bounds.get(id(centroids))
-        if held is None or held[0] is not centroids:
-            held = (centroids, midpoints(centroids))
+        held = self._held_bounds.get(centroids)
+        if held is None:
+            held = midpoints(centroids)
             if not capturing():
-                self._held_bounds[id(centroids)] = held
-        return held[1]
+                self._held_bounds[centroids] = held
+        return held
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim

@@ -215,14 +215,16 @@ class VecInfer(Method, VQCoded, CodebookCoded):
 
 def byte_rows_as_words(rows: torch.Tensor) -> torch.Tensor:
     """`kvcalib.vq`'s code rows (..., bytes) uint8 as int32 words (`quant.pack_stream`'s layout: the same bit stream,
-    least significant bit first, read four bytes a word on a little-endian device), zero-padded to whole words: the
-    rows' memory read as int32 (one copy where they are not whole words or not contiguous), where assembling each
-    word from shifted bytes took some ten launches (a flush runs them eagerly inside the captured step)."""
-    rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)) if rows.shape[-1] % 4 else rows
+    least significant bit first, read four bytes a word on a little-endian device), zero-padded to whole words, in a
+    tensor of their own: the rows copied once (padded where they are not whole words) and their memory read as
+    int32, where assembling each word from shifted bytes took some ten launches (a flush runs them eagerly inside the
+    captured step)."""
     if sys.byteorder != "little":
-        b = rows.to(torch.int64)
+        b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
         return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)
-    return rows.contiguous().view(torch.int32)
+    if rows.shape[-1] % 4:
+        return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).view(torch.int32)  # pad makes a new tensor
+    return rows.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:
