@@ -12,7 +12,7 @@ graph replays, GPU kernel time per step by kind:
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
     python benchmarks/profile_step.py [--context 32768] [--batch 1] [--cache kivi128] [--replays 20] [--out DIR]
-                                      [--compile regions]
+                                      [--compile step]
                                       [--shape llama-3.1-8b | another make-model shape, in bfloat16]
 """
 
@@ -62,8 +62,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--replays", type=int, default=20, help="steps timed and profiled; at least a flush block "
                         "(the cache's `block`) to count the flushes' share")
-    parser.add_argument("--compile", default="step", help="the captured step's compile mode: step (the whole step, "
-                        "by torch.compile), or regions (what model.generate's static cache compiles by default)")
+    parser.add_argument("--compile", default="regions", help="the captured step's compile mode: regions (what "
+                        "model.generate's static cache compiles, the default: the flush eager in the captured step), or "
+                        "step (the whole step by torch.compile: at B=8 its compile did not end within 170 s)")
     parser.add_argument("--out", default=".")
     parser.add_argument("--shape", default="llama-3.1-8b", help="llama-3.1-8b (fp16), or another of `kvcalib "
                         "make-model`'s shapes (bfloat16, generate_calls.py's `model_config`)")
