@@ -9,7 +9,7 @@ B steps of every R (`generate_calls.py`'s B=8 prompts: 8 of 128). Paths: generat
 and the shipped plans mapped onto the 8B shape (a plan's layers differ in their groups of heads: `--layers`).
 
     cd benchmarks && python flush_cost.py [--paths kivi128-static,plan225-static,plan3-static] [--batch 8]
-                                          [--layers 0,1,2,3] [--results FILE]
+                                          [--layers 0,1,2,3] [--compiled] [--results FILE]
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import argparse
 import collections
 import statistics
 import sys
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,21 +67,22 @@ def full_layer(method, layer: int, batch: int, config, device: torch.device):
     return static, k, k.clone()
 
 
-def timed_flush(static, k, v, replays: int = 50) -> float:
-    """µs of one `append` with the flush, captured in a CUDA graph and replayed (the counts move as replays run: the
-    kernels, not the data, set the time)."""
+def timed_flush(static, k, v, replays: int = 50, append=None) -> float:
+    """µs of one `append` with the flush (`append`: the layer's own, or a compiled form of it), captured in a CUDA
+    graph and replayed (the counts move as replays run: the kernels, not the data, set the time)."""
+    append = append or static.append
     saved = [t.clone() for t in static.mutable()]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            static.append(k, v, True)
+            append(k, v, True)
             for t, old in zip(static.mutable(), saved):
                 t.copy_(old)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static.append(k, v, True)
+        append(k, v, True)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -101,6 +103,9 @@ def main() -> None:
     parser.add_argument("--layers", default="0,1,2,3", help="the layers measured (their mean stands for every layer)")
     parser.add_argument("--phases", type=int, default=8, help="flushing steps of every R a batch pays (its rows' "
                         "windows filling at that many different steps)")
+    parser.add_argument("--compiled", action="store_true", help="an experiment: each layer's append and flush "
+                        "compiled by torch.compile (what fusing the flush would take off): Inductor's kernels a layer, "
+                        "its compile seconds, its µs")
     parser.add_argument("--results", default=None, help="record into this file (default: print only)")
     args = parser.parse_args()
     from kvcalib.methods.registry import build_method
@@ -109,28 +114,42 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config, _ = model_config("llama-3.1-8b", 4096)
     layers = [int(x) for x in args.layers.split(",")]
-    lines = [f"| path | kernels a layer (eager, layers {args.layers}) | µs a layer | a flushing step, "
-             f"{config.num_hidden_layers} layers, ms | ms a token at {args.phases} flushing steps of R |",
-             "|---|---|---:|---:|---:|"]
+    how = "compiled, Inductor's" if args.compiled else "eager"
+    lines = [f"| path | kernels a layer ({how}, layers {args.layers}) | µs a layer | a flushing step, "
+             f"{config.num_hidden_layers} layers, ms | ms a token at {args.phases} flushing steps of R |"
+             + (" compile s a layer |" if args.compiled else ""),
+             "|---|---|---:|---:|---:|" + ("---:|" if args.compiled else "")]
     for path in args.paths.split(","):
         method, settings = static_method(path, config)
         if isinstance(method, str):
             method = build_method(method, attention_shape(config), settings)
-        counts, times = [], []
+        counts, times, compile_s = [], [], []
         for layer in layers:
             static, k, v = full_layer(method, layer, args.batch, config, device)
             static.append(k, v, True)  # a warm-up, as the captured step's: what is made once is made here
             static, k, v = full_layer(method, layer, args.batch, config, device)
-            with LaunchCount() as c:
-                static.append(k, v, True)
-            counts.append(sum(c.ops.values()))
+            append = None
+            if args.compiled:
+                import torch._inductor.metrics as metrics
+
+                torch._dynamo.reset()
+                metrics.reset()
+                append = torch.compile(static.append, dynamic=False)
+                start = time.perf_counter()
+                append(k, v, True)
+                compile_s.append(time.perf_counter() - start)
+                counts.append(metrics.generated_kernel_count)
+            else:
+                with LaunchCount() as c:
+                    static.append(k, v, True)
+                counts.append(sum(c.ops.values()))
             if device.type == "cuda":
-                static, k, v = full_layer(method, layer, args.batch, config, device)
-                times.append(timed_flush(static, k, v))
+                times.append(timed_flush(static, k, v, append=append))
         us = statistics.mean(times) if times else float("nan")
         step_ms = us * config.num_hidden_layers / 1e3
         lines.append(f"| {path} | {', '.join(map(str, counts))} | {us:.0f} | {step_ms:.1f} | "
-                     f"{step_ms * args.phases / method.block:.2f} |")
+                     f"{step_ms * args.phases / method.block:.2f} |"
+                     + (f" {statistics.mean(compile_s):.1f} |" if args.compiled else ""))
         print(lines[-1], file=sys.stderr)
     table = "\n".join(lines)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (kernels counted only)"
