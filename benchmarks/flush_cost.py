@@ -23,6 +23,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from decode import timed
 from generate_calls import model_config, static_method
 
 # aten ops that launch no kernel: views, allocations, metadata
@@ -65,35 +66,6 @@ def full_layer(method, layer: int, batch: int, config, device: torch.device):
     static.residual.fill_(r - 1)
     k = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, generator=g).half().to(device)
     return static, k, k.clone()
-
-
-def timed_flush(static, k, v, replays: int = 50, append=None) -> float:
-    """µs of one `append` with the flush (`append`: the layer's own, or a compiled form of it), captured in a CUDA
-    graph and replayed (the counts move as replays run: the kernels, not the data, set the time)."""
-    append = append or static.append
-    saved = [t.clone() for t in static.mutable()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            append(k, v, True)
-            for t, old in zip(static.mutable(), saved):
-                t.copy_(old)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        append(k, v, True)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -143,8 +115,8 @@ def main() -> None:
                 with LaunchCount() as c:
                     static.append(k, v, True)
                 counts.append(sum(c.ops.values()))
-            if device.type == "cuda":
-                times.append(timed_flush(static, k, v, append=append))
+            if device.type == "cuda":  # captured in a CUDA graph and replayed: the kernels, not the data, set the time
+                times.append(timed(lambda i, run=append or static.append: run(k, v, True), 1))
         us = statistics.mean(times) if times else float("nan")
         step_ms = us * config.num_hidden_layers / 1e3
         lines.append(f"| {path} | {', '.join(map(str, counts))} | {us:.0f} | {step_ms:.1f} | "

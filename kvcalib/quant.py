@@ -46,20 +46,26 @@ WORD_BITS = 32
 _HELD: dict[tuple, torch.Tensor] = {}  # (n, step, device) -> arange(n) * step: a few small int64 ranges a device
 
 
-def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
-    """arange(n) * step (int64) on `device`: the packers' shifts, made once a (n, step, device) where a tensor may be
-    kept. A static cache's flush runs them eagerly inside the captured step, where each made anew is a launch (about
-    30 a plan's layer: benchmarks/flush_cost.py). Made afresh under torch.compile (traced as any op) and while a
-    CUDA graph captures (made there, it would live in the graph's memory, freed with it)."""
+def held(table, key, make):
+    """table[key], made by `make()` the first time where a tensor may be kept: made afresh, and not kept, under
+    torch.compile (traced as any op) and while a CUDA graph captures (made there, it would live in the graph's memory,
+    freed with it). A static cache's flush runs eagerly inside the captured step, where each tensor made anew is a
+    launch; its warm-up, before the capture, makes them once."""
     if torch.compiler.is_compiling():
-        return torch.arange(n, device=device, dtype=torch.int64) * step
-    key = (n, step, torch.device(device))
-    held = _HELD.get(key)
-    if held is None:
-        held = torch.arange(n, device=device, dtype=torch.int64) * step
+        return make()
+    got = table.get(key)
+    if got is None:
+        got = make()
         if not capturing():
-            _HELD[key] = held
-    return held
+            table[key] = got
+    return got
+
+
+def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
+    """arange(n) * step (int64) on `device`: the packers' shifts and the slots' index ranges, `held` once a (n, step,
+    device) (about 30 launches a plan's flushed layer made them anew: benchmarks/flush_cost.py)."""
+    return held(_HELD, (n, step, torch.device(device)),
+                lambda: torch.arange(n, device=device, dtype=torch.int64) * step)
 
 
 def low_words(x: torch.Tensor) -> torch.Tensor:

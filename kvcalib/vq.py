@@ -96,19 +96,9 @@ def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def nearest(points: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest centroid (squared Euclidean) of every row of points (P, N); (P,) int64.
-
-    Chunked over points so memory stays bounded at any context length.
-    """
-    codebook = codebook.float()
-    norms = codebook.pow(2).sum(-1)
-    rows = max(1, _DISTANCE_ENTRIES // codebook.shape[0])
-    out = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
-    for start in range(0, points.shape[0], rows):
-        chunk = points[start : start + rows].float()
-        # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 does not change the argmin.
-        out[start : start + rows] = (norms - 2 * chunk @ codebook.T).argmin(-1)
-    return out
+    """Index of the nearest centroid (squared Euclidean) of every row of points (P, N); (P,) int64: `nearest_heads`
+    of one head, chunked over points so memory stays bounded at any context length."""
+    return nearest_heads(points[None], codebook[None])[0]
 
 
 def inertia(points: torch.Tensor, codebook: torch.Tensor) -> float:

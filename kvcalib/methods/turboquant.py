@@ -80,7 +80,7 @@ from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
 from ..models import AttentionShape, LoadedModel
 from .. import vq
-from ..quant import FLOAT16_MAX, capturing, pack_stream, unpack_stream
+from ..quant import FLOAT16_MAX, held, pack_stream, unpack_stream
 from .base import DeviceCopies, Method, MethodSettings
 
 ROTATION_SEED = 0
@@ -280,16 +280,8 @@ class TurboQuant(Method, CodebookCoded):
 
     def _bounds(self, centroids: torch.Tensor) -> torch.Tensor:
         """`midpoints` of a calibrated book as the layer's flushes read it (the device copy `_layer_books` holds),
-        made once a book where a tensor may be kept (`quant.steps`' rule): a flush runs eagerly inside the captured
-        step, where each made anew took two launches."""
-        if torch.compiler.is_compiling():
-            return midpoints(centroids)
-        held = self._held_bounds.get(centroids)
-        if held is None:
-            held = midpoints(centroids)
-            if not capturing():
-                self._held_bounds[centroids] = held
-        return held
+        `quant.held` once a book (each made anew took a flush two launches)."""
+        return held(self._held_bounds, centroids, lambda: midpoints(centroids))
 
     def decode_vectors(self, coded: Coded, centroids: torch.Tensor | None = None) -> torch.Tensor:
         d = self.head_dim

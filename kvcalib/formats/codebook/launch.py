@@ -311,7 +311,7 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                          "heads are not named by its head map")
     gqa = hq // hr
     key, value = KernelBook(kbook, kbits, kdim), KernelBook(vbook, vbits, vdim)
-    budget = copies_budget(q.device.index or 0, blocks_per_sm(gqa, d)) if q.is_cuda else COPIED_BOOKS_BYTES
+    budget = copies_budget(q.device.index or 0, blocks_per_sm(gqa, d))
     if (q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not q.is_cuda or d not in HEAD_DIMS
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
