@@ -72,8 +72,10 @@ def low_words(x: torch.Tensor) -> torch.Tensor:
     """The low 32 bits of int64 words x (each < 2^32) as int32, the high bit the sign (torch has no uint32
     arithmetic on every device): x's memory read a 32-bit word at a time, low word first as on every little-endian
     device (x86, Arm, CUDA), then one copy, where comparing, subtracting 2^32, choosing and casting took four
-    launches (a flush runs them eagerly inside the captured step)."""
-    if sys.byteorder != "little":
+    launches (a flush runs them eagerly inside the captured step). Under torch.compile the arithmetic form, which
+    Inductor fuses into one kernel anyway: its fake tensors refuse a dtype view that changes the element size (torch
+    2.11 does, on CUDA)."""
+    if sys.byteorder != "little" or torch.compiler.is_compiling():
         return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
     return x.contiguous().view(torch.int32)[..., 0::2].clone()  # a tensor of its own, never a view of x
 

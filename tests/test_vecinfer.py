@@ -498,3 +498,18 @@ def test_code_rows_read_as_words_are_the_stream_the_codebook_kernel_reads():
     assert torch.equal(words, byte_rows_as_words(rows.clone())) and words.data_ptr() != rows.data_ptr()
     codes = torch.randint(0, 64, (3, 32), generator=g)  # d4b6's 32 codes of 6 bits a row
     assert torch.equal(byte_rows_as_words(vq.pack_codes(codes, 6)), pack_stream(codes, 6))
+
+
+def test_compiled_code_rows_as_words_trace_no_dtype_view_and_give_the_eager_words():
+    """Under torch.compile `byte_rows_as_words` takes its arithmetic form (a dtype view that changes the element
+    size fails Inductor's fake tensors on CUDA, torch 2.11: tests/test_quant.py), with the eager words."""
+    from test_quant import _dtype_views
+
+    from kvcalib.methods.vecinfer import byte_rows_as_words
+
+    g = torch.Generator().manual_seed(6)
+    for shape in [(3, 5, 24), (2, 7, 13)]:
+        rows = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        assert _dtype_views(byte_rows_as_words, rows) == []
+        compiled = torch.compile(byte_rows_as_words, fullgraph=True, dynamic=False)(rows)
+        assert torch.equal(compiled, byte_rows_as_words(rows))

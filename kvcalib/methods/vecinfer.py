@@ -218,8 +218,8 @@ def byte_rows_as_words(rows: torch.Tensor) -> torch.Tensor:
     least significant bit first, read four bytes a word on a little-endian device), zero-padded to whole words, in a
     tensor of their own: the rows copied once (padded where they are not whole words) and their memory read as
     int32, where assembling each word from shifted bytes took some ten launches (a flush runs them eagerly inside the
-    captured step)."""
-    if sys.byteorder != "little":
+    captured step). Under torch.compile the arithmetic form, fused there anyway (`quant.low_words`)."""
+    if sys.byteorder != "little" or torch.compiler.is_compiling():
         b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
         return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)
     if rows.shape[-1] % 4:
