@@ -9,7 +9,7 @@ B steps of every R (`generate_calls.py`'s B=8 prompts: 8 of 128). Paths: generat
 and the shipped plans mapped onto the 8B shape (a plan's layers differ in their groups of heads: `--layers`).
 
     cd benchmarks && python flush_cost.py [--paths kivi128-static,plan225-static,plan3-static] [--batch 8]
-                                          [--layers 0,1,2,3] [--compiled] [--results FILE]
+                                          [--layers 0,1,2,3] [--one] [--compiled] [--results FILE]
 """
 
 from __future__ import annotations
@@ -68,6 +68,13 @@ def full_layer(method, layer: int, batch: int, config, device: torch.device):
     return static, k, k.clone()
 
 
+def flush_of(static, one: bool):
+    """The layer's append with its flush: of every slot (masked), or of slot 0 alone (`append_one`)."""
+    if one:
+        return lambda k, v: static.append_one(k, v, static.slot)
+    return lambda k, v: static.append(k, v, True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", default="kivi128-static,plan225-static,plan3-static")
@@ -78,6 +85,8 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="an experiment: each layer's append and flush "
                         "compiled by torch.compile (what fusing the flush would take off): Inductor's kernels a layer, "
                         "its compile seconds, its µs")
+    parser.add_argument("--one", action="store_true", help="the flush of one slot's window (`append_one`, a step "
+                        "where one slot's window alone fills) rather than the masked flush of every slot")
     parser.add_argument("--results", default=None, help="record into this file (default: print only)")
     args = parser.parse_args()
     from kvcalib.methods.registry import build_method
@@ -98,25 +107,25 @@ def main() -> None:
         counts, times, compile_s = [], [], []
         for layer in layers:
             static, k, v = full_layer(method, layer, args.batch, config, device)
-            static.append(k, v, True)  # a warm-up, as the captured step's: what is made once is made here
+            flush_of(static, args.one)(k, v)  # a warm-up, as the captured step's: what is made once is made here
             static, k, v = full_layer(method, layer, args.batch, config, device)
-            append = None
+            flush = flush_of(static, args.one)
             if args.compiled:
                 import torch._inductor.metrics as metrics
 
                 torch._dynamo.reset()
                 metrics.reset()
-                append = torch.compile(static.append, dynamic=False)
+                flush = torch.compile(flush, dynamic=False)
                 start = time.perf_counter()
-                append(k, v, True)
+                flush(k, v)
                 compile_s.append(time.perf_counter() - start)
                 counts.append(metrics.generated_kernel_count)
             else:
                 with LaunchCount() as c:
-                    static.append(k, v, True)
+                    flush(k, v)
                 counts.append(sum(c.ops.values()))
             if device.type == "cuda":  # captured in a CUDA graph and replayed: the kernels, not the data, set the time
-                times.append(timed(lambda i, run=append or static.append: run(k, v, True), 1))
+                times.append(timed(lambda i, run=flush: run(k, v), 1))
         us = statistics.mean(times) if times else float("nan")
         step_ms = us * config.num_hidden_layers / 1e3
         lines.append(f"| {path} | {', '.join(map(str, counts))} | {us:.0f} | {step_ms:.1f} | "
@@ -125,7 +134,8 @@ def main() -> None:
         print(lines[-1], file=sys.stderr)
     table = "\n".join(lines)
     where = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (kernels counted only)"
-    title = f"A flushing step's cost, layer by layer, B={args.batch}, {where}, Llama-3.1-8B shape"
+    whose = "one slot's window (append_one)" if args.one else "every slot's window (masked)"
+    title = f"A flushing step's cost, layer by layer, B={args.batch}, {whose}, {where}, Llama-3.1-8B shape"
     print(f"\n{title}\n\n{table}")
     if args.results:
         from results import record

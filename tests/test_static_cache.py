@@ -514,6 +514,19 @@ LAYOUTS = {"kivi": ("kivi", "INT2"), "oscar": ("oscar", "INT2"), "kvlinc": ("kvl
            "kivi-3": ("kivi", "codebook"), "oscar-4+1 sink": ("oscar", "codebook"), "plan+1 sink": ("plan", "codebook")}
 
 
+def _append(layer: StaticLayer, k: torch.Tensor, v: torch.Tensor, counts: list[int], r: int) -> bool:
+    """A step's append as the cache makes it (`flush_step` on the residual counts after it): the masked flush of every
+    slot, of the one slot whose window alone fills, or none. Whether it took one slot."""
+    from kvcalib.runtime.static_cache import flush_step
+
+    flush, one = flush_step(counts, r)
+    if one is None:
+        layer.append(k, v, flush)
+    else:
+        layer.append_one(k, v, torch.tensor([one]))
+    return one is not None
+
+
 def _layout_method(case: str):
     sinks = int(case.split("+")[1][0]) if "+" in case else 0
     if case.startswith(("turboquant", "kivi-", "oscar-")):
@@ -572,7 +585,7 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
         kk, vv = step.clone(), step.clone()
         kk[1], vv[1] = k[0, :, t : t + 1], v[0, :, t : t + 1]
         counts = [c + 1 for c in counts]
-        static.append(kk, vv, flush=32 in counts)
+        _append(static, kk, vv, counts, 32)
         counts = [c % 32 for c in counts]
     assert dynamic.format.name == attribute and static.format is dynamic.format
     theirs = dynamic.layout
@@ -592,6 +605,58 @@ def test_a_static_slot_stores_what_the_dynamic_cache_stores_for_every_kernel_lay
         assert torch.equal(mine.ksink[1, :, :sinks], theirs.ksink[0]) and torch.equal(mine.vsink[1, :, :sinks], theirs.vsink[0])
     assert torch.equal(static.layout.kres[1, :, :r], theirs.kres[0])
     assert torch.equal(static.layout.vres[1, :, :r], theirs.vres[0])
+
+
+def test_a_step_flushes_one_slot_where_its_window_alone_fills_and_every_slot_where_several_do():
+    """`flush_step`: the residual counts after a step's append (R = 4) say whether it flushes, and which slot alone
+    where one window fills in a batch of several; a lone slot's flush is every slot's."""
+    from kvcalib.runtime.static_cache import flush_step
+
+    assert flush_step([1, 2, 3], 4) == (False, None)
+    assert flush_step([1, 4, 3], 4) == (True, 1)
+    assert flush_step([4, 2, 4], 4) == (True, None)
+    assert flush_step([4], 4) == (True, None)
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_flushing_the_one_slot_whose_window_fills_stores_the_masked_flushs_bits(case, monkeypatch):
+    """A batch whose windows fill at different steps, fed the same tokens twice: flushing only the slot whose window
+    alone fills (`StaticLayer.append_one`, as `StaticKvcalibCache.advance` picks it) stores what the masked flush of
+    every slot stores at every step (codes, scales, norms, sinks, KVLinC's state, counts, windows), bit for bit, but
+    the slack block the masked flush writes its other slots into; two slots whose windows fill together take the
+    masked flush. A free slot (prompt 0) counts and flushes as the device's counts do. Planted errors (the slot's own flushed count ignored for its sinks; the state of slot 0
+    taken for the slot's) fail it."""
+    kernels_on_any_device(monkeypatch)
+    method = _layout_method(case)
+    h = 4 if case.startswith("plan") else 2
+    g = torch.Generator().manual_seed(3)
+    layers = [StaticLayer(method, 0, 5, capacity=256, kv_heads=h, head_dim=64, device=torch.device("cpu"))
+              for _ in range(2)]
+    prompts = [3, 40, 0, 35, 17]  # residual phases 3, 8, 0 (free), 3, 17 of R = 32
+    for slot, n in enumerate(prompts):
+        if n:
+            k, v = (torch.randn(1, h, n, 64, generator=g).half() for _ in "kv")
+            for layer in layers:
+                layer.prefill(slot, k, v)
+    counts, ones = [n % 32 for n in prompts], 0
+    for _ in range(80):  # two flushes or more of each slot
+        k, v = (torch.randn(5, h, 1, 64, generator=g).half() for _ in "kv")
+        counts = [c + 1 for c in counts]
+        layers[0].append(k, v, 32 in counts)
+        ones += _append(layers[1], k, v, counts, 32)
+        counts = [c % 32 for c in counts]
+        masked, one = layers
+        for a, b in zip(masked.mutable(), one.mutable()):  # counts, KVLinC's S and P
+            assert torch.equal(a, b)
+        for (buf, unit), (other, _) in zip(masked._buffers(), one._buffers()):
+            stored = buf.shape[2] - masked.layout.residual // unit  # the slack block aside
+            assert torch.equal(buf[:, :, :stored], other[:, :, :stored])
+        assert torch.equal(masked.layout.kres, one.layout.kres) and torch.equal(masked.layout.vres, one.layout.vres)
+        s = getattr(masked.layout, "sinks", 0)  # sink rows, then as many of slack
+        if s:
+            assert torch.equal(masked.layout.ksink[:, :, :s], one.layout.ksink[:, :, :s])
+            assert torch.equal(masked.layout.vsink[:, :, :s], one.layout.vsink[:, :, :s])
+    assert ones == 7  # windows filling alone at steps 24, 56 (slot 1), 32, 64 (2), 15, 47, 79 (4); together at 29, 61
 
 
 @pytest.mark.parametrize("model_type,fields,sliding,says", [

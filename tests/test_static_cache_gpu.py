@@ -488,8 +488,9 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
 
 @pytest.mark.parametrize("name", METHODS)
 def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
-    """The host's copy of the residual counts picks the steps that flush (`StaticKvcalibCache.advance`);
-    the others append only. Against a cache made to run the masked flush at every step (the flush rule
+    """The host's copy of the residual counts picks the steps that flush (`StaticKvcalibCache.advance`), and
+    those where one slot's window alone fills, which flush that slot only; the others append only. Against a cache
+    made to run the masked flush of every slot at every step (the flush rule
     itself, which writes nothing where no window is full but into the slack block), eager and captured
     steps give the same logits bit for bit and hold the same counts and stored blocks (the slack block
     aside), through prompts of every residual phase, a released slot and a refilled one."""
@@ -499,7 +500,7 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
         def _take(self, tokens):
             super()._take(tokens)
             for layer in self.cache.layers:
-                layer.flush = True
+                layer.flush, layer.one = True, False
 
     model = _model()
     torch.manual_seed(4)
@@ -509,7 +510,7 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
         cache = StaticKvcalibCache(model, _model_method(model, name), max_batch=3, max_length=512)
         decoder = {"every step": EveryStep, "eager": Decoder, "captured": CapturedDecoder}[run](model, cache)
         nxt = torch.stack([cache.prefill(model, i, p[None]).argmax() for i, p in enumerate(prompts[:3])])
-        rows, flushes = [], 0
+        rows, flushes, ones = [], 0, 0
         for s in range(90):  # every residual length of R = 32, two flushes and more per slot
             if s == 30:
                 cache.release(1)
@@ -517,14 +518,15 @@ def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
                 nxt[1] = cache.prefill(model, 1, prompts[3][None]).argmax()
             out = decoder.step(nxt).clone()
             flushes += cache.layers[0].flush
+            ones += cache.layers[0].flush and cache.layers[0].one
             rows.append(out)
             nxt = out.argmax(-1)
-        runs[run] = (torch.stack(rows), cache, flushes)
-    ref, ref_cache, every = runs["every step"]
+        runs[run] = (torch.stack(rows), cache, flushes, ones)
+    ref, ref_cache, every, _ = runs["every step"]
     assert every == 90
     for run in ("eager", "captured"):
-        logits, cache, flushes = runs[run]
-        assert 0 < flushes < 90, flushes  # steps without a flush were taken
+        logits, cache, flushes, ones = runs[run]
+        assert 0 < ones < flushes < 90, (ones, flushes)  # steps without a flush, and flushing one slot, were taken
         assert torch.equal(logits, ref), run
         for a, b in zip(cache.layers, ref_cache.layers):
             for x, y in zip(a.mutable(), b.mutable()):  # counts, KVLinC's S and P

@@ -17,8 +17,9 @@ How much of the step torch.compile sees (`compile`, the cache's `compile` unless
 The step is the model's forward on one token per slot, at each slot's own position (read from the
 cache's device counts inside the graph), with the cache's append, masked flush and fused attention in
 it: nothing in it depends on a host value that changes between steps but whether a window fills,
-which the host knows (`StaticKvcalibCache.advance`): two captures, the step with its masked flush and
-the step that appends only, serve every position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
+which the host knows (`StaticKvcalibCache.advance`): the step with its masked flush of every slot, with that of
+the one slot whose window fills (a batch of several: its slot read on the device) and the step that appends only,
+captured each, serve every position. `Decoder` runs the same step eagerly, and so does `step(..., captured=False)` (the tests compare).
 Capturing needs a warm-up run, which appends a token: the counts (and a decoding state, KVLinC's) are restored after it, and what it
 wrote lies past them, where the next real step overwrites it.
 
@@ -212,7 +213,7 @@ class Decoder:
         self.ids = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(cache.max_batch, 1, dtype=torch.long, device=device)
         self._run = (torch.compile(self._forward, fullgraph=True, dynamic=False, options=compile_options())
-                     if self.mode == "step" else self._forward)  # compiled twice: with and without the flush
+                     if self.mode == "step" else self._forward)  # compiled for each kind of step (`_kinds`)
         regions = _Regions(model, compiled=self.mode == "regions")  # nothing to switch: no lock to take
         self._regions = regions if regions.modules or regions.swaps else contextlib.nullcontext()
         cache.read_counts()
@@ -257,7 +258,7 @@ def _no_collection():
 
 class CapturedDecoder(Decoder):
     """`Decoder`'s step captured in CUDA graphs (its regions or the whole step compiled first, `compile`: the
-    warm-up runs compile them), one with the flush and one without, and replayed at every step."""
+    warm-up runs compile them), one for each kind of step (`_kinds`), and replayed at every step."""
 
     def __init__(self, model, cache: StaticKvcalibCache, warmup: int = 2, compile: bool | str | None = None):
         super().__init__(model, cache, compile)
@@ -269,8 +270,8 @@ class CapturedDecoder(Decoder):
         self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[bool, torch.Tensor] = {}
         try:
-            for flush in (True, False):  # each in its own memory pool: they replay in any order
-                self._set_flush(flush)
+            for kind in self._kinds():  # each in its own memory pool: they replay in any order
+                self._set_flush(*kind)
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
@@ -278,18 +279,23 @@ class CapturedDecoder(Decoder):
                         self._call()
                         self._restore(saved)
                 torch.cuda.current_stream(device).wait_stream(side)
-                self.graphs[flush] = torch.cuda.CUDAGraph()
-                with _no_collection(), torch.cuda.graph(self.graphs[flush], capture_error_mode=mode):
-                    self.outputs[flush] = self._call()
+                self.graphs[kind] = torch.cuda.CUDAGraph()
+                with _no_collection(), torch.cuda.graph(self.graphs[kind], capture_error_mode=mode):
+                    self.outputs[kind] = self._call()
                 self._restore(saved)  # capture records, it does not run: nothing moved, this is only a guard
         except BaseException:
             self.close()  # a graph already captured goes now: no one holds this decoder to close it later
             raise
-        self._set_flush(True)
+        self._set_flush(True, False)
 
-    def _set_flush(self, flush: bool) -> None:
+    def _kinds(self) -> list[tuple[bool, bool]]:
+        """The steps captured, (flush, one) as `StaticKvcalibCache.advance` sets them: the masked flush of every
+        slot, of one slot (where there are several), and the append alone."""
+        return [(True, False)] + [(True, True)] * (self.cache.max_batch > 1) + [(False, False)]
+
+    def _set_flush(self, flush: bool, one: bool) -> None:
         for layer in self.cache.layers:
-            layer.flush = flush
+            layer.flush, layer.one = flush, one
 
     def _restore(self, saved) -> None:
         for layer, tensors in zip(self.cache.layers, saved):
@@ -304,9 +310,9 @@ class CapturedDecoder(Decoder):
         if not self.graphs:
             raise SettingsError("this captured step was closed: capture a new one (CapturedDecoder(model, cache))")
         self._take(tokens)
-        flush = self.cache.layers[0].flush
-        self.graphs[flush].replay()
-        return self.outputs[flush]
+        kind = (self.cache.layers[0].flush, self.cache.layers[0].one)
+        self.graphs[kind].replay()
+        return self.outputs[kind]
 
     def close(self) -> None:
         """Free the captured graphs (and their memory pools' hold on the outputs); a later `step` refuses.

@@ -13,28 +13,31 @@ from ..attention import as_float16, capped_attention
 from ..quant import steps
 
 
-def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor) -> None:
+def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor,
+                 slot: torch.Tensor | None = None) -> None:
     """buf[b, :, start[b] : start[b] + n] = new[b] where take[b], on the device (no host sync); a row not
     taken writes into the last n positions of buf instead, the slack that nothing reads.
-    buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool.
+    buf (B, H, N, ...), new (B, H, n, ...), start (B,), take (B,) bool; or, given `slot` (1,) int64, new
+    (1, H, n, ...), start and take (1,): the one row buf[slot].
 
     Through `index_put_`, which Inductor lowers to a write into `buf` itself: its `scatter_` (and a
     gather of the old rows) makes a copy of the whole buffer, every packed buffer at every step."""
     b, h, n = new.shape[:3]
-    buf.index_put_((_batch_rows(b, buf.device), _head_rows(h, buf.device), _rows(buf, n, start, take)), new)
+    batch = _batch_rows(b, buf.device) if slot is None else slot.view(1, 1, 1)
+    buf.index_put_((batch, _head_rows(h, buf.device), _rows(buf, n, start, take)), new)
 
 
 def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: torch.Tensor,
-                 take: torch.Tensor) -> None:
+                 take: torch.Tensor, slot: torch.Tensor | None = None) -> None:
     """`masked_write` of a flush's buffers, each (buf, new, unit): new's rows stand for `unit` tokens each and go
-    to row flushed[b] // unit. Each index is made once for the writes that share it (a start per unit, positions per
-    (unit, buffer length, rows), heads per count): a flushing step runs eagerly inside the captured step, where
-    each of a layer's 6 (KIVI-2) to 16 (a plan's groups) buffers written alone took 8 launches, 1 here and the
-    indices' few (benchmarks/flush_cost.py counts them)."""
+    to row flushed[b] // unit (given `slot`, of that one row, as `masked_write`'s). Each index is made once for the
+    writes that share it (a start per unit, positions per (unit, buffer length, rows), heads per count): a flushing
+    step runs eagerly inside the captured step, where each of a layer's 6 (KIVI-2) to 16 (a plan's groups) buffers
+    written alone took 8 launches, 1 here and the indices' few (benchmarks/flush_cost.py counts them)."""
     starts: dict[int, torch.Tensor] = {}
     rows: dict[tuple[int, int, int], torch.Tensor] = {}
     heads: dict[int, torch.Tensor] = {}
-    batch = _batch_rows(flushed.shape[0], flushed.device)
+    batch = _batch_rows(flushed.shape[0], flushed.device) if slot is None else slot.view(1, 1, 1)
     for buf, new, unit in writes:
         h, n = new.shape[1], new.shape[2]
         if unit not in starts:

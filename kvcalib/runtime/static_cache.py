@@ -35,8 +35,11 @@ step compresses every sequence's residual window with the method's own `compress
 at its `flushed` offset where the window is full, into a slack block past the capacity where it is not.
 Which steps flush the host knows without asking the device: every slot's residual count advances by one
 a step (a free slot's too), so `advance` keeps a copy of the counts and sets each layer's `flush` for
-the step; a step where no window fills appends only. A decoder therefore runs (or captures) two steps,
-with and without the flush: at B = 1 and R = 128 one step in 128 pays for compressing the window. Every write is an `index_put_`, which `torch.compile` keeps in
+the step; a step where no window fills appends only, and a step where one slot's window alone fills (a batch
+whose prompts differ in length fills its windows at different steps) compresses that slot's window only
+(`append_one`: a flush runs eagerly inside the captured step, and at B = 8 the masked flush of every slot took
+twice one slot's). A decoder therefore runs (or captures) three steps, two at B = 1: at B = 1 and R = 128 one
+step in 128 pays for compressing the window. Every write is an `index_put_`, which `torch.compile` keeps in
 place (a `scatter_` there copies the whole buffer at every step). The flush rule is the blockwise one `kvcalib eval` scores
 (`kvcalib.attention.flushed_length`): the stored codes are those `KvcalibCache` stores, bit for bit.
 
@@ -112,6 +115,7 @@ class SlotLayer(CacheLayerMixin):
         self.is_initialized = True
         self.prefill_slot: int | None = None  # set by StaticKvcalibCache.prefill for the forward it runs
         self.flush = True  # whether a step may fill a window (StaticKvcalibCache.advance): else it appends only
+        self.one = False  # whether only one slot's window may fill, the cache's `slot` (StaticKvcalibCache.advance)
 
     def lazy_initialization(self, key_states, value_states) -> None:  # allocated at creation
         pass
@@ -170,6 +174,7 @@ class StaticLayer(SlotLayer):
         self.state = method.empty_state(layer, batch, kv_heads, head_dim, device)
         self.flushed = torch.zeros(batch, dtype=torch.int32, device=device)
         self.residual = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)  # the slot `append_one` flushes (`step`)
         if method.rotated_keys or method.rotated_values:  # made now, read by a compiled flush as an input
             hadamard(head_dim, torch.float32, self.flushed.device)
 
@@ -246,8 +251,39 @@ class StaticLayer(SlotLayer):
         self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
         self.residual.masked_fill_(full, 0)
 
+    def append_one(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor) -> None:
+        """`append` where the caller knows that the window of one slot alone, `slot` (1,) int64 on the device, may
+        fill at this step: the masked flush of that slot's window only, the others appending. The same bits as
+        `append`'s (rows are compressed independently), for a batch's fraction of its work: a batch whose windows
+        fill at different steps (prompts of different lengths) flushes one slot at a time, and the flush runs
+        eagerly inside the captured step, where at B = 8 a plan's masked flush of every slot took twice a lone
+        slot's time (benchmarks/flush_cost.py, --batch 8 against --batch 1)."""
+        r = self.layout.residual
+        slots.write_token(self.layout.kres, self.layout.vres, self.residual, k, v)
+        kres, vres = self.layout.kres.index_select(0, slot), self.layout.vres.index_select(0, slot)
+        mine = None if self.state is None else dataclasses.replace(
+            self.state, **{f.name: getattr(self.state, f.name).index_select(0, slot)
+                           for f in dataclasses.fields(self.state)})
+        flushed, residual = self.flushed.index_select(0, slot), self.residual.index_select(0, slot)
+        full = residual == r  # the host's word checked on the device: a window not full writes into the slack
+        parts, state = self._flush(kres, vres, mine)
+        slots.flush_writes([(buf, part, unit) for (buf, unit), part in zip(self._buffers(), parts)], flushed, full,
+                           slot)
+        if state is not None:
+            for (held, old), (_, new) in zip(self._state_fields(mine), self._state_fields(state)):
+                held.index_copy_(0, slot, torch.where(full.view(-1, *[1] * (old.dim() - 1)), new, old))
+        if self.format.holds_sinks and self.layout.sinks:  # a sequence's first flush holds its sink tokens
+            c, first = self.layout, full & (flushed == 0)
+            for buf, res in ((c.ksink, kres), (c.vsink, vres)):
+                slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(flushed), first, slot)
+        self.flushed.index_copy_(0, slot, (flushed + full.int() * r).clamp_(max=self.capacity))
+        self.residual.index_copy_(0, slot, residual.masked_fill_(full, 0))
+
     def step(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.append(k, v, self.flush)
+        if self.flush and self.one:
+            self.append_one(k, v, self.slot)
+        else:
+            self.append(k, v, self.flush)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, opts: AttentionOptions,
                prefill: bool) -> torch.Tensor:
@@ -263,6 +299,14 @@ class StaticLayer(SlotLayer):
                 query, k16, v16, is_causal=True, scale=opts.scaling, enable_gqa=True)
         return self.format.attend(self.method, self.layer, query, self.layout, opts.scaling, self.state,
                                   counts=(self.flushed, self.residual), softcap=opts.softcap)
+
+
+def flush_step(counts: list[int], r: int) -> tuple[bool, int | None]:
+    """What a step does, from every slot's residual count after its append (`StaticKvcalibCache.advance`): whether a
+    window fills (the flush), and the slot whose window alone fills where one does in a batch of several (a masked
+    flush of that slot only, `StaticLayer.append_one`; None: every slot's masked flush, or none)."""
+    filling = [i for i, n in enumerate(counts) if n == r]
+    return bool(filling), filling[0] if len(filling) == 1 and len(counts) > 1 else None
 
 
 def chunked_prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -380,6 +424,10 @@ class StaticKvcalibCache(Cache):
         self.spread = len(set(devices)) > 1  # over several GPUs: the step runs uncaptured (`_step`)
         self.lengths = [0] * max_batch  # tokens each slot holds (0: free), mirrored on the host for the limits
         self.residual_counts = [0] * max_batch  # the layers' residual counts, mirrored: which steps flush
+        self.flush_slot: dict[torch.device, torch.Tensor] = {}  # the slot a one-slot flush takes, one per GPU
+        for layer in self.layers:
+            if isinstance(layer, StaticLayer):
+                layer.slot = self.flush_slot.setdefault(layer.slot.device, layer.slot)
         self.compile = mode
         self.decoder: Decoder | None = None  # the step model.generate replays, captured at its first step
         self.direct = False  # a forward of the cache's own (prefill, the decoder's step): not routed (`route_forward`)
@@ -432,10 +480,13 @@ class StaticKvcalibCache(Cache):
         self.lengths = [n + 1 if n else 0 for n in self.lengths]
         r = self.method.block
         counts = [n + 1 for n in self.residual_counts]  # every slot's, a free one's too (as the device counts)
-        flush = r in counts
+        flush, one = flush_step(counts, r)
+        if one is not None:
+            for slot in self.flush_slot.values():
+                slot.fill_(one)
         self.residual_counts = [n % r for n in counts]
         for layer in self.layers:
-            layer.flush = flush
+            layer.flush, layer.one = flush, one is not None
 
     def read_counts(self) -> None:
         """Take the host's copy of the residual counts from the device (one transfer): for counts written
