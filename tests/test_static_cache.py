@@ -251,6 +251,45 @@ def test_the_append_and_masked_flush_trace_into_one_graph_that_stores_the_eager_
     assert layers[0].flushed.tolist() == [32, 64, 96]
 
 
+@pytest.mark.parametrize("name", ["kivi", "oscar", "kvlinc", "kvlinc-oscar", "vecinfer"])
+def test_the_flush_of_one_slot_traces_into_one_graph_that_stores_the_eager_bits(name):
+    """`append_one` as `torch.compile(fullgraph=True)` sees it in the whole step's compile: its slot read on the
+    device (no host sync, no graph break, KVLinC's state of one slot included), the eager bits (aot_eager, as above)."""
+    from kvcalib.runtime.static_cache import flush_step
+
+    method = _method(name)
+    layers = [StaticLayer(method, 0, 3, capacity=128, kv_heads=2, head_dim=64, device=torch.device("cpu"))
+              for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    for i, t in enumerate([3, 31, 70]):  # windows filling at steps 29, 1 and 26 of 32
+        k, v = torch.randn(1, 2, t, 64, generator=g).half(), torch.randn(1, 2, t, 64, generator=g).half()
+        for layer in layers:
+            layer.prefill(i, k, v)
+    compiled = torch.compile(lambda k, v: layers[1].append_one(k, v, layers[1].slot), fullgraph=True,
+                             backend="aot_eager")
+    k, v = (3 * torch.randn(3, 2, 40, 64, generator=g)).half(), torch.randn(3, 2, 40, 64, generator=g).half()
+    counts = [3, 31, 6]
+    for s in range(40):
+        counts = [c + 1 for c in counts]
+        flush, one = flush_step(counts, 32)
+        counts = [c % 32 for c in counts]
+        x = (k[:, :, s : s + 1], v[:, :, s : s + 1])
+        if one is None:
+            assert not flush
+            for layer in layers:
+                layer.append(*x, False)
+            continue
+        for layer in layers:
+            layer.slot.fill_(one)
+        layers[0].append_one(*x, layers[0].slot)
+        compiled(*x)
+        for a, b in zip(layers[0].layout.__dict__.values(), layers[1].layout.__dict__.values()):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, s
+        for a, b in zip(layers[0].mutable(), layers[1].mutable()):
+            assert torch.equal(a, b), s
+    assert layers[0].flushed.tolist() == [32, 64, 96]
+
+
 def test_compile_modes_are_named_and_a_wrong_one_is_refused_in_one_line():
     from kvcalib.runtime.captured import COMPILE_MODES, compile_mode
 
