@@ -50,8 +50,9 @@ class LaunchCount(TorchDispatchMode):
         return out
 
 
-def full_layer(method, layer: int, batch: int, config, device: torch.device):
-    """A static layer of `method` whose every row holds R - 1 tokens in its window (the next append flushes)."""
+def full_layer(method, layer: int, batch: int, config, device: torch.device, one: bool = False):
+    """A static layer of `method` whose every row holds R - 1 tokens in its window (the next append flushes); `one`:
+    row 0 alone, the others R - 2 (the step `append_one` takes: one window fills)."""
     from kvcalib.models import attention_shape
     from kvcalib.runtime.static_cache import StaticLayer
 
@@ -63,15 +64,24 @@ def full_layer(method, layer: int, batch: int, config, device: torch.device):
     for buf in (static.layout.kres, static.layout.vres):
         buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
     static.flushed.fill_(r)  # past the first block: sinks already held
-    static.residual.fill_(r - 1)
+    static.residual.fill_(r - 2 if one else r - 1)
+    static.residual[0] = r - 1
     k = torch.randn(batch, shape.num_kv_heads, 1, shape.head_dim, generator=g).half().to(device)
     return static, k, k.clone()
 
 
 def flush_of(static, one: bool):
-    """The layer's append with its flush: of every slot (masked), or of slot 0 alone (`append_one`)."""
+    """The layer's append with its flush: of every slot (masked), or of slot 0 alone (`append_one`). The one-slot
+    flush puts the counts back after it (two copies of B numbers, in the figure): the other slots' windows, which it
+    does not flush, would otherwise pass their end within the calls `timed` makes."""
     if one:
-        return lambda k, v: static.append_one(k, v, static.slot)
+        counts = [static.flushed.clone(), static.residual.clone()]
+
+        def flush(k, v):
+            static.append_one(k, v, static.slot)
+            static.flushed.copy_(counts[0])
+            static.residual.copy_(counts[1])
+        return flush
     return lambda k, v: static.append(k, v, True)
 
 
@@ -106,9 +116,9 @@ def main() -> None:
             method = build_method(method, attention_shape(config), settings)
         counts, times, compile_s = [], [], []
         for layer in layers:
-            static, k, v = full_layer(method, layer, args.batch, config, device)
+            static, k, v = full_layer(method, layer, args.batch, config, device, args.one)
             flush_of(static, args.one)(k, v)  # a warm-up, as the captured step's: what is made once is made here
-            static, k, v = full_layer(method, layer, args.batch, config, device)
+            static, k, v = full_layer(method, layer, args.batch, config, device, args.one)
             flush = flush_of(static, args.one)
             if args.compiled:
                 import torch._inductor.metrics as metrics

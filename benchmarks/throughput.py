@@ -115,9 +115,10 @@ def fp16_step(model, cache, batch: int, at: int, compiled: bool):
 
 def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tuple[int, int]:
     """(cache bytes, workspace bytes) at `batch`: the tensors the cache holds (`held_tensors`), and the
-    peak of an eager step over what was allocated before it. A kvcalib decoder captures two steps, each
-    in its own graph pool (`CapturedDecoder`): the step that appends only and the one that also flushes;
-    both pools stay allocated, so both workspaces count."""
+    peak of an eager step over what was allocated before it. A kvcalib decoder captures a step of each kind, each
+    in its own graph pool (`CapturedDecoder`): the step that appends only, the one that also flushes every slot and,
+    at B > 1, the one that flushes the one slot whose window alone fills; every pool stays allocated, so every
+    workspace counts."""
     release()
     cache = build(name, lm, batch, length)
     cache_bytes = held_tensors(cache)
@@ -128,13 +129,14 @@ def probe(name: str, lm: LoadedModel, batch: int, length: int, ctx: int) -> tupl
     else:
         decoder = Decoder(lm.model, cache)
         step = lambda t: decoder.step(t).argmax(-1)  # noqa: E731
-        kinds = [0, cache.method.block - 1]  # host residual counts before the step: append only; flush
+        r = cache.method.block  # host residual counts before the step: append only; flush every slot; one slot
+        kinds = [[0] * batch, [r - 1] * batch] + [[r - 1] + [0] * (batch - 1)] * (batch > 1)
     workspace = 0
     with torch.no_grad():  # (with autograd on, a step keeps every layer's activations: 64 GiB of fp16 at 128k)
         step(tokens)  # the first step loads the kernels
         for count in kinds:
             if count is not None:
-                cache.residual_counts = [count] * batch  # `advance` picks the flush step from these
+                cache.residual_counts = list(count)  # `advance` picks the step's kind from these
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

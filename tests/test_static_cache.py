@@ -663,14 +663,15 @@ def test_flushing_the_one_slot_whose_window_fills_stores_the_masked_flushs_bits(
     alone fills (`StaticLayer.append_one`, as `StaticKvcalibCache.advance` picks it) stores what the masked flush of
     every slot stores at every step (codes, scales, norms, sinks, KVLinC's state, counts, windows), bit for bit, but
     the slack block the masked flush writes its other slots into; two slots whose windows fill together take the
-    masked flush. A free slot (prompt 0) counts and flushes as the device's counts do. Planted errors (the slot's own flushed count ignored for its sinks; the state of slot 0
-    taken for the slot's) fail it."""
+    masked flush. A free slot (prompt 0) counts and flushes as the device's counts do. Planted errors (the slot's own
+    flushed count ignored for its sinks; the state of slot 0 taken for the slot's; the capacity's clamp left out)
+    fail it."""
     kernels_on_any_device(monkeypatch)
     method = _layout_method(case)
     h = 4 if case.startswith("plan") else 2
     g = torch.Generator().manual_seed(3)
-    layers = [StaticLayer(method, 0, 5, capacity=256, kv_heads=h, head_dim=64, device=torch.device("cpu"))
-              for _ in range(2)]
+    layers = [StaticLayer(method, 0, 5, capacity=64, kv_heads=h, head_dim=64, device=torch.device("cpu"))
+              for _ in range(2)]  # two blocks: slots reach the capacity, past which a flush writes into the slack
     prompts = [3, 40, 0, 35, 17]  # residual phases 3, 8, 0 (free), 3, 17 of R = 32
     for slot, n in enumerate(prompts):
         if n:
@@ -695,6 +696,7 @@ def test_flushing_the_one_slot_whose_window_fills_stores_the_masked_flushs_bits(
         if s:
             assert torch.equal(masked.layout.ksink[:, :, :s], one.layout.ksink[:, :, :s])
             assert torch.equal(masked.layout.vsink[:, :, :s], one.layout.vsink[:, :, :s])
+    assert masked.flushed.tolist() == [64] * 5  # at the capacity (64 + 32 and more without the clamp)
     assert ones == 7  # windows filling alone at steps 24, 56 (slot 1), 32, 64 (2), 15, 47, 79 (4); together at 29, 61
 
 

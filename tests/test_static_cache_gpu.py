@@ -398,6 +398,54 @@ def test_a_compiled_append_and_attention_store_and_return_the_eager_bits_through
         assert (rows <= 2.0**-10).all(), (s, rows.max().item())
 
 
+@pytest.mark.parametrize("name", METHODS)
+def test_a_compiled_one_slot_flush_stores_the_eager_bits(name):
+    """`append_one` compiled by Inductor (as `compile="step"` compiles the whole step), its slot read on the device,
+    stores what the eager one stores, bit for bit (the same rounding as the masked flush's compiled form, above),
+    through windows filling one slot at a time and appends between them."""
+    from kvcalib.runtime.captured import compile_options
+    from kvcalib.runtime.static_cache import flush_step
+
+    d, h, group, residual = 128, 2, 32, 64
+    shape = AttentionShape(num_layers=1, num_heads=8, num_kv_heads=h, head_dim=d)
+    method = _method(name, shape, MethodSettings(bits=2, group_size=group, residual=residual))
+    layers = [StaticLayer(method, 0, 3, capacity=8 * residual, kv_heads=h, head_dim=d, device=torch.device(DEV))
+              for _ in range(2)]
+    prompts = [1, residual - 1, 2 * residual + 5]
+    for layer in layers:
+        for i, t in enumerate(prompts):
+            layer.prefill(i, *_tokens(1, h, t, d, seed=50 + i))
+    compiled = torch.compile(lambda k, v: layers[1].append_one(k, v, layers[1].slot), fullgraph=True, dynamic=False,
+                             options=compile_options())
+    k_new, v_new = _tokens(3, h, 2 * residual + 3, d, seed=60)
+    counts, ones = [t % residual for t in prompts], 0
+    for s in range(2 * residual + 3):  # every slot's window fills twice, alone
+        counts = [c + 1 for c in counts]
+        flush, one = flush_step(counts, residual)
+        counts = [c % residual for c in counts]
+        args = (k_new[:, :, s : s + 1], v_new[:, :, s : s + 1])
+        if one is None:
+            for layer in layers:
+                layer.append(*args, flush)
+        else:
+            ones += 1
+            layers[0].slot.fill_(one)
+            layers[1].slot.fill_(one)
+            layers[0].append_one(*args, layers[0].slot)
+            compiled(*args)
+        for (buf, _), (other, _) in zip(layers[0]._buffers(), layers[1]._buffers()):
+            assert torch.equal(buf, other), s
+        assert torch.equal(layers[0].flushed, layers[1].flushed) and torch.equal(layers[0].residual, layers[1].residual)
+        assert torch.equal(layers[0].layout.kres, layers[1].layout.kres)
+        if layers[0].state is not None:  # KVLinC's float32 sums, in Inductor's order: the bound of the test above
+            e, c = layers[0].state, layers[1].state
+            bound_p = 2 * layers[0].flushed.view(-1, 1, 1).double() * 2.0**-24 * e.p.double()
+            assert ((e.p.double() - c.p.double()).abs() <= bound_p).all(), s
+            vmax = 2 * v_new.abs().max().double()
+            assert ((e.s.double() - c.s.double()).abs() <= (bound_p * vmax)[..., None]).all(), s
+    assert ones == 7  # slot 0 at steps 63 and 127, slot 1 at 1, 65 and 129, slot 2 at 59 and 123
+
+
 def test_the_compiled_step_writes_the_cache_in_place_allocating_less_than_a_buffer_beyond_the_eager_step():
     """The eager step writes every buffer in place; a compiled write that Inductor turned into a copy
     (as it does a `scatter_` into a graph input) would allocate a whole packed buffer, each of them here

@@ -11,7 +11,7 @@ How much of the step torch.compile sees (`compile`, the cache's `compile` unless
   cache's append of the step's token and a kept sliding layer's ring (`_Regions`). One compiled region serves
   every layer (its parameters and buffers are inputs), so the first call compiles a few small graphs (five for
   Llama), seconds, not the whole model's minutes. The masked flush and the fused attention stay eager;
-- `"step"` (or True): the whole step, below;
+- `"step"` (or True): the whole step, below (compiled once for each kind of step, `CapturedDecoder._kinds`);
 - `"none"` (or False): nothing compiled.
 
 The step is the model's forward on one token per slot, at each slot's own position (read from the
@@ -267,8 +267,8 @@ class CapturedDecoder(Decoder):
         # Under tensor parallelism the step holds NCCL collectives, whose communicator threads may call CUDA while
         # this thread captures: only this thread's calls are refused then (as transformers captures its own).
         mode = "thread_local" if tensor_parallel_size(model) > 1 else "global"
-        self.graphs: dict[bool, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[bool, torch.Tensor] = {}
+        self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}  # by (flush, one): `_kinds`
+        self.outputs: dict[tuple[bool, bool], torch.Tensor] = {}
         try:
             for kind in self._kinds():  # each in its own memory pool: they replay in any order
                 self._set_flush(*kind)

@@ -31,8 +31,9 @@ tokens packed in INT2 blocks (the layout of `kvcalib.formats.int2.layout`, which
 
 A decode step appends each sequence's new token at its own residual position. A sequence whose
 residual is then full is flushed inside the same step, without a branch on the device: a flushing
-step compresses every sequence's residual window with the method's own `compress` and writes the codes
-at its `flushed` offset where the window is full, into a slack block past the capacity where it is not.
+step compresses every sequence's residual window (or the one slot's, below) with the method's own `compress` and
+writes the codes at its `flushed` offset where the window is full, into a slack block past the capacity where it is
+not.
 Which steps flush the host knows without asking the device: every slot's residual count advances by one
 a step (a free slot's too), so `advance` keeps a copy of the counts and sets each layer's `flush` for
 the step; a step where no window fills appends only, and a step where one slot's window alone fills (a batch
