@@ -118,13 +118,46 @@ def pack_stream(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes (< 2^bits) along the last axis as one bit stream: code j at bits
     [bits j, bits (j + 1)) of the stream, which fills int32 words least significant bit first and
     runs across word boundaries (3-bit codes: 32 in three words). For bits dividing 32 this is
-    `pack_bits`' layout exactly; otherwise it wastes no bits (the last word zero-padded)."""
+    `pack_bits`' layout exactly; otherwise it wastes no bits (the last word zero-padded). The stream's bytes
+    (`stream_bytes`) read as words (`bytes_as_words`)."""
+    return bytes_as_words(stream_bytes(codes, bits))
+
+
+def stream_bytes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (..., n) < 2^bits as one bit stream in bytes (..., ceil(n bits / 8)) uint8: code j at stream bits
+    [bits j, bits (j + 1)), stream bit b bit b % 8 of byte b // 8 (`kvcalib.vq`'s rows; `pack_stream`'s words read
+    them four at a time), the last byte zero-padded. A period of lcm(bits, 8) bits (at most 56: 8 codes of 7 bits) is
+    one int64 sum of its shifted codes, then cut into its bytes: the codes are read once, where a stream of one int64
+    a bit moved bits x 8 bytes a code through four ops (a flush runs them eagerly inside the captured step, 40% of a
+    plan's flushed bytes at B = 8). Widths whose period is longer (9, 11, 13, 15 bits) go bit by bit."""
     n = codes.shape[-1]
-    words = -(-n * bits // WORD_BITS)
-    stream = ((codes.to(torch.int64).unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)  # (..., n bits)
-    stream = torch.nn.functional.pad(stream, (0, words * WORD_BITS - n * bits))
-    packed = (stream.reshape(*stream.shape[:-1], words, WORD_BITS) << steps(WORD_BITS, 1, codes.device)).sum(-1)
-    return low_words(packed)
+    span = math.lcm(bits, 8)
+    c = codes.to(torch.int64)
+    if span > 56:
+        stream = ((c.unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)
+        stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).unflatten(-1, (-1, 8))
+        return (stream << steps(8, 1, codes.device)).sum(-1).to(torch.uint8)
+    per = span // bits  # codes a period
+    if n % per:
+        c = torch.nn.functional.pad(c, (0, -n % per))
+    period = (c.unflatten(-1, (-1, per)) << steps(per, bits, codes.device)).sum(-1)
+    out = ((period.unsqueeze(-1) >> steps(span // 8, 8, codes.device)) & 0xFF).to(torch.uint8).flatten(-2)
+    size = -(-n * bits // 8)
+    return out if out.shape[-1] == size else out[..., :size].contiguous()
+
+
+def bytes_as_words(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows (..., bytes) uint8 as int32 words (..., ceil(bytes / 4)), four bytes a word, the first the least
+    significant (as every little-endian device reads them: x86, Arm, CUDA), zero-padded to whole words, in a tensor
+    of their own: the rows copied once and their memory read as int32, where assembling each word from shifted bytes
+    took some ten launches (a flush runs them eagerly inside the captured step). Under torch.compile the arithmetic
+    form, fused there anyway (`low_words`)."""
+    if sys.byteorder != "little" or torch.compiler.is_compiling():
+        b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
+        return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)
+    if rows.shape[-1] % 4:
+        return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).view(torch.int32)  # pad makes a new tensor
+    return rows.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def unpack_stream(words: torch.Tensor, bits: int, length: int) -> torch.Tensor:

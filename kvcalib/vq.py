@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .errors import SettingsError
-from .quant import steps
+from .quant import steps, stream_bytes
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,9 @@ class VQConfig:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes (..., c) < 2^bits to the bitstream rows (..., ceil(c * bits / 8)) uint8 of the layout."""
-    stream = ((codes.to(torch.int64).unsqueeze(-1) >> steps(bits, 1, codes.device)) & 1).flatten(-2)
-    stream = torch.nn.functional.pad(stream, (0, -stream.shape[-1] % 8)).unflatten(-1, (-1, 8))
-    return (stream << steps(8, 1, codes.device)).sum(-1).to(torch.uint8)
+    """Codes (..., c) < 2^bits to the bitstream rows (..., ceil(c * bits / 8)) uint8 of the layout
+    (`quant.stream_bytes`)."""
+    return stream_bytes(codes, bits)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

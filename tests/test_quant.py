@@ -194,3 +194,38 @@ def test_compiled_low_words_trace_no_dtype_view_and_give_the_eager_bits():
     assert _dtype_views(low_words, x) == []
     compiled = torch.compile(low_words, fullgraph=True, dynamic=False)(x)
     assert torch.equal(compiled, low_words(x))
+
+
+def _stream_bit_by_bit(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The stream's bytes as the definition says: bit i of code j is stream bit bits j + i, stream bit b is bit b % 8
+    of byte b // 8 (plain Python integers, one row at a time)."""
+    rows = codes.reshape(-1, codes.shape[-1]).tolist()
+    size = -(-codes.shape[-1] * bits // 8)
+    out = []
+    for row in rows:
+        value = sum(int(c) << (bits * j) for j, c in enumerate(row))
+        out.append([(value >> (8 * i)) & 0xFF for i in range(size)])
+    return torch.tensor(out, dtype=torch.uint8).reshape(*codes.shape[:-1], size)
+
+
+@pytest.mark.parametrize("bits", list(range(1, 17)))
+def test_the_stream_bytes_are_the_bit_stream_for_every_width_and_length(bits):
+    """`stream_bytes` (a period of lcm(bits, 8) bits summed in one int64, cut into bytes; bit by bit where the period
+    passes 56 bits) against the stream built bit by bit in Python integers, for lengths that fill whole periods and
+    not, every code at its largest value in one row (its bits all set); `pack_stream`'s words are those bytes read
+    four at a time, little-endian, and `unpack_stream` gives the codes back."""
+    from kvcalib.quant import pack_stream, stream_bytes, unpack_stream
+
+    g = torch.Generator().manual_seed(bits)
+    for n in (1, 7, 8, 32, 37, 128):
+        codes = torch.randint(0, 2**bits, (3, 2, n), generator=g)
+        codes[0, 0] = 2**bits - 1
+        got = stream_bytes(codes, bits)
+        assert got.dtype == torch.uint8 and got.is_contiguous()
+        assert torch.equal(got, _stream_bit_by_bit(codes, bits)), n
+        words = pack_stream(codes, bits)
+        assert words.shape[-1] == -(-n * bits // 32)
+        padded = torch.nn.functional.pad(got, (0, -got.shape[-1] % 4)).long()
+        built = padded[..., 0::4] | padded[..., 1::4] << 8 | padded[..., 2::4] << 16 | padded[..., 3::4] << 24
+        assert torch.equal(words.long() & 0xFFFFFFFF, built)
+        assert torch.equal(unpack_stream(words, bits, n), codes)

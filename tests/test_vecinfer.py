@@ -477,10 +477,10 @@ def test_lut_scores_read_the_heads_the_codes_hold():
 
 
 def test_code_rows_read_as_words_are_the_stream_the_codebook_kernel_reads():
-    """`byte_rows_as_words`: VecInfer's byte rows read as int32 words (padded to whole words) are the words built
+    """`bytes_as_words`: VecInfer's byte rows read as int32 words (padded to whole words) are the words built
     from their bytes, least significant first, for whole and partial words and strided rows; the same stream
     `pack_stream` writes for the codes (the codebook kernel's layout)."""
-    from kvcalib.methods.vecinfer import byte_rows_as_words
+    from kvcalib.quant import bytes_as_words as byte_rows_as_words
     from kvcalib.quant import pack_stream
 
     g = torch.Generator().manual_seed(5)
@@ -501,11 +501,11 @@ def test_code_rows_read_as_words_are_the_stream_the_codebook_kernel_reads():
 
 
 def test_compiled_code_rows_as_words_trace_no_dtype_view_and_give_the_eager_words():
-    """Under torch.compile `byte_rows_as_words` takes its arithmetic form (a dtype view that changes the element
+    """Under torch.compile `bytes_as_words` takes its arithmetic form (a dtype view that changes the element
     size fails Inductor's fake tensors on CUDA, torch 2.11: tests/test_quant.py), with the eager words."""
     from test_quant import _dtype_views
 
-    from kvcalib.methods.vecinfer import byte_rows_as_words
+    from kvcalib.quant import bytes_as_words as byte_rows_as_words
 
     g = torch.Generator().manual_seed(6)
     for shape in [(3, 5, 24), (2, 7, 13)]:

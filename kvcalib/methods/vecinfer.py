@@ -32,7 +32,6 @@ smoothing is on, `layers.{i}.k_smooth` float16 (Hkv, head_dim).
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +47,7 @@ from ..formats.vq.coded import VQCoded
 from ..formats.vq.layout import VQBooks, keys_from_codec, keys_to_codec, queries_to_codec
 from ..hadamard import hadamard, rotate
 from ..models import AttentionShape, LoadedModel
-from ..quant import low_words
+from ..quant import bytes_as_words
 from .base import DeviceCopies, Method, MethodSettings
 
 log = logging.getLogger(__name__)
@@ -198,7 +197,7 @@ class VecInfer(Method, VQCoded, CodebookCoded):
                             CodedPart(c.v.bits, c.v.dim, books.v.float()[:, None], False, None))
 
     def codebook_parts(self, packed: VecInferPacked) -> CodedBlock:
-        return CodedBlock(byte_rows_as_words(packed.k), None, byte_rows_as_words(packed.v), None)
+        return CodedBlock(bytes_as_words(packed.k), None, bytes_as_words(packed.v), None)
 
     def part_bits(self, packed: VecInferPacked) -> tuple[int, int]:
         return 8 * packed.k.numel(), 8 * packed.v.numel()
@@ -211,20 +210,6 @@ class VecInfer(Method, VQCoded, CodebookCoded):
         c = self.config
         return {"k": c.k_config, "v": c.v_config, "granularity": c.granularity, "smooth": c.smooth,
                 "hadamard": c.hadamard, "sink_tokens": self.sink, "residual": self.residual}
-
-
-def byte_rows_as_words(rows: torch.Tensor) -> torch.Tensor:
-    """`kvcalib.vq`'s code rows (..., bytes) uint8 as int32 words (`quant.pack_stream`'s layout: the same bit stream,
-    least significant bit first, read four bytes a word on a little-endian device), zero-padded to whole words, in a
-    tensor of their own: the rows copied once (padded where they are not whole words) and their memory read as
-    int32, where assembling each word from shifted bytes took some ten launches (a flush runs them eagerly inside the
-    captured step). Under torch.compile the arithmetic form, fused there anyway (`quant.low_words`)."""
-    if sys.byteorder != "little" or torch.compiler.is_compiling():
-        b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
-        return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)
-    if rows.shape[-1] % 4:
-        return torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).view(torch.int32)  # pad makes a new tensor
-    return rows.clone(memory_format=torch.contiguous_format).view(torch.int32)
 
 
 def load(path: str | Path, shape: AttentionShape, model=None, residual: int = DEFAULTS["residual"]) -> VecInfer:
