@@ -32,9 +32,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from .errors import SettingsError
-from .quant import steps, stream_bytes
+from .quant import held, steps, stream_bytes
 
 log = logging.getLogger(__name__)
 
@@ -223,23 +224,36 @@ def _split_into_empty(centroids: torch.Tensor, counts: torch.Tensor) -> None:
 def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """Codes (B, H, T, c) of x (B, H, T, d) against codebooks (G, 2^M, N), head h using h // (H / G).
 
-    Every head at once (`nearest_heads`): a static cache's flush encodes a layer's window inside the captured step,
-    eagerly, where a loop over heads took some 11 launches a head."""
+    Every head at once (`nearest_heads`, the heads that share a book in one batch entry): a static cache's flush
+    encodes a layer's window inside the captured step, eagerly, where a loop over heads took some 11 launches a head.
+    The books' float32 copy and their centroids' squared norms are made once a book (`_prepared`)."""
     b, h, t, d = x.shape
-    n = codebooks.shape[-1]
-    books = codebooks.float()
-    if books.shape[0] != h:
-        books = books.repeat_interleave(h // books.shape[0], dim=0)
-    points = x.unflatten(-1, (d // n, n)).transpose(0, 1).reshape(h, b * t * (d // n), n)
-    return nearest_heads(points, books).view(h, b, t, d // n).transpose(0, 1).contiguous()
+    g, n = codebooks.shape[0], codebooks.shape[-1]
+    books, norms = _prepared(codebooks)
+    points = x.unflatten(-1, (d // n, n)).transpose(0, 1).reshape(g, h // g * b * t * (d // n), n)
+    return nearest_heads(points, books, norms).view(h, b, t, d // n).transpose(0, 1).contiguous()
 
 
-def nearest_heads(points: torch.Tensor, books: torch.Tensor) -> torch.Tensor:
+_PREPARED = WeakTensorKeyDictionary()  # a book -> (its float32 copy, its centroids' squared norms), while it lives
+
+
+def _prepared(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(books (G, E, N) float32, their centroids' squared norms (G, 1, E)) of `codebooks`, `quant.held` once a book
+    (made anew, they took a flush four launches an encode)."""
+    def make():
+        books = codebooks.float()
+        return books, books.pow(2).sum(-1).unsqueeze(1)
+    return held(_PREPARED, codebooks, make)
+
+
+def nearest_heads(points: torch.Tensor, books: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:
     """(H, P) int64: for each head h, the index of the nearest centroid (squared Euclidean) of books[h] (E, N) to
     every row of points[h] (P, N); `nearest` for H codebooks in one batched product, chunked over points so that a
-    chunk's distances hold at most _DISTANCE_ENTRIES numbers."""
+    chunk's distances hold at most _DISTANCE_ENTRIES numbers. `norms`: the centroids' squared norms (H, 1, E), where
+    the caller holds them."""
     books = books.float()
-    norms = books.pow(2).sum(-1).unsqueeze(1)  # (H, 1, E); |x|^2 does not change the argmin
+    if norms is None:
+        norms = books.pow(2).sum(-1).unsqueeze(1)  # (H, 1, E); |x|^2 does not change the argmin
     rows = max(1, _DISTANCE_ENTRIES // (books.shape[0] * books.shape[1]))
     total = points.shape[1]
     if total <= rows:
