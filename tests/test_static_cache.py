@@ -65,9 +65,19 @@ def test_flush_writes_write_what_masked_write_writes_buffer_by_buffer_with_each_
     assert torch.equal(bufs[2][2, :, 4:6], news[2][2])
     puts = launched.ops.count(torch.ops.aten.index_put_)
     assert puts == len(specs)
-    # indices, after a warm-up (the ranges held: `quant.steps`): a start per unit (2: a division and a cast each),
-    # positions per (unit, length, rows) (2: a scalar, where, add each); buffer by buffer, 9 launches a buffer
-    assert len(launched.ops) - puts == 2 * 2 + 2 * 3
+    # indices, after a warm-up (the ranges held: `quant.steps`): where the rows go, in tokens, once (every slack
+    # block starts at token 24: a scalar and a where), a start per unit (2: a division and a cast each), positions
+    # per (unit, length, rows) (2: an add each); buffer by buffer, 9 launches a buffer
+    assert len(launched.ops) - puts == 2 + 2 * 2 + 2
+    # slack blocks at different tokens: each buffer's rows not taken go to its own (a scalar, where, add each)
+    odd = [(torch.zeros(3, 2, 40, 2, dtype=torch.long), torch.ones(3, 2, 8, 2, dtype=torch.long), 1),
+           (torch.zeros(3, 2, 8, 2, dtype=torch.long), torch.ones(3, 2, 2, 2, dtype=torch.long), 4)]
+    for buf, new, unit in [(b.clone(), n, u) for b, n, u in odd]:
+        masked_write(buf, new, torch.div(flushed, unit, rounding_mode="floor"), take)
+        flush_writes([(got := torch.zeros_like(buf), new, unit)], flushed, take)
+        assert torch.equal(got, buf)
+    flush_writes(odd, flushed, take)
+    assert odd[0][0][1, :, 32:].eq(1).all() and odd[1][0][1, :, 6:].eq(1).all() and odd[0][0][1, :, :32].eq(0).all()
 
 
 @pytest.mark.parametrize("name,settings,reason", [

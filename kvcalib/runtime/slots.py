@@ -33,7 +33,13 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
     to row flushed[b] // unit (given `slot`, of that one row, as `masked_write`'s). Each index is made once for the
     writes that share it (a start per unit, positions per (unit, buffer length, rows), heads per count): a flushing
     step runs eagerly inside the captured step, where each of a layer's 6 (KIVI-2) to 16 (a plan's groups) buffers
-    written alone took 8 launches, 1 here and the indices' few (benchmarks/flush_cost.py counts them)."""
+    written alone took 8 launches, 1 here and the indices' few (benchmarks/flush_cost.py counts them). Where every
+    buffer's slack block starts at the same token (as a static layer's do: at the capacity), the rows not taken are
+    sent there once, in tokens, rather than buffer by buffer."""
+    slack = {(buf.shape[2] - new.shape[2]) * unit for buf, new, unit in writes}
+    shared = len(slack) == 1 and all(next(iter(slack)) % unit == 0 for _, _, unit in writes)
+    if shared:  # every buffer's slack block starts at the same token (the capacity): where a row goes, chosen once
+        flushed, take = torch.where(take, flushed, next(iter(slack))), None
     starts: dict[int, torch.Tensor] = {}
     rows: dict[tuple[int, int, int], torch.Tensor] = {}
     heads: dict[int, torch.Tensor] = {}
@@ -49,9 +55,10 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
         buf.index_put_((batch, heads[h], rows[unit, buf.shape[2], n]), new)
 
 
-def _rows(buf: torch.Tensor, n: int, start: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
-    """(B, 1, n) positions along buf's dim 2 of each row's n new rows: from start[b] where take[b], else the slack."""
-    at = torch.where(take, start.long(), buf.shape[2] - n)
+def _rows(buf: torch.Tensor, n: int, start: torch.Tensor, take: torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, n) positions along buf's dim 2 of each row's n new rows: from start[b] where take[b], else the slack
+    (take None: start already says where, the slack's rows included)."""
+    at = start if take is None else torch.where(take, start.long(), buf.shape[2] - n)
     return at.view(-1, 1, 1) + steps(n, 1, buf.device)
 
 
