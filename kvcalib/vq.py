@@ -25,6 +25,7 @@ Packed code layout (the vector counterpart of the scalar table in `kvcalib.quant
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import re
 import time
@@ -226,10 +227,10 @@ def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
 
     Every head at once (`nearest_heads`, the heads that share a book in one batch entry): a static cache's flush
     encodes a layer's window inside the captured step, eagerly, where a loop over heads took some 11 launches a head.
-    The books' float32 copy and their centroids' squared norms are made once a book (`_prepared`)."""
+    The books' float32 copy and their centroids' squared norms are made once a book (`prepared`)."""
     b, h, t, d = x.shape
     g, n = codebooks.shape[0], codebooks.shape[-1]
-    books, norms = _prepared(codebooks)
+    books, norms = prepared(codebooks)
     points = x.unflatten(-1, (d // n, n)).transpose(0, 1).reshape(g, h // g * b * t * (d // n), n)
     return nearest_heads(points, books, norms).view(h, b, t, d // n).transpose(0, 1).contiguous()
 
@@ -237,13 +238,79 @@ def encode(x: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
 _PREPARED = WeakTensorKeyDictionary()  # a book -> (its float32 copy, its centroids' squared norms), while it lives
 
 
-def _prepared(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def prepared(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(books (G, E, N) float32, their centroids' squared norms (G, 1, E)) of `codebooks`, `quant.held` once a book
     (made anew, they took a flush four launches an encode)."""
     def make():
         books = codebooks.float()
         return books, books.pow(2).sum(-1).unsqueeze(1)
     return held(_PREPARED, codebooks, make)
+
+
+ENCODE_ROWS = 4  # rows a block of `kernels_cupy/codebook_encode.cu` takes (a rotation's rows read once for 4)
+
+
+def on_the_encode_kernel(x: torch.Tensor) -> bool:
+    """Whether x's vectors are coded by `kernels_cupy/codebook_encode.cu`: on CUDA with CuPy, eager or compiled (an
+    opaque op to torch.compile, so that a compiled flush codes what an eager one does)."""
+    return x.is_cuda and importlib.util.find_spec("cupy") is not None
+
+
+def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None,
+                  bounds: torch.Tensor | None = None, books: torch.Tensor | None = None, as_bytes: bool = False,
+                  checked: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(codes, norms) of x (B, H, T, D) in one launch (`kernels_cupy/codebook_encode.cu`, whose opening comment has
+    the layout): with `rotation` Π (D, D) float64, x / |x| rotated by it (TurboQuant's `unit_rotated`, with the norms
+    (B, H, T, 1) float16), else x as given; coded a coordinate at a time by `bounds` ((L - 1,) shared, or (G, D, L - 1)) or a sub-vector at a time by
+    `books` (G, 2^bits, n); packed as one bit stream a row, int32 words (`pack_stream`) or bytes (`as_bytes`,
+    `quant.stream_bytes`). Head h reads book h // (H / G)."""
+    b, h, t, d = x.shape
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.stride(-2) != d:  # batch and heads may stride (a group)
+        x = x.float().contiguous()
+    if books is None:
+        book, book_norms, xdim = bounds.float().contiguous(), None, 1
+    else:
+        (book, book_norms), xdim = prepared(books), books.shape[-1]
+    unit = 8 if as_bytes else 32
+    out = torch.empty(b, h, t, -(-(d // xdim) * bits // unit), dtype=torch.uint8 if as_bytes else torch.int32,
+                      device=x.device)
+    rotate = rotation is not None
+    norms = torch.empty(b, h, t, 1 if rotate else 0, dtype=torch.float16, device=x.device)
+    torch.ops.kvcalib.codebook_encode(x, out, norms, rotation, book if books is None else None,
+                                      book if books is not None else None, book_norms, bits, checked)
+    return out, norms if rotate else None
+
+
+@torch.library.custom_op("kvcalib::codebook_encode", mutates_args=("out", "norms"))
+def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, rotation: torch.Tensor | None,
+                     bounds: torch.Tensor | None, books: torch.Tensor | None, book_norms: torch.Tensor | None,
+                     bits: int, checked: bool) -> None:
+    """`encode_on_gpu`'s launch, its tensors made by the caller (a custom op: torch.compile keeps it whole). A block
+    takes ENCODE_ROWS rows, 128 threads: a thread a coordinate (the norm, the rotation), then a code, then an output
+    element; the rows are read once, the codes written once."""
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch, torch_stream
+
+    b, h, t, d = x.shape
+    rows = b * h * t
+    coded = bounds if books is None else books
+    defines = {"D": d, "XDIM": 1 if books is None else books.shape[-1], "BITS": bits, "NB": coded.shape[-2 if books
+               is not None else -1], "ROTATE": int(rotation is not None), "PER_COORD": int(books is None and
+               bounds.dim() > 1), "OUT_BYTES": int(out.dtype == torch.uint8), "RB": ENCODE_ROWS, "NT": 128}
+    groups = coded.shape[0] if coded.dim() > 1 else 1
+    ptr = lambda a: cupy.uint64(0 if a is None else a.data_ptr())  # noqa: E731
+    with torch_stream(x.device):
+        if rows:
+            launch(kernel("codebook_encode.cu", defines, "encode_rows"), (-(-rows // ENCODE_ROWS),), (128,),
+                   (ptr(x), ptr(rotation), ptr(bounds), ptr(books), ptr(book_norms), ptr(out), ptr(norms),
+                    cupy.int32(rows), cupy.int32(t), cupy.int32(h), cupy.int32(groups), cupy.int64(x.stride(0)),
+                    cupy.int64(x.stride(1))), checked)
+
+
+@_codebook_encode.register_fake
+def _(x, out, norms, rotation, bounds, books, book_norms, bits, checked) -> None:
+    return None
 
 
 def nearest_heads(points: torch.Tensor, books: torch.Tensor, norms: torch.Tensor | None = None) -> torch.Tensor:

@@ -178,19 +178,19 @@ def test_encode_takes_every_head_at_once_and_names_the_nearest_centroid_of_its_o
 
 
 def test_a_books_float_copy_and_norms_are_made_once_a_book_and_let_go_with_it():
-    """`vq._prepared`: the float32 books and their centroids' squared norms `encode` reads, made once for a book
+    """`vq.prepared`: the float32 books and their centroids' squared norms `encode` reads, made once for a book
     object (a flush encodes with the same one every time), equal to those made anew, and not kept past the book."""
     gen = torch.Generator().manual_seed(4)
     book = torch.randn(2, 16, 4, generator=gen).half()
-    books, norms = vq._prepared(book)
-    assert vq._prepared(book)[0] is books and vq._prepared(book)[1] is norms
+    books, norms = vq.prepared(book)
+    assert vq.prepared(book)[0] is books and vq.prepared(book)[1] is norms
     assert torch.equal(books, book.float()) and torch.equal(norms, book.float().pow(2).sum(-1).unsqueeze(1))
     other = book.clone()
-    assert vq._prepared(other)[0] is not books
+    assert vq.prepared(other)[0] is not books
     held = len(vq._PREPARED)
     del other
     assert len(vq._PREPARED) == held - 1
-    compiled = torch.compile(lambda b: vq._prepared(b)[1] + 0, fullgraph=True, dynamic=False)
+    compiled = torch.compile(lambda b: vq.prepared(b)[1] + 0, fullgraph=True, dynamic=False)
     fresh = torch.randn(1, 8, 4, generator=gen)
     held = len(vq._PREPARED)
     assert torch.equal(compiled(fresh), fresh.pow(2).sum(-1).unsqueeze(1)) and len(vq._PREPARED) == held  # made, not kept

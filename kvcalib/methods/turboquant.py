@@ -271,6 +271,10 @@ class TurboQuant(Method, CodebookCoded):
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (..., d): the oblivious codebook of `config.bits`, or per-coordinate `centroids` (G, d, 2^bits)."""
         bits = self.config.bits
+        if vq.on_the_encode_kernel(x):
+            bounds = self._tables(x.device)[0] if centroids is None else self._bounds(centroids)
+            codes, norm = vq.encode_on_gpu(x, bits, rotation(x.shape[-1], torch.float64, x.device), bounds=bounds)
+            return Coded(codes=codes, norm=norm, bits=bits)
         y, norm = unit_rotated(x)
         if centroids is None:  # the oblivious codebook: cells split at the midpoints of its centroids
             codes = torch.bucketize(y, self._tables(x.device)[0])
@@ -360,6 +364,10 @@ class TurboQuantVQ(TurboQuant):
 
     def encode_vectors(self, x: torch.Tensor, centroids: torch.Tensor | None = None) -> Coded:
         """Codes of x (B, H, T, d) against `centroids` (G, 2^B, D): head h reads codebook h // (H / G)."""
+        if vq.on_the_encode_kernel(x):
+            codes, norm = vq.encode_on_gpu(x, self.vector.bits, rotation(x.shape[-1], torch.float64, x.device),
+                                           books=centroids)
+            return Coded(codes=codes, norm=norm, bits=self.vector.bits)
         y, norm = unit_rotated(x)
         codes = vq.encode(y, centroids)
         return Coded(codes=pack_stream(codes, self.vector.bits), norm=norm.clamp(max=FLOAT16_MAX).half(), bits=self.vector.bits)

@@ -147,7 +147,11 @@ class VecInfer(Method, VQCoded, CodebookCoded):
 
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> VecInferPacked:
         c, books = self.config, self.books(layer, k.device)
-        k_codes = vq.encode(keys_to_codec(k, books.smooth, c.hadamard), books.k)
+        keys = keys_to_codec(k, books.smooth, c.hadamard)
+        if vq.on_the_encode_kernel(k):  # the codes and their bytes in one launch a part
+            return VecInferPacked(k=vq.encode_on_gpu(keys, c.k.bits, books=books.k, as_bytes=True)[0],
+                                  v=vq.encode_on_gpu(v, c.v.bits, books=books.v, as_bytes=True)[0])
+        k_codes = vq.encode(keys, books.k)
         v_codes = vq.encode(v.float(), books.v)
         return VecInferPacked(k=vq.pack_codes(k_codes, c.k.bits), v=vq.pack_codes(v_codes, c.v.bits))
 
