@@ -4,20 +4,24 @@
 //
 // x (B, H, T, D) float32, each (T, D) contiguous, batch and head strides SB, SH (elements): row r = (b H + h) T + t,
 // which reads book g = h / (H / G):
-//   ROTATE 1 (TurboQuant): u = x / max(|x|, tiny) in float64, y = Π u (Π: R (D, D) float64, row-major), rounded once
-//            to float32 (as `unit_rotated`), and the norm written: norms[r] = half(min(float(|x|), 65504));
+//   ROTATE 1 (TurboQuant): u = x / max(|x|, tiny) in float64, y = Π u (RT: Π transposed, (D, D) float64 row-major,
+//            so that a warp's threads, one coordinate each, read consecutive numbers), rounded once to float32 (as
+//            `unit_rotated`), and the norm written: norms[r] = half(min(float(|x|), 65504));
 //   ROTATE 0: y = x.
 // Codes, then one bit stream a row, code j at bits [j BITS, (j + 1) BITS), least significant bit first, the last
 // word (or byte) zero-padded: OUT_BYTES 0: int32 words (`quant.pack_stream`), 1: bytes (`quant.stream_bytes`):
-//   XDIM 1: a code a coordinate, the number of the NB bounds below y_i (`torch.bucketize`, `nearest_per_coordinate`):
-//           bounds (NB) shared (PER_COORD 0) or (G, D, NB) a coordinate (PER_COORD 1);
+//   XDIM 1: a code a coordinate, the number of the NB bounds below y_i: bounds (NB) shared (PER_COORD 0,
+//           `torch.bucketize`, which puts a NaN past the last) or (G, D, NB) a coordinate (PER_COORD 1,
+//           `nearest_per_coordinate`: a NaN is code 0);
 //   XDIM n: a code a sub-vector of n coordinates, the first nearest of the NB centroids books (G, NB, n) float32 by
 //           |c|^2 - 2 y.c (book_norms (G, NB): |c|^2), as `vq.encode` (its float32 sums in its own order: a
 //           near-tie may pick the other centroid).
 // A block takes RB consecutive rows, NT threads: a thread a coordinate (the norm's share, a row of Π u), then a code
 // (its bounds or its book read from L1/L2), then an output element. Bytes that must move: 4 D a row read, the stream
 // and a norm written, once each; Π (8 D^2, from L2) once a block of RB rows, the books once a code.
-// Defines: D, XDIM, BITS, NB, ROTATE, PER_COORD, OUT_BYTES, RB, NT.
+// Defines: D, XDIM, BITS, NB, ROTATE, PER_COORD, OUT_BYTES, RB, NT. Compiled with --use_fast_math, float32 subnormals
+// flush to zero (x read, y rounded, compared): the rows come from float16 numbers, whose float32 copies are normal,
+// and a unit vector's coordinate below 2^-126 is as good as 0 to its code.
 
 #include <cuda_fp16.h>
 
@@ -25,7 +29,7 @@
 #define UNIT ((OUT_BYTES) ? 8 : 32)           // bits an output element
 #define NOUT ((NC * BITS + UNIT - 1) / UNIT)  // output elements a row
 
-extern "C" __global__ void encode_rows(const float* __restrict__ x, const double* __restrict__ R,
+extern "C" __global__ void encode_rows(const float* __restrict__ x, const double* __restrict__ RT,
                                        const float* __restrict__ bounds, const float* __restrict__ books,
                                        const float* __restrict__ book_norms, void* __restrict__ out,
                                        __half* __restrict__ norms, int rows, int T, int H, int G, long SB,
@@ -72,12 +76,11 @@ extern "C" __global__ void encode_rows(const float* __restrict__ x, const double
     xs[r][i] = xs[r][i] / scale[r];
   }
   __syncthreads();
-  for (int k = tid; k < RB * D; k += NT) {  // y_i = sum_j u_j R[i][j], j in order
+  for (int k = tid; k < RB * D; k += NT) {  // y_i = sum_j u_j Π[i][j] = sum_j u_j RT[j][i], j in order
     const int r = k / D, i = k % D;
-    const double* row = R + (long)i * D;
     double y = 0.0;
 #pragma unroll 8
-    for (int j = 0; j < D; ++j) y = fma(xs[r][j], row[j], y);
+    for (int j = 0; j < D; ++j) y = fma(xs[r][j], RT[(long)j * D + i], y);
     ys[r][i] = (float)y;
   }
 #else
@@ -99,6 +102,9 @@ extern "C" __global__ void encode_rows(const float* __restrict__ x, const double
     unsigned c = 0;
 #pragma unroll
     for (int l = 0; l < NB; ++l) c += y > b[l];
+#if !PER_COORD
+    if (isnan(y)) c = NB;  // `torch.bucketize`'s NaN
+#endif
     codes[r][s] = c;
 #else
     float p[XDIM];

@@ -276,7 +276,8 @@ def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = No
                       device=x.device)
     rotate = rotation is not None
     norms = torch.empty(b, h, t, 1 if rotate else 0, dtype=torch.float16, device=x.device)
-    torch.ops.kvcalib.codebook_encode(x, out, norms, rotation, book if books is None else None,
+    rt = rotation.double().mT.contiguous() if rotate else None  # Πᵀ row-major: a view of the held Π (column-major)
+    torch.ops.kvcalib.codebook_encode(x, out, norms, rt, book if books is None else None,
                                       book if books is not None else None, book_norms, bits, checked)
     return out, norms if rotate else None
 
@@ -285,7 +286,8 @@ def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = No
 def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, rotation: torch.Tensor | None,
                      bounds: torch.Tensor | None, books: torch.Tensor | None, book_norms: torch.Tensor | None,
                      bits: int, checked: bool) -> None:
-    """`encode_on_gpu`'s launch, its tensors made by the caller (a custom op: torch.compile keeps it whole). A block
+    """`encode_on_gpu`'s launch, its tensors made by the caller (a custom op: torch.compile keeps it whole), `rotation`
+    the transposed Π row-major (`kernels_cupy/codebook_encode.cu`'s RT). A block
     takes ENCODE_ROWS rows, 128 threads: a thread a coordinate (the norm, the rotation), then a code, then an output
     element; the rows are read once, the codes written once."""
     import cupy
@@ -295,6 +297,12 @@ def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, ro
     b, h, t, d = x.shape
     rows = b * h * t
     coded = bounds if books is None else books
+    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.stride(-2) != d or not all(
+            a is None or (a.is_contiguous() and a.dtype == dtype) for a, dtype in (
+                (rotation, torch.float64), (bounds, torch.float32), (books, torch.float32),
+                (book_norms, torch.float32))) or h % (coded.shape[0] if coded.dim() > 1 else 1):
+        raise ValueError("codebook_encode takes x (B, H, T, D) float32 with (T, D) contiguous, contiguous float32 "
+                         "books or bounds (G dividing H) and a contiguous float64 rotation")
     defines = {"D": d, "XDIM": 1 if books is None else books.shape[-1], "BITS": bits, "NB": coded.shape[-2 if books
                is not None else -1], "ROTATE": int(rotation is not None), "PER_COORD": int(books is None and
                bounds.dim() > 1), "OUT_BYTES": int(out.dtype == torch.uint8), "RB": ENCODE_ROWS, "NT": 128}

@@ -83,7 +83,7 @@ def test_scalar_codes_and_norms_are_the_torch_encodes(d, bits, calibrated, group
 @pytest.mark.parametrize("groups", [1, "h"])
 @pytest.mark.parametrize("as_bytes", [False, True])
 def test_vector_codes_are_the_float64_nearest_centroids_but_for_near_ties(d, bits, n, groups, as_bytes):
-    b, h, t = 2, 3, 70
+    b, h, t = 2, 3, 71  # 426 rows: the last block of 4 holds 2
     x = _rows(b, h, t, d, seed=bits * n + d, strided=True)
     y, norm = unit_rotated(x)
     g = h if groups == "h" else 1
@@ -112,19 +112,36 @@ def test_vector_codes_are_the_float64_nearest_centroids_but_for_near_ties(d, bit
     assert torch.equal(out[same], packed[same])
 
 
-def test_rows_as_given_are_coded_without_a_norm_and_the_method_takes_the_kernel_on_cuda():
-    """ROTATE 0 (the rows already in the codec basis): the codes of the rows themselves, no norms. And TurboQuant's
-    `encode_vectors` on CUDA is the kernel's: its codes and norms are `encode_on_gpu`'s."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_rows_as_given_are_coded_without_a_norm_into_vecinfers_bytes(groups):
+    """ROTATE 0 (VecInfer: the rows already in the codec basis), bytes, a book a head or one for all: the codes of the
+    rows themselves (the float64 nearest but for near-ties), `vq.pack_codes`' bytes where they agree, no norms."""
+    x = _rows(2, 2, 41, 64, seed=9 + groups, strided=True)
+    gen = torch.Generator(device=DEV).manual_seed(groups)
+    books = torch.randn(groups, 256, 4, generator=gen, device=DEV)
+    _poison()
+    out, norms = encode_on_gpu(x, 8, books=books, as_bytes=True, checked=True)
+    assert norms is None and out.shape == (2, 2, 41, 16) and out.dtype == torch.uint8
+    got, want = vq.unpack_codes(out, 8, 16), vq.encode(x, books)
+    sub = x.unflatten(-1, (16, 4)).double()
+    dist = (sub.unsqueeze(-2) - books.double().repeat_interleave(2 // groups, 0)[None, :, None, None]).pow(2).sum(-1)
+    taken = dist.gather(-1, got.unsqueeze(-1)).squeeze(-1)
+    best = dist.min(-1).values
+    assert (taken - best <= 1e-5 * (1 + best)).all()
+    same = (got == want).all(-1)
+    assert same.float().mean() > 0.99 and torch.equal(out[same], vq.pack_codes(want, 8)[same])
+
+
+def test_turboquant_takes_the_kernel_on_cuda_and_codes_as_on_the_cpu():
+    """The methods route their codes through the kernel on CUDA (`vq.on_the_encode_kernel`) and the torch ops on the
+    CPU; the two agree: TurboQuant's norms bit for bit and its scalar codes but for a coordinate on a bound (none
+    here), the vector codes but for near-ties."""
     from kvcalib.methods.turboquant import TurboQuant, TurboQuantConfig
     from kvcalib.models import AttentionShape
 
-    x = _rows(2, 2, 40, 64, seed=9, strided=False)
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    books = torch.randn(1, 64, 4, generator=gen, device=DEV)
-    out, norms = encode_on_gpu(x, 6, books=books, checked=True)
-    assert norms is None
-    assert (unpack_stream(out, 6, 16) == vq.encode(x, books)).float().mean() > 0.99  # but for near-ties, as above
+    x = _rows(2, 2, 40, 64, seed=11, strided=False)
+    assert vq.on_the_encode_kernel(x) and not vq.on_the_encode_kernel(x.cpu())
     method = TurboQuant(TurboQuantConfig(bits=3, residual=40), AttentionShape(1, 4, 2, 64))
-    coded = method.encode_vectors(x)
-    words, n = encode_on_gpu(x, 3, _pi(64), bounds=method._tables(x.device)[0], checked=True)
-    assert torch.equal(coded.codes, words) and torch.equal(coded.norm, n)
+    gpu, cpu = method.encode_vectors(x), method.encode_vectors(x.cpu())
+    assert torch.equal(gpu.norm.cpu(), cpu.norm)
+    assert (unpack_stream(gpu.codes.cpu(), 3, 64) == unpack_stream(cpu.codes, 3, 64)).float().mean() > 0.9999
