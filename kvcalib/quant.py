@@ -290,6 +290,34 @@ def _quantize_cuda(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Q
                      length=x.shape[_dim(axis)])
 
 
+def codes_as_stream(q: Quantized) -> torch.Tensor:
+    """Each token's codes of `q` (..., T, C) as one bit stream along its channels, `pack_stream`'s int32 words
+    (..., T, ceil(C bits / 32)): how the codebook layout holds affine codes (keys are packed along tokens here). On
+    CUDA with CuPy one launch (`kernels_cupy/stream_codes.cu`, bit for bit these ops: the GPU tests compare), where
+    unpacking and packing again took about ten; under torch.compile these ops, which it fuses."""
+    if q.codes.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("cupy") is not None:
+        return _codes_as_stream_cuda(q)
+    return pack_stream(unpack_bits(q.codes, q.bits, _dim(q.axis), q.length), q.bits)
+
+
+def _codes_as_stream_cuda(q: Quantized, checked: bool = False) -> torch.Tensor:
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch, torch_stream
+
+    *lead, a, b = q.codes.shape
+    t, c = (q.length, b) if q.axis == "tokens" else (a, q.length)
+    n = math.prod(lead)
+    out = torch.empty(*lead, t, -(-c * q.bits // WORD_BITS), dtype=torch.int32, device=q.codes.device)
+    codes = q.codes.contiguous()
+    with torch_stream(codes.device):
+        if out.numel():  # a thread an output word
+            launch(kernel("stream_codes.cu", {"BITS": q.bits, "AXIS_TOKENS": int(q.axis == "tokens")}, "stream_codes"),
+                   (-(-out.numel() // 256),), (256,), (cupy.uint64(codes.data_ptr()), cupy.uint64(out.data_ptr()),
+                                                     cupy.int32(n), cupy.int32(t), cupy.int32(c)), checked)
+    return out
+
+
 def dequantize(p: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     codes = unpack_bits(p.codes, p.bits, _dim(p.axis), p.length)
     return dequantize_codes(codes, p.scale, p.zero, p.group_size, p.axis, dtype)

@@ -79,3 +79,23 @@ def test_a_range_first_made_while_a_graph_captures_is_not_held(monkeypatch):
     assert torch.equal(inside, torch.arange(7, device=device) * 3)
     assert quant.steps(7, 3, device) is not inside and (7, 3, device) in quant._HELD
     del graph
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("axis", ["tokens", "channels"])
+@pytest.mark.parametrize("shape", [(2, 3, 128, 64), (1, 37, 40), (2, 5, 24)])
+def test_codes_restreamed_on_the_gpu_are_the_torch_restream_bit_for_bit(bits, axis, shape):
+    """`quant.codes_as_stream` (kernels_cupy/stream_codes.cu): each token's codes as one stream along its channels,
+    the same words as unpacking and packing again in torch ops, for every width, both packed axes, lengths that fill
+    no whole word (37 tokens, 40 or 24 channels), into an output poisoned first (every word written), checked."""
+    from kvcalib.quant import _codes_as_stream_cuda, pack_stream, unpack_bits
+
+    torch.manual_seed(bits * 10 + len(shape))
+    group = 8 if axis == "tokens" and shape[-2] % 8 == 0 else (shape[-2] if axis == "tokens" else 8)
+    q = quantize(torch.randn(shape, device="cuda"), bits, group, axis)
+    junk = torch.full((1 << 24,), 0x7F, dtype=torch.uint8, device="cuda")
+    del junk
+    got = _codes_as_stream_cuda(q, checked=True)
+    want = pack_stream(unpack_bits(q.codes, bits, -2 if axis == "tokens" else -1, q.length), bits)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want), f"{(got != want).sum().item()} words differ"

@@ -19,7 +19,7 @@ from ..formats.codebook.layout import CodebookSpec, CodedBlock, affine_part
 from ..formats.int2.coded import Int2Coded
 from ..formats.int2.layout import Int2Spec
 from ..models import AttentionShape, LoadedModel
-from ..quant import Quantized, dequantize, pack_stream, quantize, unpack_bits
+from ..quant import Quantized, codes_as_stream, dequantize, quantize
 from .base import Method, MethodSettings
 
 
@@ -98,8 +98,7 @@ class Kivi(Method, Int2Coded, CodebookCoded):
 def affine_block(k: Quantized, v: Quantized, knorm: torch.Tensor | None = None) -> CodedBlock:
     """Blocks in `kvcalib.quant`'s layout as the codebook layout holds them: each token's codes one bit stream
     (keys are packed along tokens there: unpacked and packed again along channels), scales and zeros as they are."""
-    kc = pack_stream(unpack_bits(k.codes, k.bits, -2, k.length), k.bits)
-    vc = pack_stream(unpack_bits(v.codes, v.bits, -1, v.length), v.bits)
+    kc, vc = codes_as_stream(k), codes_as_stream(v)
     return CodedBlock(kc, knorm, vc, None, kscale=k.scale.half(), kzero=k.zero.half(), vscale=v.scale.half(),
                       vzero=v.zero.half())
 
