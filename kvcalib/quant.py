@@ -152,6 +152,8 @@ def bytes_as_words(rows: torch.Tensor) -> torch.Tensor:
     of their own: the rows copied once and their memory read as int32, where assembling each word from shifted bytes
     took some ten launches (a flush runs them eagerly inside the captured step). Under torch.compile the arithmetic
     form, fused there anyway (`low_words`)."""
+    if not rows.shape[-1]:  # no bytes: no words (an int32 view of no bytes is refused)
+        return torch.empty(*rows.shape[:-1], 0, dtype=torch.int32, device=rows.device)
     if sys.byteorder != "little" or torch.compiler.is_compiling():
         b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
         return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)

@@ -241,8 +241,8 @@ _PREPARED = WeakTensorKeyDictionary()  # a book -> (its float32 copy, its centro
 def prepared(codebooks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(books (G, E, N) float32, their centroids' squared norms (G, 1, E)) of `codebooks`, `quant.held` once a book
     (made anew, they took a flush four launches an encode)."""
-    def make():
-        books = codebooks.float()
+    def make():  # a tensor of its own (a float32 book's `.float()` is the book itself: held, it would never go)
+        books = codebooks.float() if codebooks.dtype != torch.float32 else codebooks.detach()
         return books, books.pow(2).sum(-1).unsqueeze(1)
     return held(_PREPARED, codebooks, make)
 
@@ -251,9 +251,9 @@ ENCODE_ROWS = 4  # rows a block of `kernels_cupy/codebook_encode.cu` takes (a ro
 
 
 def on_the_encode_kernel(x: torch.Tensor) -> bool:
-    """Whether x's vectors are coded by `kernels_cupy/codebook_encode.cu`: on CUDA with CuPy, eager or compiled (an
-    opaque op to torch.compile, so that a compiled flush codes what an eager one does)."""
-    return x.is_cuda and importlib.util.find_spec("cupy") is not None
+    """Whether x's vectors (B, H, T, D) are coded by `kernels_cupy/codebook_encode.cu`: on CUDA with CuPy, eager or
+    compiled (an opaque op to torch.compile, so that a compiled flush codes what an eager one does)."""
+    return x.is_cuda and x.dim() == 4 and importlib.util.find_spec("cupy") is not None
 
 
 def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None,

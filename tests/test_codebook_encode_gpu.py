@@ -28,8 +28,10 @@ DEV = "cuda"
 
 
 def _poison() -> None:
-    """Fill the allocator's free blocks with 0x7f bytes: a tensor taken from them next holds garbage, not zeros."""
-    junk = torch.full((64 << 20,), 0x7F, dtype=torch.uint8, device=DEV)
+    """Fill the allocator's free blocks with 0x7f bytes: a tensor taken from them next holds garbage, not zeros. Small
+    blocks (under 1 MiB: the outputs here are tens of KiB) come from the allocator's small pool, so small ones are
+    poisoned."""
+    junk = [torch.full((256 << 10,), 0x7F, dtype=torch.uint8, device=DEV) for _ in range(64)]
     del junk
 
 

@@ -229,3 +229,4 @@ def test_the_stream_bytes_are_the_bit_stream_for_every_width_and_length(bits):
         built = padded[..., 0::4] | padded[..., 1::4] << 8 | padded[..., 2::4] << 16 | padded[..., 3::4] << 24
         assert torch.equal(words.long() & 0xFFFFFFFF, built)
         assert torch.equal(unpack_stream(words, bits, n), codes)
+    assert pack_stream(torch.zeros(2, 3, 0, dtype=torch.int64), bits).shape == (2, 3, 0)  # no codes: no words

@@ -93,8 +93,8 @@ def test_codes_restreamed_on_the_gpu_are_the_torch_restream_bit_for_bit(bits, ax
     torch.manual_seed(bits * 10 + len(shape))
     group = 8 if axis == "tokens" and shape[-2] % 8 == 0 else (shape[-2] if axis == "tokens" else 8)
     q = quantize(torch.randn(shape, device="cuda"), bits, group, axis)
-    junk = torch.full((1 << 24,), 0x7F, dtype=torch.uint8, device="cuda")
-    del junk
+    junk = [torch.full((256 << 10,), 0x7F, dtype=torch.uint8, device="cuda") for _ in range(64)]  # the small pool's
+    del junk  # blocks (under 1 MiB, as the output is) poisoned
     got = _codes_as_stream_cuda(q, checked=True)
     want = pack_stream(unpack_bits(q.codes, bits, -2 if axis == "tokens" else -1, q.length), bits)
     assert got.shape == want.shape and got.dtype == want.dtype

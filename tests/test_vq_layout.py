@@ -190,6 +190,11 @@ def test_a_books_float_copy_and_norms_are_made_once_a_book_and_let_go_with_it():
     held = len(vq._PREPARED)
     del other
     assert len(vq._PREPARED) == held - 1
+    single = torch.randn(1, 8, 4, generator=gen)  # float32: its float copy is itself, which must not keep it held
+    vq.prepared(single)
+    held = len(vq._PREPARED)
+    del single
+    assert len(vq._PREPARED) == held - 1
     compiled = torch.compile(lambda b: vq.prepared(b)[1] + 0, fullgraph=True, dynamic=False)
     fresh = torch.randn(1, 8, 4, generator=gen)
     held = len(vq._PREPARED)
