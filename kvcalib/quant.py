@@ -68,14 +68,19 @@ def steps(n: int, step: int, device: torch.device) -> torch.Tensor:
                 lambda: torch.arange(n, device=device, dtype=torch.int64) * step)
 
 
+def memory_as_words() -> bool:
+    """Whether int32 words may be read straight from a tensor's memory (`low_words`, `bytes_as_words`): on a
+    little-endian device (x86, Arm, CUDA), outside torch.compile, whose fake tensors refuse a dtype view that changes
+    the element size (torch 2.11 does, on CUDA) and which fuses the arithmetic form anyway."""
+    return sys.byteorder == "little" and not torch.compiler.is_compiling()
+
+
 def low_words(x: torch.Tensor) -> torch.Tensor:
     """The low 32 bits of int64 words x (each < 2^32) as int32, the high bit the sign (torch has no uint32
     arithmetic on every device): x's memory read a 32-bit word at a time, low word first as on every little-endian
     device (x86, Arm, CUDA), then one copy, where comparing, subtracting 2^32, choosing and casting took four
-    launches (a flush runs them eagerly inside the captured step). Under torch.compile the arithmetic form, which
-    Inductor fuses into one kernel anyway: its fake tensors refuse a dtype view that changes the element size (torch
-    2.11 does, on CUDA)."""
-    if sys.byteorder != "little" or torch.compiler.is_compiling():
+    launches (a flush runs them eagerly inside the captured step). Elsewhere (`memory_as_words`) the arithmetic form."""
+    if not memory_as_words():
         return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
     return x.contiguous().view(torch.int32)[..., 0::2].clone()  # a tensor of its own, never a view of x
 
@@ -150,11 +155,11 @@ def bytes_as_words(rows: torch.Tensor) -> torch.Tensor:
     """Byte rows (..., bytes) uint8 as int32 words (..., ceil(bytes / 4)), four bytes a word, the first the least
     significant (as every little-endian device reads them: x86, Arm, CUDA), zero-padded to whole words, in a tensor
     of their own: the rows copied once and their memory read as int32, where assembling each word from shifted bytes
-    took some ten launches (a flush runs them eagerly inside the captured step). Under torch.compile the arithmetic
-    form, fused there anyway (`low_words`)."""
+    took some ten launches (a flush runs them eagerly inside the captured step). Elsewhere (`memory_as_words`) the
+    arithmetic form."""
     if not rows.shape[-1]:  # no bytes: no words (an int32 view of no bytes is refused)
         return torch.empty(*rows.shape[:-1], 0, dtype=torch.int32, device=rows.device)
-    if sys.byteorder != "little" or torch.compiler.is_compiling():
+    if not memory_as_words():
         b = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 4)).to(torch.int64)
         return low_words(b[..., 0::4] | b[..., 1::4] << 8 | b[..., 2::4] << 16 | b[..., 3::4] << 24)
     if rows.shape[-1] % 4:

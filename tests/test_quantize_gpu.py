@@ -88,13 +88,14 @@ def test_codes_restreamed_on_the_gpu_are_the_torch_restream_bit_for_bit(bits, ax
     """`quant.codes_as_stream` (kernels_cupy/stream_codes.cu): each token's codes as one stream along its channels,
     the same words as unpacking and packing again in torch ops, for every width, both packed axes, lengths that fill
     no whole word (37 tokens, 40 or 24 channels), into an output poisoned first (every word written), checked."""
+    from test_codebook_encode_gpu import _poison
+
     from kvcalib.quant import _codes_as_stream_cuda, pack_stream, unpack_bits
 
     torch.manual_seed(bits * 10 + len(shape))
     group = 8 if axis == "tokens" and shape[-2] % 8 == 0 else (shape[-2] if axis == "tokens" else 8)
     q = quantize(torch.randn(shape, device="cuda"), bits, group, axis)
-    junk = [torch.full((256 << 10,), 0x7F, dtype=torch.uint8, device="cuda") for _ in range(64)]  # the small pool's
-    del junk  # blocks (under 1 MiB, as the output is) poisoned
+    _poison()
     got = _codes_as_stream_cuda(q, checked=True)
     want = pack_stream(unpack_bits(q.codes, bits, -2 if axis == "tokens" else -1, q.length), bits)
     assert got.shape == want.shape and got.dtype == want.dtype
