@@ -38,6 +38,9 @@ from typing import Literal
 import torch
 
 FLOAT16_MAX = 65504.0  # float16's largest finite number
+# Whether CuPy, which the CUDA kernels launch through, is installed: looked up once, at import (torch.compile may not
+# trace the lookup, and a flush asks at every launch).
+CUPY_FOUND = importlib.util.find_spec("cupy") is not None
 
 Axis = Literal["tokens", "channels"]
 WORD_BITS = 32
@@ -214,7 +217,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: Axis) -> Quantiz
     """
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in 1..8, got {bits}")
-    if not torch.compiler.is_compiling() and x.is_cuda and importlib.util.find_spec("cupy") is not None:
+    if not torch.compiler.is_compiling() and x.is_cuda and CUPY_FOUND:
         return _quantize_cuda(x, bits, group_size, axis)
     return _quantize_torch(x, bits, group_size, axis)
 
@@ -302,7 +305,7 @@ def codes_as_stream(q: Quantized) -> torch.Tensor:
     (..., T, ceil(C bits / 32)): how the codebook layout holds affine codes (keys are packed along tokens here). On
     CUDA with CuPy one launch (`kernels_cupy/stream_codes.cu`, bit for bit these ops: the GPU tests compare), where
     unpacking and packing again took about ten; under torch.compile these ops, which it fuses."""
-    if q.codes.is_cuda and not torch.compiler.is_compiling() and importlib.util.find_spec("cupy") is not None:
+    if q.codes.is_cuda and not torch.compiler.is_compiling() and CUPY_FOUND:
         return _codes_as_stream_cuda(q)
     return pack_stream(unpack_bits(q.codes, q.bits, _dim(q.axis), q.length), q.bits)
 

@@ -25,7 +25,6 @@ Packed code layout (the vector counterpart of the scalar table in `kvcalib.quant
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import re
 import time
@@ -36,7 +35,7 @@ import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .errors import SettingsError
-from .quant import held, steps, stream_bytes
+from .quant import CUPY_FOUND, held, steps, stream_bytes
 
 log = logging.getLogger(__name__)
 
@@ -253,7 +252,7 @@ ENCODE_ROWS = 4  # rows a block of `kernels_cupy/codebook_encode.cu` takes (a ro
 def on_the_encode_kernel(x: torch.Tensor) -> bool:
     """Whether x's vectors (B, H, T, D) are coded by `kernels_cupy/codebook_encode.cu`: on CUDA with CuPy, eager or
     compiled (an opaque op to torch.compile, so that a compiled flush codes what an eager one does)."""
-    return x.is_cuda and x.dim() == 4 and importlib.util.find_spec("cupy") is not None
+    return x.is_cuda and x.dim() == 4 and CUPY_FOUND
 
 
 def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = None,
@@ -265,8 +264,8 @@ def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = No
     `books` (G, 2^bits, n); packed as one bit stream a row, int32 words (`pack_stream`) or bytes (`as_bytes`,
     `quant.stream_bytes`). Head h reads book h // (H / G)."""
     b, h, t, d = x.shape
-    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.stride(-2) != d:  # batch and heads may stride (a group)
-        x = x.float().contiguous()
+    if not _rows_laid_out(x):  # laid out anew, row after row (attention's keys come transposed, in float16)
+        x = torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x)
     if books is None:
         book, book_norms, xdim = bounds.float().contiguous(), None, 1
     else:
@@ -280,6 +279,13 @@ def encode_on_gpu(x: torch.Tensor, bits: int, rotation: torch.Tensor | None = No
     torch.ops.kvcalib.codebook_encode(x, out, norms, rt, book if books is None else None,
                                       book if books is not None else None, book_norms, bits, checked)
     return out, norms if rotate else None
+
+
+def _rows_laid_out(x: torch.Tensor) -> bool:
+    """Whether x (B, H, T, D) is float32 with each (T, D) laid out row after row, as the encode kernel reads it
+    (batch and heads may stride: a plan's group of heads); a stride is not checked along a length of one or none."""
+    t, d = x.shape[-2:]
+    return x.dtype == torch.float32 and (d <= 1 or x.stride(-1) == 1) and (t <= 1 or x.stride(-2) == d)
 
 
 @torch.library.custom_op("kvcalib::codebook_encode", mutates_args=("out", "norms"))
@@ -297,12 +303,13 @@ def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, ro
     b, h, t, d = x.shape
     rows = b * h * t
     coded = bounds if books is None else books
-    if x.dtype != torch.float32 or x.stride(-1) != 1 or x.stride(-2) != d or not all(
+    if not _rows_laid_out(x) or not all(
             a is None or (a.is_contiguous() and a.dtype == dtype) for a, dtype in (
                 (rotation, torch.float64), (bounds, torch.float32), (books, torch.float32),
                 (book_norms, torch.float32))) or h % (coded.shape[0] if coded.dim() > 1 else 1):
-        raise ValueError("codebook_encode takes x (B, H, T, D) float32 with (T, D) contiguous, contiguous float32 "
-                         "books or bounds (G dividing H) and a contiguous float64 rotation")
+        raise ValueError(f"codebook_encode takes x (B, H, T, D) float32 with (T, D) contiguous, contiguous float32 "
+                         f"books or bounds (G dividing H) and a contiguous float64 rotation; got x {tuple(x.shape)} "
+                         f"{x.dtype} strides {x.stride()}, {tuple(coded.shape)} {coded.dtype}")
     defines = {"D": d, "XDIM": 1 if books is None else books.shape[-1], "BITS": bits, "NB": coded.shape[-2 if books
                is not None else -1], "ROTATE": int(rotation is not None), "PER_COORD": int(books is None and
                bounds.dim() > 1), "OUT_BYTES": int(out.dtype == torch.uint8), "RB": ENCODE_ROWS, "NT": 128}

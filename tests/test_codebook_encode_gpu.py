@@ -147,3 +147,20 @@ def test_turboquant_takes_the_kernel_on_cuda_and_codes_as_on_the_cpu():
     gpu, cpu = method.encode_vectors(x), method.encode_vectors(x.cpu())
     assert torch.equal(gpu.norm.cpu(), cpu.norm)
     assert (unpack_stream(gpu.codes.cpu(), 3, 64) == unpack_stream(cpu.codes, 3, 64)).float().mean() > 0.9999
+
+
+@pytest.mark.parametrize("t", [0, 1, 37])
+def test_rows_as_attention_hands_them_over_code_as_the_same_rows_laid_out(t):
+    """Keys come from attention as (B, T, H, D) transposed (the heads stride by D, the tokens by H D), in float16; a
+    plan takes a group of heads, and codes a part no group reads over no tokens. Such rows, none, one or many, code
+    as the same rows laid out by hand (a stride along a length of one or none is not read; `.contiguous()` kept
+    such strides, which the kernel's check refused)."""
+    g = torch.Generator(device=DEV).manual_seed(t)
+    part = torch.randn(2, max(t, 1), 4, 64, generator=g, device=DEV).half().transpose(1, 2)[:, 1:3, :t]
+    laid = part.float().clone(memory_format=torch.contiguous_format)
+    bounds = midpoints(codebook(64, 2).half().float()).to(DEV)
+    _poison()
+    got = encode_on_gpu(part, 2, _pi(64), bounds=bounds, checked=True)
+    want = encode_on_gpu(laid, 2, _pi(64), bounds=bounds, checked=True)
+    assert got[0].shape == (2, 2, t, 4) and got[1].shape == (2, 2, t, 1)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
