@@ -288,6 +288,25 @@ def _rows_laid_out(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and (d <= 1 or x.stride(-1) == 1) and (t <= 1 or x.stride(-2) == d)
 
 
+def _encode_refusal(x, out, norms, rotation, bounds, books, book_norms) -> str | None:
+    """Why `kvcalib::codebook_encode` cannot take these tensors (None: it can): x (B, H, T, D) float32 with each (T, D)
+    row after row, contiguous float32 books or bounds whose groups G divide H, a contiguous float64 rotation, every
+    tensor on x's device (the kernel takes raw pointers: another device's would fault, leaving the CUDA context
+    unusable, where torch ops raise)."""
+    h = x.shape[1]
+    coded = bounds if books is None else books
+    given = {"out": out, "norms": norms, "rotation": rotation, "bounds": bounds, "books": books, "book_norms": book_norms}
+    elsewhere = [f"{name} on {a.device}" for name, a in given.items() if a is not None and a.device != x.device]
+    if _rows_laid_out(x) and all(a is None or (a.is_contiguous() and a.dtype == dtype) for a, dtype in (
+            (rotation, torch.float64), (bounds, torch.float32), (books, torch.float32), (book_norms, torch.float32))
+    ) and not h % (coded.shape[0] if coded.dim() > 1 else 1) and not elsewhere:
+        return None
+    return (f"codebook_encode takes x (B, H, T, D) float32 with (T, D) contiguous, contiguous float32 books or bounds "
+            f"(G dividing H) and a contiguous float64 rotation, all on x's device; got x {tuple(x.shape)} {x.dtype} "
+            f"strides {x.stride()} on {x.device}, {tuple(coded.shape)} {coded.dtype}"
+            + "".join(f", {e}" for e in elsewhere))
+
+
 @torch.library.custom_op("kvcalib::codebook_encode", mutates_args=("out", "norms"))
 def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, rotation: torch.Tensor | None,
                      bounds: torch.Tensor | None, books: torch.Tensor | None, book_norms: torch.Tensor | None,
@@ -295,21 +314,16 @@ def _codebook_encode(x: torch.Tensor, out: torch.Tensor, norms: torch.Tensor, ro
     """`encode_on_gpu`'s launch, its tensors made by the caller (a custom op: torch.compile keeps it whole), `rotation`
     the transposed Π row-major (`kernels_cupy/codebook_encode.cu`'s RT). A block
     takes ENCODE_ROWS rows, 128 threads: a thread a coordinate (the norm, the rotation), then a code, then an output
-    element; the rows are read once, the codes written once."""
+    element; the rows are read once, the codes written once. Its tensors are checked first (`_encode_refusal`)."""
+    if (why := _encode_refusal(x, out, norms, rotation, bounds, books, book_norms)) is not None:
+        raise ValueError(why)
+    b, h, t, d = x.shape
+    rows = b * h * t
+    coded = bounds if books is None else books
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
 
-    b, h, t, d = x.shape
-    rows = b * h * t
-    coded = bounds if books is None else books
-    if not _rows_laid_out(x) or not all(
-            a is None or (a.is_contiguous() and a.dtype == dtype) for a, dtype in (
-                (rotation, torch.float64), (bounds, torch.float32), (books, torch.float32),
-                (book_norms, torch.float32))) or h % (coded.shape[0] if coded.dim() > 1 else 1):
-        raise ValueError(f"codebook_encode takes x (B, H, T, D) float32 with (T, D) contiguous, contiguous float32 "
-                         f"books or bounds (G dividing H) and a contiguous float64 rotation; got x {tuple(x.shape)} "
-                         f"{x.dtype} strides {x.stride()}, {tuple(coded.shape)} {coded.dtype}")
     defines = {"D": d, "XDIM": 1 if books is None else books.shape[-1], "BITS": bits, "NB": coded.shape[-2 if books
                is not None else -1], "ROTATE": int(rotation is not None), "PER_COORD": int(books is None and
                bounds.dim() > 1), "OUT_BYTES": int(out.dtype == torch.uint8), "RB": ENCODE_ROWS, "NT": 128}

@@ -199,3 +199,21 @@ def test_a_books_float_copy_and_norms_are_made_once_a_book_and_let_go_with_it():
     fresh = torch.randn(1, 8, 4, generator=gen)
     held = len(vq._PREPARED)
     assert torch.equal(compiled(fresh), fresh.pow(2).sum(-1).unsqueeze(1)) and len(vq._PREPARED) == held  # made, not kept
+
+
+def test_the_encode_kernel_refuses_a_tensor_on_another_device_than_its_rows():
+    """The encode kernel (`kvcalib::codebook_encode`) takes raw pointers, so a book, a rotation or an output on another
+    device than x's would fault the CUDA context where torch ops raise: the op refuses it first, naming the devices
+    (`vq._encode_refusal`; here "meta" stands for another device). The tensors the kernel takes as they are pass.
+    Planted: without the device rule each case below passes the check."""
+    x = torch.zeros(1, 2, 3, 8)
+    out, norms = torch.empty(1, 2, 3, 1, dtype=torch.int32), torch.empty(1, 2, 3, 1, dtype=torch.float16)
+    rot, bounds = torch.eye(8, dtype=torch.float64), torch.zeros(3)
+    books, book_norms = torch.zeros(2, 4, 2), torch.zeros(2, 1, 4)
+    assert vq._encode_refusal(x, out, norms, rot, bounds, None, None) is None
+    assert vq._encode_refusal(x, out, norms, None, None, books, book_norms) is None
+    for args in ((out, norms, rot.to("meta"), bounds, None, None), (out, norms, rot, bounds.to("meta"), None, None),
+                 (out.to("meta"), norms, rot, bounds, None, None), (out, norms, None, None, books.to("meta"), book_norms),
+                 (out, norms, None, None, books, book_norms.to("meta"))):
+        why = vq._encode_refusal(x, *args)
+        assert why is not None and "all on x's device" in why and "meta" in why
