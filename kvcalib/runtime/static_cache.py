@@ -229,28 +229,43 @@ class StaticLayer(SlotLayer):
         self.layout.kres[slot, :, : t - n], self.layout.vres[slot, :, : t - n] = k16[0, :, n:], v16[0, :, n:]
         self.flushed[slot], self.residual[slot] = n, t - n
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True) -> None:
+    def append(self, k: torch.Tensor, v: torch.Tensor, flush: bool = True, slot: torch.Tensor | None = None) -> None:
         """One new token per sequence (B, H, 1, D), then the masked flush of every full residual;
-        `flush=False` where the caller knows no residual fills at this step (it appends only)."""
+        `flush=False` where the caller knows no residual fills at this step (it appends only). `slot` (1,) int64 on
+        the device: the caller knows that this slot's window alone may fill, and only its window is flushed, its rows
+        taken out and put back (`append_one`)."""
         r = self.layout.residual
         slots.write_token(self.layout.kres, self.layout.vres, self.residual, k, v)
         if not flush:
             return
-        full = self.residual == r
-        parts, state = self._flush(self.layout.kres, self.layout.vres, self.state)
-        slots.flush_writes([(buf, part, unit) for (buf, unit), part in zip(self._buffers(), parts)], self.flushed,
-                           full)
+        # The flushed rows: every slot's tensors themselves (updated in place), or copies of the one slot's.
+        rows = (lambda t: t) if slot is None else (lambda t: t.index_select(0, slot))  # noqa: E731
+
+        def put(held: torch.Tensor, new: torch.Tensor) -> None:  # the flushed rows' new values into the layer's own
+            if slot is not None:
+                held.index_copy_(0, slot, new)
+            elif new is not held:
+                held.copy_(new)
+
+        kres, vres = rows(self.layout.kres), rows(self.layout.vres)
+        mine = None if self.state is None else dataclasses.replace(
+            self.state, **{f.name: rows(getattr(self.state, f.name)) for f in dataclasses.fields(self.state)})
+        flushed, residual = rows(self.flushed), rows(self.residual)
+        full = residual == r  # the host's word checked on the device: a window not full writes into the slack
+        parts, state = self._flush(kres, vres, mine)
+        slots.flush_writes([(buf, part, unit) for (buf, unit), part in zip(self._buffers(), parts)], flushed, full,
+                           slot)
         if state is not None:
-            for mine, new in self._state_fields(state):
-                mine.copy_(torch.where(full.view(-1, *[1] * (mine.dim() - 1)), new, mine))
+            for (held, old), (_, new) in zip(self._state_fields(mine), self._state_fields(state)):
+                put(held, torch.where(full.view(-1, *[1] * (old.dim() - 1)), new, old))
         if self.format.holds_sinks and self.layout.sinks:  # a sequence's first flush holds its sink tokens
-            c, first = self.layout, full & (self.flushed == 0)
-            for buf, res in ((c.ksink, c.kres), (c.vsink, c.vres)):
-                slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(self.flushed), first)
+            c, first = self.layout, full & (flushed == 0)
+            for buf, res in ((c.ksink, kres), (c.vsink, vres)):
+                slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(flushed), first, slot)
         # An idle slot (no sequence) keeps counting; at capacity it flushes into the slack block instead of
         # running past the buffers. A live sequence never gets there: the cache refuses it first.
-        self.flushed.add_(full.int() * r).clamp_(max=self.capacity)
-        self.residual.masked_fill_(full, 0)
+        put(self.flushed, flushed.add_(full.int() * r).clamp_(max=self.capacity))
+        put(self.residual, residual.masked_fill_(full, 0))
 
     def append_one(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor) -> None:
         """`append` where the caller knows that the window of one slot alone, `slot` (1,) int64 on the device, may
@@ -259,26 +274,7 @@ class StaticLayer(SlotLayer):
         fill at different steps (prompts of different lengths) flushes one slot at a time, and the flush runs
         eagerly inside the captured step, where at B = 8 a plan's masked flush of every slot took twice a lone
         slot's time (benchmarks/flush_cost.py, --batch 8 against --batch 1)."""
-        r = self.layout.residual
-        slots.write_token(self.layout.kres, self.layout.vres, self.residual, k, v)
-        kres, vres = self.layout.kres.index_select(0, slot), self.layout.vres.index_select(0, slot)
-        mine = None if self.state is None else dataclasses.replace(
-            self.state, **{f.name: getattr(self.state, f.name).index_select(0, slot)
-                           for f in dataclasses.fields(self.state)})
-        flushed, residual = self.flushed.index_select(0, slot), self.residual.index_select(0, slot)
-        full = residual == r  # the host's word checked on the device: a window not full writes into the slack
-        parts, state = self._flush(kres, vres, mine)
-        slots.flush_writes([(buf, part, unit) for (buf, unit), part in zip(self._buffers(), parts)], flushed, full,
-                           slot)
-        if state is not None:
-            for (held, old), (_, new) in zip(self._state_fields(mine), self._state_fields(state)):
-                held.index_copy_(0, slot, torch.where(full.view(-1, *[1] * (old.dim() - 1)), new, old))
-        if self.format.holds_sinks and self.layout.sinks:  # a sequence's first flush holds its sink tokens
-            c, first = self.layout, full & (flushed == 0)
-            for buf, res in ((c.ksink, kres), (c.vsink, vres)):
-                slots.masked_write(buf, res[:, :, : c.sinks], torch.zeros_like(flushed), first, slot)
-        self.flushed.index_copy_(0, slot, (flushed + full.int() * r).clamp_(max=self.capacity))
-        self.residual.index_copy_(0, slot, residual.masked_fill_(full, 0))
+        self.append(k, v, True, slot)
 
     def step(self, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.flush and self.one:
