@@ -46,7 +46,8 @@ step of every 128, as a user's batch's rows do, and the step that compresses the
 steps, not once (lengths of whole windows, as before 2026-11-30, filled them all at one step). Per row: `first call`
 is the first `generate` of the process at that shape (9 new tokens);
 `TTFT` a warm `generate` of one new token (the prefill and the first token); `ms/token` the cost of one more
-token, (t(137 new tokens) - t(9)) / 128 from warm calls, greedy and with sampling (`do_sample`, top-p 0.9,
+token, (t(LONG new tokens) - t(9)) / (LONG - 9) from warm calls (LONG = 265: each call's prefill, 6 s at B=8 and 32k,
+varies by tens of ms, which a difference of 128 tokens carried as ±0.5 ms a token), greedy and with sampling (`do_sample`, top-p 0.9,
 top-k 50, temperature 0.8: transformers' own processors), each the faster of two calls; tokens/s = B / ms
 per token; for the static cache, its captured step driven by kvcalib's own loop in the same process (`captured
 step`, greedy, each step's tokens to the host) and generate's cost over it. The generated tokens
@@ -136,6 +137,7 @@ def static_method(base: str, config=None, plan3: str | None = None):
     return "kivi", MethodSettings(2, 128, 128)
 
 
+LONG = 265  # new tokens of the longer timed call: 256 more than the shorter one's 9
 PHASE = 37  # tokens row i of the B=8 row is shortened by, i times: 8 different steps of every 128 fill its windows
 
 
@@ -206,7 +208,7 @@ def one_path(path: str, shapes: list[list[int]], plan3: str | None = None, shape
         if base in one_row and lengths != [32768]:
             continue
         ids, mask = prompts_of(lengths)
-        b, room = len(lengths), ids.shape[1] + 137 + 160  # 128 steps past generate's for `captured_step`
+        b, room = len(lengths), ids.shape[1] + LONG + 160  # 128 steps past generate's for `captured_step`
         if base == "fp16-static":
             model.set_attn_implementation("sdpa")
             cache = StaticCache(config=model.config, max_cache_len=room)
@@ -232,7 +234,7 @@ def one_path(path: str, shapes: list[list[int]], plan3: str | None = None, shape
 
         first = call(9)
         ttft = call(1)  # warm: the first call made every shape a timed call meets but the longer one's
-        per = {sample: (min(call(137, sample) for _ in range(2)) - min(call(9, sample) for _ in range(2))) / 128
+        per = {sample: (min(call(LONG, sample) for _ in range(2)) - min(call(9, sample) for _ in range(2))) / (LONG - 9)
                for sample in (False, True)}
         rows.append({"path": path, "batch": b, "context": max(lengths), "first": first, "ttft": ttft,
                      "greedy": per[False], "sample": per[True],
