@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -74,8 +75,18 @@ def requests(args) -> None:
     print(f"{len(seen)} requests -> {args.out}")
 
 
+def file_name(name: str) -> str:
+    """A row's files' name: its name with every run of characters other than letters, digits, '.', '_' and '-' as
+    one '-' (a machine that hands files back may leave out names with spaces, commas or parentheses)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "row"
+
+
 def _rows(path: str) -> list[dict]:
-    return json.loads(Path(path).read_text())
+    rows = json.loads(Path(path).read_text())
+    names = [file_name(r["name"]) for r in rows]
+    if len(set(names)) < len(names):
+        raise SystemExit(f"{path}: two rows' names give one file name ({', '.join(sorted(names))})")
+    return rows
 
 
 def _method(row: dict, lm):
@@ -84,7 +95,7 @@ def _method(row: dict, lm):
 
 
 def generate(args) -> None:
-    """Each row's answers into `--out`/NAME.json, `--chunk` requests at a time, resuming where a file
+    """Each row's answers into `--out`/FILE.json (FILE: the row's `file_name`), `--chunk` requests at a time, resuming where a file
     left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once, one process
     each, N a GPU (the embedded model leaves most of a GPU idle: on 2026-11-28 four rows ran at once on two H200s)."""
     if args.per_gpu:
@@ -104,7 +115,7 @@ def generate(args) -> None:
     for row in _rows(args.rows):
         if args.only and row["name"] not in args.only.split(","):
             continue
-        target = out / f"{row['name']}.json"
+        target = out / f"{file_name(row['name'])}.json"
         got = json.loads(target.read_text()) if target.exists() else {"row": row, "seconds": 0.0, "answers": {}}
         todo = [i for i, k in enumerate(keys) if k not in got["answers"] and i % shards == shard]
         model = kvcalib_lm(lm, _method(row, lm), batch_size=args.batch_size) if todo else None
@@ -151,7 +162,7 @@ def _generate_at_once(args) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
     for i, name in enumerate(names):
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible[i % gpus])  # the i-th GPU this process sees
-        with open(out / f"{name}.log", "w") as log:
+        with open(out / f"{file_name(name)}.log", "w") as log:
             procs.append((name, subprocess.Popen(common + ["--only", name], env=env, stdout=log, stderr=subprocess.STDOUT)))
     failed = [name for name, p in procs if p.wait() != 0]
     if failed:
