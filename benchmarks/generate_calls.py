@@ -46,9 +46,10 @@ step of every 128, as a user's batch's rows do, and the step that compresses the
 steps, not once (lengths of whole windows, as before 2026-11-30, filled them all at one step). Per row: `first call`
 is the first `generate` of the process at that shape (9 new tokens);
 `TTFT` a warm `generate` of one new token (the prefill and the first token); `ms/token` the cost of one more
-token, (t(LONG new tokens) - t(9)) / (LONG - 9) from warm calls (LONG = 265: each call's prefill, 6 s at B=8 and 32k,
-varies by tens of ms, which a difference of 128 tokens carried as ±0.5 ms a token), greedy and with sampling (`do_sample`, top-p 0.9,
-top-k 50, temperature 0.8: transformers' own processors), each the faster of two calls; tokens/s = B / ms
+token, (t(LONG new tokens) - t(9)) / (LONG - 9) from warm calls (LONG = 265: each call's prefill, 6 s at B=8 and
+32k, varies by tens of ms, which a difference of 128 tokens carried as ±0.5 ms a token), greedy and with sampling
+(`do_sample`, top-p 0.9, top-k 50, temperature 0.8: transformers' own processors), each the faster of two calls;
+tokens/s = B / ms
 per token; for the static cache, its captured step driven by kvcalib's own loop in the same process (`captured
 step`, greedy, each step's tokens to the host) and generate's cost over it. The generated tokens
 are checked only for their count: random weights give near-uniform logits, and a 2-bit cache moves greedy

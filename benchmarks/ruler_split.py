@@ -84,8 +84,9 @@ def file_name(name: str) -> str:
 def _rows(path: str) -> list[dict]:
     rows = json.loads(Path(path).read_text())
     names = [file_name(r["name"]) for r in rows]
-    if len(set(names)) < len(names):
-        raise SystemExit(f"{path}: two rows' names give one file name ({', '.join(sorted(names))})")
+    shared = sorted({n for n in names if names.count(n) > 1})
+    if shared:
+        raise SystemExit(f"{path}: two rows' names give one file name ({', '.join(shared)})")
     return rows
 
 
@@ -95,8 +96,8 @@ def _method(row: dict, lm):
 
 
 def generate(args) -> None:
-    """Each row's answers into `--out`/FILE.json (FILE: the row's `file_name`), `--chunk` requests at a time, resuming where a file
-    left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once, one process
+    """Each row's answers into `--out`/FILE.json (FILE: the row's `file_name`), `--chunk` requests at a time,
+    resuming where a file left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once, one process
     each, N a GPU (the embedded model leaves most of a GPU idle: on 2026-11-28 four rows ran at once on two H200s)."""
     if args.per_gpu:
         return _generate_at_once(args)

@@ -19,7 +19,7 @@ def test_rows_whose_names_give_one_file_name_are_refused(monkeypatch, tmp_path):
     split = load_script("ruler_split", monkeypatch)
     rows = tmp_path / "rows.json"
     rows.write_text(json.dumps([{"name": "plan 2", "method": "plan"}, {"name": "plan-2", "method": "plan"}]))
-    with pytest.raises(SystemExit, match="two rows' names give one file name"):
+    with pytest.raises(SystemExit, match=r"two rows' names give one file name \(plan-2\)"):
         split._rows(str(rows))
     rows.write_text(json.dumps([{"name": "plan 2", "method": "plan"}, {"name": "plan 3", "method": "plan"}]))
     assert [r["name"] for r in split._rows(str(rows))] == ["plan 2", "plan 3"]

@@ -536,7 +536,7 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
 
 # KVLinC over OScaR keys: its float32 state takes the keys as held, rotated back by cuBLAS's product, whose kernel (and
 # so the order of its sums) cuBLAS picks by the count of rows. A slot flushed alone (64 rows here) and every slot
-# flushed at once (192) then give a state that differs in the last bit (seen on an H200, seven runs of seven; the
+# flushed at once (192) then give a state that differs in the last bit (seen on an H200, eight runs of eight; the
 # tokens stay the same). Strict: the mark fails once a rotation gives a row the same bits whatever the rows beside it.
 ROW_COUNT_BITS = pytest.mark.xfail(strict=True, reason="cuBLAS's rotation differs in the last bit by row count")
 
