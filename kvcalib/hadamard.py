@@ -9,10 +9,12 @@ n (n = 96 -> three 32x32 blocks); an odd n has no such block and is refused.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from .errors import SettingsError
+from .quant import CUPY_FOUND
 
 
 def block_size(n: int) -> int:
@@ -55,17 +57,73 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.T
     return held_matrix(_COPIES, n, dtype, device, _matrix)
 
 
-# Up to this many vectors, a CUDA rotation runs as a batched product, one vector per batch entry: cuBLAS
-# takes 52 us for a (8, 128) x (128, 128) float32 product on an H100 (one block), the batched form 2 us
-# (a decode step rotates 8 keys and 8 values per layer; benchmarks/RESULTS.md, static cache profiles).
+# Where the rotation kernel does not serve a CUDA tensor (a head_dim not a multiple of 32, CuPy absent): up to this
+# many vectors, a batched product, one vector per batch entry: cuBLAS takes 52 us for a (8, 128) x (128, 128) float32
+# product on an H100 (one block), the batched form 2 us (a decode step rotates 8 keys and 8 values per layer;
+# benchmarks/RESULTS.md, static cache profiles).
 SMALL_ROWS = 64
+_KERNEL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def on_the_rotation_kernel(x: torch.Tensor) -> bool:
+    """Whether `rotate` takes x on `kernels_cupy/hadamard_rows.cu`: on CUDA with CuPy, float32, float16 or bfloat16,
+    a last dimension that is a multiple of 32 (eager or compiled: an opaque op to torch.compile)."""
+    d = x.shape[-1] if x.dim() else 0
+    return x.is_cuda and CUPY_FOUND and x.dtype in _KERNEL_KINDS and d > 0 and d % 32 == 0
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
-    """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x."""
+    """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x. On CUDA, where
+    `on_the_rotation_kernel`, the fast transform in one launch, whose rows have the same bits whatever rows come
+    with them (a product's kernel, and its order of sums, depends on the count of rows); within a few float32 ulps of
+    the product."""
+    if on_the_rotation_kernel(x):
+        return torch.ops.kvcalib.hadamard_rows(x, False)
     d = x.shape[-1]
     h = hadamard(d, x.dtype if x.is_floating_point() else torch.float32, x.device)
     rows = x.numel() // d if d else 0
     if x.is_cuda and 0 < rows <= SMALL_ROWS:
         return torch.bmm(x.reshape(rows, 1, d).to(h.dtype), h.expand(rows, d, d)).view(x.shape)
     return x @ h
+
+
+def _rows_refusal(x: torch.Tensor) -> str | None:
+    """Why `kvcalib::hadamard_rows` cannot take x (None: it can)."""
+    if on_the_rotation_kernel(x) and x.stride(-1) == 1:
+        return None
+    return (f"hadamard_rows takes a CUDA tensor of float32, float16 or bfloat16 whose last dimension is a multiple of 32 "
+            f"laid out with stride one; got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
+
+
+@torch.library.custom_op("kvcalib::hadamard_rows", mutates_args=())
+def _hadamard_rows(x: torch.Tensor, checked: bool) -> torch.Tensor:
+    """`rotate` on the GPU (`kernels_cupy/hadamard_rows.cu`, whose opening comment has the layout): a new tensor of x's
+    shape and dtype, row after row. A custom op, so that a compiled step rotates as an eager one does. `checked`: wait
+    for the kernel, so that a fault inside it raises here (the tests)."""
+    if x.stride(-1) != 1 and on_the_rotation_kernel(x):
+        x = x.contiguous()
+    if (why := _rows_refusal(x)) is not None:
+        raise ValueError(why)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x4 = x.reshape(-1, *x.shape[-3:]) if x.dim() > 4 else x.view(*[1] * (4 - x.dim()), *x.shape)
+    b, h, t, d = x4.shape
+    rows = b * h * t
+    if not rows:
+        return out
+    import cupy
+
+    from kernels_cupy.loader import kernel, launch, torch_stream
+
+    block = block_size(d)
+    strides = [cupy.int64(s) for s in x4.stride()[:3]]
+    with torch_stream(x.device):
+        launch(kernel("hadamard_rows.cu", {"D": d, "BLOCK": block, "ELEM_KIND": _KERNEL_KINDS[x.dtype]}, "hadamard_rows"),
+               (-(-rows // 4),), (128,), (cupy.uint64(x4.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(rows),
+                                          cupy.int32(h), cupy.int32(t), *strides, cupy.float32(1 / math.sqrt(block))),
+               checked)
+    return out
+
+
+@_hadamard_rows.register_fake
+def _(x, checked):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -534,14 +534,7 @@ def test_compiled_captured_steps_match_eager_steps_through_flushes_and_a_refille
         assert counters["stats"]["unique_graphs"] == 5, dict(counters["stats"])
 
 
-# KVLinC over OScaR keys: its float32 state takes the keys as held, rotated back by cuBLAS's product, whose kernel (and
-# so the order of its sums) cuBLAS picks by the count of rows. A slot flushed alone (64 rows here) and every slot
-# flushed at once (192) then give a state that differs in the last bit (seen on an H200, eight runs of eight; the
-# tokens stay the same). Strict: the mark fails once a rotation gives a row the same bits whatever the rows beside it.
-ROW_COUNT_BITS = pytest.mark.xfail(strict=True, reason="cuBLAS's rotation differs in the last bit by row count")
-
-
-@pytest.mark.parametrize("name", [pytest.param(m, marks=ROW_COUNT_BITS) if m == "kvlinc-oscar" else m for m in METHODS])
+@pytest.mark.parametrize("name", METHODS)
 def test_steps_that_skip_the_flush_hold_what_flushing_every_step_holds(name):
     """The host's copy of the residual counts picks the steps that flush (`StaticKvcalibCache.advance`), and
     those where one slot's window alone fills, which flush that slot only; the others append only. Against a cache
