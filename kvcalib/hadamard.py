@@ -69,14 +69,16 @@ def on_the_rotation_kernel(x: torch.Tensor) -> bool:
     """Whether `rotate` takes x on `kernels_cupy/hadamard_rows.cu`: on CUDA with CuPy, float32, float16 or bfloat16,
     a last dimension that is a multiple of 32 (eager or compiled: an opaque op to torch.compile)."""
     d = x.shape[-1] if x.dim() else 0
-    return x.is_cuda and CUPY_FOUND and x.dtype in _KERNEL_KINDS and d > 0 and d % 32 == 0
+    return (x.is_cuda and CUPY_FOUND and x.dtype in _KERNEL_KINDS and d > 0 and d % 32 == 0
+            and not (x.requires_grad and torch.is_grad_enabled()))  # the product carries a gradient; the op none
 
 
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x. On CUDA, where
     `on_the_rotation_kernel`, the fast transform in one launch, whose rows have the same bits whatever rows come
     with them (a product's kernel, and its order of sums, depends on the count of rows); within a few float32 ulps of
-    the product."""
+    the product (denormal float32 values flushed to zero). Elsewhere (another head_dim, no CuPy) the product, whose
+    rows may differ in the last bit with the count of rows."""
     if on_the_rotation_kernel(x):
         return torch.ops.kvcalib.hadamard_rows(x, False)
     d = x.shape[-1]
@@ -105,11 +107,11 @@ def _hadamard_rows(x: torch.Tensor, checked: bool) -> torch.Tensor:
     if (why := _rows_refusal(x)) is not None:
         raise ValueError(why)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x4 = x.reshape(-1, *x.shape[-3:]) if x.dim() > 4 else x.view(*[1] * (4 - x.dim()), *x.shape)
+    if not x.numel():
+        return out
+    x4 = x.flatten(0, x.dim() - 4) if x.dim() > 4 else x.view(*[1] * (4 - x.dim()), *x.shape)
     b, h, t, d = x4.shape
     rows = b * h * t
-    if not rows:
-        return out
     import cupy
 
     from kernels_cupy.loader import kernel, launch, torch_stream
@@ -119,7 +121,7 @@ def _hadamard_rows(x: torch.Tensor, checked: bool) -> torch.Tensor:
     with torch_stream(x.device):
         launch(kernel("hadamard_rows.cu", {"D": d, "BLOCK": block, "ELEM_KIND": _KERNEL_KINDS[x.dtype]}, "hadamard_rows"),
                (-(-rows // 4),), (128,), (cupy.uint64(x4.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(rows),
-                                          cupy.int32(h), cupy.int32(t), *strides, cupy.float32(1 / math.sqrt(block))),
+                                          cupy.int64(h), cupy.int64(t), *strides, cupy.float32(1 / math.sqrt(block))),
                checked)
     return out
 
