@@ -7,15 +7,16 @@
 //
 //   x    (B, H, T, D) ELEM, element (b, h, t, i) at b S0 + h S1 + t S2 + i (the last stride one)
 //   out  (B H T, D) ELEM, row after row
-// A warp a row, lane l holding elements e 32 + l (e < D / 32): the stages of stride below 32 go between lanes
-// (shuffles), the others within a lane. Bytes: each row read once and written once. Compiled as every kernel here is
+// A warp a row, lane l holding elements e 32 + l (e < ceil(D / 32)): the stages of stride below 32 go between lanes
+// (shuffles), the others within a lane. A D that is no multiple of 32 has a BLOCK below 32 that divides 32, so the
+// lanes past D make whole blocks of their own: they hold zeros and are neither read nor written. Bytes: each row read once and written once. Compiled as every kernel here is
 // (`--use_fast_math`): float32 denormals are flushed to zero (float16 and bfloat16 ones are normal float32 numbers).
-// Defines: D (a multiple of 32), BLOCK (the largest power of two dividing D), ELEM_KIND (0 float, 1 half, 2 bfloat16).
+// Defines: D (even), BLOCK (the largest power of two dividing D), ELEM_KIND (0 float, 1 half, 2 bfloat16).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
-#define PER_LANE (D / 32)
+#define PER_LANE ((D + 31) / 32)
 
 #if ELEM_KIND == 0
 typedef float elem;
@@ -41,7 +42,7 @@ extern "C" __global__ void hadamard_rows(const elem* __restrict__ x, elem* __res
   const elem* row = x + b * S0 + h * S1 + t * S2;
   float v[PER_LANE];
 #pragma unroll
-  for (int e = 0; e < PER_LANE; ++e) v[e] = load_elem(row + e * 32 + lane);
+  for (int e = 0; e < PER_LANE; ++e) v[e] = ((e + 1) * 32 <= D || e * 32 + lane < D) ? load_elem(row + e * 32 + lane) : 0.f;
   // Element i pairs with i ^ s at the stage of stride s: the lower one becomes a + b, the upper a - b.
 #pragma unroll
   for (int s = 1; s < 32 && s < BLOCK; s <<= 1) {
@@ -64,5 +65,6 @@ extern "C" __global__ void hadamard_rows(const elem* __restrict__ x, elem* __res
   }
   elem* o = out + r * D;
 #pragma unroll
-  for (int e = 0; e < PER_LANE; ++e) o[e * 32 + lane] = to_elem(v[e] * scale);
+  for (int e = 0; e < PER_LANE; ++e)
+    if ((e + 1) * 32 <= D || e * 32 + lane < D) o[e * 32 + lane] = to_elem(v[e] * scale);
 }

@@ -57,7 +57,7 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.T
     return held_matrix(_COPIES, n, dtype, device, _matrix)
 
 
-# Where the rotation kernel does not serve a CUDA tensor (a head_dim not a multiple of 32, CuPy absent): up to this
+# Where the rotation kernel does not serve a CUDA tensor (float64, a gradient, CuPy absent): up to this
 # many vectors, a batched product, one vector per batch entry: cuBLAS takes 52 us for a (8, 128) x (128, 128) float32
 # product on an H100 (one block), the batched form 2 us (a decode step rotates 8 keys and 8 values per layer;
 # benchmarks/RESULTS.md, static cache profiles).
@@ -67,9 +67,9 @@ _KERNEL_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def on_the_rotation_kernel(x: torch.Tensor) -> bool:
     """Whether `rotate` takes x on `kernels_cupy/hadamard_rows.cu`: on CUDA with CuPy, float32, float16 or bfloat16,
-    a last dimension that is a multiple of 32 (eager or compiled: an opaque op to torch.compile)."""
+    an even last dimension (eager or compiled: an opaque op to torch.compile)."""
     d = x.shape[-1] if x.dim() else 0
-    return (x.is_cuda and CUPY_FOUND and x.dtype in _KERNEL_KINDS and d > 0 and d % 32 == 0
+    return (x.is_cuda and CUPY_FOUND and x.dtype in _KERNEL_KINDS and d > 0 and d % 2 == 0
             and not (x.requires_grad and torch.is_grad_enabled()))  # the product carries a gradient; the op none
 
 
@@ -77,7 +77,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """x @ H over the last dimension. H is symmetric and orthogonal, so rotate(rotate(x)) == x. On CUDA, where
     `on_the_rotation_kernel`, the fast transform in one launch, whose rows have the same bits whatever rows come
     with them (a product's kernel, and its order of sums, depends on the count of rows); within a few float32 ulps of
-    the product (denormal float32 values flushed to zero). Elsewhere (another head_dim, no CuPy) the product, whose
+    the product (denormal float32 values flushed to zero). Elsewhere (float64, a gradient, no CuPy) the product, whose
     rows may differ in the last bit with the count of rows."""
     if on_the_rotation_kernel(x):
         return torch.ops.kvcalib.hadamard_rows(x, False)
@@ -93,7 +93,7 @@ def _rows_refusal(x: torch.Tensor) -> str | None:
     """Why `kvcalib::hadamard_rows` cannot take x (None: it can)."""
     if on_the_rotation_kernel(x) and x.stride(-1) == 1:
         return None
-    return (f"hadamard_rows takes a CUDA tensor of float32, float16 or bfloat16 whose last dimension is a multiple of 32 "
+    return (f"hadamard_rows takes a CUDA tensor of float32, float16 or bfloat16 whose last dimension is even, "
             f"laid out with stride one; got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
 
 

@@ -88,7 +88,7 @@ def test_odd_sizes_are_refused():
 def test_the_rotation_kernel_refuses_what_it_cannot_read_in_one_line():
     """`kvcalib::hadamard_rows` reads raw CUDA pointers: a CPU tensor, an odd width or an integer dtype is refused
     before any launch (`rotate` itself takes them on the product)."""
-    for x in (torch.randn(3, 64), torch.randn(3, 80), torch.ones(3, 64, dtype=torch.int32)):
+    for x in (torch.randn(3, 64), torch.randn(3, 81), torch.ones(3, 64, dtype=torch.int32)):
         assert not on_the_rotation_kernel(x)
         with pytest.raises(ValueError, match=r"^hadamard_rows takes [^\n]*$"):
             torch.ops.kvcalib.hadamard_rows(x, False)

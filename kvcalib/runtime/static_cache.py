@@ -270,8 +270,8 @@ class StaticLayer(SlotLayer):
     def append_one(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor) -> None:
         """`append` where the caller knows that the window of one slot alone, `slot` (1,) int64 on the device, may
         fill at this step: the masked flush of that slot's window only, the others appending. The same bits as
-        `append`'s (rows are compressed independently, and on CUDA the rotation gives a row the same bits whatever rows
-        come with it, at a head_dim that is a multiple of 32: `hadamard.rotate`), for a batch's fraction of its work: a batch whose windows
+        `append`'s (rows are compressed independently, and on CUDA with CuPy the rotation gives a row the same bits
+        whatever rows come with it: `hadamard.rotate`), for a batch's fraction of its work: a batch whose windows
         fill at different steps (prompts of different lengths) flushes one slot at a time, and the flush runs
         eagerly inside the captured step, where at B = 8 a plan's masked flush of every slot took twice a lone
         slot's time (benchmarks/flush_cost.py, --batch 8 against --batch 1)."""
