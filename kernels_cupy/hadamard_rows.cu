@@ -9,8 +9,9 @@
 //   out  (B H T, D) ELEM, row after row
 // A warp a row, lane l holding elements e 32 + l (e < ceil(D / 32)): the stages of stride below 32 go between lanes
 // (shuffles), the others within a lane. A D that is no multiple of 32 has a BLOCK below 32 that divides 32, so the
-// lanes past D make whole blocks of their own: they hold zeros and are neither read nor written. Bytes: each row read once and written once. Compiled as every kernel here is
-// (`--use_fast_math`): float32 denormals are flushed to zero (float16 and bfloat16 ones are normal float32 numbers).
+// lanes past D make whole blocks of their own: they hold zeros and are neither read nor written. Bytes: each row read
+// once and written once. Compiled as every kernel here is (`--use_fast_math`): float32 denormals are flushed to zero
+// (float16 and bfloat16 ones are normal float32 numbers).
 // Defines: D (even), BLOCK (the largest power of two dividing D), ELEM_KIND (0 float, 1 half, 2 bfloat16).
 
 #include <cuda_fp16.h>
@@ -42,7 +43,8 @@ extern "C" __global__ void hadamard_rows(const elem* __restrict__ x, elem* __res
   const elem* row = x + b * S0 + h * S1 + t * S2;
   float v[PER_LANE];
 #pragma unroll
-  for (int e = 0; e < PER_LANE; ++e) v[e] = ((e + 1) * 32 <= D || e * 32 + lane < D) ? load_elem(row + e * 32 + lane) : 0.f;
+  for (int e = 0; e < PER_LANE; ++e)
+    v[e] = ((e + 1) * 32 <= D || e * 32 + lane < D) ? load_elem(row + e * 32 + lane) : 0.f;
   // Element i pairs with i ^ s at the stage of stride s: the lower one becomes a + b, the upper a - b.
 #pragma unroll
   for (int s = 1; s < 32 && s < BLOCK; s <<= 1) {

@@ -89,23 +89,16 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     return x @ h
 
 
-def _rows_refusal(x: torch.Tensor) -> str | None:
-    """Why `kvcalib::hadamard_rows` cannot take x (None: it can)."""
-    if on_the_rotation_kernel(x) and x.stride(-1) == 1:
-        return None
-    return (f"hadamard_rows takes a CUDA tensor of float32, float16 or bfloat16 whose last dimension is even, "
-            f"laid out with stride one; got {tuple(x.shape)} {x.dtype} strides {x.stride()} on {x.device}")
-
-
 @torch.library.custom_op("kvcalib::hadamard_rows", mutates_args=())
 def _hadamard_rows(x: torch.Tensor, checked: bool) -> torch.Tensor:
     """`rotate` on the GPU (`kernels_cupy/hadamard_rows.cu`, whose opening comment has the layout): a new tensor of x's
     shape and dtype, row after row. A custom op, so that a compiled step rotates as an eager one does. `checked`: wait
     for the kernel, so that a fault inside it raises here (the tests)."""
-    if x.stride(-1) != 1 and on_the_rotation_kernel(x):
+    if not on_the_rotation_kernel(x):
+        raise ValueError(f"hadamard_rows takes a CUDA tensor of float32, float16 or bfloat16 whose last dimension is "
+                         f"even (CuPy installed, no gradient asked); got {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.stride(-1) != 1:  # the kernel reads a row's elements one after another
         x = x.contiguous()
-    if (why := _rows_refusal(x)) is not None:
-        raise ValueError(why)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if not x.numel():
         return out
