@@ -9,7 +9,9 @@ plan (decode.py's `plan_layer`: random words in every buffer), at B and L:
 - `heads`: the layer as the launch splits it;
 - each group alone with the same share (its blocks' time, which its pair's cost sets);
 - `weighed`: the layer with each group's share of the wave in proportion to its heads times its time alone (the
-  share overridden here, in this process only), so that every group's splits take about as long.
+  share overridden here, in this process only), so that every group's splits take about as long;
+- `x2`, `x4` (`--waves`): heads' shares of two or four waves, shorter splits that the hardware hands out as blocks
+  finish (no cost model, more partials to merge and more copies of the books).
 `bound`: the sum of each group's time alone times its share (the layer's work over the whole wave, were it spread
 without idling). Same timing as decode.py (graphs of rotating copies behind a spin kernel, medians).
 
@@ -59,6 +61,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--layers", default="all", help="comma-separated layer indices of the mapped plan, or all")
+    parser.add_argument("--waves", default="2,4", help="heads' shares of this many waves, comma-separated ('': none)")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     plan, _ = mapped(args.plan)
@@ -69,9 +72,11 @@ def main() -> None:
     q = [torch.randn(b, HQ, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
     res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16),
             torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16)) for _ in range(copies)]
-    lines = ["| layer | groups: heads x (key, value) | each alone µs | heads µs | weighed µs | bound µs | weighed / heads |",
-             "|---:|---|---|---:|---:|---:|---:|"]
-    totals = [0.0, 0.0, 0.0]
+    waves = [int(w) for w in args.waves.split(",") if w]
+    lines = ["| layer | groups: heads x (key, value) | each alone µs | heads µs | weighed µs | "
+             + "".join(f"x{w} µs | " for w in waves) + "bound µs | weighed / heads |",
+             "|---:|---|---|---:|---:|" + "---:|" * len(waves) + "---:|---:|"]
+    totals = [0.0] * (3 + len(waves))
     for index in layers:
         built = [plan_layer(b, length, args.plan, kr, vr, index)[0] for kr, vr in res]
         groups = plan.codebook_groups(index)  # a group's heads and spec, in the launch's order
@@ -86,20 +91,24 @@ def main() -> None:
             for rows, w in zip(layer.groups, work):
                 OVERRIDE[rows.kcodes.data_ptr()] = w / sum(work)
         weighed = timed(lambda i: codebook_decode(q[i], built[i], D**-0.5), copies)
+        more = []
+        for w in waves:
+            for layer in built:
+                for rows, share in zip(layer.groups, shares):
+                    OVERRIDE[rows.kcodes.data_ptr()] = w * share
+            more.append(timed(lambda i: codebook_decode(q[i], built[i], D**-0.5), copies))
         bound = sum(s * t for s, t in zip(shares, alone))
         names = ", ".join(f"{len(g.heads)} x ({scheme_words(plan.schemes['k'][index][g.heads[0]])}, "
                           f"{scheme_words(plan.schemes['v'][index][g.heads[0]])})" for g in groups)
         lines.append(f"| {index} | {names} | {', '.join(f'{t:.1f}' for t in alone)} | {whole:.1f} | {weighed:.1f} | "
-                     f"{bound:.1f} | {weighed / whole:.3f} |")
+                     + "".join(f"{t:.1f} | " for t in more) + f"{bound:.1f} | {weighed / whole:.3f} |")
         print(lines[-1], file=sys.stderr, flush=True)
-        totals[0] += whole
-        totals[1] += weighed
-        totals[2] += bound
+        for j, t in enumerate([whole, weighed, *more, bound]):
+            totals[j] += t
         OVERRIDE.clear()
         del built
         torch.cuda.empty_cache()
-    lines.append(f"| all {len(layers)} | | | {totals[0]:.1f} | {totals[1]:.1f} | {totals[2]:.1f} | "
-                 f"{totals[1] / totals[0]:.3f} |")
+    lines.append(f"| all {len(layers)} | | | " + "".join(f"{t:.1f} | " for t in totals) + f"{totals[1] / totals[0]:.3f} |")
     title = (f"A plan's layer, groups' shares of the wave by heads or by their cost, {torch.cuda.get_device_name()}, "
              f"{HQ} q / {HKV} kv heads, d={D}, B={b}, L={length}")
     table = "\n".join(lines)
