@@ -192,8 +192,8 @@ def mapped(plan_dir: str):
     return plan, max(range(plan.shape.num_layers), key=lambda i: len(plan.codebook_groups(i)))
 
 
-def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: torch.Tensor):
-    """The layer of a shipped plan mapped onto this shape (`mapped`) with the most groups of heads, in the codebook
+def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: torch.Tensor, index: int | None = None):
+    """The layer of a shipped plan mapped onto this shape (`mapped`) with the most groups of heads (or layer `index`), in the codebook
     layout of `length` flushed tokens: every buffer the static cache
     allocates for it filled with random words (every bit pattern is a code or an fp16 number of the right kind:
     norms and scales in [0.5, 1.5), zeros in [-1, 1)), the plan's float16 sink rows random: (the layer, its index).
@@ -202,6 +202,7 @@ def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: tor
     from kvcalib.formats.codebook.format import CodebookFormat
 
     plan, layer = mapped(plan_dir)
+    layer = layer if index is None else index
     fmt = CodebookFormat()
     groups = fmt.on(plan.codebook_groups(layer), "cuda")
     out = fmt.allocate(plan, layer, groups, b, length, length, plan.residual, HKV, D, "cuda")  # a block of R packs
