@@ -240,40 +240,70 @@ def test_every_residual_length_kind(r):
     _check(method, k16, v16, torch.randn(1, 8, 128, device=DEV, generator=g))
 
 
-def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
-    """Rows of one layout holding different lengths (a static cache's slots): each row's output equals its lone
-    launch's up to the splits' float32 order (both are held to the reference: the rule above, row by row)."""
-    method = _on_device(turboquant("head", 2, d=128, sinks=1, residual=128))
-    lengths = [3 * 128, 0, 9 * 128 + 5, 128 + 127]
-    k16, v16, g = _inputs(4, 2, max(lengths), 128, 11)
-    q = torch.randn(4, 8, 128, device=DEV, generator=g).half()
+def _rows_of_their_own(method, kv_heads: int, lengths: list[int], seed: int):
+    """One layout holding rows of different `lengths` (a static cache's slots), each row's codes, norms, scales and
+    zeros past its own flushed tokens poisoned, launched once with the counts on the device: each row is held to the
+    rule above against its lone layout's float64 reference. Returns the layout."""
+    b, d = len(lengths), 128
+    k16, v16, g = _inputs(b, kv_heads, max(lengths), d, seed)
+    q = torch.randn(b, 4 * kv_heads, d, device=DEV, generator=g).half()
     full = layout_of(method, k16, v16)  # capacity for the longest
     flushed = torch.tensor([n // 128 * 128 for n in lengths], dtype=torch.int32, device=DEV)
     residual = torch.tensor([n % 128 for n in lengths], dtype=torch.int32, device=DEV)
     cap_r = 128
-    full.kres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
-    full.vres = torch.full((4, 2, cap_r, 128), float("nan"), device=DEV, dtype=torch.float16)
-    [rows] = full.groups
+    full.kres = torch.full((b, kv_heads, cap_r, d), float("nan"), device=DEV, dtype=torch.float16)
+    full.vres = torch.full((b, kv_heads, cap_r, d), float("nan"), device=DEV, dtype=torch.float16)
     for i, n in enumerate(lengths):
         f = n // 128 * 128
         full.kres[i, :, : n - f], full.vres[i, :, : n - f] = k16[i, :, f:n], v16[i, :, f:n]
-        rows.kcodes[i, :, f:] = -1  # past the row's own length: poison
-        rows.knorm[i, :, f:] = float("nan")
-    full.length, full.residual = rows.kcodes.shape[2], cap_r
+        for rows in full.groups:  # past the row's own length: poison
+            for name in rows.present():
+                buf, unit = getattr(rows, name), rows.unit(name)
+                if buf.shape[2]:
+                    buf[i, :, f // unit :] = -1 if buf.dtype == torch.int32 else float("nan")
+    full.length = full.groups[0].kcodes.shape[2]
+    full.residual = cap_r
     full.ksink = torch.cat([full.ksink, torch.full_like(full.ksink[:, :, :1], float("nan"))], 2)
     full.vsink = torch.cat([full.vsink, torch.full_like(full.vsink[:, :, :1], float("nan"))], 2)
     for i, n in enumerate(lengths):
         full.ksink[i, :, :1] = k16[i, :, :1] if n else float("nan")
         full.vsink[i, :, :1] = v16[i, :, :1] if n else float("nan")
-    out = codebook_decode(q, full, 128**-0.5, counts=(flushed, residual), checked=True)
+    out = codebook_decode(q, full, d**-0.5, counts=(flushed, residual), checked=True)
     for i, n in enumerate(lengths):
         if n == 0:
             continue
         alone = layout_of(method, k16[i : i + 1, :, :n], v16[i : i + 1, :, :n])
-        ref = reference_decode(q[i : i + 1], alone, 128**-0.5)
+        ref = reference_decode(q[i : i + 1], alone, d**-0.5)
         err = _row_errors(out[i : i + 1], ref)
-        bound = 2 * _row_errors(_sdpa(q[i : i + 1], alone, 128**-0.5), ref) + FLOOR
+        bound = 2 * _row_errors(_sdpa(q[i : i + 1], alone, d**-0.5), ref) + FLOOR
         assert (err <= bound).all(), (i, err.max().item(), bound.min().item())
+    return full
+
+
+def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
+    """Rows of one layout holding different lengths (a static cache's slots): each row's output equals its lone
+    launch's up to the splits' float32 order (both are held to the reference: the rule above, row by row)."""
+    method = _on_device(turboquant("head", 2, d=128, sinks=1, residual=128))
+    _rows_of_their_own(method, 2, [3 * 128, 0, 9 * 128 + 5, 128 + 127], 11)
+
+
+def test_a_plans_groups_over_two_waves_give_each_padded_sequence_its_own_attention():
+    """A plan's layer at B=8 with a capacity long enough that its groups split over two waves (`group_splits`), the
+    rows padded to lengths of their own as a static cache's slots: every row as exact as SDPA's on its own cache."""
+    from kvcalib.formats.codebook.launch import SIDE_BY_SIDE_WAVES, SPLIT_UNIT, ROWS, blocks_per_sm, group_splits
+    from kvcalib.formats.waves import sm_count, splits
+
+    method = _on_device(any_method("plan-mixed", 0, d=128, sinks=1, residual=128))
+    lengths = [65536 + 77, 0, 40000 + 5, 12927, 65536 + 76, 129, 300, 65000]
+    layer = _rows_of_their_own(method, 4, lengths, 13)
+    wave = blocks_per_sm(4, 128) * sm_count(torch.cuda.current_device())
+    row_parts = -(-(layer.ksink.shape[2] + layer.kres.shape[2]) // ROWS)
+    for rows in layer.groups:  # the launch did split over two waves (else this test holds nothing new)
+        share, n = rows.kcodes.shape[1] / 4, 8 * rows.kcodes.shape[1]
+        blocks = round(share * wave)
+        one = splits(layer.length, n, SPLIT_UNIT, blocks, min(row_parts * n, blocks // 8))
+        took = group_splits(layer.length, n, row_parts, share, 2, wave)
+        assert SIDE_BY_SIDE_WAVES > 1 and took[0] > one[0], (took, one)
 
 
 def test_each_group_of_a_plan_writes_only_its_own_query_heads():
