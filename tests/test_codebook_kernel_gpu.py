@@ -287,23 +287,12 @@ def test_counts_read_on_the_device_give_each_sequence_its_own_attention():
     _rows_of_their_own(method, 2, [3 * 128, 0, 9 * 128 + 5, 128 + 127], 11)
 
 
-def test_a_plans_groups_over_two_waves_give_each_padded_sequence_its_own_attention():
-    """A plan's layer at B=8 with a capacity long enough that its groups split over two waves (`group_splits`), the
-    rows padded to lengths of their own as a static cache's slots: every row as exact as SDPA's on its own cache."""
-    from kvcalib.formats.codebook.launch import SIDE_BY_SIDE_WAVES, SPLIT_UNIT, ROWS, blocks_per_sm, group_splits
-    from kvcalib.formats.waves import sm_count, splits
-
+def test_a_plans_padded_rows_at_long_contexts_each_get_their_own_attention():
+    """A plan's layer at B=8 over a 64k capacity, the rows padded to lengths of their own as a static cache's slots
+    (the counts on the device: the kernel spreads the batch's tokens over twice the splits, `balanced_split`): every
+    row as exact as SDPA's on its own cache."""
     method = _on_device(any_method("plan-mixed", 0, d=128, sinks=1, residual=128))
-    lengths = [65536 + 77, 0, 40000 + 5, 12927, 65536 + 76, 129, 300, 65000]
-    layer = _rows_of_their_own(method, 4, lengths, 13)
-    wave = blocks_per_sm(4, 128) * sm_count(torch.cuda.current_device())
-    row_parts = -(-(layer.ksink.shape[2] + layer.kres.shape[2]) // ROWS)
-    for rows in layer.groups:  # the launch did split over two waves (else this test holds nothing new)
-        share, n = rows.kcodes.shape[1] / 4, 8 * rows.kcodes.shape[1]
-        blocks = round(share * wave)
-        one = splits(layer.length, n, SPLIT_UNIT, blocks, min(row_parts * n, blocks // 8))
-        took = group_splits(layer.length, n, row_parts, share, 2, wave)
-        assert SIDE_BY_SIDE_WAVES > 1 and took[0] > one[0], (took, one)
+    _rows_of_their_own(method, 4, [65536 + 77, 0, 40000 + 5, 12927, 65536 + 76, 129, 300, 65000], 13)
 
 
 def test_each_group_of_a_plan_writes_only_its_own_query_heads():

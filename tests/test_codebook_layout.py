@@ -333,27 +333,3 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
     assert not _reads(_kernel_book(1, 256, 16), 128)
     assert _copies(_kernel_book(1, 256, 16)) == 1
 
-
-def test_a_group_beside_others_splits_over_two_waves_only_while_its_splits_stay_long():
-    """`group_splits`: a group of a plan's layer (share of the wave below 1) takes two waves' worth of its share where
-    the kernel's splits (re-split `spread` times) keep SIDE_BY_SIDE_SPLIT tokens, else one wave; a layer of one group
-    (share 1) always one. The H200 cases are those its docstring's measurement ran: 528 resident blocks (132 SMs x 4),
-    8 KV heads, a group of 3, three float16 rows' parts."""
-    from kvcalib.formats.codebook.launch import SIDE_BY_SIDE_SPLIT, SPLIT_UNIT, group_splits
-    from kvcalib.formats.waves import splits
-
-    assert group_splits(32768, 8 * 3, 3, 3 / 8, 2, 528) == (14, 2368)  # B=8, 32k: two waves, 1184 tokens a split
-    assert group_splits(32768, 1 * 3, 3, 3 / 8, 1, 528) == (57, 576)  # B=1, 32k: one wave (two: 256 tokens)
-    for length in (0, 64, 4096, 33033, 131072):
-        for b, spread in ((1, 1), (4, 2), (8, 2)):
-            for share in (1 / 8, 3 / 8, 5 / 8, 1.0):
-                rows, wave = b * 3, 528
-                got = group_splits(length, rows, 3, share, spread, wave)
-                one_blocks, two_blocks = round(share * wave), round(share * 2 * wave)
-                one = splits(length, rows, SPLIT_UNIT, one_blocks, min(3 * rows, one_blocks // 8))
-                two = splits(length, rows, SPLIT_UNIT, two_blocks, min(3 * rows, two_blocks // 8))
-                if share < 1 and two[1] >= SIDE_BY_SIDE_SPLIT * spread:
-                    assert got == two, (length, b, share)
-                else:
-                    assert got == one, (length, b, share)
-                assert got[0] * got[1] >= length  # every token in a split

@@ -3,10 +3,9 @@
 `supports` is the one statement of the kernel's input limits; the layout it reads and the float64 reference it is
 tested against are `kvcalib.formats.codebook.layout`. A layer of several groups of heads (a plan's) is one launch a
 group, each writing its own query heads of the output; the groups' launches run side by side on streams of their own
-(captured into a CUDA graph as parallel branches), each splitting its tokens over its heads' share of the wave
-(`group_splits`), so that together they fill the GPU as one launch over every head would. (One after another, each
-would fill the wave alone only with splits so short that copying the books into shared memory outweighs reading the
-codes.)
+(captured into a CUDA graph as parallel branches), each splitting its tokens over its heads' share of one wave, so
+that together they fill the GPU as one launch over every head would. (One after another, each would fill the wave
+alone only with splits so short that copying the books into shared memory outweighs reading the codes.)
 """
 
 from __future__ import annotations
@@ -86,34 +85,6 @@ def blocks_per_sm(gqa: int, head_dim: int) -> int:
     full layers decoded at 14x their read floor), 8 query heads of head_dim 64 388 bytes (the float16 rows'
     query and accumulators); at 2, none (tests/test_codebook_layout.py compiles them)."""
     return 4 if head_dim <= 128 and gqa <= 4 and gqa * head_dim <= 512 else 2
-
-
-# A group beside others (a share of the wave below 1) splits its tokens over two waves' worth of its share where each
-# split still holds `SIDE_BY_SIDE_SPLIT` tokens: the groups' pairs of schemes differ in cost a token, and shorter
-# splits, handed out as blocks finish, let the cheaper groups' SMs take the costlier groups' work. Measured
-# (benchmarks/group_shares.py, the mapped 2.25-bit plan's 32 layers, B=8 at 32k, H200): 5536 us over one wave, 5242
-# over two (1184-token splits: every layer gained), 5264 over four (592 tokens: a split's copy of the books outweighs
-# the balance), 5669 over one wave shared by each group's measured cost. B=1 at 32k keeps one wave: its splits, 576
-# tokens, are short already.
-SIDE_BY_SIDE_WAVES = 2
-SIDE_BY_SIDE_SPLIT = 1024
-
-
-def group_splits(length: int, rows: int, row_parts: int, share: float, spread: int, wave: int) -> tuple[int, int]:
-    """(splits, tokens per split) of a group's `length` packed tokens over `rows` (batch rows x its KV heads), each
-    with `row_parts` float16 rows' parts, on `share` of a `wave` of resident blocks (SIDE_BY_SIDE_WAVES of it beside
-    other groups, where its splits, re-split `spread` times by the kernel, stay SIDE_BY_SIDE_SPLIT tokens long)."""
-
-    def over(waves: int) -> tuple[int, int]:
-        blocks = max(1, round(share * waves * wave))
-        return splits(length, rows, SPLIT_UNIT, blocks, min(row_parts * rows, blocks // 8))
-
-    one = over(1)
-    if share < 1:
-        more = over(SIDE_BY_SIDE_WAVES)
-        if more[1] >= SIDE_BY_SIDE_SPLIT * spread:
-            return more
-    return one
 
 
 def _reads(part: KernelBook, head_dim: int) -> bool:
@@ -372,11 +343,11 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     length = capt if device else length
     rows = ksink.shape[2] + kres.shape[2] if device else min(sinks, length) + residual_len
     row_parts = -(-rows // ROWS)
+    wave = max(1, round(share * blocks_per_sm(gqa, d) * sm_count(q.device.index or 0)))
+    num_splits, split_len = splits(length, b * h, SPLIT_UNIT, wave, min(row_parts * b * h, wave // 8))
     # With counts on the device the kernel spreads the batch's tokens over the wave (`balanced_split`): a batch's
     # grid holds twice the splits a row of the capacity takes, so that a padded batch's long rows take more of them.
     spread = 2 if device and b > 1 else 1
-    num_splits, split_len = group_splits(length, b * h, row_parts, share, spread,
-                                         blocks_per_sm(gqa, d) * sm_count(q.device.index or 0))
     num_splits *= spread
     parts = max(1, num_splits + row_parts)
     krepl, vrepl = copies
