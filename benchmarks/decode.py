@@ -193,8 +193,8 @@ def mapped(plan_dir: str):
 
 
 def plan_layer(b: int, length: int, plan_dir: str, kres: torch.Tensor, vres: torch.Tensor, index: int | None = None):
-    """The layer of a shipped plan mapped onto this shape (`mapped`) with the most groups of heads (or layer `index`), in the codebook
-    layout of `length` flushed tokens: every buffer the static cache
+    """The layer of a shipped plan mapped onto this shape (`mapped`) with the most groups of heads (or layer `index`),
+    in the codebook layout of `length` flushed tokens: every buffer the static cache
     allocates for it filled with random words (every bit pattern is a code or an fp16 number of the right kind:
     norms and scales in [0.5, 1.5), zeros in [-1, 1)), the plan's float16 sink rows random: (the layer, its index).
     The bytes a step reads do not depend on the codes' values; the error column compares the kernel with the float64

@@ -62,7 +62,8 @@ def scheme_words(scheme) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", default=str(Path(__file__).resolve().parent.parent / "artifacts/smollm2-135m/plan-2.25"))
+    shipped = Path(__file__).resolve().parent.parent / "artifacts/smollm2-135m/plan-2.25"
+    parser.add_argument("--plan", default=str(shipped))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--layers", default="all", help="comma-separated layer indices of the mapped plan, or all")
@@ -113,7 +114,8 @@ def main() -> None:
         OVERRIDE.clear()
         del built
         torch.cuda.empty_cache()
-    lines.append(f"| all {len(layers)} | | | " + "".join(f"{t:.1f} | " for t in totals) + f"{totals[1] / totals[0]:.3f} |")
+    lines.append(f"| all {len(layers)} | | | " + "".join(f"{t:.1f} | " for t in totals)
+                 + f"{totals[1] / totals[0]:.3f} |")
     title = (f"A plan's layer, groups' shares of the wave by heads or by their cost, {torch.cuda.get_device_name()}, "
              f"{HQ} q / {HKV} kv heads, d={D}, B={b}, L={length}")
     table = "\n".join(lines)

@@ -97,8 +97,9 @@ def _method(row: dict, lm):
 
 def generate(args) -> None:
     """Each row's answers into `--out`/FILE.json (FILE: the row's `file_name`), `--chunk` requests at a time,
-    resuming where a file left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once, one process
-    each, N a GPU (the embedded model leaves most of a GPU idle: on 2026-11-28 four rows ran at once on two H200s)."""
+    resuming where a file left off (a run spread over calls of limited length). `--per-gpu N` runs every row at once,
+    one process each, N a GPU (the embedded model leaves most of a GPU idle: on 2026-11-28 four rows ran at once on
+    two H200s)."""
     if args.per_gpu:
         return _generate_at_once(args)
     import torch

@@ -111,8 +111,9 @@ def _hadamard_rows(x: torch.Tensor, checked: bool) -> torch.Tensor:
 
     block = block_size(d)
     strides = [cupy.int64(s) for s in x4.stride()[:3]]
+    defines = {"D": d, "BLOCK": block, "ELEM_KIND": _KERNEL_KINDS[x.dtype]}
     with torch_stream(x.device):
-        launch(kernel("hadamard_rows.cu", {"D": d, "BLOCK": block, "ELEM_KIND": _KERNEL_KINDS[x.dtype]}, "hadamard_rows"),
+        launch(kernel("hadamard_rows.cu", defines, "hadamard_rows"),
                (-(-rows // 4),), (128,), (cupy.uint64(x4.data_ptr()), cupy.uint64(out.data_ptr()), cupy.int64(rows),
                                           cupy.int64(h), cupy.int64(t), *strides, cupy.float32(1 / math.sqrt(block))),
                checked)

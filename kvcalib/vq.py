@@ -295,7 +295,8 @@ def _encode_refusal(x, out, norms, rotation, bounds, books, book_norms) -> str |
     unusable, where torch ops raise)."""
     h = x.shape[1]
     coded = bounds if books is None else books
-    given = {"out": out, "norms": norms, "rotation": rotation, "bounds": bounds, "books": books, "book_norms": book_norms}
+    given = {"out": out, "norms": norms, "rotation": rotation, "bounds": bounds, "books": books,
+             "book_norms": book_norms}
     elsewhere = [f"{name} on {a.device}" for name, a in given.items() if a is not None and a.device != x.device]
     if _rows_laid_out(x) and all(a is None or (a.is_contiguous() and a.dtype == dtype) for a, dtype in (
             (rotation, torch.float64), (bounds, torch.float32), (books, torch.float32), (book_norms, torch.float32))

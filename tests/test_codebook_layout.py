@@ -332,4 +332,3 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
     assert _reads(_kernel_book(1, 256, 8), 128)
     assert not _reads(_kernel_book(1, 256, 16), 128)
     assert _copies(_kernel_book(1, 256, 16)) == 1
-

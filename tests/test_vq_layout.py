@@ -213,7 +213,8 @@ def test_the_encode_kernel_refuses_a_tensor_on_another_device_than_its_rows():
     assert vq._encode_refusal(x, out, norms, rot, bounds, None, None) is None
     assert vq._encode_refusal(x, out, norms, None, None, books, book_norms) is None
     for args in ((out, norms, rot.to("meta"), bounds, None, None), (out, norms, rot, bounds.to("meta"), None, None),
-                 (out.to("meta"), norms, rot, bounds, None, None), (out, norms, None, None, books.to("meta"), book_norms),
+                 (out.to("meta"), norms, rot, bounds, None, None),
+                 (out, norms, None, None, books.to("meta"), book_norms),
                  (out, norms, None, None, books, book_norms.to("meta"))):
         why = vq._encode_refusal(x, *args)
         assert why is not None and "all on x's device" in why and "meta" in why
