@@ -1,0 +1,40 @@
+"""Independent pieces of GPU work run side by side on streams of their own, joined back before their results are
+read: a plan's layer decodes its groups of heads so (`formats.codebook.launch`) and compresses them so at a flush
+(`methods.plan`). Captured into a CUDA graph, the streams become its parallel branches, and a branch's small kernels
+no longer wait for the other groups' (a flush runs eagerly inside the captured step, where a plan's layer launched
+48 to 66 kernels in turn: benchmarks/flush_cost.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+_HELD: dict[torch.device, list] = {}
+
+
+def side_streams(device: torch.device, n: int) -> list:
+    """n streams of `device`, made once and kept (a capture's warm-up makes them before the capture runs)."""
+    held = _HELD.setdefault(device, [])
+    while len(held) < n:
+        held.append(torch.cuda.Stream(device))
+    return held[:n]
+
+
+def side_by_side(device: torch.device, calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each of `calls` (no arguments) on a side stream of its own, after what the current stream has queued; the
+    current stream then waits for them all. Their results, in order, are read on the current stream only: what a
+    call allocated is freed there after, and a side stream's next work waits for the current stream's first (the
+    next call here). Off CUDA, for one call, and while torch.compile traces: in turn on the current stream."""
+    if device.type != "cuda" or len(calls) < 2 or torch.compiler.is_compiling():
+        return [call() for call in calls]
+    main = torch.cuda.current_stream(device)
+    sides = side_streams(device, len(calls))
+    out = []
+    for call, side in zip(calls, sides):
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            out.append(call())
+    for side in sides:
+        main.wait_stream(side)
+    return out

@@ -1,0 +1,71 @@
+"""`kvcalib.streams.side_by_side` on CUDA: each call on a side stream of its own, the current stream waiting for
+them all; a plan's flush packed so (`Plan.compress`, its groups side by side) gives the bits it gives packed in turn,
+eagerly and replayed from a CUDA graph."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: side streams exist only on a GPU", allow_module_level=True)
+
+from kvcalib.methods import plan as plan_module  # noqa: E402
+from kvcalib.models import AttentionShape  # noqa: E402
+from kvcalib.streams import side_by_side  # noqa: E402
+
+DEV = torch.device("cuda")
+SLEEP = 20_000_000  # GPU cycles a call spins before it writes (~10 ms): a read not made to wait sees the old value
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_each_call_runs_on_its_own_side_stream_and_the_current_stream_waits_for_them_all(n):
+    main = torch.cuda.current_stream(DEV)
+    out = torch.zeros(n, device=DEV)
+    seen = []
+
+    def call(i):
+        seen.append(torch.cuda.current_stream(DEV))
+        torch.cuda._sleep(SLEEP * (i + 1))
+        out[i].fill_(i + 1)
+        return i
+
+    assert side_by_side(DEV, [lambda i=i: call(i) for i in range(n)]) == list(range(n))
+    assert torch.cuda.current_stream(DEV) == main
+    assert len({s.cuda_stream for s in seen}) == n and main.cuda_stream not in {s.cuda_stream for s in seen}
+    assert out.tolist() == [float(i + 1) for i in range(n)]  # read on the current stream: every call's write landed
+
+
+def _flat(method, packed):
+    return [getattr(b, name) for b in method.codebook_blocks(packed) for name in b.present()]
+
+
+def test_a_plans_flush_packs_the_same_bits_side_by_side_as_in_turn_eagerly_and_captured(monkeypatch):
+    from test_runtime_cache import _plan
+
+    shape = AttentionShape(num_layers=3, num_heads=8, num_kv_heads=4, head_dim=64)
+    method = _plan(shape, 32, "head")
+    g = torch.Generator(device=DEV).manual_seed(3)
+    k = torch.randn(8, 4, 64, 64, device=DEV, generator=g).half().float()  # a flush of two windows, B=8
+    v = torch.randn(8, 4, 64, 64, device=DEV, generator=g).half().float()
+    in_turn = lambda device, calls: [call() for call in calls]  # noqa: E731
+    for layer in range(shape.num_layers):
+        groups = {(id(c), tuple(h)) for part in ("k", "v") for h, c in method.groups[part][layer]}
+        side = _flat(method, method.compress(layer, k, v))
+        with monkeypatch.context() as m:
+            m.setattr(plan_module, "side_by_side", in_turn)
+            turn = _flat(method, method.compress(layer, k, v))
+        assert len(side) == len(turn) and all(torch.equal(a, b) for a, b in zip(side, turn)), layer
+        if len(groups) < 2:
+            continue
+        stream = torch.cuda.Stream(DEV)  # a capture's warm-up, then the capture, off the default stream
+        stream.wait_stream(torch.cuda.current_stream(DEV))
+        with torch.cuda.stream(stream):
+            method.compress(layer, k, v)
+        torch.cuda.current_stream(DEV).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            held = _flat(method, method.compress(layer, k, v))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(held, turn)), layer
+    assert any(len({(id(c), tuple(h)) for p in ("k", "v") for h, c in method.groups[p][i]}) > 1
+               for i in range(shape.num_layers))  # some layer packs several groups side by side
