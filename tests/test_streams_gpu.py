@@ -69,3 +69,23 @@ def test_a_plans_flush_packs_the_same_bits_side_by_side_as_in_turn_eagerly_and_c
         assert all(torch.equal(a, b) for a, b in zip(held, turn)), layer
     assert any(len({(id(c), tuple(h)) for p in ("k", "v") for h, c in method.groups[p][i]}) > 1
                for i in range(shape.num_layers))  # some layer packs several groups side by side
+
+
+def test_a_flushs_writes_side_by_side_land_where_masked_write_puts_them_buffer_by_buffer():
+    """`slots.flush_writes` on CUDA, its `index_put_`s each on a side stream: read on the current stream, every buffer
+    holds what `masked_write` of it alone holds (a plan's 16 buffers of a layer: units 1 and 16, 1 to 3 heads)."""
+    from kvcalib.runtime.slots import flush_writes, masked_write
+
+    g = torch.Generator(device=DEV).manual_seed(1)
+    flushed = torch.tensor([0, 32, 64, 4096, 96, 0, 32, 128], dtype=torch.int32, device=DEV)
+    take = torch.tensor([True, False, True, True, False, True, True, True], device=DEV)
+    specs = [(1 + i % 3, 4096 + 32, 32, 1, 8 + i) if i % 4 else (1 + i % 3, 256 + 2, 2, 16, 2) for i in range(16)]
+    bufs = [torch.randint(-9, 9, (8, h, big, last), device=DEV, generator=g, dtype=torch.int32)
+            for h, big, _, _, last in specs]
+    news = [torch.randint(100, 200, (8, h, n, last), device=DEV, generator=g, dtype=torch.int32)
+            for h, _, n, _, last in specs]
+    want = [b.clone() for b in bufs]
+    for buf, new, (_, _, _, unit, _) in zip(want, news, specs):
+        masked_write(buf, new, torch.div(flushed, unit, rounding_mode="floor"), take)
+    flush_writes([(b, n, spec[3]) for b, n, spec in zip(bufs, news, specs)], flushed, take)
+    assert all(torch.equal(b, w) for b, w in zip(bufs, want))
