@@ -17,21 +17,60 @@ SLEEP = 20_000_000  # GPU cycles a call spins before it writes (~10 ms): a read 
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_each_call_runs_on_its_own_side_stream_and_the_current_stream_waits_for_them_all(n):
+def test_each_call_runs_after_the_current_streams_work_on_a_side_stream_and_the_current_stream_waits_for_them_all(n):
+    """Fork: each call copies what the current stream wrote after spinning (a call not made to wait copies zeros).
+    Join: each call spins before it writes, and the current stream reads every write."""
     main = torch.cuda.current_stream(DEV)
-    out = torch.zeros(n, device=DEV)
+    src, got, out = torch.zeros(n, device=DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)
+    torch.cuda._sleep(SLEEP)
+    src.copy_(torch.arange(1, n + 1, device=DEV, dtype=torch.float32))
     seen = []
 
     def call(i):
         seen.append(torch.cuda.current_stream(DEV))
+        got[i].copy_(src[i])
         torch.cuda._sleep(SLEEP * (i + 1))
-        out[i].fill_(i + 1)
+        out[i].fill_(10 * (i + 1))
         return i
 
     assert side_by_side(DEV, [lambda i=i: call(i) for i in range(n)]) == list(range(n))
-    assert torch.cuda.current_stream(DEV) == main
-    assert len({s.cuda_stream for s in seen}) == n and main.cuda_stream not in {s.cuda_stream for s in seen}
-    assert out.tolist() == [float(i + 1) for i in range(n)]  # read on the current stream: every call's write landed
+    assert torch.cuda.current_stream(DEV) == main and all(s != main for s in seen)
+    assert got.tolist() == [float(i + 1) for i in range(n)]  # forked after the current stream's write
+    assert out.tolist() == [10.0 * (i + 1) for i in range(n)]  # joined: read on the current stream after every write
+
+
+def test_the_current_stream_waits_for_the_calls_that_ran_when_one_raises():
+    main = torch.cuda.current_stream(DEV)
+    out = torch.zeros(1, device=DEV)
+
+    def slow():
+        torch.cuda._sleep(SLEEP)
+        out.fill_(1)
+
+    def fails():
+        raise RuntimeError("planted")
+
+    with pytest.raises(RuntimeError, match="planted"):
+        side_by_side(DEV, [slow, fails])
+    assert torch.cuda.current_stream(DEV) == main and out.item() == 1.0
+
+
+def test_a_kept_tensor_one_call_makes_is_whole_when_a_sibling_reads_it():
+    """`quant.held` (through `streams.settled`): a tensor made on one side stream behind a spin and kept, read at once
+    by the next call on its own stream, holds its values there."""
+    from kvcalib.quant import held
+
+    table = {}
+    want = torch.arange(4096, dtype=torch.float32) * 0.25 + 7.125
+
+    def make():
+        torch.cuda._sleep(SLEEP)  # then kernels, no copy from the host (which would wait for the spin)
+        return torch.arange(4096, device=DEV, dtype=torch.float32) * 0.25 + 7.125
+
+    first = lambda: held(table, "kept", make)  # noqa: E731
+    second = lambda: held(table, "kept", make).clone()  # noqa: E731
+    _, copy = side_by_side(DEV, [first, second])
+    assert torch.equal(copy.cpu(), want)
 
 
 def _flat(method, packed):
@@ -71,9 +110,11 @@ def test_a_plans_flush_packs_the_same_bits_side_by_side_as_in_turn_eagerly_and_c
                for i in range(shape.num_layers))  # some layer packs several groups side by side
 
 
-def test_a_flushs_writes_side_by_side_land_where_masked_write_puts_them_buffer_by_buffer():
-    """`slots.flush_writes` on CUDA, its `index_put_`s each on a side stream: read on the current stream, every buffer
-    holds what `masked_write` of it alone holds (a plan's 16 buffers of a layer: units 1 and 16, 1 to 3 heads)."""
+def test_a_flushs_writes_side_by_side_land_where_masked_write_puts_them_buffer_by_buffer(monkeypatch):
+    """`slots.flush_writes` on CUDA, its `index_put_`s each on a side stream, the rows written by the current stream
+    behind a spin: every buffer holds what `masked_write` of it alone holds, and what the writes in turn hold (a
+    plan's 16 buffers of a layer: units 1 and 16, 1 to 3 heads)."""
+    from kvcalib.runtime import slots
     from kvcalib.runtime.slots import flush_writes, masked_write
 
     g = torch.Generator(device=DEV).manual_seed(1)
@@ -82,10 +123,17 @@ def test_a_flushs_writes_side_by_side_land_where_masked_write_puts_them_buffer_b
     specs = [(1 + i % 3, 4096 + 32, 32, 1, 8 + i) if i % 4 else (1 + i % 3, 256 + 2, 2, 16, 2) for i in range(16)]
     bufs = [torch.randint(-9, 9, (8, h, big, last), device=DEV, generator=g, dtype=torch.int32)
             for h, big, _, _, last in specs]
-    news = [torch.randint(100, 200, (8, h, n, last), device=DEV, generator=g, dtype=torch.int32)
+    rows = [torch.randint(100, 200, (8, h, n, last), device=DEV, generator=g, dtype=torch.int32)
             for h, _, n, _, last in specs]
     want = [b.clone() for b in bufs]
-    for buf, new, (_, _, _, unit, _) in zip(want, news, specs):
+    for buf, new, (_, _, _, unit, _) in zip(want, rows, specs):
         masked_write(buf, new, torch.div(flushed, unit, rounding_mode="floor"), take)
+    in_turn = [b.clone() for b in bufs]
+    with monkeypatch.context() as m:
+        m.setattr(slots, "side_by_side", lambda device, calls: [call() for call in calls])
+        flush_writes([(b, n, spec[3]) for b, n, spec in zip(in_turn, rows, specs)], flushed, take)
+    torch.cuda._sleep(SLEEP)
+    news = [r + 0 for r in rows]  # written by the current stream after the spin: read by the side streams after it
     flush_writes([(b, n, spec[3]) for b, n, spec in zip(bufs, news, specs)], flushed, take)
     assert all(torch.equal(b, w) for b, w in zip(bufs, want))
+    assert all(torch.equal(b, w) for b, w in zip(bufs, in_turn))

@@ -48,7 +48,7 @@ from ..errors import ArtifactError, SettingsError
 from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..models import AttentionShape, LoadedModel
-from ..streams import side_by_side
+from ..streams import settled, side_by_side
 from .. import vq
 from .base import Method, MethodSettings, kv_head_part
 from .kivi import Kivi, KiviConfig
@@ -162,7 +162,7 @@ def heads_of(x: torch.Tensor, index: list[int]) -> torch.Tensor:
     key = (tuple(index), x.device)
     held = _INDEX.get(key)
     if held is None:
-        held = _INDEX[key] = torch.tensor(index, device=x.device)
+        held = _INDEX[key] = settled(torch.tensor(index, device=x.device))
     return x.index_select(1, held)
 
 
