@@ -67,6 +67,12 @@ def test_a_kept_tensor_one_call_makes_is_whole_when_a_sibling_reads_it():
         torch.cuda._sleep(SLEEP)  # then kernels, no copy from the host (which would wait for the spin)
         return torch.arange(4096, device=DEV, dtype=torch.float32) * 0.25 + 7.125
 
+    # The kernels loaded once before: CUDA's lazy loading of a kernel first launched while the spin runs waits for
+    # it (the whole device), which would hide a sibling's early read.
+    torch.cuda.synchronize()
+    warm = (torch.arange(4096, device=DEV, dtype=torch.float32) * 0.25 + 7.125).clone()
+    torch.cuda.synchronize()
+    assert torch.equal(warm.cpu(), want)
     first = lambda: held(table, "kept", make)  # noqa: E731
     second = lambda: held(table, "kept", make).clone()  # noqa: E731
     _, copy = side_by_side(DEV, [first, second])
