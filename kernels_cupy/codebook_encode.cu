@@ -76,12 +76,21 @@ extern "C" __global__ void encode_rows(const float* __restrict__ x, const double
     xs[r][i] = xs[r][i] / scale[r];
   }
   __syncthreads();
-  for (int k = tid; k < RB * D; k += NT) {  // y_i = sum_j u_j Π[i][j] = sum_j u_j RT[j][i], j in order
-    const int r = k / D, i = k % D;
-    double y = 0.0;
-#pragma unroll 8
-    for (int j = 0; j < D; ++j) y = fma(xs[r][j], RT[(long)j * D + i], y);
-    ys[r][i] = (float)y;
+  // y_i = sum_j u_j Π[i][j] = sum_j u_j RT[j][i], j in order, for the block's RB rows at once: each RT[j][i] read
+  // once a block (a thread a coordinate i), where a thread a (row, coordinate) read all of RT once a row (RB x 8 D^2
+  // bytes a block: 512 KiB a row at D = 256, past what L1 holds beside the blocks' shared memory).
+  for (int i = tid; i < D; i += NT) {
+    double y[RB];
+#pragma unroll
+    for (int r = 0; r < RB; ++r) y[r] = 0.0;
+#pragma unroll 4
+    for (int j = 0; j < D; ++j) {
+      const double p = RT[(long)j * D + i];
+#pragma unroll
+      for (int r = 0; r < RB; ++r) y[r] = fma(xs[r][j], p, y[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < RB; ++r) ys[r][i] = (float)y[r];
   }
 #else
   for (int k = tid; k < RB * D; k += NT) ys[k / D][k % D] = (float)xs[k / D][k % D];

@@ -15,6 +15,7 @@ import torch
 
 from .errors import SettingsError
 from .quant import CUPY_FOUND
+from .streams import settled
 
 
 def block_size(n: int) -> int:
@@ -48,7 +49,7 @@ def held_matrix(store: dict, n: int, dtype: torch.dtype, device, make) -> torch.
     key = (n, dtype, torch.device(device) if device is not None else torch.device("cpu"))
     held = store.get(key)
     if held is None:
-        held = store[key] = make(n).to(dtype=dtype, device=key[2])
+        held = store[key] = settled(make(n).to(dtype=dtype, device=key[2]))  # `streams.side_by_side`
     return held
 
 

@@ -37,6 +37,8 @@ from typing import Literal
 
 import torch
 
+from .streams import settled
+
 FLOAT16_MAX = 65504.0  # float16's largest finite number
 # Whether CuPy, which the CUDA kernels launch through, is installed: looked up once, at import (torch.compile may not
 # trace the lookup, and a flush asks at every launch).
@@ -60,7 +62,7 @@ def held(table, key, make):
     if got is None:
         got = make()
         if not capturing():
-            table[key] = got
+            table[key] = settled(got)  # whole before a side stream's sibling reads it (`streams.side_by_side`)
     return got
 
 

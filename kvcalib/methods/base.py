@@ -33,6 +33,7 @@ import torch
 from ..attention import AttentionOptions, flushed_length, held_in_float16, mixed_attention
 from ..defaults import DEFAULTS, OPTIONS, RESIDUAL_MODES, SLIDING_LAYERS
 from ..errors import SettingsError
+from ..streams import settled
 
 
 def kv_head_part(shape, start: int, stop: int):
@@ -56,7 +57,7 @@ class DeviceCopies:
         """`source` (anything with `.to(device)`) on `device`."""
         held = self._held.get((layer, device))
         if held is None or held[0] is not source:
-            held = self._held[layer, device] = (source, source.to(device))
+            held = self._held[layer, device] = (source, settled(source.to(device)))  # `streams.side_by_side`
         return held[1]
 
 

@@ -48,6 +48,7 @@ from ..errors import ArtifactError, SettingsError
 from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, HeadGroup
 from ..models import AttentionShape, LoadedModel
+from ..streams import settled, side_by_side
 from .. import vq
 from .base import Method, MethodSettings, kv_head_part
 from .kivi import Kivi, KiviConfig
@@ -161,7 +162,7 @@ def heads_of(x: torch.Tensor, index: list[int]) -> torch.Tensor:
     key = (tuple(index), x.device)
     held = _INDEX.get(key)
     if held is None:
-        held = _INDEX[key] = torch.tensor(index, device=x.device)
+        held = _INDEX[key] = settled(torch.tensor(index, device=x.device))
     return x.index_select(1, held)
 
 
@@ -261,22 +262,24 @@ class Plan(Method, CodebookCoded):
     def compress(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PlanPacked:
         """Each group's block, packed by its scheme over its heads: a group whose keys and values share heads and
         coder is packed once; a coder's part that no group reads is packed over no tokens (every scheme codes keys
-        and values apart, so the part read is the same bits: half of a flush's work otherwise)."""
+        and values apart, so the part read is the same bits: half of a flush's work otherwise). On a GPU the groups
+        are packed side by side, each on a stream of its own (`streams.side_by_side`): their kernels are small (a
+        flush packs one window), and in turn they waited for each other's."""
         serves: dict[tuple, set[str]] = {}
+        coders: dict[tuple, tuple] = {}
         for part in PARTS:
             for heads, coder in self.groups[part][layer]:
                 serves.setdefault((id(coder), tuple(heads)), set()).add(part)
-        done: dict[tuple, Any] = {}
-        packed = {}
-        for part in PARTS:
-            packed[part] = []
-            for heads, coder in self.groups[part][layer]:
-                key = (id(coder), tuple(heads))
-                if key not in done:
-                    kh, vh = heads_of(k, heads), heads_of(v, heads)
-                    done[key] = coder.compress(layer, kh if "k" in serves[key] else kh[..., :0, :],
-                                               vh if "v" in serves[key] else vh[..., :0, :])
-                packed[part].append(done[key])
+                coders[id(coder), tuple(heads)] = (heads, coder)
+
+        def pack(key: tuple) -> Any:
+            heads, coder = coders[key]
+            kh, vh = heads_of(k, heads), heads_of(v, heads)
+            return coder.compress(layer, kh if "k" in serves[key] else kh[..., :0, :],
+                                  vh if "v" in serves[key] else vh[..., :0, :])
+
+        done = dict(zip(serves, side_by_side(k.device, [lambda key=key: pack(key) for key in serves])))
+        packed = {part: [done[id(coder), tuple(heads)] for heads, coder in self.groups[part][layer]] for part in PARTS}
         return PlanPacked(layer=layer, k=packed["k"], v=packed["v"])
 
     def decompress(self, layer: int, packed: PlanPacked) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,6 +75,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from ..artifacts import load_artifact
 from ..defaults import DEFAULTS
 from ..errors import ArtifactError, SettingsError
+from ..streams import settled
 from ..formats.codebook.coded import CodebookCoded
 from ..formats.codebook.layout import CodebookSpec, CodedBlock, CodedPart
 from ..hadamard import held_matrix
@@ -302,7 +303,7 @@ class TurboQuant(Method, CodebookCoded):
         from the host)."""
         held = self._on_devices.get(device)
         if held is None:
-            held = self._on_devices[device] = (self._thresholds32.to(device), self._centroids32.to(device))
+            held = self._on_devices[device] = settled((self._thresholds32.to(device), self._centroids32.to(device)))
         return held
 
     def _layer_books(self, layer: int, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -11,6 +11,7 @@ import torch
 
 from ..attention import as_float16, capped_attention
 from ..quant import steps
+from ..streams import side_by_side
 
 
 def masked_write(buf: torch.Tensor, new: torch.Tensor, start: torch.Tensor, take: torch.Tensor,
@@ -33,7 +34,8 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
     to row flushed[b] // unit (given `slot`, of that one row, as `masked_write`'s). Each index is made once for the
     writes that share it (a start per unit, positions per (unit, buffer length, rows), heads per count): a flushing
     step runs eagerly inside the captured step, where each of a layer's 6 (KIVI-2) to 16 (a plan's groups) buffers
-    written alone took 8 launches, 1 here and the indices' few (benchmarks/flush_cost.py counts them). Where every
+    written alone took 8 launches, 1 here and the indices' few (benchmarks/flush_cost.py counts them), the buffers'
+    writes side by side on a GPU (`streams.side_by_side`: they touch buffers of their own). Where every
     buffer's slack block starts at the same token (as a static layer's do: at the capacity), the rows not taken are
     sent there once, in tokens, rather than buffer by buffer."""
     slack = {(buf.shape[2] - new.shape[2]) * unit for buf, new, unit in writes}
@@ -52,7 +54,11 @@ def flush_writes(writes: list[tuple[torch.Tensor, torch.Tensor, int]], flushed: 
             rows[unit, buf.shape[2], n] = _rows(buf, n, starts[unit], take)
         if h not in heads:
             heads[h] = _head_rows(h, buf.device)
-        buf.index_put_((batch, heads[h], rows[unit, buf.shape[2], n]), new)
+    # The writes touch buffers of their own: side by side, each on a stream of its own (a plan's layer has 16)
+    side_by_side(flushed.device, [
+        lambda buf=buf, new=new, unit=unit: buf.index_put_((batch, heads[new.shape[1]],
+                                                            rows[unit, buf.shape[2], new.shape[2]]), new)
+        for buf, new, unit in writes])
 
 
 def _rows(buf: torch.Tensor, n: int, start: torch.Tensor, take: torch.Tensor | None) -> torch.Tensor:

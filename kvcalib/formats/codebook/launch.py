@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ...streams import side_by_side
 from ..waves import MAX_GQA, sm_count, splits
 from .layout import CodebookLayer, CodebookSpec, CodedPart
 
@@ -225,7 +226,6 @@ def codebook_decode(q: torch.Tensor, layer: CodebookLayer, scaling: float,
     return out
 
 
-_SIDE_STREAMS: dict[torch.device, list] = {}
 _CONFIGURED: dict[int, tuple] = {}  # id of a `partial` function -> (the function, kept alive, its shared memory)
 
 
@@ -241,14 +241,6 @@ def _configure(partial, smem: int) -> None:
             partial.max_dynamic_shared_size_bytes = smem
         partial.preferred_shared_memory_carveout = 100
         _CONFIGURED[id(partial)] = (partial, smem)
-
-
-def side_streams(device: torch.device, n: int) -> list:
-    """n streams of `device` for a layer's groups' launches, made once (a stream is not made during a capture)."""
-    held = _SIDE_STREAMS.setdefault(device, [])
-    while len(held) < n:
-        held.append(torch.cuda.Stream(device))
-    return held[:n]
 
 
 @torch.library.custom_op("kvcalib::codebook_decode", mutates_args=("out",))
@@ -271,17 +263,7 @@ def _codebook_decode(q: torch.Tensor, out: torch.Tensor, tensors: list[torch.Ten
                       x[0], x[1], bool(x[2]), x[3], x[4], x[5], bool(x[6]), x[7], t[0].shape[1] / heads, scaling,
                       checked, softcap)
 
-    if len(groups) == 1:
-        one(groups[0])
-        return
-    main = torch.cuda.current_stream(q.device)
-    sides = side_streams(q.device, len(groups))
-    for group, side in zip(groups, sides):
-        side.wait_stream(main)  # q and out are ready
-        with torch.cuda.stream(side):
-            one(group)
-    for side in sides:
-        main.wait_stream(side)  # out is whole; what the launches allocated is freed in their streams' order
+    side_by_side(q.device, [lambda g=g: one(g) for g in groups])  # q ready before, out whole after
 
 
 @_codebook_decode.register_fake
