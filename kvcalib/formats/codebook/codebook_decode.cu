@@ -21,8 +21,9 @@
 //   head_map (H,) int32 or null                   the model's KV head of each launch head (a plan's group)
 // A token's vector is x = norm * y B, y the centroids of its codes and B the part's basis (the identity where the
 // format has none). `rotate` writes q~ = scale log2(e) q B_K^T (float32) once per query head (without a key basis,
-// each `partial` block takes q~ = scale log2(e) q itself); the packed tokens are scored against q~ and their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16
-// rows meet q itself and are summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
+// KIVI's keys, each `partial` block takes q~ = scale log2(e) q itself); the packed tokens are scored against q~ and
+// their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16 rows meet q itself and are
+// summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
 // (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
 // the levels gathered as any codes are; affine values are level * scale + zero in fp16 (one fma a half2).
 //
