@@ -310,3 +310,23 @@ def test_each_group_of_a_plan_writes_only_its_own_query_heads():
         alone = codebook_decode(q, layer, 64**-0.5, checked=True)
         mine = torch.cat([torch.arange(4 * h, 4 * h + 4) for h in rows.head_map.tolist()]).to(DEV)
         assert torch.equal(alone[:, mine], full[:, mine])
+
+
+def test_only_groups_whose_keys_have_a_basis_launch_the_query_rotation(monkeypatch):
+    """`rotate` runs for a group whose keys are coded in a basis of their own (TurboQuant's, OScaR's rotated keys);
+    a group without one (KIVI's affine keys) launches `partial` and `merge` only, each block scaling q itself, and
+    every row is as exact as SDPA's (the rule above). Planted: KROT 0 for every group fails here (q~ never rotated)."""
+    import kernels_cupy.loader as loader
+
+    names = []
+    real = loader.kernel
+    monkeypatch.setattr(loader, "kernel", lambda path, defines, name: names.append((defines.get("KROT"), name))
+                        or real(path, defines, name))
+    for kind, bits, rotated in (("kivi-g128", 2, False), ("oscar-g32", 2, True), ("oblivious", 2, True)):
+        names.clear()
+        method = _on_device(any_method(kind, bits, d=128, sinks=1, residual=128))
+        k16, v16, g = _inputs(2, 2, 1037, 128, bits)
+        _check(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
+        decode = [(krot, name) for krot, name in names if krot is not None]  # the encode's kernels take no KROT
+        assert {name for _, name in decode} == ({"rotate", "partial", "merge"} if rotated else {"partial", "merge"})
+        assert {krot for krot, _ in decode} == {int(rotated)}, (kind, names)

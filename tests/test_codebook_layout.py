@@ -228,12 +228,15 @@ def test_shared_books_are_copied_where_a_block_holds_both_books_in_52_kib():
     """`book_copies`: a book shared by every position, of 4- to 16-byte entries, is held in 128 / entry bytes copies
     (128 bytes an entry); books per position and 2-byte entries never; both books within COPIED_BOOKS_BYTES, else
     the value book's copies first, else the key's, else none; `shared_bytes` counts what the block holds."""
-    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, shared_bytes
+    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, query_bytes, shared_bytes
 
     levels, vec6, vec8 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 4), _kernel_book(1, 256, 4)
     per_position, halves = _kernel_book(64, 64, 2), _kernel_book(1, 16, 1)
     assert book_copies(levels, vec6) == (32, 16)  # KIVI-2's levels in pairs, VecInfer d4b6
     assert shared_bytes(levels, vec6, 4, 128) == 16 * 128 + 64 * 128
+    # keys without a basis: each block holds its 4 query heads' q~ (float32) after the books
+    assert query_bytes(False, 4, 128) == 4 * 4 * 128 and query_bytes(True, 4, 128) == 0
+    assert shared_bytes(levels, vec6, 4, 128, query=query_bytes(False, 4, 128)) == 16 * 128 + 64 * 128 + 2048
     assert book_copies(per_position, vec8) == (1, 16)  # TurboQuant-3's pairs per position, VecInfer d4b8
     assert book_copies(per_position, halves) == (1, 1)
     wide = _kernel_book(1, 256, 2)  # 4-bit levels in pairs: 32 KiB copied
@@ -307,7 +310,7 @@ def test_copies_stay_within_what_an_sm_holds_for_its_resident_blocks(monkeypatch
     A100's 164 KiB 40 KiB, an sm_89's 100 KiB 24 KiB, so that copies never take a resident block away."""
     from types import SimpleNamespace
 
-    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, copies_budget
+    from kvcalib.formats.codebook.launch import COPIED_BOOKS_BYTES, book_copies, copies_budget, query_bytes
 
     for per_sm, budget in ((228, 52), (164, 40), (100, 24)):
         copies_budget.cache_clear()
@@ -318,6 +321,13 @@ def test_copies_stay_within_what_an_sm_holds_for_its_resident_blocks(monkeypatch
     copies_budget.cache_clear()
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # no device answers: the H100's and H200's budget
     assert copies_budget(0, 4) == COPIED_BOOKS_BYTES
+    copies_budget.cache_clear()
+    for per_sm, budget in ((228, 52), (164, 38)):  # q~ in shared memory beside the books: 2 KiB less where it binds
+        copies_budget.cache_clear()
+        props = SimpleNamespace(shared_memory_per_multiprocessor=per_sm * 1024)
+        monkeypatch.setattr("torch.cuda.get_device_properties", lambda index: props)
+        monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+        assert copies_budget(0, 4, query_bytes(False, 4, 128)) == budget * 1024
     copies_budget.cache_clear()
     vec8 = _kernel_book(1, 256, 4)  # 32 KiB copied
     assert book_copies(_kernel_book(1, 16, 2), vec8, 24 * 1024) == (32, 1)

@@ -20,9 +20,10 @@
 //   lengths, residuals (B,) int32 or null         per-sequence T and r read on the device (a captured step)
 //   head_map (H,) int32 or null                   the model's KV head of each launch head (a plan's group)
 // A token's vector is x = norm * y B, y the centroids of its codes and B the part's basis (the identity where the
-// format has none). `rotate` writes q~ = scale log2(e) q B_K^T (float32) once per query head; the packed tokens
-// are scored against q~ and their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16
-// rows meet q itself and are summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
+// format has none). `rotate` writes q~ = scale log2(e) q B_K^T (float32) once per query head (without a key basis,
+// KIVI's keys, each `partial` block takes q~ = scale log2(e) q itself); the packed tokens are scored against q~ and
+// their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16 rows meet q itself and are
+// summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
 // (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
 // the levels gathered as any codes are; affine values are level * scale + zero in fp16 (one fma a half2).
 //
@@ -31,8 +32,8 @@
 // written and read once.
 //
 // Kernels, each launched by kvcalib/formats/codebook/launch.py, which decides the grid:
-//   rotate   block (query head, batch), D SLICES threads: q~ = scale log2(e) q B_K^T (q times the scale without a
-//            basis)
+//   rotate   block (query head, batch), D SLICES threads: q~ = scale log2(e) q B_K^T, launched only where the
+//            keys have a basis (KROT); without one each `partial` block takes q times the scale itself
 //   partial  block (part, launch head, batch), WARPS warps. Parts 0 .. num_splits - 1 take split_len packed
 //            tokens each (with counts on the device, the batch's tokens balanced over them: `balanced_split`), as
 //            16-token tiles, warp w taking the split's w-th quarter, on the tensor cores:
@@ -51,7 +52,8 @@
 //   merge    block (query head, batch), D SLICES threads: the parts weighed by exp2(m_p - M); the packed parts' sum
 //            taken back by B_V, the rows' added, divided by the total weight; written as QT.
 //
-// Defines: SOFTCAP_LOG2 (optional: Gemma 2's cap on the scores, times log2(e)), SPREAD (optional, 1: the grid's
+// Defines: KROT (optional, 1: the keys' basis, q~ from `rotate`; 0: none), SOFTCAP_LOG2 (optional: Gemma 2's cap on
+// the scores, times log2(e)), SPREAD (optional, 1: the grid's
 // packed splits a row over those one wave holds for it, `balanced_split`), D, GQ (<= 8), QT, CH (channels a lane of
 // a float16 row), WARPS, ROWS (float16 rows a rows part), SLICES (slices of D threads a `rotate` and `merge` block,
 // D SLICES <= 1024), and per
@@ -66,6 +68,9 @@
 #define NEG_INF __int_as_float(0xff800000)
 #ifndef SPREAD
 #define SPREAD 1  // the grid's packed splits a row over those one wave holds for it (`balanced_split`)
+#endif
+#ifndef KROT
+#define KROT 1  // 1: keys coded in a basis of their own, q~ from `rotate`; 0: none, each block scales q itself
 #endif
 #ifndef SOFTCAP_LOG2
 #define SOFTCAP_LOG2 0.f  // soft-capping (Gemma 2): the cap c times log2(e); 0: none
@@ -515,7 +520,11 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     __half* kb = reinterpret_cast<__half*>(smem);
     __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
     uint4 qa[KS];
-    const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(qrot + bh * GQ * D);
+    // q~ of the block's GQ query heads: `rotate`'s (keys in a basis of their own), else q times the scale, which
+    // the block writes after its books in shared memory (launch.py `_block_bytes`), a launch fewer on the step's
+    // critical path.
+    float* qs = reinterpret_cast<float*>(vb + (VBOOK_HALVES + 7) / 8 * 8);
+    const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(KROT ? qrot + bh * GQ * D : qs);
     if (t0 < t1) {  // (block-uniform) an empty split writes an empty partial and reads nothing
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
@@ -523,6 +532,11 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       else copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
       if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
       else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
+      if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
+        const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D;
+        for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i] = to_float(qsrc[i]) * scale_log2;
+        __syncthreads();
+      }
       if (!KTG) q_fragments(qrows, qa);
     }
     float kbias = 0.f;

@@ -126,15 +126,22 @@ def _copies(part: KernelBook) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def copies_budget(device_index: int, blocks: int) -> int:
+def copies_budget(device_index: int, blocks: int, query_bytes: int = 0) -> int:
     """The shared memory a `partial` block's books may take where they are copied, on this device with `blocks`
-    resident blocks an SM: `COPIED_BOOKS_BYTES`, or less where an SM holds less (an A100's 164 KiB: 40 KiB); the
-    former where no CUDA device answers (`supports` asked of a CUDA layout on a machine without one)."""
+    resident blocks an SM, each also holding `query_bytes` of q~ (`query_bytes`): `COPIED_BOOKS_BYTES`, or less where
+    an SM holds less (an A100's 164 KiB: 40 KiB); the former where no CUDA device answers (`supports` asked of a CUDA
+    layout on a machine without one)."""
     if not torch.cuda.is_available():
         return COPIED_BOOKS_BYTES
     props = torch.cuda.get_device_properties(device_index)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    return min(COPIED_BOOKS_BYTES, per_sm // blocks - RESERVED_BYTES)
+    return min(COPIED_BOOKS_BYTES, per_sm // blocks - RESERVED_BYTES - query_bytes)
+
+
+def query_bytes(rotated: bool, gqa: int, head_dim: int) -> int:
+    """Shared memory a `partial` block takes for q~ beside its books: none where the keys have a basis (`rotate`
+    writes q~), else its query heads' q times the scale in float32 (the kernel's KROT 0)."""
+    return 0 if rotated else 4 * gqa * head_dim
 
 
 def _book_bytes(part: KernelBook, copies: int = 1) -> int:
@@ -156,15 +163,18 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
     return 1, 1
 
 
-def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, budget: int = COPIED_BOOKS_BYTES) -> int:
-    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them within `budget`), later
-    the warps' states."""
-    return _block_bytes(key, value, book_copies(key, value, budget), gqa, head_dim)
+def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, budget: int = COPIED_BOOKS_BYTES,
+                 query: int = 0) -> int:
+    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them within `budget`) and
+    `query` bytes of q~ (`query_bytes`), later the warps' states."""
+    return _block_bytes(key, value, book_copies(key, value, budget), gqa, head_dim, query)
 
 
-def _block_bytes(key: KernelBook, value: KernelBook, copies: tuple[int, int], gqa: int, head_dim: int) -> int:
-    """`shared_bytes` of books held in these (key, value) copies."""
-    return max(_book_bytes(key, copies[0]) + _book_bytes(value, copies[1]), 4 * WARPS * gqa * (head_dim + 2))
+def _block_bytes(key: KernelBook, value: KernelBook, copies: tuple[int, int], gqa: int, head_dim: int,
+                 query: int = 0) -> int:
+    """`shared_bytes` of books held in these (key, value) copies, q~ after them."""
+    books = _book_bytes(key, copies[0]) + _book_bytes(value, copies[1])
+    return max(books + query, 4 * WARPS * gqa * (head_dim + 2))
 
 
 def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
@@ -177,11 +187,12 @@ def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.devi
         return False
     if opts is not None and opts.sliding_window:
         return False
-    budget = copies_budget(device.index or 0, blocks_per_sm(gqa, head_dim))
     for spec in specs:
         key, value = kernel_book(spec.key), kernel_book(spec.value)
+        query = query_bytes(spec.key.basis is not None, gqa, head_dim)
+        budget = copies_budget(device.index or 0, blocks_per_sm(gqa, head_dim), query)
         if not (_reads(key, head_dim) and _reads(value, head_dim) and _affine_reads(spec.key, spec.value, head_dim)
-                and shared_bytes(key, value, gqa, head_dim, budget) <= SHARED_LIMIT):
+                and shared_bytes(key, value, gqa, head_dim, budget, query) <= SHARED_LIMIT):
             return False
     return True
 
@@ -293,13 +304,15 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                          "heads are not named by its head map")
     gqa = hq // hr
     key, value = KernelBook(kbook, kbits, kdim), KernelBook(vbook, vbits, vdim)
-    budget = copies_budget(q.device.index or 0, blocks_per_sm(gqa, d))
+    query = query_bytes(kbasis is not None, gqa, d)
+    budget = copies_budget(q.device.index or 0, blocks_per_sm(gqa, d), query)
     if (q.dtype not in (torch.float16, torch.bfloat16) or out.dtype != q.dtype or not q.is_cuda or d not in HEAD_DIMS
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
             or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
             # the books as the launch holds them, worked out once for the check, the defines and the launch
-            or (smem := _block_bytes(key, value, (copies := book_copies(key, value, budget)), gqa, d)) > SHARED_LIMIT):
+            or (smem := _block_bytes(key, value, (copies := book_copies(key, value, budget)), gqa, d, query))
+            > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
@@ -338,10 +351,11 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
                "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
-               "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread, "KREPL": krepl, "VREPL": vrepl}
+               "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread, "KREPL": krepl, "VREPL": vrepl,
+               "KROT": int(kbasis is not None)}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
-    qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32)
+    qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32) if kbasis is not None else None
     part_acc = torch.empty(b, h * gqa, parts, d, device=q.device, dtype=torch.float32)
     part_ml = torch.empty(b, h * gqa, parts, 2, device=q.device, dtype=torch.float32)
     scale_log2 = cupy.float32(scaling * LOG2E)  # softmax in base 2
@@ -349,9 +363,9 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     ptr = lambda t: cupy.uint64(t.data_ptr() if t is not None and t.numel() else 0)  # noqa: E731
     heads = lambda t: i32(0 if t is None else t.shape[0])  # noqa: E731
     with torch_stream(q.device):
-        # Block (query head of the layer's heads, batch row): q~ = scale log2(e) q B_K^T.
-        launch(kernel(KERNEL, defines, "rotate"), (h * gqa, b), (d * SLICES,),
-               (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
+        if kbasis is not None:  # block (query head, batch row): q~ = scale log2(e) q B_K^T; else `partial` scales q
+            launch(kernel(KERNEL, defines, "rotate"), (h * gqa, b), (d * SLICES,),
+                   (ptr(q), ptr(kbasis), heads(kbasis), ptr(head_map), i32(hq), scale_log2, ptr(qrot)), checked)
         # Block (part, KV head, batch row): split_len packed tokens (parts < num_splits) or ROWS float16 rows.
         partial = kernel(KERNEL, defines, "partial")
         _configure(partial, smem)
