@@ -126,16 +126,16 @@ def _copies(part: KernelBook) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def copies_budget(device_index: int, blocks: int, query_bytes: int = 0) -> int:
+def copies_budget(device_index: int, blocks: int, query: int = 0) -> int:
     """The shared memory a `partial` block's books may take where they are copied, on this device with `blocks`
-    resident blocks an SM, each also holding `query_bytes` of q~ (`query_bytes`): `COPIED_BOOKS_BYTES`, or less where
+    resident blocks an SM, each also holding `query` bytes of q~ (`query_bytes`): `COPIED_BOOKS_BYTES`, or less where
     an SM holds less (an A100's 164 KiB: 40 KiB); the former where no CUDA device answers (`supports` asked of a CUDA
     layout on a machine without one)."""
     if not torch.cuda.is_available():
         return COPIED_BOOKS_BYTES
     props = torch.cuda.get_device_properties(device_index)
     per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    return min(COPIED_BOOKS_BYTES, per_sm // blocks - RESERVED_BYTES - query_bytes)
+    return min(COPIED_BOOKS_BYTES, per_sm // blocks - RESERVED_BYTES - query)
 
 
 def query_bytes(rotated: bool, gqa: int, head_dim: int) -> int:
