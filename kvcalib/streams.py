@@ -1,8 +1,9 @@
 """Independent pieces of GPU work run side by side on streams of their own, joined back before their results are
 read: a plan's layer decodes its groups of heads so (`formats.codebook.launch`) and compresses them so at a flush
-(`methods.plan`), and a flush writes its buffers so (`runtime.slots.flush_writes`). Captured into a CUDA graph, the streams become its parallel branches, and a branch's small kernels
-no longer wait for the other groups' (a flush runs eagerly inside the captured step, where a plan's layer launched
-48 to 66 kernels in turn: benchmarks/flush_cost.py)."""
+(`methods.plan`), and a flush writes its buffers so (`runtime.slots.flush_writes`). Captured into a CUDA graph, the
+streams become its parallel branches, and a branch's small kernels no longer wait for the other groups' (a flush
+runs eagerly inside the captured step, where a plan's layer launched 48 to 66 kernels in turn:
+benchmarks/flush_cost.py)."""
 
 from __future__ import annotations
 

@@ -436,9 +436,9 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
 
 // q~ = scale log2(e) q B_K^T for query head blockIdx.x of batch row blockIdx.y (float32, (B, Hl GQ, D)), D SLICES
 // threads: thread (c, s) takes channels s D / SLICES .. of row c of B_K (`kbasis` (G, D, D), G = 1 or the launch's
-// heads; null: q times the scale), all its loads in flight at once, the slices summed in shared memory (one trip to
-// L2, where D threads walking a whole row each made D / 32 dependent trips: this launch and `merge` are on every
-// step's critical path, latency-bound, not bytes-bound).
+// heads; launched only where the keys have one, KROT: without, each `partial` block scales q itself), all its loads in
+// flight at once, the slices summed in shared memory (one trip to L2, where D threads walking a whole row each made
+// D / 32 dependent trips: this launch and `merge` are on every step's critical path, latency-bound, not bytes-bound).
 extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __restrict__ q,
                                                                  const float* __restrict__ kbasis, int basis_heads,
                                                                  const int* __restrict__ head_map, int hq_model,
@@ -449,10 +449,6 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __rest
   const int hm = head_map ? head_map[hl] : hl;
   const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
   float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
-  if (!kbasis) {
-    if (s == 0) *dst = to_float(src[c]) * scale_log2;
-    return;
-  }
   if (s == 0) x[c] = to_float(src[c]);
   __syncthreads();
   constexpr int SPAN = D / SLICES;
