@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from results import RESULTS, record
+from results import RESULTS, publish
 
 GIB = 2**30
 # kvcalib's own progress bars, by their units, within one line of tqdm's output (another library's bar counts
@@ -251,8 +251,7 @@ def main() -> None:
     title = (f"Calibration pipeline, {machine}, {Path(args.model).name}, {args.num_samples} x {args.seq_len}, "
              f"{how}{trained}")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from kvcalib.formats.codebook.launch import codebook_decode
 from kvcalib.formats.codebook.layout import reference_decode
 from kvcalib.formats.int2.launch import fused_decode
 from kvcalib.formats.int2.layout import pack
-from results import RESULTS, record
+from results import RESULTS, publish
 
 
 def plan_settings(plan_dir: str) -> dict:
@@ -116,8 +116,7 @@ def main() -> None:
     title = (f"The codebook kernel a pair of schemes at a time, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv "
              f"heads, d={D}")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":

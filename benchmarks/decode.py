@@ -38,7 +38,7 @@ from kvcalib.formats.int2.layout import pack, reference_decode
 from kvcalib.formats.int2.launch import fused_decode
 from kvcalib.formats.vq.launch import vq_decode
 from kvcalib.formats.vq.layout import reference_decode as vq_reference
-from results import RESULTS, record
+from results import RESULTS, publish
 
 HQ, HKV, D, RESIDUAL = 32, 8, 128, 100
 SPIN_CYCLES = 200_000  # ~0.1 ms of GPU clock: longer than the host takes to submit an event, a replay and an event
@@ -341,8 +341,7 @@ def main() -> None:
         lines.append(f"| {b} | {n} | {name} | {us:.1f} | {sdpa_us[(b, n)] / us:.2f}x | {nbytes / 1e6:.1f} | "
                      f"{gbs:.0f} | {100 * gbs / bw:.0f}% | {floors[nbytes]:.1f} | {err:.1e} |")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from kvcalib.models import LoadedModel, attention_shape
 from kvcalib.runtime.cache import KvcalibCache
 from kvcalib.runtime.captured import CapturedDecoder, Decoder
 from kvcalib.runtime.static_cache import StaticKvcalibCache
-from results import RESULTS, record
+from results import RESULTS, publish
 
 CACHES = {"kivi128": ("kivi", MethodSettings(2, 128, 128)), "kivi32": ("kivi", MethodSettings(2, 32, 128)),
           "oscar32": ("oscar", MethodSettings(2, 32, 128)), "kvlinc128": ("kvlinc", MethodSettings(2, 128, 128))}
@@ -381,8 +381,7 @@ def main() -> None:
     title = (f"Decode latency end to end, every method at {spoken(contexts)}, {torch.cuda.get_device_name()}, "
              "Llama-3.1-8B shape (random init)")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":

@@ -324,13 +324,12 @@ def main() -> None:
                      f"{1e3 * r['greedy']:.2f} | {1e3 * r['sample']:.2f} | {r['sample'] / r['greedy']:.3f} | "
                      f"{r['batch'] / r['greedy']:.1f} | {speed} | " +
                      ("-" if r["step"] is None else f"{1e3 * r['step']:.2f} ({r['greedy'] / r['step']:.3f})") + " |")
-    from results import RESULTS, record
+    from results import RESULTS, publish
 
     named = "Llama-3.1-8B" if args.shape == "llama-3.1-8b" else f"{args.shape} in bfloat16"
     title = f"Decoding through model.generate, {torch.cuda.get_device_name()}, {named} shape (random init)"
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results or RESULTS)
+    publish(title, table, sys.argv, path=args.results or RESULTS)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import torch
 from decode import D, HKV, HQ, RESIDUAL, mapped, plan_layer, timed
 from kvcalib.formats.codebook import launch as codebook_launch
 from kvcalib.formats.codebook.launch import codebook_decode
-from results import RESULTS, record
+from results import RESULTS, publish
 
 SHARE_ARG = 32  # `_launch_group`'s positional argument `share`
 OVERRIDE: dict[int, float] = {}  # a group's key codes' address -> its share of the wave, in this process
@@ -119,8 +119,7 @@ def main() -> None:
     title = (f"A plan's layer, groups' shares of the wave by heads or by their cost, {torch.cuda.get_device_name()}, "
              f"{HQ} q / {HKV} kv heads, d={D}, B={b}, L={length}")
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":

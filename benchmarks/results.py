@@ -51,8 +51,8 @@ def record(title: str, table: str, argv: list[str], path: str | Path = RESULTS) 
     path.write_text(text[: old.start()] + section + "\n" + text[end:].lstrip("\n"))
 
 
-def publish(title: str, table: str, argv: list[str], record_it: bool = True) -> None:
-    """Print the table under its title and, unless told not to (--no-record), `record` it."""
+def publish(title: str, table: str, argv: list[str], record_it: bool = True, path: str | Path = RESULTS) -> None:
+    """Print the table under its title and, unless told not to (--no-record), `record` it in `path`."""
     print(f"\n{title}\n\n{table}")
     if record_it:
-        record(title, table, argv)
+        record(title, table, argv, path)

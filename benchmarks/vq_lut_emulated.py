@@ -30,7 +30,7 @@ import sys
 import torch
 
 from kvcalib import vq
-from results import RESULTS, record
+from results import RESULTS, publish
 
 HKV, GQA, D = 8, 4, 128
 
@@ -128,8 +128,7 @@ def main() -> None:
             print("\n".join(lines[-6:]), flush=True)
     title = "VecInfer lookup-table kernel arithmetic, CPU emulation against float64"
     table = "\n".join(lines)
-    print(f"\n{title}\n\n{table}")
-    record(title, table, sys.argv, args.results)
+    publish(title, table, sys.argv, path=args.results)
 
 
 if __name__ == "__main__":
