@@ -446,16 +446,17 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __rest
   __shared__ float x[D];
   __shared__ float sums[SLICES][D];
   const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
-  const int hm = head_map ? head_map[hl] : hl;
-  const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
-  float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
-  if (s == 0) x[c] = to_float(src[c]);
-  __syncthreads();
+  // The basis's loads first, in flight while the query's (behind its head's index) are made: one trip to memory.
   constexpr int SPAN = D / SLICES;
   const float4* m = reinterpret_cast<const float4*>(kbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + c * D + s * SPAN);
   float4 r[SPAN / 4];
 #pragma unroll
   for (int i = 0; i < SPAN / 4; ++i) r[i] = __ldg(m + i);
+  const int hm = head_map ? head_map[hl] : hl;
+  const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
+  float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
+  if (s == 0) x[c] = to_float(src[c]);
+  __syncthreads();
   float y = 0.f;
 #pragma unroll
   for (int i = 0; i < SPAN / 4; ++i) {
@@ -513,6 +514,24 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const int g = lane / 4, t = lane % 4;
     if (lengths) split_len = balanced_split(lengths, capt, num_splits);
     const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
+    // The (batch, head)'s rows, each held as an address of its own (`opaque`), which a tile's loads offset by their
+    // 32-bit token index in one instruction.
+    const unsigned* krow = opaque(kcodes + bh * capt * KW);
+    const unsigned* vrow = opaque(vcodes + bh * capt * VW);
+    const __half* kn = KNORM ? opaque(knorm + bh * capt) : nullptr;
+    const __half* vn = VNORM ? opaque(vnorm + bh * capt) : nullptr;
+    const __half* vs = VCG ? opaque(vscale + bh * capt * (D / VGROUP)) : nullptr;
+    const __half* vz = VCG ? opaque(vzero + bh * capt * (D / VGROUP)) : nullptr;
+    // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
+    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles. Its tiles start at the
+    // tile of t0 (the split's first token not among the float16 sinks); a split of sinks alone runs none (its books
+    // were not copied).
+    const int span = split_len / WARPS, begin = part * split_len + span * warp;
+    const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
+    Tile cur, nxt;
+    // The prologue's reads are asked for at once, each a trip to memory the block would otherwise wait on in turn:
+    // the first tile's codes, q~ (`rotate`'s, or q), the books.
+    if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     __half* kb = reinterpret_cast<__half*>(smem);
     __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
     uint4 qa[KS];
@@ -522,6 +541,17 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     float* qs = reinterpret_cast<float*>(vb + (VBOOK_HALVES + 7) / 8 * 8);
     const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(KROT ? qrot + bh * GQ * D : qs);
     if (t0 < t1) {  // (block-uniform) an empty split writes an empty partial and reads nothing
+      if (KROT && !KTG) q_fragments(qrows, qa);
+      constexpr int QPER = (GQ * D + NT - 1) / NT;  // elements of q a thread scales (KROT 0)
+      float qv[QPER];
+      if constexpr (!KROT) {
+        const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D;
+#pragma unroll
+        for (int j = 0; j < QPER; ++j) {
+          const int i = threadIdx.x + j * NT;
+          qv[j] = i < GQ * D ? to_float(qsrc[i]) : 0.f;
+        }
+      }
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
       if constexpr (KREPL > 1) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
@@ -529,37 +559,24 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
       else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
       if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
-        const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D;
-        for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i] = to_float(qsrc[i]) * scale_log2;
+#pragma unroll
+        for (int j = 0; j < QPER; ++j) {
+          const int i = threadIdx.x + j * NT;
+          if (i < GQ * D) qs[i] = qv[j] * scale_log2;
+        }
         __syncthreads();
+        if (!KTG) q_fragments(qrows, qa);
       }
-      if (!KTG) q_fragments(qrows, qa);
     }
     float kbias = 0.f;
     int group = -1;  // the affine key group whose fragments qa holds
     __syncthreads();
-    // The (batch, head)'s rows, each held as an address of its own (`opaque`), which a tile's loads offset by their
-    // 32-bit token index in one instruction.
-    const unsigned* krow = opaque(kcodes + bh * capt * KW);
-    const unsigned* vrow = opaque(vcodes + bh * capt * VW);
-    const __half* kn = KNORM ? opaque(knorm + bh * capt) : nullptr;
-    const __half* vn = VNORM ? opaque(vnorm + bh * capt) : nullptr;
-    const __half* vs = VCG ? opaque(vscale + bh * capt * (D / VGROUP)) : nullptr;
-    const __half* vz = VCG ? opaque(vzero + bh * capt * (D / VGROUP)) : nullptr;
     float m = NEG_INF, l = 0.f, acc[KS][4];
 #pragma unroll
     for (int u = 0; u < KS; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-    // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
-    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles. Its tiles start at the
-    // tile of t0 (the split's first token not among the float16 sinks); a split of sinks alone runs none (its books
-    // were not copied).
-    const int span = split_len / WARPS, begin = part * split_len + span * warp;
-    const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
-    Tile cur, nxt;
     const unsigned kbs = book_address<KDIM, KREPL>(kb), vbs = book_address<VDIM, VREPL>(vb);
-    if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     for (int base = first; base < last; base += 16) {
       if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);
       if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)
@@ -661,6 +678,12 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   __shared__ float slice_max[SLICES], slice_den[SLICES];
   const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
   const long row = (long)b * gridDim.x + blockIdx.x;
+  // What the block reads after the parts, asked for before them: B_V into L2 (a line a thread), the head's index.
+  const float* basis = vbasis ? vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) : nullptr;
+  if (basis)
+    for (int i = threadIdx.x; i < D * D / 32; i += D * SLICES)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(basis + 32 * i));
+  const int hm = head_map ? __ldg(head_map + hl) : hl;
   const float* ml = part_ml + row * parts * 2;
   const float* acc = part_acc + row * parts * D + c;
   float mx = NEG_INF, den = 0.f, sum_coded = 0.f, sum_rows = 0.f;
@@ -709,9 +732,9 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   __syncthreads();
   const float rows_total = rows[0][c];
   float y = coded[0][c];
-  if (vbasis) {
+  if (basis) {
     constexpr int SPAN = D / SLICES;
-    const float* m = vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + (long)s * SPAN * D + c;
+    const float* m = basis + (long)s * SPAN * D + c;
     constexpr int CHUNK = D * SLICES >= 1024 ? 16 : 32;  // loads in flight (at 1024 threads, 64 registers a thread)
     float part = 0.f;
 #pragma unroll
@@ -734,7 +757,6 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   float total_den = 0.f;
 #pragma unroll
   for (int j = 0; j < SLICES; ++j) total_den += slice_den[j];
-  const int hm = head_map ? head_map[hl] : hl;
   from_float(out + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D + c,
              total_den > 0.f ? (y + rows_total) / total_den : 0.f);
 }
