@@ -11,6 +11,11 @@ graph replays, GPU kernel time per step by kind:
   scatter/gather, the quantizer's min/max and rounding, or the packing's shifts);
 - other: the rest of the model's fused elementwise ops and reductions (RMSNorm, rotary, SiLU, adds).
 
+Then each layer's attention as the GPU ran it (`attention_windows`): its kernels' window from the first to start to
+the last to end, split into the phase before any `partial` starts (`rotate`, launch gaps), the partials' span, and
+the phase after the last one ends (`merge`), with the idle gaps before and after it; medians over the layers. A plan
+runs its groups of heads side by side: a phase is the layer's, over every group.
+
     python benchmarks/profile_step.py [--context 32768] [--batch 1] [--cache kivi128] [--replays 20] [--out DIR]
                                       [--compile step]
                                       [--shape llama-3.1-8b | another make-model shape, in bfloat16]
@@ -40,19 +45,52 @@ def kind(name: str) -> str:
     return next(k for k, pattern in KINDS if pattern.search(name))
 
 
-def kernel_profile(step, token, steps: int) -> tuple[torch.Tensor, collections.Counter, collections.Counter]:
+def kernel_profile(step, token, steps: int) -> tuple[torch.Tensor, collections.Counter, collections.Counter, list]:
     """`steps` calls of `step(token) -> next token` under torch.profiler: (the last token, GPU microseconds per
-    step by kernel name, launches per step by kernel name)."""
+    step by kernel name, launches per step by kernel name, every kernel as (name, start us, end us))."""
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             token = step(token)
         torch.cuda.synchronize()
-    us, calls = collections.Counter(), collections.Counter()
+    us, calls, spans = collections.Counter(), collections.Counter(), []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             us[event.name] += event.device_time_total / steps
             calls[event.name] += 1 / steps
-    return token, us, calls
+            spans.append((event.name, event.time_range.start, event.time_range.end))
+    return token, us, calls, spans
+
+
+PHASES = ("idle before", "before the partials", "partials", "after the partials", "window", "idle after")
+
+
+def attention_windows(spans: list) -> list[dict]:
+    """Each run of attention kernels (in start order, nothing else starting among them: a layer's attention, its
+    groups' side streams included) as the `PHASES` in microseconds: the idle time since the kernel before it ended,
+    the time from its first start to the first `partial`'s, the partials' span, from the last partial's end to the
+    window's, the window, and the idle time until the next kernel starts."""
+    spans = sorted(spans, key=lambda x: x[1])
+    out, i = [], 0
+    while i < len(spans):
+        if kind(spans[i][0]) != "attention":
+            i += 1
+            continue
+        j = i
+        while j < len(spans) and kind(spans[j][0]) == "attention":
+            j += 1
+        run = spans[i:j]
+        if i == 0 or j == len(spans):  # a window cut by the profile's edges
+            i = j
+            continue
+        start, end = run[0][1], max(x[2] for x in run)
+        partials = [x for x in run if "partial" in x[0]]
+        if partials:
+            p0, p1 = min(x[1] for x in partials), max(x[2] for x in partials)
+            before = max(x[2] for x in spans[:i])
+            out.append(dict(zip(PHASES, (start - before, p0 - start, p1 - p0, end - p1, end - start,
+                                         spans[j][1] - end))))
+        i = j
+    return out
 
 
 def main() -> None:
@@ -81,7 +119,7 @@ def main() -> None:
     for _ in range(5):
         token = decoder.step(token).argmax(-1)
     token, times = event_steps(decoder, token, args.replays)
-    token, per_name, calls = kernel_profile(lambda t: decoder.step(t).argmax(-1), token, args.replays)
+    token, per_name, calls, spans = kernel_profile(lambda t: decoder.step(t).argmax(-1), token, args.replays)
     by_kind = collections.Counter()
     for name, us in per_name.items():
         by_kind[kind(name)] += us
@@ -95,6 +133,12 @@ def main() -> None:
               "| kernel | kind | calls per step | ms per step |", "|---|---|---:|---:|"]
     lines += [f"| {name[:90]} | {kind(name)} | {calls[name]:.0f} | {us / 1e3:.3f} |" for name, us in per_name.most_common(40)]
     lines += ["", "Kernels on side streams overlap: the kinds' sum may pass the step."]
+    windows = attention_windows(spans)
+    if windows:
+        lines += ["", f"A layer's attention, µs ({len(windows) / args.replays:.1f} windows a step; median, and the "
+                  "sum a step in ms):", "", "| phase | median µs | ms a step |", "|---|---:|---:|"]
+        lines += [f"| {p} | {statistics.median(w[p] for w in windows):.2f} | "
+                  f"{sum(w[p] for w in windows) / args.replays / 1e3:.3f} |" for p in PHASES]
     text = "\n".join(lines)
     print(text)
     Path(args.out, f"profile_{args.shape}_{args.cache}_{args.context}_b{args.batch}_{args.compile}.md").write_text(text + "\n")

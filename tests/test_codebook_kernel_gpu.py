@@ -330,3 +330,37 @@ def test_only_groups_whose_keys_have_a_basis_launch_the_query_rotation(monkeypat
         decode = [(krot, name) for krot, name in names if krot is not None]  # the encode's kernels take no KROT
         assert {name for _, name in decode} == ({"rotate", "partial", "merge"} if rotated else {"partial", "merge"})
         assert {krot for krot, _ in decode} == {int(rotated)}, (kind, names)
+
+
+@pytest.mark.parametrize("kind,bits", [("kivi-g128", 2), ("kivi-g32", 3), ("kivi-g128", 4), ("oscar-g32", 2),
+                                       ("oscar-g128", 3), ("oscar-g128", 4), ("plan-mixed", 0)])
+@pytest.mark.parametrize("copied", [True, False])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeypatch, kind, bits, copied, d):
+    """Affine keys' pairs of levels made from their bits (the kernel's KLEVELS 1: a byte permute, a LOP3 and an
+    HFMA2 a pair) give, bit for bit, the output of the same pairs read from the book (KLEVELS 0), at every level
+    width, pairs that cross bytes and words included, the book copied or held once; every row as exact as SDPA's
+    (the rule above). The kernel picks between the two by speed (codebook_decode.cu); here each is forced. Planted: a
+    wrong bias for a pair's second level fails here and in the row-by-row tests."""
+    import kernels_cupy.loader as loader
+    from kvcalib.formats.codebook import launch
+
+    force, made = [1], []  # KLEVELS now; each affine group's launch, as it was forced
+    real = loader.kernel
+
+    def forced(path, defines, name):
+        if name == "partial" and defines.get("KTG"):
+            made.append(force[0])
+            defines = {**defines, "KLEVELS": force[0]}
+        return real(path, defines, name)
+
+    monkeypatch.setattr(loader, "kernel", forced)
+    if not copied:
+        monkeypatch.setattr(launch, "book_copies", lambda *args: (1, 1))
+    method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(2, h, 1037, d, bits + d)
+    layer, q, levels = _check(method, k16, v16, torch.randn(2, 4 * h, d, device=DEV, generator=g))
+    force[0] = 0
+    assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), levels)
+    assert made.count(1) and made.count(0) == made.count(1), made  # both ways ran for every affine group

@@ -60,7 +60,7 @@
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
 // launch.py `book_copies`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0:
-// none).
+// none). KLEVELS (affine keys' pairs of levels made from their bits, not read from the book) follows from these.
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -94,6 +94,16 @@ __device__ __forceinline__ float softcapped(float s) {
 #define VSHARE (VCH / VDIM * VB)
 #define KNW ((KSHARE + 31) / 32)  // words it spans, once aligned
 #define VNW ((VSHARE + 31) / 32)
+// Affine keys' pairs of levels made from their bits (`levels`), not read from the book: 2- and 4-bit levels (a pair
+// within whole bytes: three instructions, fewer than a gather's share of the shared-memory pipe), 3-bit levels only
+// where their book is not copied (a copied book's gather is conflict-free, and a 3-bit pair that crosses bytes
+// takes five). Measured over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -0.9%,
+// plan-3 -2.5%; every 3-bit pair made was slower where its book was copied. The launch still sizes the block for
+// the key book, which such a block neither copies nor reads. (Defined before, by tests only: 1 or 0 for any affine
+// keys in pairs, to compare the two.)
+#ifndef KLEVELS
+#define KLEVELS (KTG > 0 && KDIM == 2 && !KPOS && (KB != 6 || KREPL == 1))
+#endif
 #define KENTRIES (1 << KB)
 #define VENTRIES (1 << VB)
 #define KP (KPOS ? D / KDIM : 1)  // positions with a book of their own
@@ -237,6 +247,38 @@ __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int fir
   });
 }
 
+// Affine keys' centroids are their levels 0 .. 2^LB - 1 (layout.py `affine_part`), read in pairs (a code of BITS =
+// 2 LB bits, its first level least significant: launch.py `kernel_book`): where KLEVELS, a pair's half2 is made from
+// its bits, no book read. The pair's 16 bits (from the byte holding its first bit) go to both halves (one byte
+// permute), each level's bits are kept in its half's mantissa under 1024's exponent (one LOP3: 1024 + level 2^s, s
+// its offset in its half), and one HFMA2 takes each half to its level (exact: small integers). Bit for bit the
+// book's centroids.
+template <int CHANNELS, int BITS>
+__device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
+  constexpr int LB = BITS / 2;
+  static_assert(BITS % 2 == 0 && 2 * LB <= 10, "both levels within an fp16 mantissa");
+  constexpr_for<CHANNELS / 2>([&](auto jc) {
+    constexpr int j = decltype(jc)::value, at = j * BITS, wi = at / 32, bo = at % 32 / 8;
+    constexpr int s0 = at % 8, s = s0 + 2 * LB <= 10 ? s0 : 0;  // where the first level lands in its half
+    unsigned dup;
+    if constexpr (s == s0) {  // bytes bo, bo + 1 of the share (the next word's first where bo is 3) into each half
+      constexpr unsigned sel = bo | (bo + 1) << 4 | bo << 8 | (bo + 1) << 12;
+      dup = __byte_perm(f[wi], bo == 3 && s0 + BITS > 8 ? f[wi + 1] : 0u, sel);
+    } else {  // the pair moved to bit 0 first
+      const unsigned x = at % 32 + BITS > 32 ? __funnelshift_r(f[wi], f[wi + 1], at % 32) : f[wi] >> (at % 32);
+      dup = __byte_perm(x, 0u, 0x1010);
+    }
+    constexpr unsigned LMASK = (1u << LB) - 1, MASK = LMASK << s | LMASK << (s + LB + 16);
+    const unsigned w = (dup & MASK) | 0x64006400u;  // halves 1024 + c0 2^s, 1024 + c1 2^(s + LB)
+    constexpr unsigned short SCALE_LO = (15 - s) << 10, SCALE_HI = (15 - s - LB) << 10;  // 2^-s, 2^-(s + LB)
+    constexpr unsigned short BIAS_LO = 0x8000 | (25 - s) << 10, BIAS_HI = 0x8000 | (25 - s - LB) << 10;  // -1024 x them
+    const __half2 y = __hfma2(*reinterpret_cast<const __half2*>(&w),
+                              __halves2half2(__ushort_as_half(SCALE_LO), __ushort_as_half(SCALE_HI)),
+                              __halves2half2(__ushort_as_half(BIAS_LO), __ushort_as_half(BIAS_HI)));
+    out[j] = *reinterpret_cast<const unsigned*>(&y);
+  });
+}
+
 // A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart (words copied: E DIM
 // is even for every book the launch makes).
 template <int P, int ROWLEN, int STRIDE>
@@ -323,7 +365,8 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
-    gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL>(kb, x.k[r], t * (KCH / KDIM), kh);
+    if constexpr (KLEVELS) levels<KCH, KB>(x.k[r], kh);
+    else gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL>(kb, x.k[r], t * (KCH / KDIM), kh);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
   }
@@ -446,16 +489,17 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) rotate(const QT* __rest
   __shared__ float x[D];
   __shared__ float sums[SLICES][D];
   const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
-  const int hm = head_map ? head_map[hl] : hl;
-  const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
-  float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
-  if (s == 0) x[c] = to_float(src[c]);
-  __syncthreads();
+  // The basis's loads first, in flight while the query's (behind its head's index) are made: one trip to memory.
   constexpr int SPAN = D / SLICES;
   const float4* m = reinterpret_cast<const float4*>(kbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + c * D + s * SPAN);
   float4 r[SPAN / 4];
 #pragma unroll
   for (int i = 0; i < SPAN / 4; ++i) r[i] = __ldg(m + i);
+  const int hm = head_map ? head_map[hl] : hl;
+  const QT* src = q + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D;
+  float* dst = qrot + ((long)b * gridDim.x + blockIdx.x) * D + c;
+  if (s == 0) x[c] = to_float(src[c]);
+  __syncthreads();
   float y = 0.f;
 #pragma unroll
   for (int i = 0; i < SPAN / 4; ++i) {
@@ -513,6 +557,24 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const int g = lane / 4, t = lane % 4;
     if (lengths) split_len = balanced_split(lengths, capt, num_splits);
     const int t0 = max(S, part * split_len), t1 = min(T, (part + 1) * split_len);
+    // The (batch, head)'s rows, each held as an address of its own (`opaque`), which a tile's loads offset by their
+    // 32-bit token index in one instruction.
+    const unsigned* krow = opaque(kcodes + bh * capt * KW);
+    const unsigned* vrow = opaque(vcodes + bh * capt * VW);
+    const __half* kn = KNORM ? opaque(knorm + bh * capt) : nullptr;
+    const __half* vn = VNORM ? opaque(vnorm + bh * capt) : nullptr;
+    const __half* vs = VCG ? opaque(vscale + bh * capt * (D / VGROUP)) : nullptr;
+    const __half* vz = VCG ? opaque(vzero + bh * capt * (D / VGROUP)) : nullptr;
+    // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
+    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles. Its tiles start at the
+    // tile of t0 (the split's first token not among the float16 sinks); a split of sinks alone runs none (its books
+    // were not copied).
+    const int span = split_len / WARPS, begin = part * split_len + span * warp;
+    const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
+    Tile cur, nxt;
+    // The prologue's reads are asked for at once, each a trip to memory the block would otherwise wait on in turn:
+    // the first tile's codes, q~ (`rotate`'s, or q), the books.
+    if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     __half* kb = reinterpret_cast<__half*>(smem);
     __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
     uint4 qa[KS];
@@ -522,44 +584,42 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     float* qs = reinterpret_cast<float*>(vb + (VBOOK_HALVES + 7) / 8 * 8);
     const float(*qrows)[D] = reinterpret_cast<const float(*)[D]>(KROT ? qrot + bh * GQ * D : qs);
     if (t0 < t1) {  // (block-uniform) an empty split writes an empty partial and reads nothing
+      if (KROT && !KTG) q_fragments(qrows, qa);
+      constexpr int QPER = (GQ * D + NT - 1) / NT;  // elements of q a thread scales (KROT 0)
+      float qv[QPER];
+      if constexpr (!KROT) {
+        const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D;
+#pragma unroll
+        for (int j = 0; j < QPER; ++j) {
+          const int i = threadIdx.x + j * NT;
+          qv[j] = i < GQ * D ? to_float(qsrc[i]) : 0.f;
+        }
+      }
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
-      if constexpr (KREPL > 1) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
-      else copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
+      if constexpr (KREPL > 1 && !KLEVELS) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
+      else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
       if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
       else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
       if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
-        const QT* qsrc = q + ((long)b * hq_model + (head_map ? head_map[hl] : hl) * GQ) * D;
-        for (int i = threadIdx.x; i < GQ * D; i += NT) qs[i] = to_float(qsrc[i]) * scale_log2;
+#pragma unroll
+        for (int j = 0; j < QPER; ++j) {
+          const int i = threadIdx.x + j * NT;
+          if (i < GQ * D) qs[i] = qv[j] * scale_log2;
+        }
         __syncthreads();
+        if (!KTG) q_fragments(qrows, qa);
       }
-      if (!KTG) q_fragments(qrows, qa);
     }
     float kbias = 0.f;
     int group = -1;  // the affine key group whose fragments qa holds
     __syncthreads();
-    // The (batch, head)'s rows, each held as an address of its own (`opaque`), which a tile's loads offset by their
-    // 32-bit token index in one instruction.
-    const unsigned* krow = opaque(kcodes + bh * capt * KW);
-    const unsigned* vrow = opaque(vcodes + bh * capt * VW);
-    const __half* kn = KNORM ? opaque(knorm + bh * capt) : nullptr;
-    const __half* vn = VNORM ? opaque(vnorm + bh * capt) : nullptr;
-    const __half* vs = VCG ? opaque(vscale + bh * capt * (D / VGROUP)) : nullptr;
-    const __half* vz = VCG ? opaque(vzero + bh * capt * (D / VGROUP)) : nullptr;
     float m = NEG_INF, l = 0.f, acc[KS][4];
 #pragma unroll
     for (int u = 0; u < KS; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-    // Warp w takes the split's w-th quarter, whole 16-token tiles (split_len is whole SPLIT_UNITs): an affine key
-    // group of KTG tokens then costs a warp its fragments once, not once every WARPS tiles. Its tiles start at the
-    // tile of t0 (the split's first token not among the float16 sinks); a split of sinks alone runs none (its books
-    // were not copied).
-    const int span = split_len / WARPS, begin = part * split_len + span * warp;
-    const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
-    Tile cur, nxt;
     const unsigned kbs = book_address<KDIM, KREPL>(kb), vbs = book_address<VDIM, VREPL>(vb);
-    if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     for (int base = first; base < last; base += 16) {
       if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);
       if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)
@@ -661,6 +721,12 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   __shared__ float slice_max[SLICES], slice_den[SLICES];
   const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
   const long row = (long)b * gridDim.x + blockIdx.x;
+  // What the block reads after the parts, asked for before them: B_V into L2 (a line a thread), the head's index.
+  const float* basis = vbasis ? vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) : nullptr;
+  if (basis)
+    for (int i = threadIdx.x; i < D * D / 32; i += D * SLICES)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(basis + 32 * i));
+  const int hm = head_map ? __ldg(head_map + hl) : hl;
   const float* ml = part_ml + row * parts * 2;
   const float* acc = part_acc + row * parts * D + c;
   float mx = NEG_INF, den = 0.f, sum_coded = 0.f, sum_rows = 0.f;
@@ -709,9 +775,9 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   __syncthreads();
   const float rows_total = rows[0][c];
   float y = coded[0][c];
-  if (vbasis) {
+  if (basis) {
     constexpr int SPAN = D / SLICES;
-    const float* m = vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) + (long)s * SPAN * D + c;
+    const float* m = basis + (long)s * SPAN * D + c;
     constexpr int CHUNK = D * SLICES >= 1024 ? 16 : 32;  // loads in flight (at 1024 threads, 64 registers a thread)
     float part = 0.f;
 #pragma unroll
@@ -734,7 +800,6 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   float total_den = 0.f;
 #pragma unroll
   for (int j = 0; j < SLICES; ++j) total_den += slice_den[j];
-  const int hm = head_map ? head_map[hl] : hl;
   from_float(out + ((long)b * hq_model + hm * GQ + blockIdx.x % GQ) * D + c,
              total_den > 0.f ? (y + rows_total) / total_den : 0.f);
 }
