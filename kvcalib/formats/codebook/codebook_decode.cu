@@ -97,8 +97,8 @@ __device__ __forceinline__ float softcapped(float s) {
 // Affine keys' pairs of levels made from their bits (`levels`), not read from the book: 2- and 4-bit levels (a pair
 // within whole bytes: three instructions, fewer than a gather's share of the shared-memory pipe), 3-bit levels only
 // where their book is not copied (a copied book's gather is conflict-free, and a 3-bit pair that crosses bytes
-// takes five). Measured over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -0.9%,
-// plan-3 -2.5%; every 3-bit pair made was slower where its book was copied. The launch still sizes the block for
+// takes five). Measured over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%,
+// plan-3 -3.1%; every 3-bit pair made was slower where its book was copied. The launch still sizes the block for
 // the key book, which such a block neither copies nor reads. (Defined before, by tests only: 1 or 0 for any affine
 // keys in pairs, to compare the two.)
 #ifndef KLEVELS
@@ -573,7 +573,8 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     const int first = max(begin, t0 & ~15), last = t0 < t1 ? min(t1, begin + span) : first;
     Tile cur, nxt;
     // The prologue's reads are asked for at once, each a trip to memory the block would otherwise wait on in turn:
-    // the first tile's codes, q~ (`rotate`'s, or q), the books.
+    // the first tile's codes, q~ (`rotate`'s, or q), the books (at B=8, 32k no change measured: a split's tiles
+    // outweigh its prologue).
     if (first < last) load_tile(cur, first, t1, krow, vrow, kn, vn, vs, vz);
     __half* kb = reinterpret_cast<__half*>(smem);
     __half* vb = kb + (KBOOK_HALVES + 7) / 8 * 8;
