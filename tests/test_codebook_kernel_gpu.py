@@ -337,8 +337,8 @@ def test_only_groups_whose_keys_have_a_basis_launch_the_query_rotation(monkeypat
 @pytest.mark.parametrize("copied", [True, False])
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeypatch, kind, bits, copied, d):
-    """Affine keys' pairs of levels made from their bits (the kernel's KLEVELS 1: a byte permute, a LOP3 and an
-    HFMA2 a pair) give, bit for bit, the output of the same pairs read from the book (KLEVELS 0), at every level
+    """Affine keys' pairs of levels made from their bits (the kernel's KLEVELS 1: a byte permute, a mask, an OR and
+    an HFMA2 a pair) give, bit for bit, the output of the same pairs read from the book (KLEVELS 0), at every level
     width, pairs that cross bytes and words included, the book copied or held once; every row as exact as SDPA's
     (the rule above). The kernel picks between the two by speed (codebook_decode.cu); here each is forced. Planted: a
     wrong bias for a pair's second level fails here and in the row-by-row tests."""

@@ -95,12 +95,12 @@ __device__ __forceinline__ float softcapped(float s) {
 #define KNW ((KSHARE + 31) / 32)  // words it spans, once aligned
 #define VNW ((VSHARE + 31) / 32)
 // Affine keys' pairs of levels made from their bits (`levels`), not read from the book: 2- and 4-bit levels (a pair
-// within whole bytes: three instructions, fewer than a gather's share of the shared-memory pipe), 3-bit levels only
-// where their book is not copied (a copied book's gather is conflict-free, and a 3-bit pair that crosses bytes
-// takes five). Measured over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%,
-// plan-3 -3.1%; every 3-bit pair made was slower where its book was copied. The launch still sizes the block for
-// the key book, which such a block neither copies nor reads. (Defined before, by tests only: 1 or 0 for any affine
-// keys in pairs, to compare the two.)
+// within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code, shift and shared-memory
+// load), 3-bit levels only where their book is not copied (a copied book's gather is conflict-free, and a 3-bit pair
+// whose second level would pass its half's mantissa takes a shift more). Measured over the mapped plans' layers at
+// B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit pair made was slower where its
+// book was copied. The launch still sizes the block for the key book, which such a block neither copies nor reads.
+// (Defined before, by tests only: 1 or 0 for any affine keys in pairs, to compare the two.)
 #ifndef KLEVELS
 #define KLEVELS (KTG > 0 && KDIM == 2 && !KPOS && (KB != 6 || KREPL == 1))
 #endif
@@ -250,9 +250,9 @@ __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int fir
 // Affine keys' centroids are their levels 0 .. 2^LB - 1 (layout.py `affine_part`), read in pairs (a code of BITS =
 // 2 LB bits, its first level least significant: launch.py `kernel_book`): where KLEVELS, a pair's half2 is made from
 // its bits, no book read. The pair's 16 bits (from the byte holding its first bit) go to both halves (one byte
-// permute), each level's bits are kept in its half's mantissa under 1024's exponent (one LOP3: 1024 + level 2^s, s
-// its offset in its half), and one HFMA2 takes each half to its level (exact: small integers). Bit for bit the
-// book's centroids.
+// permute), each level's bits are kept in its half's mantissa under 1024's exponent (a mask and an OR: 1024 + level
+// 2^s, s its offset in its half), and one HFMA2 takes each half to its level (exact: small integers). Bit for bit
+// the book's centroids.
 template <int CHANNELS, int BITS>
 __device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
   constexpr int LB = BITS / 2;
@@ -722,7 +722,8 @@ extern "C" __global__ void __launch_bounds__(D * SLICES) merge(const float* __re
   __shared__ float slice_max[SLICES], slice_den[SLICES];
   const int hl = blockIdx.x / GQ, b = blockIdx.y, c = threadIdx.x % D, s = threadIdx.x / D;
   const long row = (long)b * gridDim.x + blockIdx.x;
-  // What the block reads after the parts, asked for before them: B_V into L2 (a line a thread), the head's index.
+  // What the block reads after the parts, asked for before them: B_V into L2 (its lines spread over the threads),
+  // the head's index.
   const float* basis = vbasis ? vbasis + (basis_heads > 1 ? (long)hl * D * D : 0) : nullptr;
   if (basis)
     for (int i = threadIdx.x; i < D * D / 32; i += D * SLICES)
