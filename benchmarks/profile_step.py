@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import re
 import statistics
 from pathlib import Path
@@ -70,25 +71,18 @@ def attention_windows(spans: list) -> list[dict]:
     the time from its first start to the first `partial`'s, the partials' span, from the last partial's end to the
     window's, the window, and the idle time until the next kernel starts."""
     spans = sorted(spans, key=lambda x: x[1])
+    ended = list(itertools.accumulate((x[2] for x in spans), max))  # the latest end of the kernels up to each
     out, i = [], 0
-    while i < len(spans):
-        if kind(spans[i][0]) != "attention":
-            i += 1
-            continue
-        j = i
-        while j < len(spans) and kind(spans[j][0]) == "attention":
-            j += 1
-        run = spans[i:j]
-        if i == 0 or j == len(spans):  # a window cut by the profile's edges
-            i = j
-            continue
-        start, end = run[0][1], max(x[2] for x in run)
-        partials = [x for x in run if "partial" in x[0]]
-        if partials:
-            p0, p1 = min(x[1] for x in partials), max(x[2] for x in partials)
-            before = max(x[2] for x in spans[:i])
-            out.append(dict(zip(PHASES, (start - before, p0 - start, p1 - p0, end - p1, end - start,
-                                         spans[j][1] - end))))
+    for attention, run in itertools.groupby(spans, key=lambda x: kind(x[0]) == "attention"):
+        run = list(run)
+        j = i + len(run)
+        if attention and 0 < i and j < len(spans):  # not a window cut by the profile's edges
+            start, end = run[0][1], max(x[2] for x in run)
+            partials = [x for x in run if "partial" in x[0]]
+            if partials:
+                p0, p1 = min(x[1] for x in partials), max(x[2] for x in partials)
+                out.append(dict(zip(PHASES, (start - ended[i - 1], p0 - start, p1 - p0, end - p1, end - start,
+                                             spans[j][1] - end))))
         i = j
     return out
 

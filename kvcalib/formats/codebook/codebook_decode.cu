@@ -25,7 +25,8 @@
 // their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16 rows meet q itself and are
 // summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
 // (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
-// the levels gathered as any codes are; affine values are level * scale + zero in fp16 (one fma a half2).
+// the levels gathered as any codes are, or made from their bits (KLEVELS); affine values are level * scale + zero in
+// fp16 (one fma a half2).
 //
 // Bytes that must move per (batch, KV head): T (KW + VW) 4 of codes and T 2 of each norm, 4 D (sinks + r) of
 // float16 rows, read once; the books per block, from L2 after the first block; the partials, 4 (D + 2) GQ per part,
