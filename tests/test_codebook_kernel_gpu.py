@@ -338,29 +338,51 @@ def test_only_groups_whose_keys_have_a_basis_launch_the_query_rotation(monkeypat
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeypatch, kind, bits, copied, d):
     """Affine keys' pairs of levels made from their bits (the kernel's KLEVELS 1: a byte permute, a mask, an OR and
-    an HFMA2 a pair) give, bit for bit, the output of the same pairs read from the book (KLEVELS 0), at every level
-    width, pairs that cross bytes and words included, the book copied or held once; every row as exact as SDPA's
-    (the rule above). The kernel picks between the two by speed (codebook_decode.cu); here each is forced. Planted: a
-    wrong bias for a pair's second level fails here and in the row-by-row tests."""
+    an HFMA2 a pair, no key book held) give, bit for bit, the output of the same pairs read from the book (KLEVELS 0),
+    at every level width, pairs that cross bytes and words included, the book copied or held once; every row as exact
+    as SDPA's (the rule above). The launch picks between the two by speed (`made_levels`); here each is forced.
+    Planted: a wrong bias for a pair's second level fails here and in the row-by-row tests."""
     import kernels_cupy.loader as loader
     from kvcalib.formats.codebook import launch
 
-    force, made = [1], []  # KLEVELS now; each affine group's launch, as it was forced
+    force, made = [True], []  # made_levels now; each affine group's KLEVELS as launched
     real = loader.kernel
 
-    def forced(path, defines, name):
+    def seen(path, defines, name):
         if name == "partial" and defines.get("KTG"):
-            made.append(force[0])
-            defines = {**defines, "KLEVELS": force[0]}
+            made.append(defines["KLEVELS"])
         return real(path, defines, name)
 
-    monkeypatch.setattr(loader, "kernel", forced)
+    monkeypatch.setattr(loader, "kernel", seen)
+    monkeypatch.setattr(launch, "made_levels", lambda key, group, copies: force[0] and group > 0)
     if not copied:
         monkeypatch.setattr(launch, "book_copies", lambda *args: (1, 1))
     method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
     h = 4 if kind.startswith("plan") else 2
     k16, v16, g = _inputs(2, h, 1037, d, bits + d)
     layer, q, levels = _check(method, k16, v16, torch.randn(2, 4 * h, d, device=DEV, generator=g))
-    force[0] = 0
+    force[0] = False
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), levels)
     assert made.count(1) and made.count(0) == made.count(1), made  # both ways ran for every affine group
+
+
+@pytest.mark.parametrize("kind,bits,d", [(k, b, d) for k, b in [("head", 1), ("head", 2), ("layer", 2), ("head", 4),
+                                                                ("plan-vector keys", 0)] for d in (64, 128, 256)
+                                         if (k, b, d) != ("head", 4, 256)])  # its rows: 128 and 64 KiB, over budget
+def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, bits, d):
+    """Books per position held in lane rows (`book_layout`, forced here for short splits: ROWS_MIN_TOKENS 0) give the
+    output of the books held as they are, bit for bit, and meet the float64 reference's rule: TurboQuant-1's quads,
+    TurboQuant-2's pairs, TurboQuant-4's single codes (2-byte entries in 4-byte slots). Planted: a slot read for the
+    wrong lane (`book_address`) or a row copied for the wrong position (`copy_book_rows`) fails here."""
+    from kvcalib.formats.codebook import launch
+
+    monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 0)
+    method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
+    h = 4 if kind.startswith("plan") else 2
+    k16, v16, g = _inputs(2, h, 1500, d, d + bits)
+    layer, q, rows = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
+    held = [launch.book_layout(launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value), d, split_len=1,
+                               key_group=r.spec.key.token_group) for r in layer.groups]
+    assert any(x[2] or x[3] for x in held), f"no book of {kind} is held in lane rows: {held}"
+    monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 1 << 30)
+    assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), rows)

@@ -60,8 +60,9 @@
 // D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
-// launch.py `book_copies`); KTG (tokens of an affine key group, 0: none), VCG (channels of an affine value group, 0:
-// none). KLEVELS (affine keys' pairs of levels made from their bits, not read from the book) follows from these.
+// launch.py `book_layout`), XROWS (optional, 1: a book per position held in lane rows); KTG (tokens of an affine key
+// group, 0: none), VCG (channels of an affine value group, 0: none), KLEVELS (optional, 1: affine keys' pairs of
+// levels made from their bits, not read from a book).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -95,16 +96,12 @@ __device__ __forceinline__ float softcapped(float s) {
 #define VSHARE (VCH / VDIM * VB)
 #define KNW ((KSHARE + 31) / 32)  // words it spans, once aligned
 #define VNW ((VSHARE + 31) / 32)
-// Affine keys' pairs of levels made from their bits (`levels`), not read from the book: 2- and 4-bit levels (a pair
-// within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code, shift and shared-memory
-// load), 3-bit levels only where their book is not copied (a copied book's gather is conflict-free, and a 3-bit pair
-// whose second level would pass its half's mantissa takes a shift more). Measured over the mapped plans' layers at
-// B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit pair made was slower where its
-// book was copied. The launch still sizes the block for the key book, which such a block neither copies nor reads.
-// (Defined before, by tests only: 1 or 0 for any affine keys in pairs, to compare the two.)
+// KLEVELS (launch.py `made_levels`): affine keys' pairs of levels made from their bits (`levels`), not read from a
+// book, which the block then neither holds nor copies.
 #ifndef KLEVELS
-#define KLEVELS (KTG > 0 && KDIM == 2 && !KPOS && (KB != 6 || KREPL == 1))
+#define KLEVELS 0
 #endif
+static_assert(!KLEVELS || (KTG > 0 && KDIM == 2 && !KPOS), "levels made for affine keys in pairs only");
 #define KENTRIES (1 << KB)
 #define VENTRIES (1 << VB)
 #define KP (KPOS ? D / KDIM : 1)  // positions with a book of their own
@@ -125,11 +122,31 @@ __device__ __forceinline__ float softcapped(float s) {
 // bytes of distinct banks), where the codes' random entries otherwise share banks: a key's 4-byte gather cost 2.0
 // wavefronts and a value's 8-byte one 4.9, against 1 and 2 (Nsight Compute, turboquant-2 + vecinfer-d4b6 at B=8).
 #define COPIED_ENTRY_BYTES 128
-#define KBOOK_HALVES (KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2 : KP * KSTRIDE)
-#define VBOOK_HALVES (VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE)
+#ifndef KROWS
+#define KROWS 0
+#endif
+#ifndef VROWS
+#define VROWS 0
+#endif
+// A book per position may be held in lane rows (XROWS, launch.py `book_layout`): row (j, pass, e), 128 bytes, holds in
+// slot L % LPR entry e of the position lane L reads with its j-th code (a key's lane (g, t) reads positions
+// t CODES + j, a value's g CODES + j), slots of max(4, 2 XDIM) bytes, LPR = 128 / slot lanes a pass of the load. Each
+// pass's lanes then read distinct banks whatever their codes, where positions' books side by side conflict
+// (benchmarks/codebook_banks.py: TurboQuant-4's 2-byte gathers 3.4 wavefronts where 1 would do).
+#define KCODES (KCH / KDIM)  // codes of a lane's share of a key, of a value
+#define VCODES (VCH / VDIM)
+#define KSLOT (2 * KDIM > 4 ? 2 * KDIM : 4)
+#define VSLOT (2 * VDIM > 4 ? 2 * VDIM : 4)
+#define KJSTRIDE (32 / (128 / KSLOT) * KENTRIES * COPIED_ENTRY_BYTES)  // bytes from code j's rows to code j + 1's
+#define VJSTRIDE (32 / (128 / VSLOT) * VENTRIES * COPIED_ENTRY_BYTES)
+#define KBOOK_HALVES \
+  (KLEVELS ? 0 : KROWS ? KCODES * KJSTRIDE / 2 : KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2 : KP * KSTRIDE)
+#define VBOOK_HALVES (VROWS ? VCODES * VJSTRIDE / 2 : VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE)
 static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) &&
               (VREPL == 1 || (!VPOS && VREPL * 2 * VDIM == COPIED_ENTRY_BYTES)),
               "copies of shared books only, filling an entry's 128 bytes");
+static_assert((!KROWS || (KPOS && KREPL == 1)) && (!VROWS || (VPOS && VREPL == 1)),
+              "lane rows of books per position only");
 
 // Float16 rows (CUDA cores).
 #define LPT (D / CH)  // lanes a row
@@ -221,16 +238,16 @@ __device__ __forceinline__ void constexpr_for(F&& f) { constexpr_for_from<0, N>(
 
 // The centroids of a share of CHANNELS channels (its first code the row's code `first`), as CHANNELS / 2 half2
 // words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address (of a copied book, this lane's
-// copy of entry 0: `book_address`). A book of DIM 1 takes two half loads a word, 2 one, 4 and 8 one load of two or
-// four words.
-template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL>
+// copy of entry 0; of lane rows, its slot of code 0's entry 0: `book_address`). A book of DIM 1 takes two half loads
+// a word, 2 one, 4 and 8 one load of two or four words.
+template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL, int LANE_ROWS, int JSTRIDE>
 __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int first, unsigned* out) {
   static_assert(DIM == 1 || DIM == 2 || DIM == 4 || DIM == 8, "a centroid is one load of at most 16 bytes");
-  // an entry's bytes (of a copied book, its copies': 128), log2
-  constexpr int SHIFT = REPL > 1 ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
-  const unsigned mine = book + (POS ? 2 * first * STRIDE : 0);
+  // an entry's bytes (of a copied book, its copies': 128; of lane rows, its row's), log2
+  constexpr int SHIFT = REPL > 1 || LANE_ROWS ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
+  const unsigned mine = book + (POS && !LANE_ROWS ? 2 * first * STRIDE : 0);
   constexpr_for<CHANNELS / DIM>([&](auto jc) {
-    constexpr int j = decltype(jc)::value, OFF = POS ? 2 * j * STRIDE : 0;
+    constexpr int j = decltype(jc)::value, OFF = LANE_ROWS ? j * JSTRIDE : POS ? 2 * j * STRIDE : 0;
     const unsigned e = mine + code_scaled<BITS, SHIFT>(f, j);
     if constexpr (DIM == 1) {
       const unsigned x = lds16<OFF>(e);
@@ -303,12 +320,34 @@ __device__ __forceinline__ void copy_book_copies(__half* dst, const __half* __re
   for (int i = threadIdx.x; i < E * WORDS; i += NT) d[i] = __ldg(s + i / WORDS * (DIM / 2) + i % (DIM / 2));
 }
 
+// A book per position (E, DIM) fp16 a position, into shared memory as lane rows (`XROWS`): word w of row (j, pass,
+// e) is word w % (slot / 4) of slot w / (slot / 4)'s lane's position's entry e (of a 2-byte entry, the entry in its
+// low half). Consecutive threads store consecutive words.
+template <int E, int DIM, int CODES, bool KEY>
+__device__ __forceinline__ void copy_book_rows(__half* dst, const __half* __restrict__ src) {
+  constexpr int SLOT = 2 * DIM > 4 ? 2 * DIM : 4, LPR = COPIED_ENTRY_BYTES / SLOT, PASSES = 32 / LPR, SW = SLOT / 4;
+  const unsigned short* sh = reinterpret_cast<const unsigned short*>(src);
+  const unsigned* s = reinterpret_cast<const unsigned*>(src);
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+#pragma unroll 4
+  for (int w = threadIdx.x; w < CODES * PASSES * E * 32; w += NT) {
+    const int r = w / 32, e = r % E, jp = r / E, lane = jp % PASSES * LPR + w % 32 / SW;
+    const int pos = (KEY ? lane % 4 : lane / 4) * CODES + jp / PASSES;
+    if constexpr (DIM == 1) d[w] = __ldg(sh + pos * E + e);
+    else d[w] = __ldg(s + (pos * E + e) * (DIM / 2) + w % SW);
+  }
+}
+
 // A lane's address of a book in shared memory: of a copied book, its copy of entry 0 (lane % REPL), which `gather`
-// offsets by the code times 128 bytes.
-template <int DIM, int REPL>
+// offsets by the code times 128 bytes; of lane rows, its slot of code 0's entry 0 (`copy_book_rows`).
+template <int DIM, int REPL, int LANE_ROWS, int E>
 __device__ __forceinline__ unsigned book_address(const __half* book) {
-  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(book));
-  return REPL > 1 ? at + (threadIdx.x % 32 % REPL) * 2 * DIM : at;
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(book)), lane = threadIdx.x % 32;
+  if constexpr (LANE_ROWS) {
+    constexpr unsigned SLOT = 2 * DIM > 4 ? 2 * DIM : 4, LPR = COPIED_ENTRY_BYTES / SLOT;
+    return at + lane / LPR * E * COPIED_ENTRY_BYTES + lane % LPR * SLOT;
+  }
+  return REPL > 1 ? at + lane % REPL * 2 * DIM : at;
 }
 
 // An address the compiler holds as it is: without it, it folds a row's start into each load's 64-bit index from
@@ -367,7 +406,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   for (int r = 0; r < 2; ++r) {
     unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
     if constexpr (KLEVELS) levels<KCH, KB>(x.k[r], kh);
-    else gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL>(kb, x.k[r], t * (KCH / KDIM), kh);
+    else gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL, KROWS, KJSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
   }
@@ -382,7 +421,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
+    gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL, VROWS, VJSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
     if constexpr (VNORM || VCG > 0) {  // else the centroids are the values (a masked token's weight is 0)
       const __half2 n = __half2half2(x.vn[i]);
       const __half2 z = __half2half2(x.vz[i]);
@@ -599,9 +638,11 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       }
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
-      if constexpr (KREPL > 1 && !KLEVELS) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
+      if constexpr (KROWS) copy_book_rows<KENTRIES, KDIM, KCODES, true>(kb, ksrc);
+      else if constexpr (KREPL > 1 && !KLEVELS) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
       else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
-      if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
+      if constexpr (VROWS) copy_book_rows<VENTRIES, VDIM, VCODES, false>(vb, vsrc);
+      else if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
       else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
       if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
 #pragma unroll
@@ -621,7 +662,8 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     for (int u = 0; u < KS; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-    const unsigned kbs = book_address<KDIM, KREPL>(kb), vbs = book_address<VDIM, VREPL>(vb);
+    const unsigned kbs = book_address<KDIM, KREPL, KROWS, KENTRIES>(kb);
+    const unsigned vbs = book_address<VDIM, VREPL, VROWS, VENTRIES>(vb);
     for (int base = first; base < last; base += 16) {
       if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);
       if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)

@@ -163,18 +163,75 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
     return 1, 1
 
 
+# A book per position may be held in lane rows (the kernel's XROWS): row (j, pass, e) of 128 bytes holds entry e of
+# the position each lane of the pass reads with its j-th code, one slot a lane, so that its gathers meet no bank
+# conflict (benchmarks/codebook_banks.py: TurboQuant-4's 2-byte gathers 3.4 wavefronts where 1 would do). The rows
+# cost (codes a lane's share) x (passes) x entries x 128 bytes (32 KiB for TurboQuant-4's values at head_dim 128),
+# copied by every block: only where a block reads at least `ROWS_MIN_TOKENS` tokens (a batch's long splits, not B=1's
+# of some 500 tokens at 32k). With counts on the device (a captured step) the split judged is the capacity's.
+ROWS_MIN_TOKENS = 2048
+
+
+def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
+    """The bytes of a book per position held in lane rows; 0 for a shared book (copied instead: `book_copies`)."""
+    p, e, dim = part.book.shape[1:]
+    if p == 1:
+        return 0
+    slot = max(4, 2 * dim)
+    codes = (head_dim // 4 if key else head_dim // 8) // dim
+    return codes * (32 // (COPIED_ENTRY_BYTES // slot)) * e * COPIED_ENTRY_BYTES
+
+
+def made_levels(key: KernelBook, key_group: int, copies: int) -> bool:
+    """Whether the kernel makes an affine key's pairs of levels from their bits (its KLEVELS), not reading them from a
+    book, which the block then does not hold: keys in groups of `key_group` tokens (KIVI's, OScaR's) read in pairs, of
+    2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code,
+    shift and shared-memory load), or 3-bit ones whose book is not copied (`copies` 1: a copied book's gather is
+    conflict-free, and a 3-bit pair whose second level would pass its half's mantissa takes a shift more). Measured
+    over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit
+    pair made was slower where its book was copied."""
+    return key_group > 0 and key.dim == 2 and key.book.shape[1] == 1 and (key.bits != 6 or copies == 1)
+
+
+def book_layout(key: KernelBook, value: KernelBook, head_dim: int, budget: int = COPIED_BOOKS_BYTES,
+                split_len: int = 0, key_group: int = 0) -> tuple[int, int, int, int, int]:
+    """(key copies, value copies, key rows, value rows, levels made) of the books a `partial` block holds (the
+    kernel's KREPL, VREPL, KROWS, VROWS, KLEVELS): shared books copied as `book_copies` says, an affine key's book
+    not held where its levels are made (`made_levels`, keys in groups of `key_group` tokens); where the block reads
+    `split_len` >= ROWS_MIN_TOKENS tokens, a book per position in lane rows where the rows fit `budget`
+    (`copies_budget`: q~'s bytes already left out) beside the other book, the value book's first (a tile gathers 4
+    values a lane to 2 keys)."""
+    kc, vc = book_copies(key, value, budget)
+    levels = int(made_levels(key, key_group, kc))
+    kc = 1 if levels else kc
+    kbytes, vbytes = 0 if levels else _book_bytes(key, kc), _book_bytes(value, vc)
+    krows = vrows = 0
+    if split_len >= ROWS_MIN_TOKENS:
+        rows = _rows_bytes(value, head_dim, False)
+        if rows and kbytes + rows <= budget:
+            vrows, vbytes = 1, rows
+        rows = _rows_bytes(key, head_dim, True)
+        if rows and rows + vbytes <= budget:
+            krows = 1
+    return kc, vc, krows, vrows, levels
+
+
 def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, budget: int = COPIED_BOOKS_BYTES,
-                 query: int = 0) -> int:
-    """Dynamic shared memory of a `partial` block: both books (as `book_copies` holds them within `budget`) and
-    `query` bytes of q~ (`query_bytes`), later the warps' states."""
-    return _block_bytes(key, value, book_copies(key, value, budget), gqa, head_dim, query)
+                 query: int = 0, split_len: int = 0, key_group: int = 0) -> int:
+    """Dynamic shared memory of a `partial` block: both books (as `book_layout` holds them within `budget` for blocks
+    of `split_len` tokens, keys in groups of `key_group`) and `query` bytes of q~ (`query_bytes`), later the warps'
+    states."""
+    layout = book_layout(key, value, head_dim, budget, split_len, key_group)
+    return _block_bytes(key, value, layout, gqa, head_dim, query)
 
 
-def _block_bytes(key: KernelBook, value: KernelBook, copies: tuple[int, int], gqa: int, head_dim: int,
+def _block_bytes(key: KernelBook, value: KernelBook, layout: tuple[int, ...], gqa: int, head_dim: int,
                  query: int = 0) -> int:
-    """`shared_bytes` of books held in these (key, value) copies, q~ after them."""
-    books = _book_bytes(key, copies[0]) + _book_bytes(value, copies[1])
-    return max(books + query, 4 * WARPS * gqa * (head_dim + 2))
+    """`shared_bytes` of books held in this `book_layout` (or its first two: copies only), q~ after them."""
+    krepl, vrepl, krows, vrows, levels = (*layout, 0, 0, 0)[:5]
+    kbytes = 0 if levels else _rows_bytes(key, head_dim, True) if krows else _book_bytes(key, krepl)
+    vbytes = _rows_bytes(value, head_dim, False) if vrows else _book_bytes(value, vrepl)
+    return max(kbytes + vbytes + query, 4 * WARPS * gqa * (head_dim + 2))
 
 
 def supports(specs: list[CodebookSpec] | None, head_dim: int, device: torch.device, gqa: int = 1, opts=None) -> bool:
@@ -310,9 +367,8 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
             or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
-            # the books as the launch holds them, worked out once for the check, the defines and the launch
-            or (smem := _block_bytes(key, value, (copies := book_copies(key, value, budget)), gqa, d, query))
-            > SHARED_LIMIT):
+            # the books held without lane rows (which the launch takes below only within the budget)
+            or _block_bytes(key, value, book_copies(key, value, budget), gqa, d, query) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
@@ -345,14 +401,17 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
     spread = 2 if device and b > 1 else 1
     num_splits *= spread
     parts = max(1, num_splits + row_parts)
-    krepl, vrepl = copies
+    # lane rows where this launch's splits are long (the check above held the books without them: within budget too)
+    layout = book_layout(key, value, d, budget, split_len, ktokens)
+    smem = _block_bytes(key, value, layout, gqa, d, query)
+    krepl, vrepl, krows, vrows, levels = layout
     defines = {"D": d, "GQ": gqa, "QT": "__half" if q.dtype == torch.float16 else "__nv_bfloat16", "CH": CH,
                "WARPS": WARPS, "ROWS": ROWS, "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, d), "KB": kbits,
                "KDIM": kdim,
                "KPOS": int(kbook.shape[1] > 1), "KNORM": int(knormed), "KW": kcodes.shape[-1], "KTG": ktokens,
                "VB": vbits, "VDIM": vdim, "VPOS": int(vbook.shape[1] > 1), "VNORM": int(vnormed),
                "VW": vcodes.shape[-1], "VCG": vchannels, "SPREAD": spread, "KREPL": krepl, "VREPL": vrepl,
-               "KROT": int(kbasis is not None)}
+               "KROT": int(kbasis is not None), "KROWS": krows, "VROWS": vrows, "KLEVELS": levels}
     if softcap:  # only where asked: every other launch keeps its compiled kernel
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     qrot = torch.empty(b, h * gqa, d, device=q.device, dtype=torch.float32) if kbasis is not None else None
