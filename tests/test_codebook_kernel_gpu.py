@@ -81,6 +81,20 @@ def _check(method, k16, v16, q, dtype=torch.float16, softcap=None):
     return layer, qm, out
 
 
+def _launch_layouts(layer, gqa: int, split_len: int = 0) -> list[tuple]:
+    """Each group's `book_layout` as the launch takes it: the device's budget with q~'s bytes left out."""
+    from kvcalib.formats.codebook import launch
+
+    out = []
+    for r in layer.groups:
+        key, value = launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value)
+        d = layer.head_dim
+        budget = launch.copies_budget(torch.cuda.current_device(), launch.blocks_per_sm(gqa, d),
+                                      launch.query_bytes(r.spec.key.basis is not None, gqa, d))
+        out.append(launch.book_layout(key, value, d, budget, split_len, r.spec.key.token_group))
+    return out
+
+
 def _poison(layer, extra: int = 64):
     """Codes, norms, scales and zeros past the length (and `extra` rows more), residual rows past the count."""
     n = layer.length
@@ -218,8 +232,8 @@ def test_copied_books_read_the_centroids_of_the_book_itself(monkeypatch, kind, b
     h = 4 if kind.startswith("plan") else 2
     k16, v16, g = _inputs(2, h, 1500, d, d + bits)
     layer, q, copied = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
-    held = [launch.book_copies(launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value)) for r in layer.groups]
-    assert any(max(c) > 1 for c in held), f"no book of {kind} is copied: {held}"
+    held = _launch_layouts(layer, 2)
+    assert any(max(c[:2]) > 1 for c in held), f"no book of {kind} is copied: {held}"
     monkeypatch.setattr(launch, "book_copies", lambda *args: (1, 1))  # the books as they are
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), copied)
 
@@ -381,8 +395,7 @@ def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, bits
     h = 4 if kind.startswith("plan") else 2
     k16, v16, g = _inputs(2, h, 1500, d, d + bits)
     layer, q, rows = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
-    held = [launch.book_layout(launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value), d, split_len=1,
-                               key_group=r.spec.key.token_group) for r in layer.groups]
+    held = _launch_layouts(layer, 2, split_len=1)
     assert any(x[2] or x[3] for x in held), f"no book of {kind} is held in lane rows: {held}"
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 1 << 30)
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), rows)

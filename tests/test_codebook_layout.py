@@ -269,7 +269,7 @@ def test_the_partial_blocks_per_sm_leave_no_register_spilled(tmp_path, head_dim,
     defines = {"D": head_dim, "GQ": gqa, "QT": "__nv_bfloat16", "CH": CH, "WARPS": WARPS, "ROWS": ROWS,
                "SLICES": SLICES, "PARTIAL_BLOCKS": blocks_per_sm(gqa, head_dim), "KB": 4, "KDIM": 2, "KPOS": 0,
                "KNORM": 0, "KW": words // 2, "KTG": 128, "VB": 4, "VDIM": 2, "VPOS": 0, "VNORM": 0, "VW": words // 2,
-               "VCG": max(64, head_dim // 2)}
+               "VCG": max(64, head_dim // 2), "KLEVELS": 1}  # the launch makes these levels (`made_levels`)
     if softcap:
         defines["SOFTCAP_LOG2"] = softcap_define(softcap)
     src = tmp_path / "partial.cu"
@@ -348,9 +348,8 @@ def test_made_levels_hold_no_key_book_and_books_per_position_take_lane_rows():
     """`made_levels`: an affine key's pairs of 2- and 4-bit levels are made from their bits, 3-bit ones where their
     book is not copied, nothing else; `book_layout` then holds no key book, and holds a book per position in lane rows
     ((codes a lane's share) x (passes) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS tokens and
-    the rows fit the budget beside the other book, the value's first. Planted: the key book counted for made levels
-    leaves OScaR-4's keys beside TurboQuant-4's values without rows (the second assertion below, as it reads
-    without a key group)."""
+    the rows fit the budget beside the other book, the value's first. Planted: the made key's copies counted (32 KiB)
+    leave OScaR-4's keys beside TurboQuant-4's values without rows, as the layout without a key group reads below."""
     from kvcalib.formats.codebook.launch import ROWS_MIN_TOKENS, book_layout, made_levels, shared_bytes
 
     levels2, levels3, levels4 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 2), _kernel_book(1, 256, 2)
