@@ -12,10 +12,10 @@ Layouts:
 - `held once`: the book as the kernel held it before the copies, positions STRIDE halves apart (`KSTRIDE`);
 - `copies` (the kernel's, `book_copies`): a book shared by every position, entry e's 128 / S copies side by side in
   the 128 bytes at 128 e, lane L reading copy L % (128 / S);
-- `lane rows` (the kernel's XROWS where a block reads long splits: launch.py `book_layout`): a book per position,
-  entry e of code j of every lane in one 128-byte row per (j, pass, e), lane L's entry in slot L % (128 / slot) of it
-  (slots of max(4, S) bytes): each pass's lanes read distinct banks; costs (codes a share) x (slot / 4) x entries x
-  128 bytes.
+- `lane rows`: a book per position, entry e of code j of every lane in one 128-byte row per (j, pass, e), lane L's
+  entry in slot L % (128 / slot) of it (slots of max(4, S) bytes): each pass's lanes read distinct banks; costs (codes
+  a share) x (slot / 4) x entries x 128 bytes. The kernel holds them (XROWS, where a block reads long splits:
+  launch.py `book_layout`) for books of single levels only (S 2: one pass), where they pay.
 
     cd benchmarks && python codebook_banks.py [--plans ../artifacts/smollm2-135m/plan-2.25,...] [--tiles 200]
 """

@@ -380,22 +380,20 @@ def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeyp
     assert made.count(1) and made.count(0) == made.count(1), made  # both ways ran for every affine group
 
 
-@pytest.mark.parametrize("kind,bits,d", [(k, b, d) for k, b in [("head", 1), ("head", 2), ("layer", 2), ("head", 4),
-                                                                ("plan-vector keys", 0)] for d in (64, 128, 256)
-                                         if (k, b, d) != ("head", 4, 256)])  # its rows: 128 and 64 KiB, over budget
-def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, bits, d):
-    """Books per position held in lane rows (`book_layout`, forced here for short splits: ROWS_MIN_TOKENS 0) give the
-    output of the books held as they are, bit for bit, and meet the float64 reference's rule: TurboQuant-1's quads,
-    TurboQuant-2's pairs, TurboQuant-4's single codes (2-byte entries in 4-byte slots). Planted: a slot read for the
-    wrong lane (`book_address`) or a row copied for the wrong position (`copy_book_rows`) fails here."""
+@pytest.mark.parametrize("kind,d", [(k, d) for k in ("head", "layer") for d in (64, 128)])  # d 256: rows over budget
+def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, d):
+    """Books per position of single levels held in lane rows (`book_layout`, forced here for short splits:
+    ROWS_MIN_TOKENS 0) give the output of the books held as they are, bit for bit, and meet the float64 reference's
+    rule: TurboQuant-4's codes, 2-byte entries in 4-byte slots, a book per head or per layer; at d 64 the keys' rows
+    too (32 + 16 KiB). Planted: a slot read for the wrong lane (`book_address`) or a row copied for the wrong position
+    (`copy_book_rows`) fails here."""
     from kvcalib.formats.codebook import launch
 
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 0)
-    method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
-    h = 4 if kind.startswith("plan") else 2
-    k16, v16, g = _inputs(2, h, 1500, d, d + bits)
-    layer, q, rows = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
+    method = _on_device(any_method(kind, 4, d=d, sinks=1, residual=128))
+    k16, v16, g = _inputs(2, 2, 1500, d, d + 4)
+    layer, q, rows = _check(method, k16, v16, torch.randn(2, 4, d, device=DEV, generator=g))
     held = _launch_layouts(layer, 2, split_len=1)
-    assert any(x[2] or x[3] for x in held), f"no book of {kind} is held in lane rows: {held}"
+    assert all(x[3] and x[2] == (d == 64) for x in held), f"{kind} at d {d}: lane rows not as sized: {held}"
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 1 << 30)
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), rows)

@@ -344,12 +344,13 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
     assert _copies(_kernel_book(1, 256, 16)) == 1
 
 
-def test_made_levels_hold_no_key_book_and_books_per_position_take_lane_rows():
+def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_take_lane_rows():
     """`made_levels`: an affine key's pairs of 2- and 4-bit levels are made from their bits, 3-bit ones where their
-    book is not copied, nothing else; `book_layout` then holds no key book, and holds a book per position in lane rows
-    ((codes a lane's share) x (passes) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS tokens and
-    the rows fit the budget beside the other book, the value's first. Planted: the made key's copies counted (32 KiB)
-    leave OScaR-4's keys beside TurboQuant-4's values without rows, as the layout without a key group reads below."""
+    book is not copied, nothing else; `book_layout` then holds no key book, and holds a book per position of single
+    levels in lane rows ((codes a lane's share) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS
+    tokens and the rows fit the budget beside the other book, the value's first; books per position of pairs or quads
+    keep their layout. Planted: the made key's copies counted (32 KiB) leave OScaR-4's keys beside TurboQuant-4's
+    values without rows, as the layout without a key group reads below."""
     from kvcalib.formats.codebook.launch import ROWS_MIN_TOKENS, book_layout, made_levels, shared_bytes
 
     levels2, levels3, levels4 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 2), _kernel_book(1, 256, 2)
@@ -363,8 +364,11 @@ def test_made_levels_hold_no_key_book_and_books_per_position_take_lane_rows():
     assert shared_bytes(levels4, tq4_values, 4, 128, split_len=long_, key_group=128) == 32 * 1024
     assert book_layout(levels4, tq4_values, 128, split_len=long_) == (32, 1, 0, 0, 0)  # a copied key book: no room
     assert book_layout(levels4, tq4_values, 128, split_len=short, key_group=128) == (1, 1, 0, 0, 1)
-    # TurboQuant-2's keys and TurboQuant-1's values per position: both in rows (32 + 16 KiB), not for short splits
-    assert book_layout(tq2_keys, tq1_values, 128, split_len=long_) == (1, 1, 1, 1, 0)
-    assert shared_bytes(tq2_keys, tq1_values, 4, 128, split_len=long_) == 48 * 1024
-    assert book_layout(tq2_keys, tq1_values, 128, split_len=short) == (1, 1, 0, 0, 0)
+    # TurboQuant-4's keys and values at d 64: both in rows (32 + 16 KiB); at d 128 (64 + 32 KiB) the values only
+    tq4_keys64, tq4_values64 = _kernel_book(64, 16, 1), _kernel_book(64, 16, 1)
+    assert book_layout(tq4_keys64, tq4_values64, 64, split_len=long_) == (1, 1, 1, 1, 0)
+    assert shared_bytes(tq4_keys64, tq4_values64, 4, 64, split_len=long_) == 48 * 1024
+    assert book_layout(tq4_values, tq4_values, 128, split_len=long_) == (1, 1, 0, 1, 0)
+    # TurboQuant-2's keys (pairs) and TurboQuant-1's values (quads) per position keep their layout
+    assert book_layout(tq2_keys, tq1_values, 128, split_len=long_) == (1, 1, 0, 0, 0)
     assert book_layout(tq2_keys, vec8, 128, split_len=long_) == (1, 16, 0, 0, 0)  # the copies, 32 KiB: no rows

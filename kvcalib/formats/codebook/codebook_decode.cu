@@ -60,9 +60,9 @@
 // D SLICES <= 1024), and per
 // part X in {K, V}: XB (bits a code), XDIM (coordinates a code: 1, 2, 4 or 8), XPOS (1: a book per position),
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
-// launch.py `book_layout`), XROWS (optional, 1: a book per position held in lane rows); KTG (tokens of an affine key
-// group, 0: none), VCG (channels of an affine value group, 0: none), KLEVELS (optional, 1: affine keys' pairs of
-// levels made from their bits, not read from a book).
+// launch.py `book_layout`), XROWS (optional, 1: a book per position of single levels held in lane rows); KTG (tokens
+// of an affine key group, 0: none), VCG (channels of an affine value group, 0: none), KLEVELS (optional, 1: affine
+// keys' pairs of levels made from their bits, not read from a book).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -128,25 +128,23 @@ static_assert(!KLEVELS || (KTG > 0 && KDIM == 2 && !KPOS), "levels made for affi
 #ifndef VROWS
 #define VROWS 0
 #endif
-// A book per position may be held in lane rows (XROWS, launch.py `book_layout`): row (j, pass, e), 128 bytes, holds in
-// slot L % LPR entry e of the position lane L reads with its j-th code (a key's lane (g, t) reads positions
-// t CODES + j, a value's g CODES + j), slots of max(4, 2 XDIM) bytes, LPR = 128 / slot lanes a pass of the load. Each
-// pass's lanes then read distinct banks whatever their codes, where positions' books side by side conflict
+// A book per position of single levels (XDIM 1: 2-byte entries) may be held in lane rows (XROWS, launch.py
+// `book_layout`): row (j, e), 128 bytes, holds in lane L's 4-byte slot (the entry in its low half) entry e of the
+// position L reads with its j-th code (a key's lane (g, t) reads positions t CODES + j, a value's g CODES + j). A
+// gather's lanes then read distinct banks whatever their codes, where positions' books side by side conflict
 // (benchmarks/codebook_banks.py: TurboQuant-4's 2-byte gathers 3.4 wavefronts where 1 would do).
 #define KCODES (KCH / KDIM)  // codes of a lane's share of a key, of a value
 #define VCODES (VCH / VDIM)
-#define KSLOT (2 * KDIM > 4 ? 2 * KDIM : 4)
-#define VSLOT (2 * VDIM > 4 ? 2 * VDIM : 4)
-#define KJSTRIDE (32 / (128 / KSLOT) * KENTRIES * COPIED_ENTRY_BYTES)  // bytes from code j's rows to code j + 1's
-#define VJSTRIDE (32 / (128 / VSLOT) * VENTRIES * COPIED_ENTRY_BYTES)
+#define KJSTRIDE (KENTRIES * COPIED_ENTRY_BYTES)  // bytes from code j's rows to code j + 1's
+#define VJSTRIDE (VENTRIES * COPIED_ENTRY_BYTES)
 #define KBOOK_HALVES \
   (KLEVELS ? 0 : KROWS ? KCODES * KJSTRIDE / 2 : KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2 : KP * KSTRIDE)
 #define VBOOK_HALVES (VROWS ? VCODES * VJSTRIDE / 2 : VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE)
 static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) &&
               (VREPL == 1 || (!VPOS && VREPL * 2 * VDIM == COPIED_ENTRY_BYTES)),
               "copies of shared books only, filling an entry's 128 bytes");
-static_assert((!KROWS || (KPOS && KREPL == 1)) && (!VROWS || (VPOS && VREPL == 1)),
-              "lane rows of books per position only");
+static_assert((!KROWS || (KPOS && KREPL == 1 && KDIM == 1)) && (!VROWS || (VPOS && VREPL == 1 && VDIM == 1)),
+              "lane rows of books per position of single levels only");
 
 // Float16 rows (CUDA cores).
 #define LPT (D / CH)  // lanes a row
@@ -320,33 +318,26 @@ __device__ __forceinline__ void copy_book_copies(__half* dst, const __half* __re
   for (int i = threadIdx.x; i < E * WORDS; i += NT) d[i] = __ldg(s + i / WORDS * (DIM / 2) + i % (DIM / 2));
 }
 
-// A book per position (E, DIM) fp16 a position, into shared memory as lane rows (`XROWS`): word w of row (j, pass,
-// e) is word w % (slot / 4) of slot w / (slot / 4)'s lane's position's entry e (of a 2-byte entry, the entry in its
-// low half). Consecutive threads store consecutive words.
-template <int E, int DIM, int CODES, bool KEY>
+// A book per position of single levels (E fp16 a position), into shared memory as lane rows (`XROWS`): word w of
+// row (j, e) is entry e of the position lane w % 32 reads with its j-th code, in the word's low half. Consecutive
+// threads store consecutive words.
+template <int E, int CODES, bool KEY>
 __device__ __forceinline__ void copy_book_rows(__half* dst, const __half* __restrict__ src) {
-  constexpr int SLOT = 2 * DIM > 4 ? 2 * DIM : 4, LPR = COPIED_ENTRY_BYTES / SLOT, PASSES = 32 / LPR, SW = SLOT / 4;
-  const unsigned short* sh = reinterpret_cast<const unsigned short*>(src);
-  const unsigned* s = reinterpret_cast<const unsigned*>(src);
+  const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
 #pragma unroll 4
-  for (int w = threadIdx.x; w < CODES * PASSES * E * 32; w += NT) {
-    const int r = w / 32, e = r % E, jp = r / E, lane = jp % PASSES * LPR + w % 32 / SW;
-    const int pos = (KEY ? lane % 4 : lane / 4) * CODES + jp / PASSES;
-    if constexpr (DIM == 1) d[w] = __ldg(sh + pos * E + e);
-    else d[w] = __ldg(s + (pos * E + e) * (DIM / 2) + w % SW);
+  for (int w = threadIdx.x; w < CODES * E * 32; w += NT) {
+    const int r = w / 32, e = r % E, j = r / E, lane = w % 32;
+    d[w] = __ldg(s + ((KEY ? lane % 4 : lane / 4) * CODES + j) * E + e);
   }
 }
 
 // A lane's address of a book in shared memory: of a copied book, its copy of entry 0 (lane % REPL), which `gather`
 // offsets by the code times 128 bytes; of lane rows, its slot of code 0's entry 0 (`copy_book_rows`).
-template <int DIM, int REPL, int LANE_ROWS, int E>
+template <int DIM, int REPL, int LANE_ROWS>
 __device__ __forceinline__ unsigned book_address(const __half* book) {
   const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(book)), lane = threadIdx.x % 32;
-  if constexpr (LANE_ROWS) {
-    constexpr unsigned SLOT = 2 * DIM > 4 ? 2 * DIM : 4, LPR = COPIED_ENTRY_BYTES / SLOT;
-    return at + lane / LPR * E * COPIED_ENTRY_BYTES + lane % LPR * SLOT;
-  }
+  if constexpr (LANE_ROWS) return at + lane * 4;
   return REPL > 1 ? at + lane % REPL * 2 * DIM : at;
 }
 
@@ -638,10 +629,10 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       }
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
-      if constexpr (KROWS) copy_book_rows<KENTRIES, KDIM, KCODES, true>(kb, ksrc);
+      if constexpr (KROWS) copy_book_rows<KENTRIES, KCODES, true>(kb, ksrc);
       else if constexpr (KREPL > 1 && !KLEVELS) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
       else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
-      if constexpr (VROWS) copy_book_rows<VENTRIES, VDIM, VCODES, false>(vb, vsrc);
+      if constexpr (VROWS) copy_book_rows<VENTRIES, VCODES, false>(vb, vsrc);
       else if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
       else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
       if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
@@ -662,8 +653,8 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
     for (int u = 0; u < KS; ++u)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[u][i] = 0.f;
-    const unsigned kbs = book_address<KDIM, KREPL, KROWS, KENTRIES>(kb);
-    const unsigned vbs = book_address<VDIM, VREPL, VROWS, VENTRIES>(vb);
+    const unsigned kbs = book_address<KDIM, KREPL, KROWS>(kb);
+    const unsigned vbs = book_address<VDIM, VREPL, VROWS>(vb);
     for (int base = first; base < last; base += 16) {
       if (base + 16 < last) load_tile(nxt, base + 16, t1, krow, vrow, kn, vn, vs, vz);
       if (KTG && base / (KTG ? KTG : 1) != group) {  // a new affine key group: its fragments and bias (warp-uniform)

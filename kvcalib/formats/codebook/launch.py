@@ -163,23 +163,25 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
     return 1, 1
 
 
-# A book per position may be held in lane rows (the kernel's XROWS): row (j, pass, e) of 128 bytes holds entry e of
-# the position each lane of the pass reads with its j-th code, one slot a lane, so that its gathers meet no bank
-# conflict (benchmarks/codebook_banks.py: TurboQuant-4's 2-byte gathers 3.4 wavefronts where 1 would do). The rows
-# cost (codes a lane's share) x (passes) x entries x 128 bytes (32 KiB for TurboQuant-4's values at head_dim 128),
-# copied by every block: only where a block reads at least `ROWS_MIN_TOKENS` tokens (a batch's long splits, not B=1's
-# of some 500 tokens at 32k). With counts on the device (a captured step) the split judged is the capacity's.
+# A book per position of single levels (2-byte entries) may be held in lane rows (the kernel's XROWS): row (j, e) of
+# 128 bytes holds entry e of the position each lane reads with its j-th code, in a 4-byte slot a lane, so that its
+# gathers meet no bank conflict (benchmarks/codebook_banks.py: TurboQuant-4's 2-byte gathers 3.4 wavefronts where 1
+# would do). The rows cost (codes a lane's share) x entries x 128 bytes (32 KiB for TurboQuant-4's values at head_dim
+# 128), copied by every block: only where a block reads at least `ROWS_MIN_TOKENS` tokens (a batch's long splits, not
+# B=1's of some 500 tokens at 32k). With counts on the device (a captured step) the split judged is the capacity's.
+# Measured over the mapped plans' layers at B=8, 32k (benchmarks/kernel_variants.py): TurboQuant-4's values in rows
+# took 16 to 22 µs off each of plan-3's five layers holding them (-2.4% of its attention); books of pairs and quads
+# held so gained nothing as values and lost 5 to 6 µs a layer as keys, so they keep their layout.
 ROWS_MIN_TOKENS = 2048
 
 
 def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
-    """The bytes of a book per position held in lane rows; 0 for a shared book (copied instead: `book_copies`)."""
+    """The bytes of a book per position of single levels held in lane rows; 0 for any other book (a shared one is
+    copied instead: `book_copies`)."""
     p, e, dim = part.book.shape[1:]
-    if p == 1:
+    if p == 1 or dim != 1:
         return 0
-    slot = max(4, 2 * dim)
-    codes = (head_dim // 4 if key else head_dim // 8) // dim
-    return codes * (32 // (COPIED_ENTRY_BYTES // slot)) * e * COPIED_ENTRY_BYTES
+    return (head_dim // 4 if key else head_dim // 8) * e * COPIED_ENTRY_BYTES
 
 
 def made_levels(key: KernelBook, key_group: int, copies: int) -> bool:
@@ -198,7 +200,7 @@ def book_layout(key: KernelBook, value: KernelBook, head_dim: int, budget: int =
     """(key copies, value copies, key rows, value rows, levels made) of the books a `partial` block holds (the
     kernel's KREPL, VREPL, KROWS, VROWS, KLEVELS): shared books copied as `book_copies` says, an affine key's book
     not held where its levels are made (`made_levels`, keys in groups of `key_group` tokens); where the block reads
-    `split_len` >= ROWS_MIN_TOKENS tokens, a book per position in lane rows where the rows fit `budget`
+    `split_len` >= ROWS_MIN_TOKENS tokens, a book per position of single levels in lane rows where the rows fit `budget`
     (`copies_budget`: q~'s bytes already left out) beside the other book, the value book's first (a tile gathers 4
     values a lane to 2 keys)."""
     kc, vc = book_copies(key, value, budget)
