@@ -387,13 +387,23 @@ def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, d):
     rule: TurboQuant-4's codes, 2-byte entries in 4-byte slots, a book per head or per layer; at d 64 the keys' rows
     too (32 + 16 KiB). Planted: a slot read for the wrong lane (`book_address`) or a row copied for the wrong position
     (`copy_book_rows`) fails here."""
+    import kernels_cupy.loader as loader
     from kvcalib.formats.codebook import launch
 
+    launched, real = [], loader.kernel  # each `partial` launch's (KROWS, VROWS)
+
+    def seen(path, defines, name):
+        if name == "partial":
+            launched.append((defines["KROWS"], defines["VROWS"]))
+        return real(path, defines, name)
+
+    monkeypatch.setattr(loader, "kernel", seen)
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 0)
     method = _on_device(any_method(kind, 4, d=d, sinks=1, residual=128))
     k16, v16, g = _inputs(2, 2, 1500, d, d + 4)
     layer, q, rows = _check(method, k16, v16, torch.randn(2, 4, d, device=DEV, generator=g))
-    held = _launch_layouts(layer, 2, split_len=1)
-    assert all(x[3] and x[2] == (d == 64) for x in held), f"{kind} at d {d}: lane rows not as sized: {held}"
+    assert launched and all(v and k == (d == 64) for k, v in launched), f"{kind} at d {d}: rows launched {launched}"
+    launched.clear()
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 1 << 30)
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), rows)
+    assert launched and not any(k or v for k, v in launched), launched  # the books held as they are

@@ -345,8 +345,8 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
 
 
 def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_take_lane_rows():
-    """`made_levels`: an affine key's pairs of 2- and 4-bit levels are made from their bits, 3-bit ones where their
-    book is not copied, nothing else; `book_layout` then holds no key book, and holds a book per position of single
+    """`made_levels`: an affine key's pairs of 1-, 2- and 4-bit levels are made from their bits, 3-bit ones where
+    their book is not copied, no other book; `book_layout` then holds no key book, and holds a book per position of single
     levels in lane rows ((codes a lane's share) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS
     tokens and the rows fit the budget beside the other book, the value's first; books per position of pairs or quads
     keep their layout. Planted: the made key's copies counted (32 KiB) leave OScaR-4's keys beside TurboQuant-4's
@@ -369,6 +369,8 @@ def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_ta
     assert book_layout(tq4_keys64, tq4_values64, 64, split_len=long_) == (1, 1, 1, 1, 0)
     assert shared_bytes(tq4_keys64, tq4_values64, 4, 64, split_len=long_) == 48 * 1024
     assert book_layout(tq4_values, tq4_values, 128, split_len=long_) == (1, 1, 0, 1, 0)
+    # where either rows fit beside the other book but not both, the values' take them (4 gathers a lane to 2 keys')
+    assert book_layout(tq4_keys64, tq4_values64, 64, 40 * 1024, split_len=long_) == (1, 1, 0, 1, 0)
     # TurboQuant-2's keys (pairs) and TurboQuant-1's values (quads) per position keep their layout
     assert book_layout(tq2_keys, tq1_values, 128, split_len=long_) == (1, 1, 0, 0, 0)
-    assert book_layout(tq2_keys, vec8, 128, split_len=long_) == (1, 16, 0, 0, 0)  # the copies, 32 KiB: no rows
+    assert book_layout(tq2_keys, vec8, 128, split_len=long_) == (1, 16, 0, 0, 0)  # pairs, and VecInfer's copies

@@ -170,14 +170,14 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
 # 128), copied by every block: only where a block reads at least `ROWS_MIN_TOKENS` tokens (a batch's long splits, not
 # B=1's of some 500 tokens at 32k). With counts on the device (a captured step) the split judged is the capacity's.
 # Measured over the mapped plans' layers at B=8, 32k (benchmarks/kernel_variants.py): TurboQuant-4's values in rows
-# took 16 to 22 µs off each of plan-3's five layers holding them (-2.4% of its attention); books of pairs and quads
+# took 16 to 22 µs off each of plan-3's five layers holding them (-2.2% of its attention); books of pairs and quads
 # held so gained nothing as values and lost 5 to 6 µs a layer as keys, so they keep their layout.
 ROWS_MIN_TOKENS = 2048
 
 
 def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
-    """The bytes of a book per position of single levels held in lane rows; 0 for any other book (a shared one is
-    copied instead: `book_copies`)."""
+    """The bytes of a book per position of single levels held in lane rows; 0 for any other book (its layout:
+    `book_copies`)."""
     p, e, dim = part.book.shape[1:]
     if p == 1 or dim != 1:
         return 0
@@ -187,7 +187,7 @@ def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
 def made_levels(key: KernelBook, key_group: int, copies: int) -> bool:
     """Whether the kernel makes an affine key's pairs of levels from their bits (its KLEVELS), not reading them from a
     book, which the block then does not hold: keys in groups of `key_group` tokens (KIVI's, OScaR's) read in pairs, of
-    2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code,
+    1-, 2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code,
     shift and shared-memory load), or 3-bit ones whose book is not copied (`copies` 1: a copied book's gather is
     conflict-free, and a 3-bit pair whose second level would pass its half's mantissa takes a shift more). Measured
     over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit
