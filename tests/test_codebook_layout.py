@@ -346,11 +346,11 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
 
 def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_take_lane_rows():
     """`made_levels`: an affine key's pairs of 1-, 2- and 4-bit levels are made from their bits, 3-bit ones where
-    their book is not copied, no other book; `book_layout` then holds no key book, and holds a book per position of single
-    levels in lane rows ((codes a lane's share) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS
-    tokens and the rows fit the budget beside the other book, the value's first; books per position of pairs or quads
-    keep their layout. Planted: the made key's copies counted (32 KiB) leave OScaR-4's keys beside TurboQuant-4's
-    values without rows, as the layout without a key group reads below."""
+    their book is not copied, no other book; `book_layout` then holds no key book, and holds a book per position of
+    single levels in lane rows ((codes a lane's share) x entries x 128 bytes) where a block reads at least
+    ROWS_MIN_TOKENS tokens and the rows fit the budget beside the other book, the value's first; books per position of
+    pairs or quads keep their layout. Planted: the made key's copies counted (32 KiB) leave OScaR-4's keys beside
+    TurboQuant-4's values without rows, as the layout without a key group reads below."""
     from kvcalib.formats.codebook.launch import ROWS_MIN_TOKENS, book_layout, made_levels, shared_bytes
 
     levels2, levels3, levels4 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 2), _kernel_book(1, 256, 2)
