@@ -145,6 +145,7 @@ static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) 
               "copies of shared books only, filling an entry's 128 bytes");
 static_assert((!KROWS || (KPOS && KREPL == 1 && KDIM == 1)) && (!VROWS || (VPOS && VREPL == 1 && VDIM == 1)),
               "lane rows of books per position of single levels only");
+static_assert(!KLEVELS || KREPL == 1, "made levels' book neither held nor copied");
 
 // Float16 rows (CUDA cores).
 #define LPT (D / CH)  // lanes a row
@@ -630,7 +631,7 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       const __half* ksrc = kbook + (kbook_heads > 1 ? (long)hl * KP * KENTRIES * KDIM : 0);
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
       if constexpr (KROWS) copy_book_rows<KENTRIES, KCODES, true>(kb, ksrc);
-      else if constexpr (KREPL > 1 && !KLEVELS) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
+      else if constexpr (KREPL > 1) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
       else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
       if constexpr (VROWS) copy_book_rows<VENTRIES, VCODES, false>(vb, vsrc);
       else if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);

@@ -187,8 +187,8 @@ def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
 def made_levels(key: KernelBook, key_group: int, copies: int) -> bool:
     """Whether the kernel makes an affine key's pairs of levels from their bits (its KLEVELS), not reading them from a
     book, which the block then does not hold: keys in groups of `key_group` tokens (KIVI's, OScaR's) read in pairs, of
-    1-, 2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's code,
-    shift and shared-memory load), or 3-bit ones whose book is not copied (`copies` 1: a copied book's gather is
+    1-, 2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's
+    code, shift and shared-memory load), or 3-bit ones whose book is not copied (`copies` 1: a copied book's gather is
     conflict-free, and a 3-bit pair whose second level would pass its half's mantissa takes a shift more). Measured
     over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit
     pair made was slower where its book was copied."""
@@ -227,10 +227,10 @@ def shared_bytes(key: KernelBook, value: KernelBook, gqa: int, head_dim: int, bu
     return _block_bytes(key, value, layout, gqa, head_dim, query)
 
 
-def _block_bytes(key: KernelBook, value: KernelBook, layout: tuple[int, ...], gqa: int, head_dim: int,
+def _block_bytes(key: KernelBook, value: KernelBook, layout: tuple[int, int, int, int, int], gqa: int, head_dim: int,
                  query: int = 0) -> int:
-    """`shared_bytes` of books held in this `book_layout` (or its first two: copies only), q~ after them."""
-    krepl, vrepl, krows, vrows, levels = (*layout, 0, 0, 0)[:5]
+    """`shared_bytes` of books held in this `book_layout`, q~ after them."""
+    krepl, vrepl, krows, vrows, levels = layout
     kbytes = 0 if levels else _rows_bytes(key, head_dim, True) if krows else _book_bytes(key, krepl)
     vbytes = _rows_bytes(value, head_dim, False) if vrows else _book_bytes(value, vrepl)
     return max(kbytes + vbytes + query, 4 * WARPS * gqa * (head_dim + 2))
@@ -369,8 +369,8 @@ def _launch_group(q: torch.Tensor, out: torch.Tensor, kcodes: torch.Tensor, knor
             or gqa > MAX_GQA or not (_reads(key, d) and _reads(value, d))
             or (ktokens and (ktokens % 16 or kscale is None or kzero is None))
             or (vchannels and (vchannels % (d // 8) or d % vchannels or vscale is None or vzero is None))
-            # the books held without lane rows (which the launch takes below only within the budget)
-            or _block_bytes(key, value, book_copies(key, value, budget), gqa, d, query) > SHARED_LIMIT):
+            # the books as copied, without lane rows or made levels (the launch takes those below within the budget)
+            or _block_bytes(key, value, book_layout(key, value, d, budget), gqa, d, query) > SHARED_LIMIT):
         raise ValueError("codebook decode needs fp16/bf16 queries on CUDA, head_dim 64, 128 or 256, at most 8 query "
                          "heads per KV head, and codes the kernel reads (`supports`)")
     tensors = [q, kcodes, vcodes, kbook, vbook, ksink, vsink, kres, vres] + [
