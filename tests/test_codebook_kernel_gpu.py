@@ -81,18 +81,15 @@ def _check(method, k16, v16, q, dtype=torch.float16, softcap=None):
     return layer, qm, out
 
 
-def _launch_layouts(layer, gqa: int, split_len: int = 0) -> list[tuple]:
-    """Each group's `book_layout` as the launch takes it: the device's budget with q~'s bytes left out."""
-    from kvcalib.formats.codebook import launch
+def _launches(monkeypatch) -> list[tuple[str, dict]]:
+    """Every kernel the decode takes from the loader from now on, as (name, its defines): what each launch compiled
+    with, read where the launch asks for its kernel."""
+    import kernels_cupy.loader as loader
 
-    out = []
-    for r in layer.groups:
-        key, value = launch.kernel_book(r.spec.key), launch.kernel_book(r.spec.value)
-        d = layer.head_dim
-        budget = launch.copies_budget(torch.cuda.current_device(), launch.blocks_per_sm(gqa, d),
-                                      launch.query_bytes(r.spec.key.basis is not None, gqa, d))
-        out.append(launch.book_layout(key, value, d, budget, split_len, r.spec.key.token_group))
-    return out
+    launched, real = [], loader.kernel
+    monkeypatch.setattr(loader, "kernel", lambda path, defines, name: launched.append((name, dict(defines)))
+                        or real(path, defines, name))
+    return launched
 
 
 def _poison(layer, extra: int = 64):
@@ -231,9 +228,10 @@ def test_copied_books_read_the_centroids_of_the_book_itself(monkeypatch, kind, b
     method = _on_device(any_method(kind, bits, d=d, sinks=1, residual=128))
     h = 4 if kind.startswith("plan") else 2
     k16, v16, g = _inputs(2, h, 1500, d, d + bits)
+    launched = _launches(monkeypatch)
     layer, q, copied = _check(method, k16, v16, torch.randn(2, 2 * h, d, device=DEV, generator=g))
-    held = _launch_layouts(layer, 2)
-    assert any(max(c[:2]) > 1 for c in held), f"no book of {kind} is copied: {held}"
+    held = [(x["KREPL"], x["VREPL"]) for name, x in launched if name == "partial"]
+    assert any(max(c) > 1 for c in held), f"no book of {kind} is copied: {held}"
     monkeypatch.setattr(launch, "book_copies", lambda *args: (1, 1))  # the books as they are
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), copied)
 
@@ -330,17 +328,13 @@ def test_only_groups_whose_keys_have_a_basis_launch_the_query_rotation(monkeypat
     """`rotate` runs for a group whose keys are coded in a basis of their own (TurboQuant's, OScaR's rotated keys);
     a group without one (KIVI's affine keys) launches `partial` and `merge` only, each block scaling q itself, and
     every row is as exact as SDPA's (the rule above). Planted: KROT 0 for every group fails here (q~ never rotated)."""
-    import kernels_cupy.loader as loader
-
-    names = []
-    real = loader.kernel
-    monkeypatch.setattr(loader, "kernel", lambda path, defines, name: names.append((defines.get("KROT"), name))
-                        or real(path, defines, name))
+    launched = _launches(monkeypatch)
     for kind, bits, rotated in (("kivi-g128", 2, False), ("oscar-g32", 2, True), ("oblivious", 2, True)):
-        names.clear()
+        launched.clear()
         method = _on_device(any_method(kind, bits, d=128, sinks=1, residual=128))
         k16, v16, g = _inputs(2, 2, 1037, 128, bits)
         _check(method, k16, v16, torch.randn(2, 8, 128, device=DEV, generator=g))
+        names = [(x.get("KROT"), name) for name, x in launched]
         decode = [(krot, name) for krot, name in names if krot is not None]  # the encode's kernels take no KROT
         assert {name for _, name in decode} == ({"rotate", "partial", "merge"} if rotated else {"partial", "merge"})
         assert {krot for krot, _ in decode} == {int(rotated)}, (kind, names)
@@ -356,18 +350,9 @@ def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeyp
     at every level width, pairs that cross bytes and words included, the book copied or held once; every row as exact
     as SDPA's (the rule above). The launch picks between the two by speed (`made_levels`); here each is forced.
     Planted: a wrong bias for a pair's second level fails here and in the row-by-row tests."""
-    import kernels_cupy.loader as loader
     from kvcalib.formats.codebook import launch
 
-    force, made = [True], []  # made_levels now; each affine group's KLEVELS as launched
-    real = loader.kernel
-
-    def seen(path, defines, name):
-        if name == "partial" and defines.get("KTG"):
-            made.append(defines["KLEVELS"])
-        return real(path, defines, name)
-
-    monkeypatch.setattr(loader, "kernel", seen)
+    force, launched = [True], _launches(monkeypatch)  # made_levels now
     monkeypatch.setattr(launch, "made_levels", lambda key, group, copies: force[0] and group > 0)
     if not copied:
         monkeypatch.setattr(launch, "book_copies", lambda *args: (1, 1))
@@ -377,6 +362,7 @@ def test_affine_keys_levels_made_from_their_bits_are_the_books_centroids(monkeyp
     layer, q, levels = _check(method, k16, v16, torch.randn(2, 4 * h, d, device=DEV, generator=g))
     force[0] = False
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), levels)
+    made = [x["KLEVELS"] for name, x in launched if name == "partial" and x.get("KTG")]  # each affine group's
     assert made.count(1) and made.count(0) == made.count(1), made  # both ways ran for every affine group
 
 
@@ -387,23 +373,18 @@ def test_lane_rows_read_the_centroids_of_the_book_itself(monkeypatch, kind, d):
     rule: TurboQuant-4's codes, 2-byte entries in 4-byte slots, a book per head or per layer; at d 64 the keys' rows
     too (32 + 16 KiB). Planted: a slot read for the wrong lane (`book_address`) or a row copied for the wrong position
     (`copy_book_rows`) fails here."""
-    import kernels_cupy.loader as loader
     from kvcalib.formats.codebook import launch
 
-    launched, real = [], loader.kernel  # each `partial` launch's (KROWS, VROWS)
-
-    def seen(path, defines, name):
-        if name == "partial":
-            launched.append((defines["KROWS"], defines["VROWS"]))
-        return real(path, defines, name)
-
-    monkeypatch.setattr(loader, "kernel", seen)
+    launched = _launches(monkeypatch)
+    partial_rows = lambda: [(x["KROWS"], x["VROWS"]) for name, x in launched if name == "partial"]  # noqa: E731
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 0)
     method = _on_device(any_method(kind, 4, d=d, sinks=1, residual=128))
     k16, v16, g = _inputs(2, 2, 1500, d, d + 4)
     layer, q, rows = _check(method, k16, v16, torch.randn(2, 4, d, device=DEV, generator=g))
-    assert launched and all(v and k == (d == 64) for k, v in launched), f"{kind} at d {d}: rows launched {launched}"
+    held = partial_rows()
+    assert held and all(v and k == (d == 64) for k, v in held), f"{kind} at d {d}: rows launched {held}"
     launched.clear()
     monkeypatch.setattr(launch, "ROWS_MIN_TOKENS", 1 << 30)
     assert torch.equal(codebook_decode(q, layer, d**-0.5, checked=True), rows)
-    assert launched and not any(k or v for k, v in launched), launched  # the books held as they are
+    held = partial_rows()
+    assert held and not any(k or v for k, v in held), held  # the books held as they are
