@@ -345,20 +345,20 @@ def test_books_whose_centroids_take_more_than_one_load_are_refused():
 
 
 def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_take_lane_rows():
-    """`made_levels`: an affine key's pairs of 1-, 2- and 4-bit levels are made from their bits, 3-bit ones where
-    their book is not copied, no other book; `book_layout` then holds no key book, and holds a book per position of
-    single levels in lane rows ((codes a lane's share) x entries x 128 bytes) where a block reads at least
-    ROWS_MIN_TOKENS tokens and the rows fit the budget beside the other book, the value's first; books per position of
-    pairs or quads keep their layout. Planted: the made key's copies counted (32 KiB) leave OScaR-4's keys beside
-    TurboQuant-4's values without rows, as the layout without a key group reads below."""
+    """`made_levels`: an affine key's pairs of levels are taken from their bits, at every width, no other book;
+    `book_layout` then holds no key book, and holds a book per position of single levels in lane rows ((codes a lane's
+    share) x entries x 128 bytes) where a block reads at least ROWS_MIN_TOKENS tokens and the rows fit the budget
+    beside the other book, the value's first; books per position of pairs or quads keep their layout. Planted: the
+    made key's copies counted (32 KiB) leave OScaR-4's keys beside TurboQuant-4's values without rows, as the layout
+    without a key group reads below."""
     from kvcalib.formats.codebook.launch import ROWS_MIN_TOKENS, book_layout, made_levels, shared_bytes
 
     levels2, levels3, levels4 = _kernel_book(1, 16, 2), _kernel_book(1, 64, 2), _kernel_book(1, 256, 2)
     tq4_values = _kernel_book(128, 16, 1)  # TurboQuant-4's values, a book per position: rows of 32 KiB at d 128
     tq2_keys, tq1_values, vec8 = _kernel_book(64, 16, 2), _kernel_book(32, 16, 4), _kernel_book(1, 256, 4)
     long_, short = ROWS_MIN_TOKENS, ROWS_MIN_TOKENS - 1
-    assert made_levels(levels2, 128, 32) and made_levels(levels4, 128, 32) and made_levels(levels3, 32, 1)
-    assert not made_levels(levels3, 128, 32) and not made_levels(levels2, 0, 32) and not made_levels(tq2_keys, 128, 1)
+    assert made_levels(levels2, 128) and made_levels(levels4, 128) and made_levels(levels3, 32)
+    assert not made_levels(levels2, 0) and not made_levels(tq2_keys, 128)
     # OScaR-4's keys (made) beside TurboQuant-4's values: no key book, the values in lane rows
     assert book_layout(levels4, tq4_values, 128, split_len=long_, key_group=128) == (1, 1, 0, 1, 1)
     assert shared_bytes(levels4, tq4_values, 4, 128, split_len=long_, key_group=128) == 32 * 1024

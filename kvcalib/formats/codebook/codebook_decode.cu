@@ -25,8 +25,10 @@
 // their values summed in V's coded basis; `merge` takes that sum back by B_V. The float16 rows meet q itself and are
 // summed in the model's basis. Affine keys are scored as q~ . y = q~ . zero +
 // (q~ scale) . level: per group of KTG tokens a warp takes (q~ scale) as its query fragments and q~ . zero as a bias,
-// the levels gathered as any codes are, or made from their bits (KLEVELS); affine values are level * scale + zero in
-// fp16 (one fma a half2).
+// the levels gathered as any codes are, or taken from their bits as fp16 subnormals (KLEVELS: level 2^(s - 24), the
+// fragments then q~ scale 2^(3 - s) and the scores times 2^21); affine values are level * scale + zero in fp16 (one
+// fma a half2). Limit: the fragments' fp16 pairs need |q~ scale| below 65504, or 8188 where KLEVELS (beyond, the
+// scores are inf or NaN).
 //
 // Bytes that must move per (batch, KV head): T (KW + VW) 4 of codes and T 2 of each norm, 4 D (sinks + r) of
 // float16 rows, read once; the books per block, from L2 after the first block; the partials, 4 (D + 2) GQ per part,
@@ -62,7 +64,7 @@
 // XNORM (1: norms), XW (words a row), XREPL (optional, 1: copies of each entry of a book shared by every position,
 // launch.py `book_layout`), XROWS (optional, 1: a book per position of single levels held in lane rows); KTG (tokens
 // of an affine key group, 0: none), VCG (channels of an affine value group, 0: none), KLEVELS (optional, 1: affine
-// keys' pairs of levels made from their bits, not read from a book).
+// keys' pairs of levels taken from their bits, not read from a book).
 #include "decode_common.cuh"
 
 #define NT (32 * WARPS)
@@ -96,12 +98,12 @@ __device__ __forceinline__ float softcapped(float s) {
 #define VSHARE (VCH / VDIM * VB)
 #define KNW ((KSHARE + 31) / 32)  // words it spans, once aligned
 #define VNW ((VSHARE + 31) / 32)
-// KLEVELS (launch.py `made_levels`): affine keys' pairs of levels made from their bits (`levels`), not read from a
+// KLEVELS (launch.py `made_levels`): affine keys' pairs of levels taken from their bits (`levels`), not read from a
 // book, which the block then neither holds nor copies.
 #ifndef KLEVELS
 #define KLEVELS 0
 #endif
-static_assert(!KLEVELS || (KTG > 0 && KDIM == 2 && !KPOS), "levels made for affine keys in pairs only");
+static_assert(!KLEVELS || (KTG > 0 && KDIM == 2 && !KPOS), "levels taken for affine keys in pairs only");
 #define KENTRIES (1 << KB)
 #define VENTRIES (1 << VB)
 #define KP (KPOS ? D / KDIM : 1)  // positions with a book of their own
@@ -145,7 +147,7 @@ static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) 
               "copies of shared books only, filling an entry's 128 bytes");
 static_assert((!KROWS || (KPOS && KREPL == 1 && KDIM == 1)) && (!VROWS || (VPOS && VREPL == 1 && VDIM == 1)),
               "lane rows of books per position of single levels only");
-static_assert(!KLEVELS || KREPL == 1, "made levels' book neither held nor copied");
+static_assert(!KLEVELS || KREPL == 1, "levels taken from their bits: their book neither held nor copied");
 
 // Float16 rows (CUDA cores).
 #define LPT (D / CH)  // lanes a row
@@ -265,34 +267,38 @@ __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int fir
 }
 
 // Affine keys' centroids are their levels 0 .. 2^LB - 1 (layout.py `affine_part`), read in pairs (a code of BITS =
-// 2 LB bits, its first level least significant: launch.py `kernel_book`): where KLEVELS, a pair's half2 is made from
-// its bits, no book read. The pair's 16 bits (from the byte holding its first bit) go to both halves (one byte
-// permute), each level's bits are kept in its half's mantissa under 1024's exponent (a mask and an OR: 1024 + level
-// 2^s, s its offset in its half), and one HFMA2 takes each half to its level (exact: small integers). Bit for bit
-// the book's centroids.
+// 2 LB bits, its first level least significant: launch.py `kernel_book`): where KLEVELS, a pair's half2 is taken
+// from its bits, no book read: one byte permute puts the bytes holding each level into its half (the first level's
+// bytes into the low half, the second's into the high, a byte further where the second would pass the 10 bits of a
+// half's mantissa), one AND keeps each level's bits. A half then holds level 2^s, s the level's offset in it
+// (`level_shift`): as an fp16, the subnormal level 2^(s - 24), exact, which the tensor cores multiply as any fp16.
+// `affine_fragments` takes q~ scale times 2^(3 - s) channel by channel and `tile_step` the scores times 2^21, so that
+// a product is (q~ scale level) 2^-21: the same products as the levels' own, each times a power of two, but for the
+// fp16 fragments' range (|q~ scale| up to 8188, not 65504: the limit above) and a remainder below 2^-14, which
+// rounds at 2^(s - 28) (a score's error at most that times the level, a channel; 2^(3 - s) balances the two). Where
+// the book gathered a level in 3 instructions (a code's mask, its address, the load) and an HFMA2 made one in 4, this
+// takes 1.5 (sm_90 SASS: kivi-2-g128 + vecinfer-d4b6's tile loop 328 -> 247 instructions, less its loads).
+template <int BITS>
+__host__ __device__ constexpr int level_shift(int c) {
+  const int LB = BITS / 2, at = c / 2 * BITS, s0 = at % 8, k = s0 + 2 * LB <= 10 ? 0 : 1;
+  return c % 2 ? s0 + LB - 8 * k : s0;
+}
+
 template <int CHANNELS, int BITS>
 __device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
-  constexpr int LB = BITS / 2;
-  static_assert(BITS % 2 == 0 && 2 * LB <= 10, "both levels within an fp16 mantissa");
+  constexpr int LB = BITS / 2, NW = (CHANNELS / 2 * BITS + 31) / 32;  // a level's bits; the share's words
+  static_assert(BITS % 2 == 0 && LB <= 4, "levels of at most 4 bits, in pairs");
   constexpr_for<CHANNELS / 2>([&](auto jc) {
     constexpr int j = decltype(jc)::value, at = j * BITS, wi = at / 32, bo = at % 32 / 8;
-    constexpr int s0 = at % 8, s = s0 + 2 * LB <= 10 ? s0 : 0;  // where the first level lands in its half
-    unsigned dup;
-    if constexpr (s == s0) {  // bytes bo, bo + 1 of the share (the next word's first where bo is 3) into each half
-      constexpr unsigned sel = bo | (bo + 1) << 4 | bo << 8 | (bo + 1) << 12;
-      dup = __byte_perm(f[wi], bo == 3 && s0 + BITS > 8 ? f[wi + 1] : 0u, sel);
-    } else {  // the pair moved to bit 0 first
-      const unsigned x = at % 32 + BITS > 32 ? __funnelshift_r(f[wi], f[wi + 1], at % 32) : f[wi] >> (at % 32);
-      dup = __byte_perm(x, 0u, 0x1010);
-    }
-    constexpr unsigned LMASK = (1u << LB) - 1, MASK = LMASK << s | LMASK << (s + LB + 16);
-    const unsigned w = (dup & MASK) | 0x64006400u;  // halves 1024 + c0 2^s, 1024 + c1 2^(s + LB)
-    constexpr unsigned short SCALE_LO = (15 - s) << 10, SCALE_HI = (15 - s - LB) << 10;  // 2^-s, 2^-(s + LB)
-    constexpr unsigned short BIAS_LO = 0x8000 | (25 - s) << 10, BIAS_HI = 0x8000 | (25 - s - LB) << 10;  // -1024 x them
-    const __half2 y = __hfma2(*reinterpret_cast<const __half2*>(&w),
-                              __halves2half2(__ushort_as_half(SCALE_LO), __ushort_as_half(SCALE_HI)),
-                              __halves2half2(__ushort_as_half(BIAS_LO), __ushort_as_half(BIAS_HI)));
-    out[j] = *reinterpret_cast<const unsigned*>(&y);
+    // the first level from bytes bo, bo + 1 of the share (at bit s0 there), the second from bytes bo + k, bo + k + 1
+    // (bytes 4 .. 7: the next word's, read only where a level lies there)
+    constexpr int s0 = at % 8, k = s0 + 2 * LB <= 10 ? 0 : 1, s1 = s0 + LB - 8 * k;
+    static_assert(s0 == level_shift<BITS>(2 * j) && s1 == level_shift<BITS>(2 * j + 1), "levels where they lie");
+    constexpr bool NEXT = (bo == 3 && s0 + LB > 8) || bo + k == 4 || (bo + k == 3 && s1 + LB > 8);
+    static_assert(!NEXT || wi + 1 < NW, "a level in the next word of the share");
+    constexpr unsigned sel = bo | (bo + 1) << 4 | (bo + k) << 8 | (bo + k + 1) << 12;
+    constexpr unsigned LMASK = (1u << LB) - 1, MASK = LMASK << s0 | LMASK << (s1 + 16);
+    out[j] = __byte_perm(f[wi], NEXT ? f[wi + 1] : 0u, sel) & MASK;
   });
 }
 
@@ -406,7 +412,8 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int tok = base + slot_token(i, t);
-    const float s = c[i / 2][i % 2] + c[i / 2][2 + i % 2] + kbias;
+    // levels taken as subnormals (`levels`): the products (q~ scale level) 2^-21
+    const float s = (c[i / 2][i % 2] + c[i / 2][2 + i % 2]) * (KLEVELS ? 2097152.f : 1.f) + kbias;
     sc[0][i] = tok >= t0 && tok < t1 ? softcapped(KNORM ? s * __half2float(x.kn[i]) : s) : NEG_INF;
   }
   softmax_tiles<1>(sc, m, l, p, acc);
@@ -500,8 +507,11 @@ __device__ __forceinline__ void affine_fragments(const float (*src)[D], const __
     const float2 s23 = __half22float2(*reinterpret_cast<const __half2*>(&sw.y));
     const float2 z01 = __half22float2(*reinterpret_cast<const __half2*>(&zw.x));
     const float2 z23 = __half22float2(*reinterpret_cast<const __half2*>(&zw.y));
-    const float x[4] = {f.x * s01.x, f.y * s01.y, f.z * s23.x, f.w * s23.y};
+    // where KLEVELS, q~ scale times 2^(3 - s), built exactly: the levels' subnormals are level 2^(s - 24) (`levels`)
+    const auto k = [](int c) { return KLEVELS ? __int_as_float((130 - level_shift<KB>(c)) << 23) : 1.f; };
     b += f.x * z01.x + f.y * z01.y + f.z * z23.x + f.w * z23.y;
+    const float x[4] = {f.x * (s01.x * k(4 * ks)), f.y * (s01.y * k(4 * ks + 1)), f.z * (s23.x * k(4 * ks + 2)),
+                        f.w * (s23.y * k(4 * ks + 3))};
     qa[ks] = hi_lo_fragment(x);
   }
   b += __shfl_xor_sync(0xffffffff, b, 1);

@@ -184,15 +184,12 @@ def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
     return (head_dim // 4 if key else head_dim // 8) * e * COPIED_ENTRY_BYTES
 
 
-def made_levels(key: KernelBook, key_group: int, copies: int) -> bool:
-    """Whether the kernel makes an affine key's pairs of levels from their bits (its KLEVELS), not reading them from a
-    book, which the block then does not hold: keys in groups of `key_group` tokens (KIVI's, OScaR's) read in pairs, of
-    1-, 2- or 4-bit levels (a pair within whole bytes: a byte permute, two LOP3s and an HFMA2, in place of a gather's
-    code, shift and shared-memory load), or 3-bit ones whose book is not copied (`copies` 1: a copied book's gather is
-    conflict-free, and a 3-bit pair whose second level would pass its half's mantissa takes a shift more). Measured
-    over the mapped plans' layers at B=8 (benchmarks/kernel_variants.py): plan-2.25 -1.6%, plan-3 -3.1%; every 3-bit
-    pair made was slower where its book was copied."""
-    return key_group > 0 and key.dim == 2 and key.book.shape[1] == 1 and (key.bits != 6 or copies == 1)
+def made_levels(key: KernelBook, key_group: int) -> bool:
+    """Whether the kernel takes an affine key's pairs of levels from their bits (its KLEVELS), not reading them from a
+    book, which the block then does not hold: keys in groups of `key_group` tokens (KIVI's, OScaR's) read in pairs,
+    of any width (a byte permute and an AND a pair, the levels fp16 subnormals: the kernel's `levels`), in place of a
+    gather's code mask, address and shared-memory load, copied book or not."""
+    return key_group > 0 and key.dim == 2 and key.book.shape[1] == 1
 
 
 def book_layout(key: KernelBook, value: KernelBook, head_dim: int, budget: int = COPIED_BOOKS_BYTES,
@@ -204,7 +201,7 @@ def book_layout(key: KernelBook, value: KernelBook, head_dim: int, budget: int =
     (`copies_budget`: q~'s bytes already left out) beside the other book, the value book's first (a tile gathers 4
     values a lane to 2 keys)."""
     kc, vc = book_copies(key, value, budget)
-    levels = int(made_levels(key, key_group, kc))
+    levels = int(made_levels(key, key_group))
     kc = 1 if levels else kc
     kbytes, vbytes = 0 if levels else _book_bytes(key, kc), _book_bytes(value, vc)
     krows = vrows = 0
