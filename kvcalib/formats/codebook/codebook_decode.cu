@@ -368,7 +368,9 @@ __device__ __forceinline__ const T* opaque(const T* p) {
 struct Tile {
   unsigned k[2][KNW];
   unsigned v[4][VNW];
-  __half kn[4], vn[4], vz[4];  // vn: a value's norm, or its affine scale (vz its zero)
+  // slots 2j and 2j + 1 (tokens side by side) in half2 j: a register holds two (a tile's half registers were what
+  // OScaR-4's keys beside TurboQuant's values spilled). vn: a value's norm, or its affine scale (vz its zero).
+  __half2 kn[2], vn[2], vz[2];
 };
 
 __device__ __forceinline__ int slot_token(int i, int t) { return 8 * (i / 2) + 2 * t + i % 2; }
@@ -385,18 +387,26 @@ __device__ __forceinline__ void load_tile(Tile& x, unsigned base, unsigned t1, c
   for (int r = 0; r < 2; ++r) share_words<KSHARE, KW>(krow, min(base + g + 8 * r, last), t * KSHARE, x.k[r]);
   const __half one = __ushort_as_half(0x3c00), zero = __ushort_as_half(0);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const unsigned tok = min(base + slot_token(i, t), last);
-    share_words<VSHARE, VW>(vrow, tok, g * VSHARE, x.v[i]);
-    x.kn[i] = KNORM ? __ldcs(knorm + tok) : one;
-    if constexpr (VCG > 0) {  // lane group g's channels lie in value group g VCH / VCG
-      const unsigned at = tok * (D / VGROUP) + g * VCH / VGROUP;
-      x.vn[i] = __ldcs(vscale + at);
-      x.vz[i] = __ldcs(vzero + at);
-    } else {
-      x.vn[i] = VNORM ? __ldcs(vnorm + tok) : one;
-      x.vz[i] = zero;
+  for (int j = 0; j < 2; ++j) {
+    unsigned tok[2];
+    __half kn[2], vn[2], vz[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      tok[e] = min(base + slot_token(2 * j + e, t), last);
+      share_words<VSHARE, VW>(vrow, tok[e], g * VSHARE, x.v[2 * j + e]);
+      kn[e] = KNORM ? __ldcs(knorm + tok[e]) : one;
+      if constexpr (VCG > 0) {  // lane group g's channels lie in value group g VCH / VCG
+        const unsigned at = tok[e] * (D / VGROUP) + g * VCH / VGROUP;
+        vn[e] = __ldcs(vscale + at);
+        vz[e] = __ldcs(vzero + at);
+      } else {
+        vn[e] = VNORM ? __ldcs(vnorm + tok[e]) : one;
+        vz[e] = zero;
+      }
     }
+    x.kn[j] = __halves2half2(kn[0], kn[1]);
+    x.vn[j] = __halves2half2(vn[0], vn[1]);
+    x.vz[j] = __halves2half2(vz[0], vz[1]);
   }
 }
 
@@ -419,7 +429,8 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
     const int tok = base + slot_token(i, t);
     // levels taken as subnormals (`levels`): the products (q~ scale level) 2^-21
     const float s = (c[i / 2][i % 2] + c[i / 2][2 + i % 2]) * (KLEVELS ? 2097152.f : 1.f) + kbias;
-    sc[0][i] = tok >= t0 && tok < t1 ? softcapped(KNORM ? s * __half2float(x.kn[i]) : s) : NEG_INF;
+    const float norm = KNORM ? (i % 2 ? __high2float(x.kn[i / 2]) : __low2float(x.kn[i / 2])) : 1.f;
+    sc[0][i] = tok >= t0 && tok < t1 ? softcapped(KNORM ? s * norm : s) : NEG_INF;
   }
   softmax_tiles<1>(sc, m, l, p, acc);
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
@@ -427,8 +438,8 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   for (int i = 0; i < 4; ++i) {
     gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL, VROWS, VJSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
     if constexpr (VNORM || VCG > 0) {  // else the centroids are the values (a masked token's weight is 0)
-      const __half2 n = __half2half2(x.vn[i]);
-      const __half2 z = __half2half2(x.vz[i]);
+      const __half2 n = i % 2 ? __high2half2(x.vn[i / 2]) : __low2half2(x.vn[i / 2]);
+      const __half2 z = i % 2 ? __high2half2(x.vz[i / 2]) : __low2half2(x.vz[i / 2]);
 #pragma unroll
       for (int u = 0; u < VCH / 2; ++u) {
         const __half2 c2 = *reinterpret_cast<const __half2*>(&vh[i][u]);
