@@ -364,6 +364,9 @@ def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_ta
     assert shared_bytes(levels4, tq4_values, 4, 128, split_len=long_, key_group=128) == 32 * 1024
     assert book_layout(levels4, tq4_values, 128, split_len=long_) == (32, 1, 0, 0, 0)  # a copied key book: no room
     assert book_layout(levels4, tq4_values, 128, split_len=short, key_group=128) == (1, 1, 0, 0, 1)
+    # 3-bit levels, whose book would be copied (32 copies beside VecInfer d4b8's 16): made, not copied
+    assert book_layout(levels3, vec8, 128, key_group=32) == (1, 16, 0, 0, 1)
+    assert book_layout(levels3, vec8, 128) == (32, 16, 0, 0, 0)
     # TurboQuant-4's keys and values at d 64: both in rows (32 + 16 KiB); at d 128 (64 + 32 KiB) the values only
     tq4_keys64, tq4_values64 = _kernel_book(64, 16, 1), _kernel_book(64, 16, 1)
     assert book_layout(tq4_keys64, tq4_values64, 64, split_len=long_) == (1, 1, 1, 1, 0)

@@ -279,10 +279,12 @@ __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int fir
 // (`level_shift`): as an fp16, the subnormal level 2^(s - 24), exact, which the tensor cores multiply as any fp16.
 // `affine_fragments` takes q~ scale times 2^(3 - s) channel by channel and `tile_step` the scores times 2^21, so that
 // a product is (q~ scale level) 2^-21: the same products as the levels' own, each times a power of two, but for the
-// fp16 fragments' range (|q~ scale| up to 8188, not 65504: the limit above) and a remainder below 2^-14, which
-// rounds at 2^(s - 28) (a score's error at most that times the level, a channel; 2^(3 - s) balances the two). Where
-// the book gathered a level in 3 instructions (a code's mask, its address, the load) and an HFMA2 made one in 4, this
-// takes 1.5 (sm_90 SASS: kivi-2-g128 + vecinfer-d4b6's tile loop 328 -> 247 instructions, less its loads).
+// fp16 fragments' range (|q~ scale| up to 8188, not 65504: the limit above; s = 0 at a share's first channel) and a
+// remainder below 2^-14, which rounds at 2^(s - 28) (a score's error at most that times the level, a channel): 2^(3 -
+// s) gives up 8 times the range for up to 16 times the precision (s up to 7) that 2^-s would keep. Where the book
+// gathered a pair in 3 instructions (a code's mask, its address, the load), this takes 2 (a byte permute, an AND),
+// or less where pairs share a permute's bytes (sm_90 SASS: kivi-2-g128 + vecinfer-d4b6's tile loop 328 -> 247
+// instructions, less its loads).
 template <int BITS>
 __host__ __device__ constexpr int level_shift(int c) {
   const int LB = BITS / 2, at = c / 2 * BITS, s0 = at % 8, k = s0 + 2 * LB <= 10 ? 0 : 1;
@@ -298,7 +300,11 @@ __device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
     // the first level from bytes bo, bo + 1 of the share (at bit s0 there), the second from bytes bo + k, bo + k + 1
     // (bytes 4 .. 7: the next word's, read only where a level lies there)
     constexpr int s0 = at % 8, k = s0 + 2 * LB <= 10 ? 0 : 1, s1 = s0 + LB - 8 * k;
-    static_assert(s0 == level_shift<BITS>(2 * j) && s1 == level_shift<BITS>(2 * j + 1), "levels where they lie");
+    // each level's bits where the selector and MASK take them (8 bo + s0, 8 (bo + k) + s1 in the share's bytes), within
+    // a half's mantissa, and as `level_shift` tells `affine_fragments`
+    static_assert(8 * bo + s0 == at % 32 && 8 * (bo + k) + s1 == at % 32 + LB, "levels where they lie");
+    static_assert(s0 + LB <= 10 && s1 + LB <= 10, "levels within the mantissa");
+    static_assert(s0 == level_shift<BITS>(2 * j) && s1 == level_shift<BITS>(2 * j + 1), "the fragments' shifts");
     constexpr bool NEXT = (bo == 3 && s0 + LB > 8) || bo + k == 4 || (bo + k == 3 && s1 + LB > 8);
     static_assert(!NEXT || wi + 1 < NW, "a level in the next word of the share");
     constexpr unsigned sel = bo | (bo + 1) << 4 | (bo + k) << 8 | (bo + k + 1) << 12;
