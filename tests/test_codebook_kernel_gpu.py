@@ -356,7 +356,8 @@ def test_affine_keys_levels_taken_from_their_bits_meet_the_rule_as_the_books_do(
     score moves by at most level 2^(s - 28) a channel, level 2^s < 2^10, so D 2^-18 in all (log2 units), times the
     key's norm where it has one (OScaR's); a weight then by ln 2 times that, the output by twice that of its values'
     largest (as decoded), beside an fp16 output's rounding (2^-10 of it, either way). The book's own fragments round
-    their remainders at 2^-25 times the level, within the same bound (level 2^s < 2^10 holds there too). The launch takes the levels wherever it can (`made_levels`); here each way is forced.
+    their remainders at 2^-25 times the level, within the same bound (level 2^s < 2^10 holds there too). The launch
+    takes the levels wherever it can (`made_levels`); here each way is forced.
     Planted: a second level's fragment scaled by its first level's offset (`affine_fragments`: level_shift of c & ~1)
     fails here and in the row-by-row tests."""
     from kvcalib.formats.codebook import launch

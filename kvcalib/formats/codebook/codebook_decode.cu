@@ -298,13 +298,12 @@ __device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
   constexpr_for<CHANNELS / 2>([&](auto jc) {
     constexpr int j = decltype(jc)::value, at = j * BITS, wi = at / 32, bo = at % 32 / 8;
     // the first level from bytes bo, bo + 1 of the share (at bit s0 there), the second from bytes bo + k, bo + k + 1
-    // (bytes 4 .. 7: the next word's, read only where a level lies there)
-    constexpr int s0 = at % 8, k = s0 + 2 * LB <= 10 ? 0 : 1, s1 = s0 + LB - 8 * k;
-    // each level's bits where the selector and MASK take them (8 bo + s0, 8 (bo + k) + s1 in the share's bytes), within
-    // a half's mantissa, and as `level_shift` tells `affine_fragments`
+    // (bytes 4 .. 7: the next word's, read only where a level lies there), at the offsets `level_shift` tells
+    // `affine_fragments`; each level's bits where the selector and MASK take them (8 bo + s0, 8 (bo + k) + s1 in the
+    // share's bytes), within a half's mantissa
+    constexpr int s0 = level_shift<BITS>(2 * j), s1 = level_shift<BITS>(2 * j + 1), k = (s0 + LB - s1) / 8;
     static_assert(8 * bo + s0 == at % 32 && 8 * (bo + k) + s1 == at % 32 + LB, "levels where they lie");
     static_assert(s0 + LB <= 10 && s1 + LB <= 10, "levels within the mantissa");
-    static_assert(s0 == level_shift<BITS>(2 * j) && s1 == level_shift<BITS>(2 * j + 1), "the fragments' shifts");
     constexpr bool NEXT = (bo == 3 && s0 + LB > 8) || bo + k == 4 || (bo + k == 3 && s1 + LB > 8);
     static_assert(!NEXT || wi + 1 < NW, "a level in the next word of the share");
     constexpr unsigned sel = bo | (bo + 1) << 4 | (bo + k) << 8 | (bo + k + 1) << 12;
