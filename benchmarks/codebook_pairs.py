@@ -1,14 +1,21 @@
-"""The codebook kernel one pair of schemes at a time: which of a plan's (key scheme, value scheme) pairs cost what.
+"""The codebook kernel one pair of schemes at a time: which of a plan's (key scheme, value scheme) pairs cost what,
+and what each scheme `kvcalib plan` can choose costs alone.
 
 A plan's layer is one launch per group of KV heads that share a pair. This benchmark times each pair a shipped plan
 holds alone over all 8 KV heads of the 8B shape (32 q / 8 KV heads, d=128, residual 100, the plan's float16 sink),
 as decode.py times a plan's layer (`plan_layer`: random words in every buffer, the same timing, read floor and
-float64 reference), so that each pair's time stands beside its own read floor and KIVI-2's INT2 kernel. The last
-rows weigh the pairs by their share of the plan's (layer, KV head) items: the mean layer the plan would cost if every
-group filled the GPU alone, against decode.py's most-grouped layer of the mapped plan.
+float64 reference), so that each pair's time stands beside its own read floor, torch SDPA over the same tokens in
+float16 and KIVI-2's INT2 kernel. The last rows weigh the plan's pairs by their share of the plan's (layer, KV head)
+items: the mean layer the plan would cost if every group filled the GPU alone, against decode.py's most-grouped
+layer of the mapped plan.
+
+`--pairs candidates` times each of the plan's default candidates (`kvcalib.defaults.PLAN_CANDIDATES`) as the keys and
+the values of every head instead (a family and width alone: the kernel table's rows for each scheme); `--pairs
+KEY+VALUE,...` names the pairs.
 
     cd benchmarks && python codebook_pairs.py [--plan ../artifacts/smollm2-135m/plan-2.25] [--lengths 32768]
-                                              [--batches 1,8] [--top 12] [--results FILE]
+                                              [--batches 1,8] [--top 12] [--pairs candidates | KEY+VALUE,...]
+                                              [--results FILE]
 """
 
 from __future__ import annotations
@@ -53,19 +60,54 @@ def pair_plans(settings: dict, top: int, root: Path) -> list[tuple[str, str, int
     return [(k, v, n, one_pair_plan(settings, k, v, root)) for (k, v), n in pairs.most_common(top)]
 
 
+def named_pairs(settings: dict, names: str, root: Path) -> list[tuple[str, str, int, str]]:
+    """`--pairs`' pairs as `pair_plans` gives the plan's: `candidates` (each default candidate of `kvcalib plan` as
+    both the keys' and the values' scheme) or KEY+VALUE,...; items: how many of the plan's items hold the pair."""
+    from kvcalib.defaults import PLAN_CANDIDATES
+
+    held = collections.Counter((k, v) for ks, vs in zip(settings["k"], settings["v"]) for k, v in zip(ks, vs))
+    wanted = [(c, c) for c in PLAN_CANDIDATES] if names == "candidates" else \
+        [tuple(x.split("+", 1)) for x in names.split(",") if x]
+    if any(len(x) != 2 for x in wanted):
+        raise SystemExit(f"--pairs: a pair is KEY+VALUE, got {names!r}")
+    return [(k, v, held[(k, v)], one_pair_plan(settings, k, v, root)) for k, v in wanted]
+
+
+def read_by_kernel(plan_dir: str) -> bool:
+    """Whether the codebook kernel reads every layer of this one-pair plan mapped onto the 8B shape (`supports`)."""
+    from generate import llama8b_config
+    from generate_calls import mapped_plan
+    from kvcalib.formats.codebook.launch import supports
+
+    plan = mapped_plan(llama8b_config(0), plan_dir)
+    return all(supports([g.spec for g in plan.codebook_groups(i) or []], D, torch.device("cuda"), HQ // HKV)
+               for i in range(plan.shape.num_layers))
+
+
+def cell(us: float, floor: float, sdpa: float) -> str:
+    """A shape's cell: µs, then its multiple of its own read floor, then SDPA's time over it (the speedup)."""
+    return f"{us:.1f} / {us / floor:.1f}x / {sdpa / us:.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default=str(Path(__file__).resolve().parent.parent / "artifacts/smollm2-135m/plan-2.25"))
     parser.add_argument("--lengths", default="32768")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--top", type=int, default=12, help="the most common pairs timed (the rest: their share only)")
+    parser.add_argument("--pairs", default="", help="`candidates` (each default candidate as keys and values) or "
+                        "KEY+VALUE,... in place of the plan's commonest pairs")
     parser.add_argument("--results", default=str(RESULTS))
     args = parser.parse_args()
     bw = copy_bandwidth()
     root = Path(tempfile.mkdtemp(prefix="pairs"))
     settings = plan_settings(args.plan)
     total_items = sum(len(x) for x in settings["k"])
-    pairs = pair_plans(settings, args.top, root)
+    pairs = named_pairs(settings, args.pairs, root) if args.pairs else pair_plans(settings, args.top, root)
+    unread = [(k, v) for k, v, _, d in pairs if not read_by_kernel(d)]
+    for k, v in unread:
+        print(f"{k} + {v}: not read by the codebook kernel (`supports`), left out", file=sys.stderr)
+    pairs = [x for x in pairs if x[:2] not in unread]
     rows = []  # (b, length, name, items, µs, bytes, err)
     for b in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
@@ -74,6 +116,16 @@ def main() -> None:
             q = [torch.randn(b, HQ, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
             res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16),
                     torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16)) for _ in range(copies)]
+            # torch SDPA over the same tokens in float16, the peer each cell's speedup is against (decode.py's copies)
+            fp16_bytes = 2 * b * HKV * (length + RESIDUAL) * D * 2
+            n = max(1, min(copies, -(-400 * 2**20 // fp16_bytes)))
+            kv = [[torch.randn(b, HKV, length + RESIDUAL, D, device="cuda", dtype=torch.float16) for _ in "kv"]
+                  for _ in range(n)]
+            q4 = [x[:, :, None] for x in q]
+            us = timed(lambda i: torch.nn.functional.scaled_dot_product_attention(q4[i], *kv[i], enable_gqa=True), n)
+            rows.append((b, length, "SDPA fp16", None, us, fp16_bytes + 4 * q[0].numel(), None))
+            del kv
+            torch.cuda.empty_cache()
             # KIVI-2 G=128 on the INT2 kernel, the plan's yardstick: random codes (its time does not depend on them)
             kivi = []
             for kr, vr in res:
@@ -96,23 +148,35 @@ def main() -> None:
                 torch.cuda.empty_cache()
     floors = {nbytes: read_floor(nbytes) for nbytes in sorted({r[5] for r in rows})}
     timed_items = sum(n for _, _, n, _ in pairs)
+    shapes = sorted({r[:2] for r in rows})
+    names = list(dict.fromkeys(r[2] for r in rows))
+    got = {(r[0], r[1], r[2]): r for r in rows}
+    sdpa = {shape: got[(*shape, "SDPA fp16")][4] for shape in shapes}
+    kivi = {shape: got[(*shape, "KIVI-2 G=128 (INT2 kernel)")][4] for shape in shapes}
+    last = shapes[-1]
     lines = [f"copy bandwidth measured: {bw:.0f} GB/s. Plan {Path(args.plan).name}: {total_items} items, the "
-             f"{len(pairs)} pairs timed hold {timed_items}. Read floor: decode.py's.", "",
-             "| B | L | key + value scheme | items | µs | read floor µs | x floor | x KIVI-2 | worst row err |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for b in sorted({r[0] for r in rows}):
-        for length in sorted({r[1] for r in rows}):
-            mine = [r for r in rows if r[:2] == (b, length)]
-            kivi_us = mine[0][4]
-            for _, _, name, n, us, nbytes, err in mine:
-                lines.append(f"| {b} | {length} | {name} | {'' if n is None else n} | {us:.1f} | "
-                             f"{floors[nbytes]:.1f} | {us / floors[nbytes]:.1f}x | {us / kivi_us:.2f}x | "
-                             f"{'' if err is None else f'{err:.1e}'} |")
-            weighed = [(n, us, floors[nbytes]) for _, _, _, n, us, nbytes, _ in mine if n]
-            w = sum(n for n, _, _ in weighed)
-            mean_us, mean_floor = (sum(n * x for n, x, _ in weighed) / w, sum(n * f for n, _, f in weighed) / w)
-            lines.append(f"| {b} | {length} | the pairs weighed by their items | {w} | {mean_us:.1f} | "
-                         f"{mean_floor:.1f} | {mean_us / mean_floor:.1f}x | {mean_us / kivi_us:.2f}x | |")
+             f"{len(pairs)} pairs timed hold {timed_items}. Read floor: decode.py's. A cell: µs / its multiple of "
+             "its own read floor / SDPA's µs over it (the speedup).", "",
+             "| key + value scheme | items | " + " | ".join(f"B={b}, {n // 1024}k" for b, n in shapes) +
+             f" | x KIVI-2 (B={last[0]}, {last[1] // 1024}k) | worst row err |",
+             "|---|---:|" + "---:|" * len(shapes) + "---:|---:|"]
+    for name in names:
+        mine = [got[(*shape, name)] for shape in shapes]
+        n = mine[0][3]
+        errs = [r[6] for r in mine if r[6] is not None]
+        lines.append(f"| {name} | {'' if n is None else n} | " +
+                     " | ".join(cell(r[4], floors[r[5]], sdpa[r[:2]]) for r in mine) +
+                     f" | {mine[-1][4] / kivi[last]:.2f}x | {f'{max(errs):.1e}' if errs else ''} |")
+    weighed = {shape: [(got[(*shape, f"{k} + {v}")], n) for k, v, n, _ in pairs if n] for shape in shapes}
+    if not args.pairs and any(weighed.values()):  # the plan's pairs: a mean layer of the plan
+        w = sum(n for _, n in weighed[last])
+        means = {shape: (sum(n * r[4] for r, n in x) / w, sum(n * floors[r[5]] for r, n in x) / w)
+                 for shape, x in weighed.items()}
+        lines.append(f"| the pairs weighed by their items | {w} | " +
+                     " | ".join(cell(means[s][0], means[s][1], sdpa[s]) for s in shapes) +
+                     f" | {means[last][0] / kivi[last]:.2f}x | |")
+    if unread:
+        lines += ["", "Not read by the kernel, left out: " + ", ".join(f"{k} + {v}" for k, v in unread) + "."]
     title = (f"The codebook kernel a pair of schemes at a time, {torch.cuda.get_device_name()}, {HQ} q / {HKV} kv "
              f"heads, d={D}")
     table = "\n".join(lines)
