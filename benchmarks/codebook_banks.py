@@ -10,6 +10,8 @@ copied books (b147c2d), Nsight Compute measured turboquant-2 + vecinfer-d4b6 at 
 
 Layouts:
 - `held once`: the book as the kernel held it before the copies, positions STRIDE halves apart (`KSTRIDE`);
+- `skewed`: held once, each lane share's positions `_skew_words` words after the last share's, as the kernel holds
+  a book per position of at most 8 words a position (single levels of up to 4 bits; others as `held once`);
 - `copies` (the kernel's, `book_copies`): a book shared by every position, entry e's 128 / S copies side by side in
   the 128 bytes at 128 e, lane L reading copy L % (128 / S);
 - `lane rows`: a book per position, entry e of code j of every lane in one 128-byte row per (j, pass, e), lane L's
@@ -18,6 +20,7 @@ Layouts:
   launch.py `book_layout`) for books of single levels only (S 2: one pass), where they pay.
 
     cd benchmarks && python codebook_banks.py [--plans ../artifacts/smollm2-135m/plan-2.25,...] [--tiles 200]
+                                              [--also turboquant-4]
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ def address(layout: str, lane: int, j: int, codes: int, part: str, code: int, po
     pos = lane_position(lane, j, codes, part) if positions > 1 else 0
     dim = size // 2
     stride = entries * dim + (max(2, dim) if positions > 1 else 0)  # the kernel's KSTRIDE, in halves
-    return 2 * pos * stride + code * size
+    skew = 0
+    if layout == "skewed" and positions > 1 and entries * dim // 2 <= 8:  # launch.py `_skew_words`
+        skew = 4 * (pos // codes) * ((entries * dim // 2 - stride // 2 * codes) % 32)
+    return 2 * pos * stride + skew + code * size
 
 
 def gathers(layout: str, part: str, positions: int, entries: int, dim: int, tiles: int, rng: random.Random) -> float:
@@ -97,6 +103,8 @@ def main() -> None:
     shipped = ",".join(str(ROOT / "artifacts/smollm2-135m" / p) for p in ("plan-2.25", "plan-3"))
     parser.add_argument("--plans", default=shipped)
     parser.add_argument("--tiles", type=int, default=200)
+    parser.add_argument("--also", default="turboquant-4", help="schemes modelled as keys and values beside the plans' "
+                        "(comma-separated; items 0 where no plan holds them)")
     args = parser.parse_args()
     rng = random.Random(0)
     items: dict[tuple[str, str], int] = collections.Counter()
@@ -106,13 +114,16 @@ def main() -> None:
             for row in names:
                 for name in row:
                     items[(part, name)] += 1
+    for name in filter(None, args.also.split(",")):
+        for part in ("key", "value"):
+            items[(part, name)] += 0
     root = Path(tempfile.mkdtemp(prefix="banks"))
     settings = plan_settings(args.plans.split(",")[0])
     print(f"Gathers of the codebook kernel, D={D}, CH={CH}: wavefronts a gather instruction (random codes; 1 a 4-byte "
           "load, 2 an 8-byte one, 4 a 16-byte one: conflict-free)\n")
-    print("| part | scheme | items (plans) | book (positions x entries x bytes) | held once | copies | lane rows | "
-          "lane rows KiB |")
-    print("|---|---|---:|---|---:|---:|---:|---:|")
+    print("| part | scheme | items (plans) | book (positions x entries x bytes) | held once | skewed | copies | "
+          "lane rows | lane rows KiB |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     for (part, name), n in sorted(items.items(), key=lambda x: (x[0][0], -x[1])):
         key, value = (name, "turboquant-1") if part == "key" else ("turboquant-1", name)
         plan = mapped_plan(llama8b_config(0), one_pair_plan(settings, key, value, root))
@@ -120,10 +131,12 @@ def main() -> None:
         book = kernel_book(spec.key if part == "key" else spec.value)
         positions, entries, dim = book.book.shape[1:]
         once = gathers("held once", part, positions, entries, dim, args.tiles, rng)
+        skewed = gathers("skewed", part, positions, entries, dim, args.tiles, rng) if positions > 1 else None
         copies = gathers("copies", part, positions, entries, dim, args.tiles, rng) if _copies(book) > 1 else None
         rows = gathers("lane rows", part, positions, entries, dim, args.tiles, rng) if positions > 1 else None
         kib = f"{lane_rows_bytes(part, entries, dim) / 1024:.0f}" if rows is not None else ""
         print(f"| {part} | {name} | {n} | {positions} x {entries} x {2 * dim} | {once:.2f} | "
+              f"{'' if skewed is None else f'{skewed:.2f}'} | "
               f"{'' if copies is None else f'{copies:.2f}'} | {'' if rows is None else f'{rows:.2f}'} | {kib} |")
 
 

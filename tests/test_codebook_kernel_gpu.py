@@ -217,6 +217,22 @@ def test_one_bit_codes_read_four_at_a_time_at_every_head_dim(d, dtype):
     _check(method, k16, v16, torch.randn(2, 8, d, device=DEV, generator=g), dtype)
 
 
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("t", [700, 20000])
+def test_four_bit_books_per_position_skewed_by_lane_share_at_every_head_dim(d, t):
+    """4-bit codes with a book per position (single levels, 8 words a position) are held once skewed by lane share
+    (launch.py `_skew_words`: a key's four shares' books in banks of their own), the values too where the launch
+    does not hold them in lane rows. Head_dim 128 is in the row-by-row test above; here 64 and 256, whose shares lie
+    16 and 64 positions apart (a skew of 24 and 8 words a share for keys)."""
+    from kvcalib.formats.codebook.launch import _skew_words, kernel_book
+
+    method = _on_device(turboquant("head", 4, d=d, kv_heads=2, sinks=1, residual=64))
+    book = kernel_book(method.codebook_spec(0).key)
+    assert book.book.shape[1:] == (d, 16, 1) and _skew_words(book, True) == {64: 24, 256: 8}[d]
+    k16, v16, g = _inputs(2, 2, t, d, d + t)
+    _check(method, k16, v16, torch.randn(2, 8, d, device=DEV, generator=g))
+
+
 @pytest.mark.parametrize("kind,bits", [("oblivious", 2), ("kivi-g128", 2), ("kivi-g128", 4), ("oscar-g32", 2),
                                        ("vecinfer-head", 8), ("vecinfer-head", 6), ("vector-layer", 6),
                                        ("plan-mixed", 0), ("plan-vector keys", 0)])

@@ -4,6 +4,7 @@ cache, and `reference_decode` is attention over it: TurboQuant with oblivious, p
 scalar and vector codes; KIVI and OScaR (affine codes) at 2 to 4 bits; VecInfer (smoothed, rotated keys); plans
 mixing all of them per KV head; sinks on and off. It never reads past its counts."""
 
+import collections
 import re
 import shutil
 import subprocess
@@ -377,3 +378,31 @@ def test_made_levels_hold_no_key_book_and_books_per_position_of_single_levels_ta
     # TurboQuant-2's keys (pairs) and TurboQuant-1's values (quads) per position keep their layout
     assert book_layout(tq2_keys, tq1_values, 128, split_len=long_) == (1, 1, 0, 0, 0)
     assert book_layout(tq2_keys, vec8, 128, split_len=long_) == (1, 16, 0, 0, 0)  # pairs, and VecInfer's copies
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_books_per_position_of_single_levels_held_once_give_each_lane_share_banks_of_its_own(d):
+    """A book per position held once of at most 8 words a position (TurboQuant-4's single levels: 16 entries of 2
+    bytes) is skewed by lane share (`_skew_words`, the kernel's `skew_words`): with its j-th code a gather's lanes read
+    position j of every share (a key's head_dim / 4 channels, a value's / 8), and the shares' books of position j
+    must lie in banks of their own, a key's four shares one each, a value's eight two to a bank (the conflicts a
+    gather meets: benchmarks/codebook_banks.py, 3.9 wavefronts unskewed, 1.0 skewed); `shared_bytes` holds the last
+    share's last book. Wider books (pairs, quads) span the banks anyway and take no skew. Planted: no skew puts a
+    key's four shares in the same 8 banks at every head_dim here (positions d / 4 apart, 9 (d / 4) words: 0 mod 32
+    from d 128, 16 at d 64), which the first assert reads."""
+    from kvcalib.formats.codebook.launch import _book_bytes, _skew_words
+
+    book = _kernel_book(d, 16, 1)
+    span, stride = 8, 9  # words: a position's 16 entries of 2 bytes, the kernel's KSTRIDE (18 halves)
+    for key, shares, per_bank in ((True, 4, 1), (False, 8, 2)):
+        codes, skew = d // shares, _skew_words(book, key)
+        for j in range(codes):
+            banks = collections.Counter()
+            for s in range(shares):
+                start = (s * codes + j) * stride + s * skew
+                banks.update({w % 32 for w in range(start, start + span)})
+            assert max(banks.values()) == per_bank, (key, j, banks)
+        last = ((shares - 1) * codes + codes - 1) * stride + (shares - 1) * skew + span
+        assert 4 * last <= _book_bytes(book, key=key) < 4 * last + 16 + 4 * stride
+    assert _skew_words(_kernel_book(d // 2, 16, 2), True) == 0 and _skew_words(_kernel_book(d // 4, 16, 4), False) == 0
+    assert _skew_words(_kernel_book(1, 16, 2), True) == 0  # a book shared by every position

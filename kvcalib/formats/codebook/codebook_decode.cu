@@ -139,9 +139,23 @@ static_assert(!KLEVELS || (KTG > 0 && KDIM == 2 && !KPOS), "levels taken for aff
 #define VCODES (VCH / VDIM)
 #define KJSTRIDE (KENTRIES * COPIED_ENTRY_BYTES)  // bytes from code j's rows to code j + 1's
 #define VJSTRIDE (VENTRIES * COPIED_ENTRY_BYTES)
-#define KBOOK_HALVES \
-  (KLEVELS ? 0 : KROWS ? KCODES * KJSTRIDE / 2 : KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2 : KP * KSTRIDE)
-#define VBOOK_HALVES (VROWS ? VCODES * VJSTRIDE / 2 : VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE)
+// A book per position held once, of at most 8 words a position (single levels of up to 4 bits), is skewed by share.
+// A gather's lanes read, with their j-th code, position j of each lane share (a key's D / 4 channels, a value's D /
+// 8), and positions CODES apart start CODES STRIDE / 2 words apart, 0 mod 32 for a key's single levels at head_dim
+// 128: its four shares read the same 8 banks (TurboQuant-4's 2-byte gathers, 3.4 wavefronts:
+// benchmarks/codebook_banks.py). Share s's positions start SKEWW s words later, which puts its book at bank STRIDE / 2
+// j + SPAN s mod 32 (SPAN: a position's words): a key's four shares in banks of their own (one wavefront), a value's
+// eight two to a bank. launch.py `_skew_words` is the same rule.
+__host__ __device__ constexpr int skew_words(bool held_once, int span, int stride, int codes) {
+  return held_once && span <= 8 ? ((span - stride * codes) % 32 + 32) % 32 : 0;
+}
+#define KSKEWW skew_words(KPOS && !KROWS, KENTRIES * KDIM / 2, KSTRIDE / 2, KCODES)
+#define VSKEWW skew_words(VPOS && !VROWS, VENTRIES * VDIM / 2, VSTRIDE / 2, VCODES)
+#define KBOOK_HALVES                                                                                                 \
+  (KLEVELS ? 0 : KROWS ? KCODES * KJSTRIDE / 2 : KREPL > 1 ? KENTRIES * COPIED_ENTRY_BYTES / 2                        \
+                                                     : KP * KSTRIDE + 2 * KSKEWW * (D / KCH - 1))
+#define VBOOK_HALVES \
+  (VROWS ? VCODES * VJSTRIDE / 2 : VREPL > 1 ? VENTRIES * COPIED_ENTRY_BYTES / 2 : VP * VSTRIDE + 2 * VSKEWW * (D / VCH - 1))
 static_assert((KREPL == 1 || (!KPOS && KREPL * 2 * KDIM == COPIED_ENTRY_BYTES)) &&
               (VREPL == 1 || (!VPOS && VREPL * 2 * VDIM == COPIED_ENTRY_BYTES)),
               "copies of shared books only, filling an entry's 128 bytes");
@@ -246,12 +260,13 @@ __device__ __forceinline__ void constexpr_for(F&& f) { constexpr_for_from<0, N>(
 // words: channels 2i, 2i + 1 in word i. `book`: the book's shared-memory address (of a copied book, this lane's
 // copy of entry 0; of lane rows, its slot of code 0's entry 0: `book_address`). A book of DIM 1 takes two half loads
 // a word, 2 one, 4 and 8 one load of two or four words.
-template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL, int LANE_ROWS, int JSTRIDE>
+template <int CHANNELS, int BITS, int DIM, int POS, int STRIDE, int REPL, int LANE_ROWS, int JSTRIDE, int SKEWW>
 __device__ __forceinline__ void gather(unsigned book, const unsigned* f, int first, unsigned* out) {
   static_assert(DIM == 1 || DIM == 2 || DIM == 4 || DIM == 8, "a centroid is one load of at most 16 bytes");
   // an entry's bytes (of a copied book, its copies': 128; of lane rows, its row's), log2
   constexpr int SHIFT = REPL > 1 || LANE_ROWS ? 7 : DIM == 1 ? 1 : DIM == 2 ? 2 : DIM == 4 ? 3 : 4;
-  const unsigned mine = book + (POS && !LANE_ROWS ? 2 * first * STRIDE : 0);
+  constexpr int CODES = CHANNELS / DIM;  // a share's positions: `first` is the share's times CODES
+  const unsigned mine = book + (POS && !LANE_ROWS ? 2 * first * STRIDE + 4 * SKEWW * (unsigned(first) / CODES) : 0);
   constexpr_for<CHANNELS / DIM>([&](auto jc) {
     constexpr int j = decltype(jc)::value, OFF = LANE_ROWS ? j * JSTRIDE : POS ? 2 * j * STRIDE : 0;
     const unsigned e = mine + code_scaled<BITS, SHIFT, j>(f);
@@ -312,14 +327,17 @@ __device__ __forceinline__ void levels(const unsigned* f, unsigned* out) {
   });
 }
 
-// A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart (words copied: E DIM
-// is even for every book the launch makes).
-template <int P, int ROWLEN, int STRIDE>
+// A book (P, E, DIM) fp16 from global memory into shared memory, positions STRIDE halves apart, each share of CODES
+// positions SKEWW words after the last (`skew_words`; words copied: E DIM is even for every book the launch makes).
+template <int P, int ROWLEN, int STRIDE, int CODES, int SKEWW>
 __device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict__ src) {
   static_assert(ROWLEN % 2 == 0 && STRIDE % 2 == 0, "books are copied in words");
   const unsigned* s = reinterpret_cast<const unsigned*>(src);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
-  for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) d[i / (ROWLEN / 2) * (STRIDE / 2) + i % (ROWLEN / 2)] = s[i];
+  for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) {
+    const int p = i / (ROWLEN / 2);
+    d[p * (STRIDE / 2) + p / CODES * SKEWW + i % (ROWLEN / 2)] = s[i];
+  }
 }
 
 // A shared book (E, DIM) fp16 into shared memory as its copies (`KREPL`): word w of entry e's 128 bytes is word
@@ -424,7 +442,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   for (int r = 0; r < 2; ++r) {
     unsigned kh[KCH / 2];  // token g + 8 r: channels t D/4 .. as half2 words
     if constexpr (KLEVELS) levels<KCH, KB>(x.k[r], kh);
-    else gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL, KROWS, KJSTRIDE>(kb, x.k[r], t * (KCH / KDIM), kh);
+    else gather<KCH, KB, KDIM, KPOS, KSTRIDE, KREPL, KROWS, KJSTRIDE, KSKEWW>(kb, x.k[r], t * (KCH / KDIM), kh);
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) mma16816(c[r], qa[ks], kh[2 * ks], kh[2 * ks + 1]);
   }
@@ -441,7 +459,7 @@ __device__ __forceinline__ void tile_step(const Tile& x, int base, int t0, int t
   unsigned vh[4][VCH / 2];  // slots 2t, 2t+1, 2t+8, 2t+9: channels g D/8 .. as half2 words, times the norm
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL, VROWS, VJSTRIDE>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
+    gather<VCH, VB, VDIM, VPOS, VSTRIDE, VREPL, VROWS, VJSTRIDE, VSKEWW>(vb, x.v[i], g * (VCH / VDIM), vh[i]);
     if constexpr (VNORM || VCG > 0) {  // else the centroids are the values (a masked token's weight is 0)
       const __half2 n = i % 2 ? __high2half2(x.vn[i / 2]) : __low2half2(x.vn[i / 2]);
       const __half2 z = i % 2 ? __high2half2(x.vz[i / 2]) : __low2half2(x.vz[i / 2]);
@@ -663,10 +681,10 @@ extern "C" __global__ void __launch_bounds__(NT, PARTIAL_BLOCKS) partial(
       const __half* vsrc = vbook + (vbook_heads > 1 ? (long)hl * VP * VENTRIES * VDIM : 0);
       if constexpr (KROWS) copy_book_rows<KENTRIES, KCODES, true>(kb, ksrc);
       else if constexpr (KREPL > 1) copy_book_copies<KENTRIES, KDIM>(kb, ksrc);
-      else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE>(kb, ksrc);
+      else if constexpr (!KLEVELS) copy_book<KP, KENTRIES * KDIM, KSTRIDE, KCODES, KSKEWW>(kb, ksrc);
       if constexpr (VROWS) copy_book_rows<VENTRIES, VCODES, false>(vb, vsrc);
       else if constexpr (VREPL > 1) copy_book_copies<VENTRIES, VDIM>(vb, vsrc);
-      else copy_book<VP, VENTRIES * VDIM, VSTRIDE>(vb, vsrc);
+      else copy_book<VP, VENTRIES * VDIM, VSTRIDE, VCODES, VSKEWW>(vb, vsrc);
       if constexpr (!KROT) {  // as `rotate` writes it without a basis: the same float32 products
 #pragma unroll
         for (int j = 0; j < QPER; ++j) {

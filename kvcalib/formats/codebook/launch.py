@@ -144,12 +144,26 @@ def query_bytes(rotated: bool, gqa: int, head_dim: int) -> int:
     return 0 if rotated else 4 * gqa * head_dim
 
 
-def _book_bytes(part: KernelBook, copies: int = 1) -> int:
+def _skew_words(part: KernelBook, key: bool) -> int:
+    """Words each lane share's positions of a book per position held once start after the last share's (the kernel's
+    `skew_words`: books of at most 8 words a position, so that a gather's shares read banks of their own)."""
+    p, e, dim = part.book.shape[1:]
+    span, stride = e * dim // 2, (e * dim + max(2, dim)) // 2
+    if p == 1 or span > 8:
+        return 0
+    codes = p // (4 if key else 8)  # a share's positions: a key's share is head_dim / 4 channels, a value's / 8
+    return (span - stride * codes) % 32
+
+
+def _book_bytes(part: KernelBook, copies: int = 1, key: bool = True) -> int:
+    """A book's bytes in a `partial` block as the kernel holds it: copied, or held once (positions `KSTRIDE` apart,
+    each lane share's skewed: `_skew_words`), rounded up to 8 halves as the kernel places what follows."""
     p, e, dim = part.book.shape[1:]
     if copies > 1:
         return e * COPIED_ENTRY_BYTES
     pad = max(2, dim) if p > 1 else 0
-    return 2 * (-(-p * (e * dim + pad) // 8) * 8)
+    skew = 2 * _skew_words(part, key) * ((4 if key else 8) - 1)
+    return 2 * (-(-(p * (e * dim + pad) + skew) // 8) * 8)
 
 
 def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_BYTES) -> tuple[int, int]:
@@ -158,7 +172,7 @@ def book_copies(key: KernelBook, value: KernelBook, budget: int = COPIED_BOOKS_B
     book, else neither."""
     kc, vc = _copies(key), _copies(value)
     for k, v in ((kc, vc), (1, vc), (kc, 1)):
-        if max(k, v) > 1 and _book_bytes(key, k) + _book_bytes(value, v) <= budget:
+        if max(k, v) > 1 and _book_bytes(key, k) + _book_bytes(value, v, key=False) <= budget:
             return k, v
     return 1, 1
 
@@ -203,7 +217,7 @@ def book_layout(key: KernelBook, value: KernelBook, head_dim: int, budget: int =
     kc, vc = book_copies(key, value, budget)
     levels = int(made_levels(key, key_group))
     kc = 1 if levels else kc
-    kbytes, vbytes = 0 if levels else _book_bytes(key, kc), _book_bytes(value, vc)
+    kbytes, vbytes = 0 if levels else _book_bytes(key, kc), _book_bytes(value, vc, key=False)
     krows = vrows = 0
     if split_len >= ROWS_MIN_TOKENS:
         rows = _rows_bytes(value, head_dim, False)
@@ -229,7 +243,7 @@ def _block_bytes(key: KernelBook, value: KernelBook, layout: tuple[int, int, int
     """`shared_bytes` of books held in this `book_layout`, q~ after them."""
     krepl, vrepl, krows, vrows, levels = layout
     kbytes = 0 if levels else _rows_bytes(key, head_dim, True) if krows else _book_bytes(key, krepl)
-    vbytes = _rows_bytes(value, head_dim, False) if vrows else _book_bytes(value, vrepl)
+    vbytes = _rows_bytes(value, head_dim, False) if vrows else _book_bytes(value, vrepl, key=False)
     return max(kbytes + vbytes + query, 4 * WARPS * gqa * (head_dim + 2))
 
 
