@@ -1,7 +1,7 @@
 """The README's results table says only what benchmarks/RESULTS.md says: each row names a RESULTS section
 that exists, and every figure of the row (each number with a decimal point or of three digits and more, and
 durations such as "8 min 5 s") appears in that section's text. A figure retyped wrong, or left behind when
-a table is rerun, fails here."""
+a table is rerun, fails here; so does a doc pointing at a RESULTS section that moved to history."""
 
 import re
 from pathlib import Path
@@ -60,3 +60,25 @@ def test_a_figure_one_digit_off_or_a_missing_section_fails():
         _check([row[0], row[1].replace(figure, off), row[2], row[3]], sections)
     with pytest.raises(AssertionError, match="no RESULTS.md section"):
         _check(row[:3] + ["A section nobody wrote"], sections)
+
+
+# A doc's pointer into the results: `RESULTS.md, "Title"` (a line break inside the title reads as a space).
+POINTER = re.compile(r'RESULTS\.md, "([^"]+)"')
+
+
+def _pointers(text: str) -> list[str]:
+    return [" ".join(m.group(1).split()) for m in POINTER.finditer(text)]
+
+
+def _dangling(text: str, sections: dict[str, str]) -> list[str]:
+    """The pointers of `text` that no RESULTS.md heading starts with (a table moved to history, or renamed)."""
+    return [p for p in _pointers(text) if not any(title.startswith(p) for title in sections)]
+
+
+@pytest.mark.parametrize("doc", ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))])
+def test_the_docs_point_only_at_results_sections_that_exist(doc):
+    """Where a doc says `RESULTS.md, "Title"`, RESULTS.md has a section of that title: one moved to history is
+    pointed at in its history file instead. Planted: a pointer at a section nobody wrote is dangling."""
+    sections = _sections()
+    assert _dangling((ROOT / doc).read_text(), sections) == []
+    assert _dangling('see benchmarks/RESULTS.md, "A section\nnobody wrote"', sections) == ["A section nobody wrote"]
