@@ -334,13 +334,9 @@ __device__ __forceinline__ void copy_book(__half* dst, const __half* __restrict_
   static_assert(ROWLEN % 2 == 0 && STRIDE % 2 == 0, "books are copied in words");
   const unsigned* s = reinterpret_cast<const unsigned*>(src);
   unsigned* d = reinterpret_cast<unsigned*>(dst);
-  if constexpr (SKEWW == 0) {  // as written before the skew: the same SASS for every book that takes none
-    for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) d[i / (ROWLEN / 2) * (STRIDE / 2) + i % (ROWLEN / 2)] = s[i];
-  } else {
-    for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) {
-      const int p = i / (ROWLEN / 2);
-      d[p * (STRIDE / 2) + p / CODES * SKEWW + i % (ROWLEN / 2)] = s[i];
-    }
+  for (int i = threadIdx.x; i < P * ROWLEN / 2; i += NT) {
+    const int p = i / (ROWLEN / 2);
+    d[p * (STRIDE / 2) + p / CODES * SKEWW + i % (ROWLEN / 2)] = s[i];
   }
 }
 
