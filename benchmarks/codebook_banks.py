@@ -10,8 +10,9 @@ copied books (b147c2d), Nsight Compute measured turboquant-2 + vecinfer-d4b6 at 
 
 Layouts:
 - `held once`: the book as the kernel held it before the copies, positions STRIDE halves apart (`KSTRIDE`);
-- `skewed`: held once, each lane share's positions `_skew_words` words after the last share's, as the kernel holds
-  a book per position of at most 8 words a position (single levels of up to 4 bits; others as `held once`);
+- `skewed`: held once, each lane share's positions `_skew_words` words after the last share's (the launch's own
+  rule, called here), as the kernel holds a book per position of at most 8 words a position (single levels of up to
+  4 bits; others as `held once`);
 - `copies` (the kernel's, `book_copies`): a book shared by every position, entry e's 128 / S copies side by side in
   the 128 bytes at 128 e, lane L reading copy L % (128 / S);
 - `lane rows`: a book per position, entry e of code j of every lane in one 128-byte row per (j, pass, e), lane L's
@@ -34,7 +35,9 @@ from pathlib import Path
 from codebook_pairs import one_pair_plan, plan_settings
 from generate import llama8b_config
 from generate_calls import mapped_plan
-from kvcalib.formats.codebook.launch import CH, _copies, kernel_book
+import torch
+
+from kvcalib.formats.codebook.launch import CH, KernelBook, _copies, _shares, _skew_words, kernel_book
 
 D = 128  # the 8B shape's head_dim, as codebook_pairs.py times the pairs
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,7 +64,9 @@ def lane_position(lane: int, j: int, codes: int, part: str) -> int:
 
 
 def address(layout: str, lane: int, j: int, codes: int, part: str, code: int, positions: int, entries: int,
-            size: int) -> int:
+            size: int, skew: int = 0) -> int:
+    """Lane's byte address for its j-th code's entry `code`; `skew`: words each share's positions start after the last
+    share's (`skewed`)."""
     if layout == "copies":
         return code * 128 + lane % (128 // size) * size
     if layout == "lane rows":  # slots of 4 bytes at least (2-byte entries: two lanes would share a word's bank)
@@ -71,22 +76,22 @@ def address(layout: str, lane: int, j: int, codes: int, part: str, code: int, po
     pos = lane_position(lane, j, codes, part) if positions > 1 else 0
     dim = size // 2
     stride = entries * dim + (max(2, dim) if positions > 1 else 0)  # the kernel's KSTRIDE, in halves
-    skew = 0
-    if layout == "skewed" and positions > 1 and entries * dim // 2 <= 8:  # launch.py `_skew_words`
-        skew = 4 * (pos // codes) * ((entries * dim // 2 - stride // 2 * codes) % 32)
-    return 2 * pos * stride + skew + code * size
+    return 2 * pos * stride + 4 * (pos // codes) * skew + code * size
 
 
 def gathers(layout: str, part: str, positions: int, entries: int, dim: int, tiles: int, rng: random.Random) -> float:
     """Mean wavefronts of one gather instruction (one code of every lane's share) over `tiles` random tiles."""
     size = 2 * dim
-    share = D // 4 if part == "key" else D // 8  # channels a lane gathers per token
-    codes = share // dim
+    codes = D // _shares(part == "key") // dim  # a lane's share: D / 4 channels of a key, D / 8 of a value
+    skew = 0
+    if layout == "skewed":  # the launch's rule, of a book of this shape
+        book = KernelBook(torch.zeros(1, positions, entries, dim, dtype=torch.float16), entries.bit_length() - 1, dim)
+        skew = _skew_words(book, part == "key")
     total = n = 0
     for _ in range(tiles):
         for j in range(codes):
-            addresses = [address(layout, lane, j, codes, part, rng.randrange(entries), positions, entries, size)
-                         for lane in range(32)]
+            addresses = [address(layout, lane, j, codes, part, rng.randrange(entries), positions, entries, size,
+                                 skew) for lane in range(32)]
             total += wavefronts(addresses, size)
             n += 1
     return total / n
@@ -94,7 +99,7 @@ def gathers(layout: str, part: str, positions: int, entries: int, dim: int, tile
 
 def lane_rows_bytes(part: str, entries: int, dim: int) -> int:
     slot = max(4, 2 * dim)
-    codes = (D // 4 if part == "key" else D // 8) // dim
+    codes = D // _shares(part == "key") // dim
     return codes * (slot // 4) * entries * 128
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from decode import D, HKV, HQ, RESIDUAL, copy_bandwidth, layer_bytes, plan_layer, read_floor, timed, tq_bytes, worst_row
+from decode import (D, HKV, HQ, RESIDUAL, copy_bandwidth, layer_bytes, mapped, plan_layer, read_floor, timed, tq_bytes,
+                    worst_row)
 from kvcalib.formats.codebook.launch import codebook_decode
 from kvcalib.formats.codebook.layout import reference_decode
 from kvcalib.formats.int2.launch import fused_decode
@@ -74,12 +75,11 @@ def named_pairs(settings: dict, names: str, root: Path) -> list[tuple[str, str, 
 
 
 def read_by_kernel(plan_dir: str) -> bool:
-    """Whether the codebook kernel reads every layer of this one-pair plan mapped onto the 8B shape (`supports`)."""
-    from generate import llama8b_config
-    from generate_calls import mapped_plan
+    """Whether the codebook kernel reads every layer of this one-pair plan mapped onto the 8B shape (`supports`; the
+    mapping is decode.py's `mapped`, which `plan_layer` reads again from its cache)."""
     from kvcalib.formats.codebook.launch import supports
 
-    plan = mapped_plan(llama8b_config(0), plan_dir)
+    plan, _ = mapped(plan_dir)
     return all(supports([g.spec for g in plan.codebook_groups(i) or []], D, torch.device("cuda"), HQ // HKV)
                for i in range(plan.shape.num_layers))
 

@@ -144,6 +144,12 @@ def query_bytes(rotated: bool, gqa: int, head_dim: int) -> int:
     return 0 if rotated else 4 * gqa * head_dim
 
 
+def _shares(key: bool) -> int:
+    """The lane shares a key's row (4, of head_dim / 4 channels each) or a value's (8, of head_dim / 8) is split into:
+    the kernel's D / KCH and D / VCH."""
+    return 4 if key else 8
+
+
 def _skew_words(part: KernelBook, key: bool) -> int:
     """Words each lane share's positions of a book per position held once start after the last share's (the kernel's
     `skew_words`: books of at most 8 words a position, so that a gather's shares read banks of their own)."""
@@ -151,7 +157,7 @@ def _skew_words(part: KernelBook, key: bool) -> int:
     span, stride = e * dim // 2, (e * dim + max(2, dim)) // 2
     if p == 1 or span > 8:
         return 0
-    codes = p // (4 if key else 8)  # a share's positions: a key's share is head_dim / 4 channels, a value's / 8
+    codes = p // _shares(key)  # a share's positions
     return (span - stride * codes) % 32
 
 
@@ -162,7 +168,7 @@ def _book_bytes(part: KernelBook, copies: int = 1, key: bool = True) -> int:
     if copies > 1:
         return e * COPIED_ENTRY_BYTES
     pad = max(2, dim) if p > 1 else 0
-    skew = 2 * _skew_words(part, key) * ((4 if key else 8) - 1)
+    skew = 2 * _skew_words(part, key) * (_shares(key) - 1)
     return 2 * (-(-(p * (e * dim + pad) + skew) // 8) * 8)
 
 
@@ -195,7 +201,7 @@ def _rows_bytes(part: KernelBook, head_dim: int, key: bool) -> int:
     p, e, dim = part.book.shape[1:]
     if p == 1 or dim != 1:
         return 0
-    return (head_dim // 4 if key else head_dim // 8) * e * COPIED_ENTRY_BYTES
+    return head_dim // _shares(key) * e * COPIED_ENTRY_BYTES
 
 
 def made_levels(key: KernelBook, key_group: int) -> bool:
