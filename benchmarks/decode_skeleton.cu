@@ -25,7 +25,7 @@
 //   merge    block (query head, batch), D threads: the partials weighed by exp2(m - M) (at most MAX_PARTS);
 //            out = (vzero lz + vscale' O) / l, vscale' = vscale 2^(24 - e) per channel.
 // Bytes per (batch, KV head): T / 16 records of 1024 BITS / 2 + 64 bytes; partials 4 (D + 3) GQ per warp.
-// Defines: BITS (1 or 2), D (128), GQ (<= 4), WARPS, DEPTH, MINBLOCKS.
+// Defines: BITS (1 or 2), D (128), GQ (<= 4), WARPS, DEPTH, MINBLOCKS, TILES (tiles a softmax step; DEPTH a multiple).
 #include "decode_common.cuh"
 
 #define KS (D / 16)
@@ -39,6 +39,7 @@
 #define EMAX (BITS == 2 ? 8 : 9)   // the largest shift e: q's fragment is q~ scale 2^(EMAX - e)
 #define RECORD (1024 * BITS / 2 + 64)  // bytes a tile
 static_assert(BITS == 1 || BITS == 2, "1- or 2-bit codes");
+static_assert(DEPTH % TILES == 0, "whole softmax steps a ring");
 
 #if BITS == 2
 typedef uint4 words_t;
@@ -107,42 +108,52 @@ partial(const float* __restrict__ qk,       // (B, H, GQ, D) float32: q~ scale 2
     }
   for (long i0 = first; i0 < end; i0 += DEPTH) {
 #pragma unroll
-    for (int s = 0; s < DEPTH; ++s) {
-      const long i = i0 + s;
-      if (i >= end) break;
-      unsigned kh[32];
-      unpack(kw[s], kh);
-      const uint4 nv = nw[s];
-      float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    for (int s = 0; s < DEPTH; s += TILES) {
+      if (i0 + s >= end) break;
+      // TILES tiles scored, then one softmax step over them (a tile past the warp's end scores -inf)
+      float sc[TILES][4], p[TILES][4];
+      float2 vn[TILES][2];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+      for (int u = 0; u < TILES; ++u) {
+        unsigned kh[32];
+        unpack(kw[s + u], kh);
+        float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) mma16816(c[nt], qa[ks], kh[16 * nt + 2 * ks], kh[16 * nt + 2 * ks + 1]);
-      const __half2* kn = reinterpret_cast<const __half2*>(&nv.x);
-      const float2 kn01 = __half22float2(kn[0]), kn89 = __half22float2(kn[1]);
-      const float2 vn01 = __half22float2(kn[2]), vn89 = __half22float2(kn[3]);
-      float sc[1][4], p[1][4];
-      sc[0][0] = kn01.x * fmaf(score_scale, c[0][0] + c[0][2], bias_g);
-      sc[0][1] = kn01.y * fmaf(score_scale, c[0][1] + c[0][3], bias_g);
-      sc[0][2] = kn89.x * fmaf(score_scale, c[1][0] + c[1][2], bias_g);
-      sc[0][3] = kn89.y * fmaf(score_scale, c[1][1] + c[1][3], bias_g);
-      const float m_old = m;
-      softmax_tiles<1>(sc, m, l, p, acc);
-      if (m != m_old) lz *= exp2f(m_old - m);
-      const float p0 = p[0][0] * vn01.x, p1 = p[0][1] * vn01.y, p2 = p[0][2] * vn89.x, p3 = p[0][3] * vn89.y;
-      lz += (p0 + p1) + (p2 + p3);
-      const unsigned b0 = pack_half2(p0, p1), b1 = pack_half2(p2, p3);
-      unsigned vh[32];
-      unpack(vw[s], vh);
-      if (i + DEPTH < end) {  // the slot's next tile, DEPTH ahead
-        const unsigned char* r = base + (i + DEPTH) * RECORD;
-        kw[s] = __ldcs(reinterpret_cast<const words_t*>(r) + lane);
-        vw[s] = __ldcs(reinterpret_cast<const words_t*>(r + 512 * BITS / 2) + lane);
-        nw[s] = __ldcs(reinterpret_cast<const uint4*>(r + 1024 * BITS / 2) + t);
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int ks = 0; ks < KS; ++ks) mma16816(c[nt], qa[ks], kh[16 * nt + 2 * ks], kh[16 * nt + 2 * ks + 1]);
+        const __half2* n = reinterpret_cast<const __half2*>(&nw[s + u].x);
+        const float2 kn01 = __half22float2(n[0]), kn89 = __half22float2(n[1]);
+        vn[u][0] = __half22float2(n[2]);
+        vn[u][1] = __half22float2(n[3]);
+        const bool live = i0 + s + u < end;
+        sc[u][0] = live ? kn01.x * fmaf(score_scale, c[0][0] + c[0][2], bias_g) : NEG_INF;
+        sc[u][1] = live ? kn01.y * fmaf(score_scale, c[0][1] + c[0][3], bias_g) : NEG_INF;
+        sc[u][2] = live ? kn89.x * fmaf(score_scale, c[1][0] + c[1][2], bias_g) : NEG_INF;
+        sc[u][3] = live ? kn89.y * fmaf(score_scale, c[1][1] + c[1][3], bias_g) : NEG_INF;
       }
+      const float m_old = m;
+      softmax_tiles<TILES>(sc, m, l, p, acc);
+      if (m != m_old) lz *= exp2f(m_old - m);
 #pragma unroll
-      for (int mt = 0; mt < KS; ++mt)
-        mma16816(acc[mt], make_uint4(vh[2 * mt], vh[2 * mt + 1], vh[16 + 2 * mt], vh[16 + 2 * mt + 1]), b0, b1);
+      for (int u = 0; u < TILES; ++u) {
+        const float p0 = p[u][0] * vn[u][0].x, p1 = p[u][1] * vn[u][0].y;
+        const float p2 = p[u][2] * vn[u][1].x, p3 = p[u][3] * vn[u][1].y;
+        lz += (p0 + p1) + (p2 + p3);
+        const unsigned b0 = pack_half2(p0, p1), b1 = pack_half2(p2, p3);
+        unsigned vh[32];
+        unpack(vw[s + u], vh);
+        const long next = i0 + s + u + DEPTH;
+        if (next < end) {  // the slot's next tile, DEPTH ahead
+          const unsigned char* r = base + next * RECORD;
+          kw[s + u] = __ldcs(reinterpret_cast<const words_t*>(r) + lane);
+          vw[s + u] = __ldcs(reinterpret_cast<const words_t*>(r + 512 * BITS / 2) + lane);
+          nw[s + u] = __ldcs(reinterpret_cast<const uint4*>(r + 1024 * BITS / 2) + t);
+        }
+#pragma unroll
+        for (int mt = 0; mt < KS; ++mt)
+          mma16816(acc[mt], make_uint4(vh[2 * mt], vh[2 * mt + 1], vh[16 + 2 * mt], vh[16 + 2 * mt + 1]), b0, b1);
+      }
     }
   }
   // Lane (g, t) holds a share of head g's l and lz (its tokens), and O^T rows 16 mt + g (+8), heads 2t, 2t+1.

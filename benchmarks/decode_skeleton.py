@@ -27,8 +27,10 @@ HQ, HKV, D, GQ = 32, 8, 128, 4
 SOURCE = str(Path(__file__).with_name("decode_skeleton.cu"))
 LOG2E = 1.4426950408889634
 # (DEPTH tiles in flight a warp, MINBLOCKS resident blocks an SM asked of the register allocator, WARPS a block,
-# WAVES: the grid's blocks over MINBLOCKS an SM): at most 8 bytes a thread spill (nvcc -Xptxas -v, sm_90).
-CONFIGS = ((2, 4, 4, 1), (2, 4, 4, 2), (2, 4, 4, 4), (2, 3, 4, 2), (4, 2, 4, 2), (2, 2, 8, 1), (2, 2, 8, 2))
+# WAVES: the grid's blocks over MINBLOCKS an SM, TILES a softmax step): at most 8 bytes a thread spill (nvcc -Xptxas
+# -v, sm_90). Two and four waves were slower in every cell at 3125b91 (up to 2x at B=1).
+CONFIGS = ((2, 4, 4, 1, 1), (2, 2, 8, 1, 1), (2, 4, 4, 1, 2), (2, 2, 8, 1, 2), (4, 2, 8, 1, 2), (4, 2, 8, 1, 4),
+           (4, 2, 4, 1, 4))
 
 
 def geometry(bits: int) -> dict:
@@ -147,17 +149,17 @@ def sdpa_same_cache(q: torch.Tensor, cache: dict, bits: int) -> torch.Tensor:
 class Skeleton:
     """decode_skeleton.cu's two launches over one cache, in one launch configuration."""
 
-    def __init__(self, cache: dict, bits: int, config: tuple[int, int, int, int], sms: int):
+    def __init__(self, cache: dict, bits: int, config: tuple[int, int, int, int, int], sms: int):
         from kernels_cupy.loader import kernel
 
         self.cache, self.bits = cache, bits
-        self.depth, self.minblocks, self.warps, waves = config
+        self.depth, self.minblocks, self.warps, waves, tiles_a_step = config
         geo = geometry(bits)
         self.emax = geo["EMAX"]
         b, _, tiles, _ = cache["records"].shape
         self.tiles = tiles
         defines = {"BITS": bits, "D": D, "GQ": GQ, "WARPS": self.warps, "DEPTH": self.depth,
-                   "MINBLOCKS": self.minblocks}
+                   "MINBLOCKS": self.minblocks, "TILES": tiles_a_step}
         self.partial = kernel(SOURCE, defines, "partial")
         self.merge = kernel(SOURCE, defines, "merge")
         # WAVES waves of MINBLOCKS blocks an SM, the (batch, KV head) pairs' tiles split evenly over them
@@ -259,12 +261,12 @@ def main() -> None:
                     folded = [k.fold(q[i]) for i, k in enumerate(kernels)]
                     err = worst_row(kernels[0](folded[0], out, checked=True), ref)
                     us = timed(lambda i: kernels[i](folded[i], out), copies)
-                    print(f"B={b} L={length} {bits}-bit DEPTH, MINBLOCKS, WARPS, WAVES={config}: {us:.1f} µs, err {err:.1e}")
+                    print(f"B={b} L={length} {bits}-bit DEPTH, MINBLOCKS, WARPS, WAVES, TILES={config}: {us:.1f} µs, err {err:.1e}")
                     if best is None or us < best[0]:
                         best = (us, config, err)
                     del kernels, folded
                 floor = read_floor(nbytes + b * HQ * D * 8 + b * HKV * GQ * 4)
-                rows.append((b, length, f"skeleton, {bits}-bit keys and values", "DEPTH {}, MINBLOCKS {}, WARPS {}, WAVES {}".format(
+                rows.append((b, length, f"skeleton, {bits}-bit keys and values", "DEPTH {}, MINBLOCKS {}, WARPS {}, WAVES {}, TILES {}".format(
                     *best[1]), best[0], floor, best[2], err_sdpa))
                 del caches, ref
                 torch.cuda.empty_cache()
