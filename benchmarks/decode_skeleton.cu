@@ -139,8 +139,11 @@ partial(const float* __restrict__ qk,       // (B, H, GQ, D) float32: q~ scale 2
       for (int u = 0; u < TILES; ++u) {
         const float p0 = p[u][0] * vn[u][0].x, p1 = p[u][1] * vn[u][0].y;
         const float p2 = p[u][2] * vn[u][1].x, p3 = p[u][3] * vn[u][1].y;
-        lz += (p0 + p1) + (p2 + p3);
         const unsigned b0 = pack_half2(p0, p1), b1 = pack_half2(p2, p3);
+        // the zeros' weight from the fp16 weights the mma takes: vzero lz and vscale O then cancel exactly
+        const float2 r0 = __half22float2(*reinterpret_cast<const __half2*>(&b0));
+        const float2 r1 = __half22float2(*reinterpret_cast<const __half2*>(&b1));
+        lz += (r0.x + r0.y) + (r1.x + r1.y);
         unsigned vh[32];
         unpack(vw[s + u], vh);
         const long next = i0 + s + u + DEPTH;

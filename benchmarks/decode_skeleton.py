@@ -28,9 +28,9 @@ SOURCE = str(Path(__file__).with_name("decode_skeleton.cu"))
 LOG2E = 1.4426950408889634
 # (DEPTH tiles in flight a warp, MINBLOCKS resident blocks an SM asked of the register allocator, WARPS a block,
 # WAVES: the grid's blocks over MINBLOCKS an SM, TILES a softmax step): at most 8 bytes a thread spill (nvcc -Xptxas
-# -v, sm_90). Two and four waves were slower in every cell at 3125b91 (up to 2x at B=1).
-CONFIGS = ((2, 4, 4, 1, 1), (2, 2, 8, 1, 1), (2, 4, 4, 1, 2), (2, 2, 8, 1, 2), (4, 2, 8, 1, 2), (4, 2, 8, 1, 4),
-           (4, 2, 4, 1, 4))
+# -v, sm_90). Two and four waves were slower in every cell at 3125b91 (up to 2x at B=1); 8 warps a block at DEPTH 4
+# spilled.
+CONFIGS = ((2, 2, 8, 1, 1), (2, 4, 4, 1, 2), (4, 2, 4, 1, 4), (4, 3, 4, 1, 4), (8, 2, 4, 1, 4), (8, 2, 4, 1, 8))
 
 
 def geometry(bits: int) -> dict:
