@@ -5,13 +5,13 @@
 // moves its map every G tokens), a norm per token. Each level is taken from its bits by one AND as an fp16 subnormal
 // (level 2^(e - 24), e its slot's shift), never gathered: one instruction a half2 of fragment.
 //
-// Layout (decode_skeleton.py `pack`), per (batch b, KV head h), tiles of 16 tokens, each a record of
-//   512 BITS / 2 bytes of key words   lane L's WORDS words at 16 WORDS L / 4 ... : its 32 half2 of B fragments
+// Layout (decode_skeleton.py `slots`), per (batch b, KV head h), tiles of 16 tokens, each a record of
+//   512 BITS / 2 bytes of key words   lane L's WORDS words from byte 4 WORDS L: its 32 half2 of B fragments
 //   512 BITS / 2 bytes of value words lane L's words likewise: its 32 half2 of A fragments
 //   64 bytes of norms                  lane (g, t) reads 16 bytes at 16 t: fp16 key norms of tokens 2t, 2t+1, 2t+8,
 //                                      2t+9, then the value norms of the same tokens
 // half2 slot s of a lane is word s / PER, bits [p, p + BITS) and [16 + p, 16 + p + BITS), p = BITS j (j = s % PER
-// < DIRECT) or 10 + BITS (j - DIRECT) (taken after a shift by 10): e = p or p - 10 (`slot_shift`).
+// < DIRECT) or 10 + BITS (j - DIRECT) (taken after a shift by 10): e = p or p - 10 (`channel_shift`).
 //   key slot s = 16 nt + 2 ks + hb: tokens g + 8 nt, channels 16 ks + 2 t + 8 hb + {0, 1} (the scores' B fragment)
 //   value slot s = 16 tp + 2 mt + r: channel 16 mt + g + 8 r, tokens 2 t + 8 tp + {0, 1} (O^T's A fragment)
 // e depends on s % 16 only, so on the channel alone: a key's 2^-e rides in q's fragment, a value's 2^(24 - e) in
@@ -20,8 +20,8 @@
 // Kernels:
 //   partial  block (split, KV head, batch), WARPS warps; warp w takes a contiguous run of the split's tiles, DEPTH
 //            tiles' loads in flight. Scores S (heads x 16 tokens) = Q' (hi + lo rows) K^T, mma.m16n8k16;
-//            s = norm (bias + 2^(24 - EMAX) S), bias = q~ . zero; online softmax (mma_tiles.cuh); O^T (D x heads)
-//            += L^T (p vnorm)^T, and lz = sum of p vnorm (the zeros' weight). Writes per warp m, l, lz and O^T.
+//            s = norm (bias + 2^(24 - EMAX) S), bias = q~ . zero; online softmax over TILES tiles a step (mma_tiles.cuh);
+//            O^T (D x heads) += L^T (p vnorm)^T, and lz = sum of p vnorm as the mma takes it (fp16: the zeros' weight). Writes per warp m, l, lz and O^T.
 //   merge    block (query head, batch), D threads: the partials weighed by exp2(m - M) (at most MAX_PARTS);
 //            out = (vzero lz + vscale' O) / l, vscale' = vscale 2^(24 - e) per channel.
 // Bytes per (batch, KV head): T / 16 records of 1024 BITS / 2 + 64 bytes; partials 4 (D + 3) GQ per warp.
