@@ -20,8 +20,9 @@
 // Kernels:
 //   partial  block (split, KV head, batch), WARPS warps; warp w takes a contiguous run of the split's tiles, DEPTH
 //            tiles' loads in flight. Scores S (heads x 16 tokens) = Q' (hi + lo rows) K^T, mma.m16n8k16;
-//            s = norm (bias + 2^(24 - EMAX) S), bias = q~ . zero; online softmax over TILES tiles a step (mma_tiles.cuh);
-//            O^T (D x heads) += L^T (p vnorm)^T, and lz = sum of p vnorm as the mma takes it (fp16: the zeros' weight). Writes per warp m, l, lz and O^T.
+//            s = norm (bias + 2^(24 - EMAX) S), bias = q~ . zero; online softmax over TILES tiles a step
+//            (mma_tiles.cuh); O^T (D x heads) += L^T (p vnorm)^T, and lz = sum of p vnorm in the fp16 the mma takes
+//            (the zeros' weight). Writes per warp m, l, lz and O^T.
 //   merge    block (query head, batch), D threads: the partials weighed by exp2(m - M) (at most MAX_PARTS);
 //            out = (vzero lz + vscale' O) / l, vscale' = vscale 2^(24 - e) per channel.
 // Bytes per (batch, KV head): T / 16 records of 1024 BITS / 2 + 64 bytes; partials 4 (D + 3) GQ per warp.
