@@ -29,12 +29,10 @@ from pathlib import Path
 
 import torch
 
-from decode import (D, HKV, HQ, RESIDUAL, copy_bandwidth, layer_bytes, mapped, plan_layer, read_floor, timed, tq_bytes,
-                    worst_row)
+from decode import (D, HKV, HQ, RESIDUAL, copy_bandwidth, kivi2_us, mapped, plan_layer, read_floor, sdpa_us, timed,
+                    tq_bytes, worst_row)
 from kvcalib.formats.codebook.launch import codebook_decode
 from kvcalib.formats.codebook.layout import reference_decode
-from kvcalib.formats.int2.launch import fused_decode
-from kvcalib.formats.int2.layout import pack
 from results import RESULTS, publish
 
 
@@ -116,26 +114,12 @@ def main() -> None:
             q = [torch.randn(b, HQ, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
             res = [(torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16),
                     torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16)) for _ in range(copies)]
-            # torch SDPA over the same tokens in float16, the peer each cell's speedup is against (decode.py's copies)
-            fp16_bytes = 2 * b * HKV * (length + RESIDUAL) * D * 2
-            n = max(1, min(copies, -(-400 * 2**20 // fp16_bytes)))
-            kv = [[torch.randn(b, HKV, length + RESIDUAL, D, device="cuda", dtype=torch.float16) for _ in "kv"]
-                  for _ in range(n)]
-            q4 = [x[:, :, None] for x in q]
-            us = timed(lambda i: torch.nn.functional.scaled_dot_product_attention(q4[i], *kv[i], enable_gqa=True), n)
-            rows.append((b, length, "SDPA fp16", None, us, fp16_bytes + 4 * q[0].numel(), None))
-            del kv
-            torch.cuda.empty_cache()
-            # KIVI-2 G=128 on the INT2 kernel, the plan's yardstick: random codes (its time does not depend on them)
-            kivi = []
-            for kr, vr in res:
-                kf = torch.randn(b, HKV, length, D, device="cuda")
-                kivi.append(pack(kf, torch.randn_like(kf), kr, vr, 128, 128))
-                del kf
-            us = timed(lambda i: fused_decode(q[i], kivi[i], D**-0.5), copies)
-            rows.append((b, length, "KIVI-2 G=128 (INT2 kernel)", None, us, layer_bytes(kivi[0], q[0]), None))
-            del kivi
-            torch.cuda.empty_cache()
+            # torch SDPA over the same tokens in float16, the peer each cell's speedup is against
+            us, nbytes = sdpa_us(q, length + RESIDUAL)
+            rows.append((b, length, "SDPA fp16", None, us, nbytes, None))
+            # KIVI-2 G=128 on the INT2 kernel, the plan's yardstick
+            us, nbytes = kivi2_us(q, res, length)
+            rows.append((b, length, "KIVI-2 G=128 (INT2 kernel)", None, us, nbytes, None))
             for k, v, n, d in [(None, None, None, args.plan)] + pairs:
                 layers = [plan_layer(b, length, d, kr, vr) for kr, vr in res]
                 us = timed(lambda i: codebook_decode(q[i], layers[i][0], D**-0.5), copies)

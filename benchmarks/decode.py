@@ -105,6 +105,39 @@ def read_floor(nbytes: int) -> float:
     return us
 
 
+def sdpa_us(q: list[torch.Tensor], tokens: int, generator: torch.Generator | None = None) -> tuple[float, int]:
+    """Median µs of torch SDPA fp16 over `tokens` random tokens a row, q (B, HQ, D) copies rotated over as many
+    copies of the cache as keep it out of L2 (at most len(q)), and the bytes it reads and writes: the peer a
+    kernel's speedup is against. `generator`: the cache drawn from it on the CPU (a script's seeded draws)."""
+    b = q[0].shape[0]
+    nbytes = 2 * b * HKV * tokens * D * 2
+    n = max(1, min(len(q), -(-400 * 2**20 // nbytes)))
+    shape = (b, HKV, tokens, D)
+    kv = [[torch.randn(shape, device="cuda", dtype=torch.float16) if generator is None else
+           torch.randn(shape, generator=generator).half().cuda() for _ in "kv"] for _ in range(n)]
+    q4 = [x[:, :, None] for x in q]
+    us = timed(lambda i: torch.nn.functional.scaled_dot_product_attention(q4[i], *kv[i], enable_gqa=True), n)
+    del kv
+    torch.cuda.empty_cache()
+    return us, nbytes + 4 * q[0].numel()
+
+
+def kivi2_us(q: list[torch.Tensor], res: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> tuple[float, int]:
+    """Median µs of KIVI-2 G=128 on the INT2 kernel over `length` packed tokens of random codes (its time does not
+    depend on them) and each copy's residual window res[i] (keys, values), q[i] its query; and the bytes it moves."""
+    b = q[0].shape[0]
+    kivi = []
+    for kr, vr in res:
+        kf = torch.randn(b, HKV, length, D, device="cuda")
+        kivi.append(pack(kf, torch.randn_like(kf), kr, vr, 128, 128))
+        del kf
+    us = timed(lambda i: fused_decode(q[i], kivi[i], D**-0.5), len(kivi))
+    nbytes = layer_bytes(kivi[0], q[0])
+    del kivi
+    torch.cuda.empty_cache()
+    return us, nbytes
+
+
 def worst_row(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max over rows (batch, query head) of ‖got − ref‖/‖ref‖."""
     return ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()

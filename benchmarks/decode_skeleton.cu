@@ -62,6 +62,13 @@ __device__ __forceinline__ void unpack(const words_t wv, unsigned* h) {
   }
 }
 
+// Lane's loads of the tile record at r: its key words, its value words, its slots' norms (lane (g, t): 16 bytes at 16 t).
+__device__ __forceinline__ void load_tile(const unsigned char* r, int lane, words_t& k, words_t& v, uint4& n) {
+  k = __ldcs(reinterpret_cast<const words_t*>(r) + lane);
+  v = __ldcs(reinterpret_cast<const words_t*>(r + 512 * BITS / 2) + lane);
+  n = __ldcs(reinterpret_cast<const uint4*>(r + 1024 * BITS / 2) + lane % 4);
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS, MINBLOCKS)
 partial(const float* __restrict__ qk,       // (B, H, GQ, D) float32: q~ scale 2^(EMAX - e), the scores' query
         const float* __restrict__ bias,     // (B, H, GQ) float32: q~ . zero
@@ -101,12 +108,7 @@ partial(const float* __restrict__ qk,       // (B, H, GQ, D) float32: q~ scale 2
   uint4 nw[DEPTH];
 #pragma unroll
   for (int s = 0; s < DEPTH; ++s)
-    if (first + s < end) {
-      const unsigned char* r = base + (first + s) * RECORD;
-      kw[s] = __ldcs(reinterpret_cast<const words_t*>(r) + lane);
-      vw[s] = __ldcs(reinterpret_cast<const words_t*>(r + 512 * BITS / 2) + lane);
-      nw[s] = __ldcs(reinterpret_cast<const uint4*>(r + 1024 * BITS / 2) + t);
-    }
+    if (first + s < end) load_tile(base + (first + s) * RECORD, lane, kw[s], vw[s], nw[s]);
   for (long i0 = first; i0 < end; i0 += DEPTH) {
 #pragma unroll
     for (int s = 0; s < DEPTH; s += TILES) {
@@ -148,12 +150,7 @@ partial(const float* __restrict__ qk,       // (B, H, GQ, D) float32: q~ scale 2
         unsigned vh[32];
         unpack(vw[s + u], vh);
         const long next = i0 + s + u + DEPTH;
-        if (next < end) {  // the slot's next tile, DEPTH ahead
-          const unsigned char* r = base + next * RECORD;
-          kw[s + u] = __ldcs(reinterpret_cast<const words_t*>(r) + lane);
-          vw[s + u] = __ldcs(reinterpret_cast<const words_t*>(r + 512 * BITS / 2) + lane);
-          nw[s + u] = __ldcs(reinterpret_cast<const uint4*>(r + 1024 * BITS / 2) + t);
-        }
+        if (next < end) load_tile(base + next * RECORD, lane, kw[s + u], vw[s + u], nw[s + u]);  // DEPTH ahead
 #pragma unroll
         for (int mt = 0; mt < KS; ++mt)
           mma16816(acc[mt], make_uint4(vh[2 * mt], vh[2 * mt + 1], vh[16 + 2 * mt], vh[16 + 2 * mt + 1]), b0, b1);

@@ -201,14 +201,8 @@ class Skeleton:
         return out
 
 
-def worst_row(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
-
-
 def main() -> None:
-    from decode import RESIDUAL, layer_bytes, read_floor, timed
-    from kvcalib.formats.int2.launch import fused_decode
-    from kvcalib.formats.int2.layout import pack
+    from decode import RESIDUAL, kivi2_us, read_floor, sdpa_us, timed, worst_row
     from results import RESULTS, publish
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -228,26 +222,15 @@ def main() -> None:
     for b in map(int, args.batches.split(",")):
         for length in map(int, args.lengths.split(",")):
             gen = torch.Generator().manual_seed(0)
-            fp16_bytes = 2 * b * HKV * length * D * 2
-            n = max(1, min(8, -(-400 * 2**20 // fp16_bytes)))
             q = [torch.randn(b, HQ, D, generator=gen).half().cuda() for _ in range(8)]
-            kv = [[torch.randn(b, HKV, length, D, generator=gen).half().cuda() for _ in "kv"] for _ in range(n)]
-            q4 = [x[:, :, None] for x in q]
-            t_sdpa = timed(lambda i: torch.nn.functional.scaled_dot_product_attention(q4[i], *kv[i], enable_gqa=True), n)
-            rows.append((b, length, "SDPA fp16", "", t_sdpa, read_floor(fp16_bytes), None, None))
-            del kv
-            torch.cuda.empty_cache()
-            kivi = []
-            for _ in range(max(1, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2))))):
-                res = [torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16) for _ in "kv"]
-                kf = torch.randn(b, HKV, length, D, device="cuda")
-                kivi.append(pack(kf, torch.randn_like(kf), *res, 128, 128))
-                del kf
-            us = timed(lambda i: fused_decode(q[i], kivi[i], D**-0.5), len(kivi))
-            rows.append((b, length, "KIVI-2 G=128, the INT2 kernel (100 float16 tokens)", "", us,
-                         read_floor(layer_bytes(kivi[0], q[0])), None, None))
-            del kivi
-            torch.cuda.empty_cache()
+            us, nbytes = sdpa_us(q, length, gen)
+            rows.append((b, length, "SDPA fp16", "", us, read_floor(nbytes), None, None))
+            res = [tuple(torch.randn(b, HKV, RESIDUAL, D, device="cuda", dtype=torch.float16) for _ in "kv")
+                   for _ in range(max(1, min(8, -(-400 * 2**20 // (b * HKV * length * D // 2)))))]
+            us, nbytes = kivi2_us(q, res, length)
+            rows.append((b, length, "KIVI-2 G=128, the INT2 kernel (100 float16 tokens)", "", us, read_floor(nbytes),
+                         None, None))
+            del res
             for bits in map(int, args.bits.split(",")):
                 nbytes = b * HKV * (length // 16) * geometry(bits)["RECORD"]
                 copies = max(1, min(8, -(-400 * 2**20 // nbytes)))
